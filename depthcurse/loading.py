@@ -1,0 +1,193 @@
+"""Load a pretrained model for measurement: hub id, local folder, GGUF file or offline alias.
+
+Every command goes through `load_model`, so dtype/device policy and the error messages for a
+model that cannot be had live in one place.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from depthcurse.errors import DepthcurseError
+
+Head = Literal["causal-lm", "qa", "base"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# Encoder-only families: an LM task on them is a user error, not a crash deep in lm-eval.
+ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "mpnet", "distilbert", "albert", "electra", "deberta", "deberta-v2", "modernbert"}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for evaluation, plus what the results files record about it."""
+
+    model: torch.nn.Module
+    tokenizer: object | None
+    name: str  # what the user typed
+    source: str  # what it resolved to (hub id or local path)
+    dtype: torch.dtype
+    device: torch.device  # where the inputs go (the embedding's device under device_map)
+    revision: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def is_encoder(self) -> bool:
+        return self.model.config.model_type in ENCODER_TYPES
+
+    def describe(self) -> dict:
+        return {
+            "model": self.name,
+            "source": self.source,
+            "revision": self.revision,
+            "model_class": type(self.model).__name__,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            **self.extra,
+        }
+
+
+def pick_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise DepthcurseError("--device cuda was asked for but no CUDA GPU is visible to torch")
+    if device not in {"cpu", "cuda"}:
+        raise DepthcurseError(f"unknown --device {device!r}: use auto, cpu or cuda")
+    return device
+
+
+def pick_dtype(dtype: str, device: str) -> torch.dtype | str:
+    """`auto` keeps the checkpoint's dtype on a GPU; on a CPU it means fp32, since bf16 matmuls
+    there are slow and a sweep's small differences should not drown in rounding."""
+    if dtype == "auto":
+        return "auto" if device == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise DepthcurseError(f"unknown --dtype {dtype!r}: use auto, bf16, fp16 or fp32")
+    return DTYPES[dtype]
+
+
+def _auto_class(head: Head, config):
+    import transformers
+
+    if head == "qa":
+        return transformers.AutoModelForQuestionAnswering
+    if head == "base":
+        return transformers.AutoModel
+    if config.model_type in ENCODER_TYPES:
+        raise DepthcurseError(
+            f"{config.model_type} is an encoder without a language-model head: "
+            "use an encoder task (e.g. --task squad with a QA model), or a decoder model for this task"
+        )
+    return transformers.AutoModelForCausalLM
+
+
+def resolve_source(name: str) -> tuple[str, dict]:
+    """Turn what the user typed into from_pretrained arguments: (path_or_id, extra kwargs)."""
+    from depthcurse import assets
+
+    resolved = assets.resolve_model(name)
+    path = Path(resolved).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise DepthcurseError(f"no such GGUF file: {path}")
+        return str(path.parent), {"gguf_file": path.name}
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise DepthcurseError(f"{path} is not a model folder (no config.json in it)")
+        return str(path), {}
+    # Looks like a filesystem path, not a hub id: don't send it to the hub.
+    if resolved.startswith((".", "/", "~")) or resolved.count("/") > 1 or os.sep + os.sep in resolved:
+        raise DepthcurseError(f"no such model path: {resolved}")
+    return resolved, {}
+
+
+def load_model(
+    name: str,
+    *,
+    head: Head = "causal-lm",
+    dtype: str = "auto",
+    device: str = "auto",
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    tokenizer: bool = True,
+) -> LoadedModel:
+    """Load `name` (hub id, local folder, .gguf file or offline alias) in eval mode.
+
+    On CUDA the model goes through `device_map="auto"`, so a model larger than one GPU is
+    spread over all visible GPUs by accelerate.
+    """
+    import transformers
+    from depthcurse import assets
+
+    dev = pick_device(device)
+    torch_dtype = pick_dtype(dtype, dev)
+    source, kwargs = resolve_source(name)
+    local = Path(source).exists()
+    offline = not local and not assets.hub_reachable()
+    common = dict(trust_remote_code=trust_remote_code, revision=revision, local_files_only=offline, **kwargs)
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(source, **common)
+    except (OSError, ValueError) as exc:
+        raise DepthcurseError(_explain_load_failure(name, source, offline, exc)) from exc
+
+    auto_cls = _auto_class(head, config)
+    load_kwargs = dict(common, dtype=torch_dtype)
+    if dev == "cuda":
+        load_kwargs["device_map"] = "auto"
+    try:
+        model = auto_cls.from_pretrained(source, **load_kwargs)
+    except ValueError as exc:
+        if "Unrecognized configuration class" in str(exc):
+            raise DepthcurseError(
+                f"{type(config).__name__} ({config.model_type}) has no {head} model class in transformers: "
+                "unsupported architecture for this task"
+            ) from exc
+        raise DepthcurseError(_explain_load_failure(name, source, offline, exc)) from exc
+    except OSError as exc:
+        raise DepthcurseError(_explain_load_failure(name, source, offline, exc)) from exc
+    if dev == "cpu":
+        model.to("cpu")
+    model.eval()
+
+    tok = None
+    if tokenizer:
+        try:
+            tok = transformers.AutoTokenizer.from_pretrained(source, **common)
+        except (OSError, ValueError) as exc:
+            raise DepthcurseError(f"cannot load the tokenizer of {name}: {_first_line(exc)}") from exc
+
+    input_device = model.get_input_embeddings().weight.device
+    revision_seen = revision or getattr(config, "_commit_hash", None)
+    return LoadedModel(
+        model=model,
+        tokenizer=tok,
+        name=name,
+        source=source if not kwargs else str(Path(source) / kwargs["gguf_file"]),
+        dtype=next(model.parameters()).dtype,
+        device=input_device,
+        revision=revision_seen,
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _explain_load_failure(name: str, source: str, offline: bool, exc: BaseException) -> str:
+    if offline:
+        return (
+            f"cannot load {name!r}: the model hub is not reachable and it is not in the local cache "
+            "(offline aliases: see `depthcurse assets`)"
+        )
+    msg = _first_line(exc)
+    if "does not appear to have a file named" in msg or "is not a local folder and is not a valid model identifier" in msg:
+        return f"unknown model {name!r}: not a local folder and not a model on the hub"
+    return f"cannot load {name!r}: {msg}"

@@ -1,0 +1,164 @@
+"""Results on disk and on screen: CSV, JSON and PNG written atomically, and rich tables."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import platform
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.table import Table
+
+from depthcurse.errors import DepthcurseError
+
+if TYPE_CHECKING:
+    from depthcurse.sweep import Sweep
+
+PACKAGES = ("depthcurse", "torch", "transformers", "lm_eval", "datasets", "accelerate", "safetensors")
+
+
+def environment() -> dict:
+    import torch
+
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    env = {"python": platform.python_version(), "platform": platform.platform(), "packages": versions, "torch_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return env
+
+
+def ensure_out_dir(path: Path) -> Path:
+    path = Path(path).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-", delete=True)
+        probe.close()
+    except OSError as exc:
+        raise DepthcurseError(f"--out {path} is not writable: {exc.strerror or exc}") from exc
+    return path
+
+
+def atomic_write(path: Path, data: str | bytes) -> None:
+    """Write to a temporary file beside `path`, then rename: a reader (or a crash) never sees half a file."""
+    mode = "wb" if isinstance(data, bytes) else "w"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, mode) as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _clean(value):
+    """JSON has no NaN/inf: write them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def prune_rows(sweep: "Sweep") -> list[dict]:
+    """One flat row per variant: removed, metrics, drop, relative drop, examples, seconds."""
+    rows = []
+    metric_names = list(dict.fromkeys(k for v in sweep.variants for k in v.metrics))
+    for v in sweep.variants:
+        drop, rel = sweep.drop(v)
+        row = {"removed": v.label}
+        row.update({m: v.metrics.get(m, float("nan")) for m in metric_names})
+        row.update({"drop": drop, "rel_drop": rel, "examples": v.examples, "seconds": v.seconds})
+        rows.append(row)
+    return rows
+
+
+def write_prune_tables(sweep: "Sweep", out_dir: Path) -> None:
+    rows = prune_rows(sweep)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else ["removed"], lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()} for row in rows)
+    atomic_write(out_dir / "prune.csv", buf.getvalue())
+    atomic_write(out_dir / "prune.json", json.dumps(_clean(sweep.to_json()), indent=2) + "\n")
+
+
+def plot_prune(sweep: "Sweep", path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    singles = sorted((v for v in sweep.variants if len(v.removed) == 1), key=lambda v: v.removed[0])
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    if singles:
+        ax.plot([v.removed[0] for v in singles], [v.metrics[sweep.metric] for v in singles], marker="o", ms=4, lw=1.5, label=f"layer removed")
+    base = sweep.baseline
+    if base is not None:
+        ax.axhline(base.metrics[sweep.metric], color="k", ls="--", lw=1, label=f"unpruned ({base.metrics[sweep.metric]:.4g})")
+    task = sweep.run.get("task", "")
+    shots = sweep.run.get("num_fewshot")
+    task_label = f"{task}, {shots}-shot" if shots not in (None, 0, []) else str(task)
+    if task == "ppl":
+        task_label = f"ppl on {sweep.run.get('data')}"
+        if singles and base is not None and max(v.metrics["loss"] for v in singles) > 4 * base.metrics["loss"]:
+            ax.set_yscale("log")
+    ax.set_xlabel(f"removed layer index (0 to {sweep.n_layers - 1})")
+    ax.set_ylabel(f"{sweep.metric} ({'higher' if sweep.higher_is_better else 'lower'} is better)")
+    ax.set_title(f"{sweep.run.get('model')}: {task_label}, one layer removed at a time")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    atomic_write(path, buf.getvalue())
+    return path
+
+
+def prune_table(sweep: "Sweep") -> Table:
+    """The sweep as a rich table; the worst variants are highlighted."""
+    rows = prune_rows(sweep)
+    title = f"{sweep.run.get('model')} · {sweep.run.get('task')} · {sweep.metric} ({'↑' if sweep.higher_is_better else '↓'} better)"
+    table = Table(title=title, header_style="bold")
+    extra = [m for m in (rows[0] if rows else {}) if m not in {"removed", "drop", "rel_drop", "examples", "seconds"}]
+    table.add_column("removed", justify="right")
+    for m in extra:
+        table.add_column(m, justify="right")
+    for name in ("drop", "rel. drop", "examples", "s"):
+        table.add_column(name, justify="right")
+    drops = sorted((r["drop"] for r in rows if r["removed"] != "none" and math.isfinite(r["drop"])), reverse=True)
+    worst = set(drops[: max(1, len(drops) // 10)])
+    for r in rows:
+        style = "bold red" if r["removed"] != "none" and r["drop"] in worst else ("bold" if r["removed"] == "none" else None)
+        table.add_row(
+            r["removed"],
+            *[_fmt(r[m]) for m in extra],
+            _fmt(r["drop"], signed=True),
+            "" if not math.isfinite(r["rel_drop"]) else f"{r['rel_drop']:+.1%}",
+            str(r["examples"]),
+            f"{r['seconds']:.1f}",
+            style=style,
+        )
+    return table
+
+
+def _fmt(value, signed: bool = False) -> str:
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return "nan"
+        return f"{value:+.4f}" if signed else f"{value:.4f}"
+    return str(value)

@@ -1,0 +1,462 @@
+"""Layer surgery: find a model's transformer blocks and take some of them out.
+
+Removing a block is more than deleting it from the list. Hugging Face models read the config
+while they run: Qwen2/Gemma pick each layer's attention mask from ``config.layer_types`` by its
+position in the loop, ``DynamicCache(config=...)`` sizes the KV cache from
+``num_hidden_layers``/``layer_types``, and every attention module indexes that cache with its own
+``layer_idx``. A stale value there either raises (IndexError in the cache) or, worse, silently
+gives wrong logits. So the surgery keeps all three consistent, and undoes all of it afterwards.
+
+Nothing is copied: the kept blocks are the same module objects (same parameter tensors), just
+held by a fresh ``nn.ModuleList``. Swapping the original list back restores the model exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+import re
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from depthcurse.errors import DepthcurseError
+
+# Where the block list lives, tried in order. Heads (ForCausalLM, ForMaskedLM, ...) wrap the
+# base model under its `base_model_prefix` (model, transformer, gpt_neox, bert, ...), bare base
+# models hold the list directly. Language-model paths of multimodal models come before anything
+# else so that a vision tower's `encoder.layers` is never picked by mistake.
+KNOWN_BLOCK_PATHS = (
+    "model.language_model.layers",  # Gemma3ForConditionalGeneration and other VLMs (transformers 5)
+    "language_model.layers",  # their bare *Model
+    "language_model.model.layers",  # older VLM layout (LLaVA-style)
+    "model.layers",  # Llama, Mistral, Qwen2/3, Gemma 1/2/3, Phi, Phi3 ... ForCausalLM
+    "layers",  # their bare *Model, GPTNeoXModel
+    "transformer.h",  # GPT-2, Falcon, Bloom, GPT-J heads
+    "transformer.layers",  # generic *ForQuestionAnswering heads of Llama-likes (Qwen2, Mistral...)
+    "h",  # GPT2Model, FalconModel
+    "gpt_neox.layers",  # GPT-NeoX / Pythia heads
+    "model.decoder.layers",  # OPT heads
+    "decoder.layers",  # OPTModel
+    "bert.encoder.layer",
+    "roberta.encoder.layer",
+    "mpnet.encoder.layer",
+    "electra.encoder.layer",
+    "deberta.encoder.layer",
+    "encoder.layer",  # bare BertModel, RobertaModel, MPNetModel, ...
+    "distilbert.transformer.layer",
+    "transformer.layer",  # DistilBertModel
+)
+
+# Config lists with one entry per block, filtered with the blocks. The rule is: the names below,
+# plus any other attribute whose name ends in "layer_types" (the transformers convention for
+# per-layer type lists, e.g. `layer_types`, `mlp_layer_types`), when its length equals the layer
+# count. Deliberately NOT "any list of that length": a model with 4 layers and 4 of something
+# else (`out_indices`, conv kernel sizes...) must not have that list cut. `mtp_*` lists describe
+# the extra multi-token-prediction layers, not the main stack, so they are left alone.
+PER_LAYER_CONFIG_LISTS = (
+    "layer_types",  # Qwen2/Qwen3/Gemma2/Gemma3/Ministral...: attention mask + cache layer kind
+    "mlp_layer_types",  # dense vs MoE per layer
+    "indexer_types",  # sparse-attention indexer per layer (GLM-MoE-DSA, ...)
+    "no_rope_layers",  # Llama4 / SmolLM3: 0/1 flag per layer
+    "num_attention_heads_per_layer",
+    "num_key_value_heads_per_layer",
+)
+
+# Config lists of layer *indices* (not one entry per layer): kept entries are renumbered, removed
+# ones dropped. `mlp_only_layers` (Qwen2-MoE/Qwen3-MoE) names the layers with a dense MLP.
+LAYER_INDEX_CONFIG_LISTS = ("mlp_only_layers",)
+
+# Integer attributes some block-list owners cache at init (DistilBERT's Transformer.n_layers).
+MODULE_COUNT_ATTRS = ("n_layers", "num_layers", "num_hidden_layers")
+
+ORIG_INDEX_ATTR = "_depthcurse_orig_index"
+
+
+@dataclass
+class BlockList:
+    """Where a model keeps its transformer blocks: ``getattr(parent, attr)``."""
+
+    parent: nn.Module  # module owning the attribute
+    attr: str  # attribute name, e.g. "layers", "h", "layer"
+    path: str  # dotted path from the model root, e.g. "model.layers"
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return getattr(self.parent, self.attr)
+
+
+def _resolve(model: nn.Module, path: str) -> tuple[nn.Module, str, Any] | None:
+    """(parent, attr, value) for a dotted path, or None when any step is missing."""
+    *parents, attr = path.split(".")
+    parent = model
+    for name in parents:
+        parent = getattr(parent, name, None)
+        if not isinstance(parent, nn.Module):
+            return None
+    value = getattr(parent, attr, None)
+    return (parent, attr, value) if value is not None else None
+
+
+def _main_config(model: nn.Module):
+    """The config that describes the block stack: the text config of multimodal models."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    if hasattr(config, "get_text_config"):
+        text_config = config.get_text_config(decoder=True)
+        if getattr(text_config, "num_hidden_layers", None) is not None:
+            return text_config
+    return config
+
+
+def _configured_layer_count(model: nn.Module) -> int | None:
+    config = _main_config(model)
+    n = getattr(config, "num_hidden_layers", None) if config is not None else None
+    return n if isinstance(n, int) else None
+
+
+def find_blocks(model: nn.Module) -> BlockList:
+    """The list of transformer blocks of ``model``: any common decoder or encoder, any head.
+
+    Every block found is tagged with its index at the time it is first seen
+    (``block._depthcurse_orig_index``) so that code running on a pruned model can still tell
+    which original layer a block was (LayerNorm Scaling needs it).
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        # Two stacks (T5, BART): "the" layer list is ambiguous and num_hidden_layers covers one.
+        raise DepthcurseError(
+            f"cannot prune {type(model).__name__}: encoder-decoder models are not supported"
+        )
+    n = _configured_layer_count(model)
+
+    candidates = []
+    for path in KNOWN_BLOCK_PATHS:
+        found = _resolve(model, path)
+        if found is not None and isinstance(found[2], nn.ModuleList):
+            candidates.append(BlockList(found[0], found[1], path))
+    # Prefer a known path whose length agrees with the config: a bare name like "layers" can
+    # exist for other reasons in some architectures.
+    blocks = next((c for c in candidates if n is None or len(c.layers) == n), None)
+    fallback_known = candidates[0] if candidates else None
+
+    if blocks is None and n:
+        # Unknown layout: the largest ModuleList (by parameter count) with one entry per layer.
+        best, best_size = None, -1
+        for name, module in model.named_modules():
+            if isinstance(module, nn.ModuleList) and len(module) == n and name:
+                size = sum(p.numel() for p in module.parameters())
+                if size > best_size:
+                    best, best_size = name, size
+        if best is not None:
+            parent_path, _, attr = best.rpartition(".")
+            parent = model.get_submodule(parent_path) if parent_path else model
+            blocks = BlockList(parent, attr, best)
+
+    if blocks is None:
+        # A known path whose length disagrees with the config (someone edited the list by hand)
+        # is still a better answer than none.
+        blocks = fallback_known
+    if blocks is None:
+        raise DepthcurseError(
+            f"cannot find the transformer blocks of {type(model).__name__}: "
+            "unsupported architecture"
+        )
+
+    for i, block in enumerate(blocks.layers):
+        if not hasattr(block, ORIG_INDEX_ATTR):
+            setattr(block, ORIG_INDEX_ATTR, i)
+    return blocks
+
+
+def num_layers(model: nn.Module) -> int:
+    """How many transformer blocks the model has right now."""
+    return len(find_blocks(model).layers)
+
+
+def _index_range_error(index: int, n_layers: int) -> DepthcurseError:
+    if n_layers == 0:
+        return DepthcurseError(f"layer {index} is out of range: the model has no layers")
+    return DepthcurseError(
+        f"layer {index} is out of range: the model has {n_layers} layers (0-{n_layers - 1})"
+    )
+
+
+def _normalize_index(index: int, n_layers: int) -> int:
+    """Python-style: negative counts from the end. Out of range is a user error."""
+    i = index + n_layers if index < 0 else index
+    if not 0 <= i < n_layers:
+        raise _index_range_error(index, n_layers)
+    return i
+
+
+_SINGLE = re.compile(r"-?\d+")
+_RANGE = re.compile(r"(-?\d+)\s*-\s*(-?\d+)")
+
+
+def parse_layers(spec: str | None, n_layers: int) -> list[int]:
+    """Parse a layer spec such as ``"0,3,5-8"`` or ``"-1"`` into sorted, unique indices.
+
+    None, "" and "all" mean every layer. Ranges are inclusive; negative indices count from the
+    end, in ranges too ("-3--1" is the last three layers).
+    """
+    if spec is None or spec.strip().lower() in ("", "all"):
+        return list(range(n_layers))
+    out: set[int] = set()
+    for raw in spec.split(","):
+        token = raw.strip()
+        if not token:
+            continue  # tolerate "1,2," and "1,,2"
+        if _SINGLE.fullmatch(token):
+            out.add(_normalize_index(int(token), n_layers))
+            continue
+        match = _RANGE.fullmatch(token)
+        if match is None:
+            raise DepthcurseError(
+                f"bad layer spec {token!r} in {spec!r}: "
+                "expected indices and ranges like 0,3,5-8 or -1"
+            )
+        start = _normalize_index(int(match.group(1)), n_layers)
+        end = _normalize_index(int(match.group(2)), n_layers)
+        if start > end:
+            raise DepthcurseError(f"bad layer range {token!r}: the start comes after the end")
+        out.update(range(start, end + 1))
+    if not out:
+        raise DepthcurseError(f"bad layer spec {spec!r}: no layers given")
+    return sorted(out)
+
+
+def _configs_to_update(model: nn.Module, blocks: BlockList, n: int) -> list:
+    """Every distinct config object that describes this stack of n layers.
+
+    Usually one object shared by the head and the base model. Multimodal models keep the count
+    in `text_config`, and the language model's own `.config` is that same object; collecting by
+    identity covers both layouts without special cases.
+    """
+    found = []
+    modules = [model]
+    node = model
+    for name in blocks.path.split(".")[:-1]:
+        node = getattr(node, name)
+        modules.append(node)
+    for module in modules:
+        config = getattr(module, "config", None)
+        if config is None:
+            continue
+        for candidate in (config, _main_config(module)):
+            if (
+                candidate is not None
+                and getattr(candidate, "num_hidden_layers", None) == n
+                and all(candidate is not c for c in found)
+            ):
+                found.append(candidate)
+    for config in found:
+        if getattr(config, "is_heterogeneous", False):
+            raise DepthcurseError(
+                f"cannot prune {type(model).__name__}: configs with per-layer overrides "
+                "(per_layer_config) are not supported"
+            )
+    return found
+
+
+def _per_layer_list_names(config, n: int) -> list[str]:
+    names = []
+    for name, value in vars(config).items():
+        if name.startswith("mtp_") or not isinstance(value, (list, tuple)) or len(value) != n:
+            continue
+        if name in PER_LAYER_CONFIG_LISTS or name.endswith("layer_types"):
+            names.append(name)
+    return names
+
+
+def _remove(model: nn.Module, layers: Iterable[int]) -> Callable[[], None]:
+    """Remove the blocks in place and return a function that puts everything back.
+
+    Every change is logged before it is made, so a failure half-way is undone as well.
+    """
+    blocks = find_blocks(model)
+    old_list = blocks.layers
+    n = len(old_list)
+    try:
+        drop = {_normalize_index(operator.index(i), n) for i in layers}
+    except TypeError as err:
+        raise DepthcurseError(f"layer indices must be integers: {err}") from None
+    undo: list[Callable[[], None]] = []
+
+    def restore() -> None:
+        # Reverse order: later changes may sit on top of earlier ones (same attribute twice).
+        while undo:
+            undo.pop()()
+
+    if not drop:
+        return restore
+
+    kept = [i for i in range(n) if i not in drop]
+    new_index = {old: new for new, old in enumerate(kept)}
+    try:
+        configs = _configs_to_update(model, blocks, n)
+
+        # The block list itself: a new container around the same modules, nothing copied.
+        setattr(blocks.parent, blocks.attr, nn.ModuleList([old_list[i] for i in kept]))
+        undo.append(lambda: setattr(blocks.parent, blocks.attr, old_list))
+
+        for config in configs:
+            # Goes through attribute_map, so GPT-2's n_layer and DistilBERT's n_layers follow.
+            count = config.num_hidden_layers
+            undo.append(lambda c=config, v=count: setattr(c, "num_hidden_layers", v))
+            config.num_hidden_layers = len(kept)
+            for name in _per_layer_list_names(config, n):
+                value = getattr(config, name)
+                undo.append(lambda c=config, k=name, v=value: setattr(c, k, v))
+                # A new list, never an in-place edit: the original object is what gets restored.
+                setattr(config, name, type(value)(value[i] for i in kept))
+            for name in LAYER_INDEX_CONFIG_LISTS:
+                value = getattr(config, name, None)
+                if isinstance(value, (list, tuple)):
+                    undo.append(lambda c=config, k=name, v=value: setattr(c, k, v))
+                    renumbered = (new_index[i] for i in value if i in new_index)
+                    setattr(config, name, type(value)(renumbered))
+
+        for name in MODULE_COUNT_ATTRS:
+            value = vars(blocks.parent).get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value == n:
+                undo.append(lambda k=name, v=value: setattr(blocks.parent, k, v))
+                setattr(blocks.parent, name, len(kept))
+
+        # The KV cache has one slot per *current* layer; each attention module indexes it with its
+        # own layer_idx, so kept blocks must answer to their new position.
+        for new, old in enumerate(kept):
+            for module in old_list[old].modules():
+                value = vars(module).get("layer_idx")
+                if isinstance(value, int) and not isinstance(value, bool):
+                    undo.append(lambda m=module, v=value: setattr(m, "layer_idx", v))
+                    module.layer_idx = new
+    except BaseException:
+        restore()
+        raise
+    return restore
+
+
+@contextmanager
+def removed_layers(model: nn.Module, layers: Iterable[int]) -> Iterator[nn.Module]:
+    """Run ``model`` without the given blocks, then put it back exactly as it was.
+
+    Inside the context the model is a consistent ``n - k`` layer model: the block list, the
+    config (``num_hidden_layers``, per-layer lists such as ``layer_types``) and every
+    ``layer_idx`` agree, so forward, ``use_cache=True``, ``generate()`` and ``save_pretrained``
+    all behave as for a model built with those layers. No weight is copied. Indices may be
+    negative (from the end); an empty set is a no-op. Not re-entrant: do not nest on one model.
+    """
+    restore = _remove(model, layers)
+    try:
+        yield model
+    finally:
+        restore()
+
+
+def drop_layers(model: nn.Module, layers: Iterable[int]) -> nn.Module:
+    """Remove the blocks for good (same bookkeeping as :func:`removed_layers`); returns ``model``.
+
+    This mutates the model. Removed blocks are released once nothing else refers to them; kept
+    blocks still carry ``_depthcurse_orig_index``, and a later call counts positions in the
+    already-pruned model.
+    """
+    _remove(model, layers)
+    return model
+
+
+def _is_gguf(quantizer) -> bool:
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    return str(getattr(method, "value", method)).lower() == "gguf"
+
+
+@contextmanager
+def _without_gguf_quantizer(model: nn.Module) -> Iterator[None]:
+    """Hide a GGUF loader's traces so ``save_pretrained`` writes a plain checkpoint.
+
+    A GGUF-loaded model keeps ``hf_quantizer`` (not serializable: save_pretrained refuses) and a
+    ``quantization_config`` that would make the saved folder look quantized on reload. That is
+    only honest when the weights were unpacked to ordinary tensors at load time; weights still in
+    GGUF blocks would be saved as garbage, so that case is refused.
+    """
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None or not _is_gguf(quantizer):
+        yield  # no quantizer, or one that save_pretrained knows how to handle itself
+        return
+    if getattr(quantizer, "packed_modules", None):
+        raise DepthcurseError(
+            "cannot save a pruned copy of a GGUF model whose weights are still packed: "
+            "load it dequantized (GgufConfig(dequantize=True)) first"
+        )
+    config = model.config
+    had_qconfig = "quantization_config" in vars(config)
+    qconfig = vars(config).get("quantization_config")
+    del model.hf_quantizer
+    if had_qconfig:
+        delattr(config, "quantization_config")
+    try:
+        yield
+    finally:
+        model.hf_quantizer = quantizer
+        if had_qconfig:
+            config.quantization_config = qconfig
+
+
+def _check_reloadable(model: nn.Module) -> None:
+    """Refuse to write a checkpoint that would reload as a different model.
+
+    Some architectures decide a block's structure or constants from its index when they are
+    built: Qwen2-MoE/Qwen3-MoE put an MoE MLP on every `decoder_sparse_step`-th layer, GPT-2 with
+    `scale_attn_by_inverse_layer_idx` bakes 1/(layer_idx+1) into each attention. In memory the
+    kept blocks keep what they were built with; a reloaded checkpoint rebuilds them from their
+    new positions. Structural mismatches show up as different parameter names or shapes of a
+    model built (on the meta device, no memory) from the pruned config.
+    """
+    config = model.config
+    if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+        raise DepthcurseError(
+            f"cannot save a pruned {type(model).__name__}: its attention scale depends on the "
+            "layer index (scale_attn_by_inverse_layer_idx), so the kept layers would reload "
+            "with other scales"
+        )
+    try:
+        with torch.device("meta"):
+            fresh = type(model)(copy.deepcopy(config))
+    except Exception:
+        return  # cannot build one to compare with: nothing more to check
+    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    theirs = {k: tuple(v.shape) for k, v in fresh.state_dict().items()}
+    if ours != theirs:
+        differing = sorted(set(ours).symmetric_difference(theirs)) or sorted(
+            k for k in ours if ours[k] != theirs[k]
+        )
+        raise DepthcurseError(
+            f"cannot save a pruned {type(model).__name__}: with these layers removed the saved "
+            f"config describes a different architecture (e.g. {differing[0]}), so it would not "
+            "reload as saved"
+        )
+
+
+def save_pruned(model: nn.Module, tokenizer, layers: Iterable[int], out_dir) -> Path:
+    """Save a copy of ``model`` without ``layers`` (safetensors) plus the tokenizer, if given.
+
+    The in-memory model is left unchanged: the save happens inside :func:`removed_layers`, whose
+    re-indexed ModuleList makes the checkpoint's keys run 0..n-k-1 and whose config has the
+    reduced ``num_hidden_layers``, so the folder reloads with ``AutoModelFor*.from_pretrained``.
+    (``save_pretrained`` itself records ``architectures`` and ``dtype`` in the config.)
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise DepthcurseError(f"cannot save to {out}: it exists and is not a directory")
+    with removed_layers(model, layers), _without_gguf_quantizer(model):
+        _check_reloadable(model)
+        model.save_pretrained(out)  # transformers 5 always writes safetensors
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,97 @@
+"""Plain text for perplexity and representation measurements: C4, the offline Wikipedia, or a file.
+
+`load_texts` returns documents (strings); tokenising and windowing belong to whoever measures.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from depthcurse.errors import DepthcurseError
+
+C4_REPO = "allenai/c4"
+# The first validation shard (about 45k documents) is more text than any measurement here uses.
+C4_VALIDATION_FILE = "en/c4-validation.00000-of-00008.json.gz"
+
+TEXT_SOURCES = ("auto", "c4", "wiki")
+
+
+def load_texts(data: str = "auto") -> tuple[list[str], str]:
+    """Documents for `data` and a short label for the results files.
+
+    `auto` is C4 validation where the hub is reachable and the offline Wikipedia text otherwise.
+    Anything that is not a source name is read as a local .txt, .jsonl/.json or .parquet file.
+    """
+    from depthcurse import assets
+
+    if data == "auto":
+        data = "c4" if assets.hub_reachable() else "wiki"
+    if data == "c4":
+        return _c4_validation(), "c4-validation"
+    if data == "wiki":
+        return [t for t in assets.wiki_texts() if t.strip()], "wiki"
+    path = Path(data).expanduser()
+    if not path.exists():
+        raise DepthcurseError(f"no such data file: {data} (or use one of: {', '.join(TEXT_SOURCES)})")
+    texts = _read_file(path)
+    texts = [t for t in texts if isinstance(t, str) and t.strip()]
+    if not texts:
+        raise DepthcurseError(f"{path} holds no text")
+    return texts, str(path)
+
+
+def _c4_validation() -> list[str]:
+    from depthcurse import assets
+
+    if not assets.hub_reachable():
+        raise DepthcurseError("C4 comes from the hub, which is not reachable: use --data wiki or --data PATH")
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(C4_REPO, data_files={"validation": C4_VALIDATION_FILE}, split="validation")
+    except Exception as exc:  # network and hub errors come in many types
+        raise DepthcurseError(f"cannot load C4 validation from the hub: {exc}") from exc
+    return list(ds["text"])
+
+
+def _read_file(path: Path) -> list[str]:
+    suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
+    try:
+        if suffix in {".txt", ".md"}:
+            # Blank lines separate documents, as in most plain-text corpora.
+            return [block for block in path.read_text(encoding="utf-8").split("\n\n")]
+        if suffix in {".jsonl", ".jsonl.gz", ".json"}:
+            return _read_json_lines(path)
+        if suffix == ".parquet":
+            import pandas as pd
+
+            frame = pd.read_parquet(path)
+            if "text" not in frame.columns:
+                raise DepthcurseError(f"{path} has no 'text' column (columns: {', '.join(map(str, frame.columns))})")
+            return frame["text"].tolist()
+    except DepthcurseError:
+        raise
+    except UnicodeDecodeError as exc:
+        raise DepthcurseError(f"{path} is not UTF-8 text: {exc.reason}") from exc
+    except Exception as exc:  # pyarrow / gzip / json raise many kinds for a corrupt file
+        raise DepthcurseError(f"cannot read {path}: it looks corrupt ({type(exc).__name__}: {exc})") from exc
+    raise DepthcurseError(f"unsupported data file type {suffix!r}: use .txt, .jsonl, .json or .parquet")
+
+
+def _read_json_lines(path: Path) -> list[str]:
+    import gzip
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        raw = fh.read()
+    if path.suffix == ".json" and raw.lstrip().startswith("["):
+        rows = json.loads(raw)
+    else:
+        rows = [json.loads(line) for line in raw.splitlines() if line.strip()]
+    texts = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or "text" not in row:
+            raise DepthcurseError(f"{path}: record {i + 1} has no 'text' field")
+        texts.append(row["text"])
+    return texts

@@ -1,0 +1,90 @@
+import csv
+import json
+
+import pytest
+
+from conftest import CORPUS, tiny_llama
+from depthcurse import report
+from depthcurse.errors import DepthcurseError
+from depthcurse.loading import LoadedModel
+from depthcurse.surgery import removed_layers
+from depthcurse.sweep import run_sweep
+from depthcurse.tasks import PerplexityTask
+
+
+class Counting:
+    """Wraps a real task, counts evaluations and can simulate Ctrl-C on the k-th call."""
+
+    def __init__(self, task, interrupt_at=None):
+        self.task, self.calls, self.interrupt_at = task, 0, interrupt_at
+        self.name, self.metric, self.higher_is_better = task.name, task.metric, task.higher_is_better
+
+    def describe(self):
+        return self.task.describe()
+
+    def evaluate(self, model):
+        self.calls += 1
+        if self.calls == self.interrupt_at:
+            raise KeyboardInterrupt
+        return self.task.evaluate(model)
+
+
+@pytest.fixture()
+def setup(tiny_tokenizer):
+    import torch
+
+    model = tiny_llama(len(tiny_tokenizer), layers=4)
+    loaded = LoadedModel(model=model, tokenizer=tiny_tokenizer, name="tiny", source="tiny", dtype=torch.float32, device=torch.device("cpu"))
+    task = PerplexityTask(tiny_tokenizer, CORPUS * 4, source="corpus", seq_len=16, limit=4, batch_size=2)
+    return loaded, task
+
+
+def test_sweep_writes_one_row_per_variant_with_drops(setup, tmp_path):
+    loaded, task = setup
+    sweep = run_sweep(loaded, task, [0, 1, 2, 3], tmp_path)
+    rows = list(csv.DictReader(open(tmp_path / "prune.csv")))
+    assert [r["removed"] for r in rows] == ["none", "0", "1", "2", "3"]
+    assert set(rows[0]) >= {"removed", "loss", "ppl", "drop", "rel_drop", "examples", "seconds"}
+    base = task.evaluate(loaded.model).metrics["loss"]
+    assert float(rows[0]["loss"]) == pytest.approx(base, rel=1e-5)
+    with removed_layers(loaded.model, [2]):
+        without_2 = task.evaluate(loaded.model).metrics["loss"]
+    assert float(rows[3]["loss"]) == pytest.approx(without_2, rel=1e-5)
+    assert float(rows[3]["drop"]) == pytest.approx(without_2 - base, rel=1e-4, abs=1e-6)
+    data = json.loads((tmp_path / "prune.json").read_text())
+    assert data["run"]["model"] == "tiny" and data["run"]["task"] == "ppl" and data["metric"] == "loss"
+    assert data["environment"]["packages"]["torch"] and data["wall_time_s"] > 0
+    assert len(data["variants"]) == 5
+    report.plot_prune(sweep, tmp_path / "prune.png")
+    assert (tmp_path / "prune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_interrupted_sweep_keeps_finished_variants_and_resumes(setup, tmp_path):
+    loaded, task = setup
+    first = Counting(task, interrupt_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(loaded, first, [0, 1, 2, 3], tmp_path)
+    kept = json.loads((tmp_path / "prune.json").read_text())["variants"]
+    assert [v["removed"] for v in kept] == [[], [0]]
+    second = Counting(task)
+    sweep = run_sweep(loaded, second, [0, 1, 2, 3], tmp_path)
+    assert second.calls == 3  # layers 1, 2, 3 only: nothing finished is recomputed
+    assert [v.label for v in sweep.variants] == ["none", "0", "1", "2", "3"]
+    third = Counting(task)
+    run_sweep(loaded, third, [0, 1, 2, 3], tmp_path)
+    assert third.calls == 0
+
+
+def test_a_different_run_in_the_same_folder_is_refused(setup, tmp_path, tiny_tokenizer):
+    loaded, task = setup
+    run_sweep(loaded, task, [0], tmp_path)
+    other = PerplexityTask(tiny_tokenizer, CORPUS * 4, source="corpus", seq_len=8, limit=4)
+    with pytest.raises(DepthcurseError, match="holds a different run.*seq_len"):
+        run_sweep(loaded, other, [0], tmp_path)
+
+
+def test_unwritable_out_dir_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(DepthcurseError, match="not writable"):
+        report.ensure_out_dir(blocker / "sub")

@@ -1,0 +1,49 @@
+import math
+
+import pytest
+import torch
+
+from conftest import CORPUS, tiny_llama
+from depthcurse.errors import DepthcurseError
+from depthcurse.tasks import PerplexityTask, build_task
+
+
+def test_perplexity_equals_transformers_loss(tiny_tokenizer):
+    """Our token-weighted mean loss equals the mean of HF's own per-window loss (equal-length windows)."""
+    model = tiny_llama(len(tiny_tokenizer))
+    task = PerplexityTask(tiny_tokenizer, CORPUS * 4, source="corpus", seq_len=24, limit=5, batch_size=2)
+    assert task.windows.shape == (5, 24)
+    score = task.evaluate(model)
+    with torch.no_grad():
+        reference = torch.stack([model(input_ids=w[None], labels=w[None]).loss for w in task.windows]).mean().item()
+    assert score.metrics["loss"] == pytest.approx(reference, rel=1e-5)
+    assert score.metrics["ppl"] == pytest.approx(math.exp(reference), rel=1e-5)
+    assert score.examples == 5 and score.details["tokens"] == 5 * 23
+
+
+def test_perplexity_batch_size_does_not_change_the_result(tiny_tokenizer):
+    model = tiny_llama(len(tiny_tokenizer))
+    a = PerplexityTask(tiny_tokenizer, CORPUS * 4, source="c", seq_len=16, limit=6, batch_size=1).evaluate(model)
+    b = PerplexityTask(tiny_tokenizer, CORPUS * 4, source="c", seq_len=16, limit=6, batch_size=4).evaluate(model)
+    assert a.metrics["loss"] == pytest.approx(b.metrics["loss"], rel=1e-6)
+
+
+def test_too_little_text_is_a_clear_error(tiny_tokenizer):
+    with pytest.raises(DepthcurseError, match="fewer than one window"):
+        PerplexityTask(tiny_tokenizer, ["short"], source="tiny", seq_len=512)
+
+
+def test_build_task_checks_its_inputs(tiny_tokenizer, text_file):
+    with pytest.raises(DepthcurseError, match="--limit"):
+        build_task("ppl", tiny_tokenizer, data=str(text_file), limit=0)
+    with pytest.raises(DepthcurseError, match="--data applies to --task ppl only"):
+        build_task("mmlu", tiny_tokenizer, data=str(text_file))
+    with pytest.raises(DepthcurseError, match="no tokenizer"):
+        build_task("ppl", None)
+    task = build_task("ppl", tiny_tokenizer, data=str(text_file), seq_len=32, limit=3)
+    assert task.describe()["windows"] == 3
+
+
+def test_unknown_lm_eval_task_suggests_close_names(tiny_tokenizer):
+    with pytest.raises(DepthcurseError, match=r"unknown task 'arc_easyy'.*arc_easy"):
+        build_task("arc_easyy", tiny_tokenizer)
