@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -116,7 +117,7 @@ def _finish_interrupted(out_dir: Path) -> None:
     if path.exists():
         sweep = Sweep.from_json(json.loads(path.read_text()))
         report.plot_prune(sweep, out_dir / "prune.png")
-        err_console.print(f"interrupted: {len(sweep.variants)} finished variant(s) kept in {out_dir}; rerun the same command to continue")
+        err_console.print(f"interrupted: {len(sweep.variants)} finished variant(s) kept in {out_dir}; rerun the same command to continue", soft_wrap=True)
     else:
         err_console.print("interrupted before any variant finished")
 
@@ -222,9 +223,15 @@ def angular_distance(
     console.print(f"wrote {', '.join(str(p) for p in paths)}")
 
 
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     """Console entry point: user errors become one line and exit 1; --debug shows tracebacks."""
     debug = "--debug" in sys.argv[1:]
+    # A scheduler's preemption (SIGTERM) ends a sweep like Ctrl-C: finished variants are kept and reported.
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     if not debug:
         # tqdm reads this when it is first imported; lm-eval and transformers draw their own bars
         # inside ours otherwise.

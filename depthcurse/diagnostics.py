@@ -225,6 +225,9 @@ class StreamCapture:
         self._streams: list[torch.Tensor | None] = [None] * self.n_streams
         self._prev = None
         self._seen = [False] * self.n_streams
+        self._all_real = bool(mask.all())
+        n = self.n_streams
+        self._batch_stats = {"norm": [None] * n, "var": [None] * n, "cos": [None] * (n - 1), "update": [None] * (n - 1)}
 
     def _take(self, k: int, hidden: torch.Tensor) -> None:
         if self._mask is None:
@@ -236,24 +239,28 @@ class StreamCapture:
             )
         if self.device is None:
             self.device = hidden.device
-        idx = self._flat_idx.to(hidden.device)
-        x = hidden.detach().reshape(-1, hidden.shape[-1]).index_select(0, idx).to(self.device, torch.float64)
-        norm = x.norm(dim=-1)
-        s = self.sums
-        s.norm_sum[k] += norm.sum().item()
-        s.var_sum[k] += x.var(dim=-1, unbiased=False).sum().item()
+        flat = hidden.detach().reshape(-1, hidden.shape[-1])
+        if not self._all_real:
+            flat = flat.index_select(0, self._flat_idx.to(flat.device))
+        # Per-token statistics in fp32 (sums in fp64): exact inputs for an fp32 model, and cheap.
+        x = flat.to(self.device, torch.float32, copy=self._all_real)  # never a view: a block may work in place
+        norm = torch.linalg.vector_norm(x, dim=-1)
+        tiny = torch.finfo(torch.float32).tiny
+        stats = self._batch_stats
+        stats["norm"][k] = norm.sum(dtype=torch.float64)
+        stats["var"][k] = x.var(dim=-1, unbiased=False).sum(dtype=torch.float64)
         if k > 0:
             if self._prev is None:
                 raise DepthcurseError(f"block {k - 1} was skipped in the forward pass: cannot measure this model")
             prev, prev_norm = self._prev
-            cos = (prev * x).sum(-1) / (prev_norm * norm).clamp_min(1e-300)
-            s.cos_sum[k - 1] += cos.sum().item()
-            s.update_sum[k - 1] += ((x - prev).norm(dim=-1) / prev_norm.clamp_min(1e-300)).sum().item()
+            cos = torch.linalg.vecdot(prev, x) / (prev_norm * norm).clamp_min(tiny)
+            stats["cos"][k - 1] = cos.sum(dtype=torch.float64)
+            stats["update"][k - 1] = (torch.linalg.vector_norm(x - prev, dim=-1) / prev_norm.clamp_min(tiny)).sum(dtype=torch.float64)
         self._prev = (x, norm)
-        unit = x / norm.clamp_min(1e-300).unsqueeze(-1)
-        if self.position == "last":
-            unit = unit.index_select(0, self._last_in_real.to(unit.device))
-        self._streams[k] = unit
+        # The angular matrix in fp64: cosines near 1 need it (arccos is steep there).
+        sel = x.index_select(0, self._last_in_real.to(x.device)) if self.position == "last" else x
+        sel = sel.to(torch.float64)
+        self._streams[k] = sel / torch.linalg.vector_norm(sel, dim=-1, keepdim=True).clamp_min(1e-300)
         self._seen[k] = True
 
     def finish_batch(self) -> None:
@@ -266,6 +273,11 @@ class StreamCapture:
         angles = torch.arccos(gram).sum(dim=0) / math.pi
         s.angle_sum = angles if s.angle_sum is None else s.angle_sum + angles
         s.samples += stacked.shape[0]
+        # One host sync per batch, not one per layer.
+        for name, total in (("norm", s.norm_sum), ("var", s.var_sum), ("cos", s.cos_sum), ("update", s.update_sum)):
+            values = torch.stack(self._batch_stats[name]).cpu().tolist()
+            for i, v in enumerate(values):
+                total[i] += v
         s.stat_tokens += int(self._flat_idx.numel())
         self._streams = [None] * self.n_streams
         self._prev = None

@@ -20,6 +20,9 @@ from depthcurse.errors import DepthcurseError
 if TYPE_CHECKING:
     from depthcurse.sweep import Sweep
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
 PACKAGES = ("depthcurse", "torch", "transformers", "lm_eval", "datasets", "accelerate", "safetensors")
 
 
@@ -56,6 +59,7 @@ def atomic_write(path: Path, data: str | bytes) -> None:
     try:
         with os.fdopen(fd, mode) as fh:
             fh.write(data)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; results should read like any other file
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -211,8 +215,7 @@ def plot_angular(result, path: Path, *, normalize: bool = True, title: str | Non
         for i, row in enumerate(grid):
             lo, hi = np.nanmin(row), np.nanmax(row)
             shown[i] = (row - lo) / (hi - lo) if hi > lo else np.where(np.isnan(row), np.nan, 0.0)
-    cmap = matplotlib.colormaps["viridis"].copy()
-    cmap.set_bad("#e6e6e6")
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#e6e6e6")
     fig, ax = plt.subplots(figsize=(max(6.0, 0.28 * L + 3), max(4.5, 0.22 * max_n + 2.5)), dpi=120)
     im = ax.imshow(np.ma.masked_invalid(shown), origin="lower", aspect="auto", cmap=cmap,
                    extent=(-0.5, L - 0.5, 0.5, max_n + 0.5), interpolation="nearest")

@@ -37,6 +37,16 @@ def needs(*packages: str):
     return pytest.mark.skipif(bool(missing), reason=f"offline asset package(s) not installed: {', '.join(missing)}")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from threads, and on a busy 2-core machine the thread pool's
+    spinning makes such tests 8-40x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def session_cache(tmp_path_factory):
     """One offline-asset cache per test run: the real models and data are built once."""

@@ -36,6 +36,9 @@ def test_drop_saves_a_checkpoint_that_reloads(run_cli, tiny_model_dir, tmp_path)
     "args, match",
     [
         (["prune", "./no/such/model", "--task", "ppl"], "no such model path"),
+        (["prune", "{tmp}/missing.gguf"], "no such GGUF file"),
+        (["prune", "some-org/no-such-model"], "hub is not reachable"),
+        (["prune", "{tmp}"], "not a model folder"),
         (["prune", "{model}", "--layers", "7", "--data", "{text}"], "out of range"),
         (["prune", "{model}", "--layers", "x-y", "--data", "{text}"], "x-y"),
         (["prune", "{model}", "--task", "ppl", "--data", "{tmp}/missing.jsonl"], "no such data file"),
@@ -64,3 +67,37 @@ def test_debug_shows_the_traceback(run_cli):
 
     with pytest.raises(DepthcurseError):
         run_cli("--debug", "prune", "./no/such/model")
+
+
+def test_sigterm_mid_sweep_keeps_finished_variants_and_a_rerun_finishes(tiny_model_dir, tmp_path):
+    """The real process, killed as a scheduler would kill it, then rerun with the same command."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import CORPUS
+
+    text = tmp_path / "long.txt"
+    text.write_text("\n\n".join(CORPUS * 600), encoding="utf-8")
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "depthcurse", "prune", str(tiny_model_dir), "--data", str(text), "--seq-len", "64", "--limit", "300", "--layers", "0-3", "--out", str(out)]
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 120
+    while not (out / "prune.json").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip("the sweep finished before the signal arrived")
+    assert proc.returncode == 130 and "Traceback" not in err
+    assert "rerun the same command to continue" in err
+    kept = json.loads((out / "prune.json").read_text())["variants"]
+    assert 1 <= len(kept) < 5
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    final = json.loads((out / "prune.json").read_text())["variants"]
+    assert [v["removed"] for v in final] == [[], [0], [1], [2], [3]]
+    assert final[: len(kept)] == kept  # finished variants were not recomputed

@@ -17,6 +17,9 @@ from test_cli import assert_one_line_error
 DOCS = [CORPUS[0], CORPUS[2][:40], CORPUS[3], CORPUS[1][:25], CORPUS[4], CORPUS[5][:60], CORPUS[2]]
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 def _randomised(model: nn.Module) -> nn.Module:
     """Random norm gains, so that the final norm changes directions as well as lengths."""
     torch.manual_seed(1)

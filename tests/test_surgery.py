@@ -76,14 +76,7 @@ ENCODERS = {"bert", "distilbert"}
 REMOVALS = {"first": [0], "middle": [2], "last": [N - 1], "two": [1, 3]}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matmuls gain nothing from threads, and on a busy 2-core machine the thread pool's
-    # spinning makes this file ~8x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def build(cls, config):

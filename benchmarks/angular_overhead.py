@@ -1,0 +1,73 @@
+"""Cost of `depthcurse angular-distance` against one bare forward pass over the same tokens.
+
+Runs the real command (timed end to end, model loading and plots included), then, in this
+process, the same batches through the same bare transformer with no hooks. Prints both and the
+ratios. Example (offline):
+
+    DEPTHCURSE_CACHE=/tmp/dc_me .venv/bin/python benchmarks/angular_overhead.py smollm2-135m \
+        --data wiki --tokens 65536 --out /tmp/ang
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", default="smollm2-135m")
+    parser.add_argument("--data", default="wiki")
+    parser.add_argument("--tokens", type=int, default=65536)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--token-position", default="last")
+    parser.add_argument("--out", default="/tmp/ang")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+
+    print(f"load average before: {os.getloadavg()}, cpus: {os.cpu_count()}", flush=True)
+    cmd = [sys.executable, "-m", "depthcurse", "angular-distance", args.model, "--data", args.data, "--tokens", str(args.tokens),
+           "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--token-position", args.token_position,
+           "--out", args.out, "--device", args.device, "--dtype", args.dtype]
+    print("$ " + " ".join(cmd), flush=True)
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, env={**os.environ, "TQDM_DISABLE": "1"})
+    cli_wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        sys.exit(f"angular-distance failed with exit code {proc.returncode}")
+    meta = json.loads((Path(args.out) / "angular.json").read_text())
+    hooked = meta["seconds"]
+
+    import torch
+
+    from depthcurse import diagnostics
+    from depthcurse.loading import load_model
+    from depthcurse.text import load_texts
+
+    loaded = load_model(args.model, head="base", dtype=args.dtype, device=args.device)
+    docs, _ = load_texts(args.data)
+    data = diagnostics.tokenise_docs(loaded.tokenizer, docs, seq_len=args.seq_len, budget=args.tokens)
+    batches = diagnostics.make_batches(data.sequences, args.batch_size, diagnostics.pad_id_of(loaded.tokenizer))
+    assert data.tokens == meta["run"]["tokens_seen"], "not the same tokens as the command"
+    bare = diagnostics.bare_forward(loaded.model, batches, device=loaded.device)
+    if loaded.device.type == "cuda":
+        torch.cuda.synchronize()
+
+    print(f"load average after: {os.getloadavg()}")
+    print(f"tokens: {data.tokens} in {len(batches)} batches of up to {args.batch_size} x {args.seq_len} ({loaded.device}, {loaded.dtype}, {torch.get_num_threads()} threads)")
+    print(f"angular-distance command, wall (load + tokenise + measure + files): {cli_wall:8.2f} s")
+    print(f"  of which the hooked forward passes + gram maths:                  {hooked:8.2f} s")
+    print(f"one bare forward pass over the same batches, no hooks:               {bare:8.2f} s")
+    print(f"ratio hooked measurement / bare forward: {hooked / bare:.3f}")
+    print(f"ratio whole command / bare forward:      {cli_wall / bare:.3f}")
+
+
+if __name__ == "__main__":
+    main()
