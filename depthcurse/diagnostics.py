@@ -320,6 +320,22 @@ class AngularResult:
             out.append({"n": n, "l": l, "layers": f"{l}-{l + n - 1}" if n > 1 else str(l), "distance": d})
         return out
 
+    def block_choices(self, n: int) -> list["BlockChoice"]:
+        """The two n-layer blocks `prune --block n` compares: the one angular distance picks
+        (l* = argmin_l d(x_l, x_{l+n})) and the n deepest layers before the final one, the
+        rule of thumb the heuristic has to beat."""
+        L = self.num_layers
+        if not 1 <= n <= L - 1:
+            raise DepthcurseError(f"--block {n} is out of range: the model has {L} layers (use 1-{L - 1}; the final layer is kept)")
+        if n > self.max_n:
+            raise DepthcurseError(f"--block {n} exceeds the angular result's max n ({self.max_n}); measure it with a larger --max-n")
+        best = min((self.distance(l, n), l) for l in range(L - n + 1))[1]
+        deepest = L - 1 - n
+        return [
+            BlockChoice("angular", tuple(range(best, best + n)), self.distance(best, n)),
+            BlockChoice("deepest", tuple(range(deepest, deepest + n)), self.distance(deepest, n)),
+        ]
+
     def angular_rows(self) -> list[dict]:
         return [
             {"l": l, "n": n, "distance": self.distance(l, n), "count": self.samples}
@@ -363,6 +379,70 @@ class AngularResult:
                 "tokens": self.stat_tokens,
             },
         }
+
+
+@dataclass(frozen=True)
+class BlockChoice:
+    rule: str  # "angular" or "deepest"
+    layers: tuple[int, ...]
+    distance: float  # d(x_first, x_first+n) measured on the unpruned model
+
+    @property
+    def label(self) -> str:
+        return f"{self.layers[0]}-{self.layers[-1]}" if len(self.layers) > 1 else str(self.layers[0])
+
+
+def load_angular(path) -> AngularResult:
+    """An `angular.json` written by `depthcurse angular-distance` (or `prune --block`), read back."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / "angular.json"
+    try:
+        data = json.loads(path.read_text())
+        layers = data["layers"]
+        return AngularResult(
+            num_layers=data["num_layers"], max_n=data["max_n"], position=data["token_position"],
+            pairwise=data["pairwise"], samples=data["samples"], stat_tokens=layers["tokens"],
+            block_influence=layers["block_influence"], relative_update=layers["relative_update"],
+            norm=layers["norm"], variance=layers["variance"], sequences=data.get("sequences", 0),
+            seconds=data.get("seconds", 0.0), run=data.get("run", {}),
+        )
+    except FileNotFoundError as exc:
+        raise DepthcurseError(f"no angular-distance result at {path}: run `depthcurse angular-distance` first") from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DepthcurseError(f"{path} is not a depthcurse angular.json ({type(exc).__name__}: {exc})") from exc
+
+
+def measure_text(
+    model: torch.nn.Module,
+    tokenizer,
+    data: str = "auto",
+    *,
+    tokens: int = 65536,
+    seq_len: int = 512,
+    batch_size: int = 4,
+    position: str = "last",
+    max_n: int | None = None,
+    device=None,
+    on_batch: Callable[[int, int], None] | None = None,
+) -> tuple[AngularResult, TokenisedData, str]:
+    """`measure` on text read by `load_texts(data)`: one document per row, up to `tokens` tokens.
+
+    Returns the result, what was tokenised (check `.exhausted`) and the data's label.
+    """
+    from depthcurse.text import load_texts
+
+    check_options(tokens=tokens, seq_len=seq_len, batch_size=batch_size, position=position)
+    docs, label = load_texts(data)
+    tokenised = tokenise_docs(tokenizer, docs, seq_len=seq_len, budget=tokens)
+    batches = make_batches(tokenised.sequences, batch_size, pad_id_of(tokenizer))
+    result = measure(model, batches, position=position, max_n=max_n, device=device, on_batch=on_batch)
+    result.run = {"data": label, "tokens_requested": tokens, "tokens_seen": tokenised.tokens, "data_exhausted": tokenised.exhausted,
+                  "seq_len": seq_len, "batch_size": batch_size, "token_position": position}
+    return result, tokenised, label
 
 
 def measure(

@@ -76,6 +76,11 @@ def _auto_class(head: Head, config):
     import transformers
 
     if head == "qa":
+        if config.model_type not in ENCODER_TYPES:
+            raise DepthcurseError(
+                f"--task squad needs an extractive QA encoder (BERT-style, fine-tuned on SQuAD); {config.model_type} is a decoder: "
+                "use e.g. bert-large-uncased-whole-word-masking-finetuned-squad, or fine-tune one with `depthcurse finetune-qa minilm-l6`"
+            )
         return transformers.AutoModelForQuestionAnswering
     if head == "base":
         return transformers.AutoModel
@@ -116,15 +121,23 @@ def load_model(
     trust_remote_code: bool = False,
     revision: str | None = None,
     tokenizer: bool = True,
+    new_head: bool = False,
 ) -> LoadedModel:
     """Load `name` (hub id, local folder, .gguf file or offline alias) in eval mode.
 
     On CUDA the model goes through `device_map="auto"`, so a model larger than one GPU is
     spread over all visible GPUs by accelerate.
+
+    A head the checkpoint lacks would be initialised randomly by transformers, which makes the
+    measurement meaningless: that is refused unless `new_head` (for fine-tuning one).
     """
     import transformers
     from depthcurse import assets
+    from depthcurse.model import register_with_transformers
 
+    # Checkpoints exported by `lns-train` (Post-LN, Mix-LN, ...) use depthcurse's own model
+    # class: registering it is what lets them load without trust_remote_code.
+    register_with_transformers()
     dev = pick_device(device)
     torch_dtype = pick_dtype(dtype, dev)
     source, kwargs = resolve_source(name)
@@ -142,7 +155,11 @@ def load_model(
     if dev == "cuda":
         load_kwargs["device_map"] = "auto"
     try:
-        model = auto_cls.from_pretrained(source, **load_kwargs)
+        # The QA head is the one a plain encoder checkpoint lacks: ask which weights were missing.
+        if head == "qa":
+            model, info = auto_cls.from_pretrained(source, output_loading_info=True, **load_kwargs)
+        else:
+            model, info = auto_cls.from_pretrained(source, **load_kwargs), {}
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc):
             raise DepthcurseError(
@@ -152,6 +169,8 @@ def load_model(
         raise DepthcurseError(_explain_load_failure(name, source, offline, exc)) from exc
     except OSError as exc:
         raise DepthcurseError(_explain_load_failure(name, source, offline, exc)) from exc
+    if head == "qa" and not new_head:
+        _refuse_random_head(name, model, info)
     if dev == "cpu":
         model.to("cpu")
     model.eval()
@@ -173,6 +192,19 @@ def load_model(
         dtype=next(model.parameters()).dtype,
         device=input_device,
         revision=revision_seen,
+    )
+
+
+def _refuse_random_head(name: str, model, info: dict) -> None:
+    """Head weights missing from the checkpoint were just drawn at random: refuse to measure them."""
+    prefix = getattr(model, "base_model_prefix", "") + "."
+    missing = [k for k in info.get("missing_keys", ()) if not k.startswith(prefix)]
+    if not missing:
+        return
+    shown = ", ".join(sorted(missing)[:3]) + ("..." if len(missing) > 3 else "")
+    raise DepthcurseError(
+        f"{name} has no trained question-answering head ({shown} missing from the checkpoint, so it would be random): "
+        f"fine-tune one with `depthcurse finetune-qa {name}`, or use a SQuAD-fine-tuned model"
     )
 
 

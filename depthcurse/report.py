@@ -133,6 +133,65 @@ def plot_prune(sweep: "Sweep", path: Path) -> Path:
     return path
 
 
+def load_prune(folder: Path) -> "Sweep":
+    """The sweep saved in a prune results folder (or its prune.json)."""
+    from depthcurse.sweep import RESULTS_JSON, Sweep
+
+    folder = Path(folder)
+    path = folder if folder.suffix == ".json" else folder / RESULTS_JSON
+    if not path.is_file():
+        raise DepthcurseError(f"{folder} holds no prune result ({RESULTS_JSON}): give folders that `depthcurse prune` wrote")
+    try:
+        return Sweep.from_json(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DepthcurseError(f"{path} is not a depthcurse prune result ({exc})") from exc
+
+
+def relative_drop_curve(sweep: "Sweep") -> tuple[list[float], list[float]]:
+    """(removed layer / number of layers, relative drop in percent, positive = worse) per single-layer variant."""
+    singles = sorted((v for v in sweep.variants if len(v.removed) == 1), key=lambda v: v.removed[0])
+    return [v.removed[0] / sweep.n_layers for v in singles], [100 * sweep.drop(v)[1] for v in singles]
+
+
+def plot_prune_overlay(folders: list[Path], path: Path) -> Path:
+    """Several sweeps on one figure, comparable across models of any depth (the papers' Figure 2):
+    x = removed layer / number of layers, y = relative drop against each model's own baseline,
+    signed so that up is worse for every metric (a loss that rises, an accuracy that falls)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not folders:
+        raise DepthcurseError("give at least one prune results folder")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 4.8), dpi=120)
+    largest = 0.0
+    for folder in folders:
+        sweep = load_prune(folder)
+        if sweep.baseline is None:
+            raise DepthcurseError(f"{folder}: the sweep has no unpruned baseline yet; rerun its prune command")
+        xs, ys = relative_drop_curve(sweep)
+        if not xs:
+            raise DepthcurseError(f"{folder}: the sweep has no single-layer removals to plot")
+        largest = max([largest, *(abs(y) for y in ys if math.isfinite(y))])
+        task = sweep.run.get("task", "?")
+        ax.plot(xs, ys, marker="o", ms=4, lw=1.5, label=f"{sweep.run.get('model')} ({sweep.n_layers} layers): {task}, {sweep.metric}")
+    ax.axhline(0, color="k", lw=0.8)
+    if largest > 150:  # a ruinous layer (a Pre-LN layer 0) would flatten every other point
+        ax.set_yscale("symlog", linthresh=10)
+        lowest = min(min(line.get_ydata()) for line in ax.get_lines()[:-1])
+        ax.set_ylim(bottom=min(-2.0, 1.2 * lowest))  # symlog would otherwise show a decade below zero
+    ax.set_xlabel("removed layer / number of layers (0 = first layer)")
+    ax.set_ylabel("relative drop vs. unpruned (%, up = worse)")
+    ax.set_title("one layer removed at a time, no fine-tuning")
+    ax.set_xlim(-0.03, 1.0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save_fig(fig, path)
+
+
 def prune_table(sweep: "Sweep") -> Table:
     """The sweep as a rich table; the worst variants are highlighted."""
     rows = prune_rows(sweep)
@@ -157,6 +216,28 @@ def prune_table(sweep: "Sweep") -> Table:
             f"{r['seconds']:.1f}",
             style=style,
         )
+    return table
+
+
+def block_table(sweep: "Sweep", choices) -> Table:
+    """`prune --block n`: the block angular distance picks against the n deepest layers before the last."""
+    n = len(choices[0].layers)
+    title = f"{sweep.run.get('model')} · {sweep.run.get('task')} · {n} contiguous layers removed · {sweep.metric} ({'↑' if sweep.higher_is_better else '↓'} better)"
+    table = Table(title=title, header_style="bold")
+    for col in ("rule", "layers removed", "d(x_l, x_l+n)", sweep.metric, "drop", "rel. drop"):
+        table.add_column(col, justify="right")
+    by_removed = {tuple(v.removed): v for v in sweep.variants}
+    base = sweep.baseline
+    if base is not None:
+        table.add_row("unpruned", "none", "", _fmt(base.metrics[sweep.metric]), "", "", style="bold")
+    for c in choices:
+        v = by_removed.get(tuple(c.layers))
+        if v is None:
+            table.add_row(c.rule, c.label, f"{c.distance:.4f}", "not run", "", "")
+            continue
+        drop, rel = sweep.drop(v)
+        table.add_row(c.rule, c.label, f"{c.distance:.4f}", _fmt(v.metrics[sweep.metric]), _fmt(drop, signed=True),
+                      "" if not math.isfinite(rel) else f"{rel:+.1%}")
     return table
 
 

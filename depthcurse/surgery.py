@@ -66,6 +66,7 @@ PER_LAYER_CONFIG_LISTS = (
     "no_rope_layers",  # Llama4 / SmolLM3: 0/1 flag per layer
     "num_attention_heads_per_layer",
     "num_key_value_heads_per_layer",
+    "layer_origins",  # depthcurse's own lns-train models: each block's original index (LNS, Mix-LN)
 )
 
 # Config lists of layer *indices* (not one entry per layer): kept entries are renumbered, removed

@@ -34,6 +34,11 @@ class VariantResult:
         return variant_label(self.removed)
 
 
+def removal_key(variant: int | Iterable[int]) -> tuple[int, ...]:
+    """A variant as the sorted tuple of removed layers: 3 -> (3,), [5, 4] -> (4, 5)."""
+    return (variant,) if isinstance(variant, int) else tuple(sorted(set(variant)))
+
+
 def variant_label(removed: Iterable[int]) -> str:
     removed = list(removed)
     return "none" if not removed else ",".join(map(str, removed))
@@ -97,17 +102,30 @@ def load_previous(out_dir: Path, run: dict) -> list[VariantResult]:
 def run_sweep(
     loaded: LoadedModel,
     task: Task,
-    layers: list[int],
+    variants: Iterable[int | Iterable[int]],
     out_dir: Path,
     *,
     run_extra: dict | None = None,
     on_variant: Callable[[str, int, int], None] | None = None,
+    engine: str = "reuse",
+    max_memory: str | int | None = None,
 ) -> Sweep:
-    """Evaluate the baseline and each single-layer removal in `layers`, saving after each one.
+    """Evaluate the baseline and each variant, saving after each one.
+
+    A variant is a layer index (that layer removed) or a collection of indices removed together
+    (a block). The unpruned baseline always runs first.
 
     `on_variant(label, done, total)` is called before each variant is evaluated (for progress
     display). KeyboardInterrupt propagates, with every finished variant already on disk.
+
+    `engine="reuse"` (see depthcurse.engine) scores all variants together, batch by batch,
+    reusing what they share; its finished batches are kept in `prune.partial/` until the end, and
+    `on_variant("batches", done, total)` reports them. A model or task it cannot run falls back
+    to `engine="lm-eval"`: each variant evaluated on its own, in memory. Which one ran, and why,
+    is saved in prune.json under "engine".
     """
+    if engine not in ENGINES:
+        raise DepthcurseError(f"unknown --engine {engine!r}: use {' or '.join(ENGINES)}")
     started = time.perf_counter()
     model = loaded.model
     # Which layers were asked for is not part of the identity: a rerun with more layers extends the sweep.
@@ -118,11 +136,18 @@ def run_sweep(
     sweep = Sweep(run=run, metric=task.metric, higher_is_better=task.higher_is_better, n_layers=num_layers(model))
     sweep.variants = load_previous(out_dir, run)
     done = {tuple(v.removed) for v in sweep.variants}
-    todo = [r for r in [()] + [(layer,) for layer in layers] if r not in done]
+    asked = [()] + [removal_key(v) for v in variants]
+    asked = list(dict.fromkeys(asked))
+    todo = [r for r in asked if r not in done]
     previous_wall = 0.0
     if (out_dir / RESULTS_JSON).exists():
         previous_wall = json.loads((out_dir / RESULTS_JSON).read_text()).get("wall_time_s", 0.0)
-    total = len(layers) + 1
+    total = len(asked)
+    engine_info = {"name": "lm-eval" if todo else engine}
+    if engine == "reuse" and todo:
+        engine_info = _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, started, previous_wall)
+        if engine_info["name"] == "reuse":
+            todo = []
     for removed in todo:
         if on_variant:
             on_variant(variant_label(removed), total - len(todo) + todo.index(removed), total)
@@ -130,11 +155,45 @@ def run_sweep(
         with removed_layers(model, removed):
             score = task.evaluate(model)
         sweep.variants.append(VariantResult(list(removed), score.metrics, score.examples, round(time.perf_counter() - t0, 3), score.details))
-        sweep.variants.sort(key=lambda v: (bool(v.removed), v.removed))
-        sweep.meta = {"wall_time_s": round(previous_wall + time.perf_counter() - started, 3), "environment": report.environment()}
+        sweep.variants.sort(key=lambda v: (len(v.removed), v.removed))
+        sweep.meta = {"wall_time_s": round(previous_wall + time.perf_counter() - started, 3), "environment": report.environment(), "engine": engine_info}
         report.write_prune_tables(sweep, out_dir)
     if on_variant:
         on_variant("done", total, total)
-    sweep.meta = {"wall_time_s": round(previous_wall + time.perf_counter() - started, 3), "environment": report.environment()}
+    sweep.meta = {"wall_time_s": round(previous_wall + time.perf_counter() - started, 3), "environment": report.environment(), "engine": engine_info}
     report.write_prune_tables(sweep, out_dir)
     return sweep
+
+
+ENGINES = ("reuse", "lm-eval")
+PARTIAL_DIR = "prune.partial"
+
+
+def _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, started, previous_wall) -> dict:
+    """Score `todo` with the reuse engine and add the results to `sweep`; the engine info for prune.json.
+
+    Returns {"name": "lm-eval", "fallback": reason} without doing anything when the engine
+    cannot run this model or task.
+    """
+    import shutil
+
+    from depthcurse import engine
+
+    reason = engine.why_unsupported(loaded.model, task)
+    if reason:
+        return {"name": "lm-eval", "fallback": reason}
+    t0 = time.perf_counter()
+    store = out_dir / PARTIAL_DIR
+    progress = (lambda done, total: on_variant("batches", done, total)) if on_variant else None
+    scores, stats = engine.evaluate_variants(loaded.model, task, todo, max_memory=max_memory, store=store, fingerprint=json.dumps(run, sort_keys=True, default=str), on_batch=progress, checked=True)
+    # The variants finish together: each is credited an equal share of the time.
+    share = round((time.perf_counter() - t0) / len(todo), 3)
+    for removed in todo:
+        score = scores[removed]
+        sweep.variants.append(VariantResult(list(removed), score.metrics, score.examples, share, score.details))
+    sweep.variants.sort(key=lambda v: (len(v.removed), v.removed))
+    info = {"name": "reuse", "max_memory": engine.parse_memory(max_memory), **stats}
+    sweep.meta = {"wall_time_s": round(previous_wall + time.perf_counter() - started, 3), "environment": report.environment(), "engine": info}
+    report.write_prune_tables(sweep, out_dir)
+    shutil.rmtree(store, ignore_errors=True)  # everything it held is in prune.json now
+    return info

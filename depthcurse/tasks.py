@@ -90,6 +90,10 @@ class PerplexityTask:
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1).to(logits.device), reduction="sum")
             total += loss.item()
             count += batch[:, 1:].numel()
+        return self.score(total, count)
+
+    def score(self, total: float, count: int) -> Score:
+        """The score for a summed next-token loss `total` over `count` predicted tokens."""
         mean = total / count
         if not math.isfinite(mean):
             return Score({"loss": float("nan"), "ppl": float("nan")}, len(self.windows), {"tokens": count})
@@ -274,11 +278,23 @@ def _quiet_hflm():
 # --------------------------------------------------------------------------- registry
 
 
-def build_task(name: str, tokenizer, *, data: str = "auto", seq_len: int = 512, limit: int | None = None, num_fewshot: int | None = 0, batch_size: int = 8, seed: int = 1234) -> Task:
-    """The task called `name`: `ppl`, or any lm-eval task/group name (mmlu, arc_easy, ...).
+#: Tasks that need a model head other than a language-model head, and which head (see loading.Head).
+TASK_HEADS = {"squad": "qa", "repr": "base"}
 
-    `limit` is the number of text windows for ppl (default 32) and the number of examples
-    per lm-eval subtask otherwise (default: all).
+
+def head_for_task(name: str) -> str:
+    """Which head `load_model` must give the model for task `name`."""
+    return TASK_HEADS.get(name, "causal-lm")
+
+
+def build_task(name: str, tokenizer, *, data: str = "auto", seq_len: int | None = None, limit: int | None = None, num_fewshot: int | None = 0, batch_size: int = 8, seed: int = 1234, model=None, model_source: str | None = None) -> Task:
+    """The task called `name`: `ppl`, `squad`, `repr`, or any lm-eval task/group name (mmlu, arc_easy, ...).
+
+    `seq_len` is the ppl window (default 512) or the repr passage length (default 128).
+    `limit` is the number of text windows for ppl (default 32), of questions for squad (default
+    all), of passages for repr (default 256), and of examples per lm-eval subtask otherwise
+    (default: all). `repr` needs the unpruned `model` (it remembers its embeddings); `squad` skips
+    the questions a `depthcurse finetune-qa` checkpoint at `model_source` was trained on.
     """
     if tokenizer is None:
         raise DepthcurseError("this model has no tokenizer: text tasks need one")
@@ -289,9 +305,20 @@ def build_task(name: str, tokenizer, *, data: str = "auto", seq_len: int = 512, 
 
         started = time.perf_counter()
         texts, source = load_texts(data)
-        task = PerplexityTask(tokenizer, texts, source=source, seq_len=seq_len, limit=32 if limit is None else limit, batch_size=batch_size)
+        task = PerplexityTask(tokenizer, texts, source=source, seq_len=512 if seq_len is None else seq_len, limit=32 if limit is None else limit, batch_size=batch_size)
         logging.getLogger("depthcurse").debug("ppl windows built in %.1fs", time.perf_counter() - started)
         return task
+    if name == "squad":
+        from depthcurse.squad import build_squad_task
+
+        return build_squad_task(tokenizer, data=data, limit=limit, batch_size=batch_size, model_source=model_source)
+    if name == "repr":
+        from depthcurse.representation import RepresentationTask
+        from depthcurse.text import load_texts
+
+        texts, source = load_texts(data)
+        # sentence encoders are trained on short passages (all-MiniLM-L6-v2: 128 tokens)
+        return RepresentationTask(tokenizer, model, texts, source=source, seq_len=128 if seq_len is None else seq_len, limit=256 if limit is None else limit, batch_size=batch_size)
     if data != "auto":
-        raise DepthcurseError(f"--data applies to --task ppl only; {name} brings its own data")
+        raise DepthcurseError(f"--data applies to --task ppl only (and squad, repr); {name} brings its own data")
     return LmEvalTask(name, tokenizer, num_fewshot=num_fewshot, limit=limit, batch_size=batch_size, seed=seed)

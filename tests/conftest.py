@@ -99,9 +99,13 @@ def text_file(tmp_path):
 
 
 @pytest.fixture()
-def run_cli(capsys, monkeypatch):
-    """Run the console entry point in-process; returns (exit code, stdout, stderr)."""
+def run_cli(capsys, monkeypatch, tmp_path_factory):
+    """Run the console entry point in-process; returns (exit code, stdout, stderr).
+
+    It runs in an empty working directory, so default output folders (runs/...) never land in the repo."""
     from depthcurse.cli import main
+
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
 
     def run(*args: str):
         capsys.readouterr()  # drop what fixtures printed
@@ -115,3 +119,39 @@ def run_cli(capsys, monkeypatch):
         return code, captured.out, captured.err
 
     return run
+
+
+# --------------------------------------------------------------------------- tiny BERT (extractive QA)
+
+QA_CORPUS = [
+    "Paris is the capital of France. Berlin is the capital of Germany. Rome is the capital of Italy.",
+    "What is the capital of France? Which city is the capital of Germany? Who wrote the book?",
+    "The river flows through the valley and the old town. The bridge was built in 1850 by engineers.",
+    "Water boils at one hundred degrees Celsius at sea level, and freezes at zero degrees.",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_tokenizer():
+    """A WordPiece tokenizer with BERT's [CLS] question [SEP] context [SEP] template (fast: offsets work)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"], show_progress=False)
+    tok.train_from_iterator(QA_CORPUS * 20, trainer)
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]",
+                                   model_max_length=128, model_input_names=["input_ids", "token_type_ids", "attention_mask"])
+
+
+def tiny_bert(vocab_size: int, layers: int = 4, seed: int = 0, qa: bool = True):
+    """A random Post-LN BERT, with a span head (BertForQuestionAnswering) or without (BertModel)."""
+    from transformers import BertConfig, BertForQuestionAnswering, BertModel
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=64, max_position_embeddings=128, pad_token_id=0)
+    return (BertForQuestionAnswering if qa else BertModel)(config).eval()

@@ -82,7 +82,7 @@ def test_sigterm_mid_sweep_keeps_finished_variants_and_a_rerun_finishes(tiny_mod
     text = tmp_path / "long.txt"
     text.write_text("\n\n".join(CORPUS * 600), encoding="utf-8")
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "depthcurse", "prune", str(tiny_model_dir), "--data", str(text), "--seq-len", "64", "--limit", "300", "--layers", "0-3", "--out", str(out)]
+    cmd = [sys.executable, "-m", "depthcurse", "prune", str(tiny_model_dir), "--data", str(text), "--seq-len", "64", "--limit", "300", "--layers", "0-3", "--engine", "lm-eval", "--out", str(out)]
     env = {**os.environ, "TQDM_DISABLE": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.time() + 120

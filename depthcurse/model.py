@@ -1,0 +1,495 @@
+"""A LLaMA-style decoder with a choice of normalisation, in one file.
+
+The architecture is LLaMA's (RMSNorm, SwiGLU MLP, rotary embeddings, untied head, N(0, 0.02)
+init); only where the norms sit and how the blocks are scaled or initialised changes with
+`norm`. With `norm="pre"` the model computes exactly what transformers' LlamaForCausalLM
+computes on the same weights, and its parameter names are Llama's, so exporting is a rename.
+
+Variants (L = number of layers, l = 1-based index of a layer in the ORIGINAL stack):
+
+  pre                x = x + Attn(N(x));             x = x + MLP(N(x))
+  post               x = N(x + Attn(x));             x = N(x + MLP(x))
+  deepnorm           x = N(a*x + Attn(x)), a = (2L)^(1/4); xavier init, gain b = (8L)^(-1/4)
+  mix                the first round(mix_ratio*L) blocks post, the others pre
+  lns                pre, with each block's two norm outputs times 1/sqrt(l)
+  scaled-init        pre, o_proj and down_proj init std 0.02/sqrt(2L)
+  sandwich           x = x + N(Attn(N(x)));          x = x + N(MLP(N(x)))
+  layerscale         pre, each branch times a learnable per-channel vector (CaiT init)
+  skipinit           pre, each branch times a learnable scalar initialised to 0
+  depth-scaled-init  pre, every linear of block l init with std 0.02/sqrt(2l)
+  lns+scaled-init    lns with the scaled-init initialisation
+
+Everything a block needs to know about its depth (its LNS factor, whether it is post-LN in
+Mix-LN, the DeepNorm constants) is fixed when the block is built, from its ORIGINAL index, as
+plain Python floats: removing other layers later, or building on the meta device, cannot
+change it.
+
+Kernels and distribution plug in at two seams: `RMSNorm` (a fused norm can replace it) and
+`Transformer.loss_fn(hidden, head_weight, targets)` (a fused linear + cross-entropy can replace
+it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from depthcurse.errors import DepthcurseError
+
+NORMS = (
+    "pre", "post", "deepnorm", "mix", "lns", "scaled-init", "sandwich",
+    "layerscale", "skipinit", "depth-scaled-init", "lns+scaled-init",
+)
+# Variants whose blocks are plain Pre-LN at inference (LNS folds into the norm gains), so a
+# trained model exports as a stock LlamaForCausalLM.
+STOCK_LLAMA_NORMS = ("pre", "lns", "scaled-init", "depth-scaled-init", "lns+scaled-init")
+LNS_NORMS = ("lns", "lns+scaled-init")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 32000
+    hidden_size: int = 768
+    intermediate_size: int = 2048
+    num_layers: int = 12
+    num_heads: int = 12
+    max_seq_len: int = 256  # the longest sequence the model accepts
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    norm: str = "pre"
+    mix_ratio: float = 0.25
+    init_std: float = 0.02
+    # The original index of each block. A pruned model keeps its blocks' depth-bound
+    # constants (LNS factor, Mix-LN kind, DeepNorm alpha) by remembering where they came from.
+    layer_origins: list[int] | None = None
+    trained_layers: int | None = None  # L of the stack as trained (DeepNorm, Mix-LN, inits)
+
+    def __post_init__(self):
+        if self.norm not in NORMS:
+            raise DepthcurseError(f"unknown norm {self.norm!r}: use one of {', '.join(NORMS)}")
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
+            raise DepthcurseError(f"hidden size {self.hidden_size} must split into {self.num_heads} heads of even size")
+        if not 0.0 <= self.mix_ratio <= 1.0:
+            raise DepthcurseError(f"--mix-ratio must be between 0 and 1, got {self.mix_ratio}")
+        if self.num_layers < 1 and self.layer_origins is None:
+            raise DepthcurseError("the model needs at least one layer")
+        if self.layer_origins is None:
+            self.layer_origins = list(range(self.num_layers))
+        if self.trained_layers is None:
+            self.trained_layers = self.num_layers
+        if len(self.layer_origins) != self.num_layers:
+            raise DepthcurseError(f"layer_origins has {len(self.layer_origins)} entries for {self.num_layers} layers")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """What one block is, derived once from the config and the block's original index."""
+
+    kind: str  # "pre", "post" or "sandwich"
+    lns_scale: float  # multiplies the block's norm outputs (1.0 unless LNS)
+    residual_alpha: float  # DeepNorm's a in N(a*x + F(x)); 1.0 otherwise
+    branch_scale: str | None  # "layerscale", "skipinit" or None
+    layerscale_init: float = 0.0
+
+
+def block_spec(cfg: ModelConfig, origin: int) -> BlockSpec:
+    L, norm = cfg.trained_layers, cfg.norm
+    kind = "pre"
+    if norm in ("post", "deepnorm") or (norm == "mix" and origin < round(cfg.mix_ratio * L)):
+        kind = "post"
+    elif norm == "sandwich":
+        kind = "sandwich"
+    # CaiT's rule for the LayerScale init: smaller for deeper stacks.
+    ls_init = 0.1 if L <= 18 else (1e-5 if L <= 24 else 1e-6)
+    return BlockSpec(
+        kind=kind,
+        lns_scale=1.0 / math.sqrt(origin + 1) if norm in LNS_NORMS else 1.0,
+        residual_alpha=(2 * L) ** 0.25 if norm == "deepnorm" else 1.0,
+        branch_scale=norm if norm in ("layerscale", "skipinit") else None,
+        layerscale_init=ls_init,
+    )
+
+
+class RMSNorm(nn.Module):
+    """LLaMA's RMSNorm, times a fixed float `scale` (LNS) applied after the gain."""
+
+    def __init__(self, dim: int, eps: float, scale: float = 1.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.scale = scale  # a float, not a buffer: nothing (to_empty, load_state_dict) can reset it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return h * self.scale if self.scale != 1.0 else h
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.numel()}, eps={self.eps}, scale={self.scale:.6g}"
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    # Same formula and rotate-half layout as transformers' Llama, computed in fp32.
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.hidden_size
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, d, bias=False)
+        self.v_proj = nn.Linear(d, d, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x, cos, sin, mask=None):
+        B, T, _ = x.shape
+        q, k, v = (p(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """One transformer block. The two norms keep Llama's names: `input_layernorm` is the
+    attention's norm and `post_attention_layernorm` the MLP's, wherever `spec.kind` puts them."""
+
+    def __init__(self, cfg: ModelConfig, origin: int):
+        super().__init__()
+        self.spec = spec = block_spec(cfg, origin)
+        self.origin = origin
+        d = cfg.hidden_size
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(d, cfg.norm_eps, spec.lns_scale)
+        self.post_attention_layernorm = RMSNorm(d, cfg.norm_eps, spec.lns_scale)
+        if spec.kind == "sandwich":
+            self.attn_out_norm = RMSNorm(d, cfg.norm_eps)
+            self.mlp_out_norm = RMSNorm(d, cfg.norm_eps)
+        if spec.branch_scale == "layerscale":
+            self.attn_scale = nn.Parameter(torch.full((d,), spec.layerscale_init))
+            self.mlp_scale = nn.Parameter(torch.full((d,), spec.layerscale_init))
+        elif spec.branch_scale == "skipinit":
+            self.attn_scale = nn.Parameter(torch.zeros(()))
+            self.mlp_scale = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x, cos, sin, mask=None):
+        kind, a = self.spec.kind, self.spec.residual_alpha
+        if kind == "post":
+            # x * 1.0 is exact, so Post-LN and DeepNorm share one line.
+            x = self.input_layernorm(x * a + self.self_attn(x, cos, sin, mask))
+            return self.post_attention_layernorm(x * a + self.mlp(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        if kind == "sandwich":
+            h = self.attn_out_norm(h)
+        if self.spec.branch_scale:
+            h = h * self.attn_scale
+        x = x + h
+        h = self.mlp(self.post_attention_layernorm(x))
+        if kind == "sandwich":
+            h = self.mlp_out_norm(h)
+        if self.spec.branch_scale:
+            h = h * self.mlp_scale
+        return x + h
+
+
+class Body(nn.Module):
+    """Embedding, blocks and final norm: the part every head shares (HF's `model.`)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, origin) for origin in cfg.layer_origins)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_ignored) -> torch.Tensor:
+        T = input_ids.shape[1]
+        if T > self.cfg.max_seq_len:
+            raise DepthcurseError(f"a sequence of {T} tokens is longer than the model allows ({self.cfg.max_seq_len})")
+        cos, sin = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, input_ids.device)
+        mask = _padding_mask(attention_mask, T)
+        x = self.embed_tokens(input_ids)
+        for block in self.layers:
+            x = block(x, cos, sin, mask)
+        return self.norm(x)
+
+
+def _padding_mask(attention_mask: torch.Tensor | None, T: int) -> torch.Tensor | None:
+    """Causal + key-padding boolean mask, or None when nothing is padded (plain causal)."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()
+    mask = causal[None, None] & attention_mask.bool()[:, None, None, :]
+    # A padded query may see no key at all; letting it see itself avoids NaN (its output is unused).
+    return mask | torch.eye(T, dtype=torch.bool, device=mask.device)[None, None]
+
+
+def cross_entropy_sum(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token loss; targets of -100 are ignored. Logits go to fp32 for the softmax."""
+    logits = F.linear(hidden, head_weight)
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100, reduction="sum")
+
+
+class Transformer(nn.Module):
+    """The trainable model: `forward(ids)` gives logits, `forward(ids, targets)` the summed loss."""
+
+    def __init__(self, cfg: ModelConfig, loss_fn=cross_entropy_sum):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.loss_fn = loss_fn
+        init_weights(self, cfg)
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.model(input_ids)
+        if targets is None:
+            return self.lm_head(hidden)
+        return self.loss_fn(hidden, self.lm_head.weight, targets)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
+    """N(0, init_std) for every linear and embedding, ones for the norm gains, then each
+    variant's own rule for the blocks."""
+    std, L = cfg.init_std, cfg.trained_layers
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+        elif isinstance(m, RMSNorm):
+            nn.init.ones_(m.weight)
+    for block in model.model.layers:
+        attn, mlp = block.self_attn, block.mlp
+        if cfg.norm in ("scaled-init", "lns+scaled-init"):
+            for w in (attn.o_proj.weight, mlp.down_proj.weight):
+                nn.init.normal_(w, mean=0.0, std=std / math.sqrt(2 * L))
+        elif cfg.norm == "depth-scaled-init":
+            for m in block.modules():
+                if isinstance(m, nn.Linear):
+                    nn.init.normal_(m.weight, mean=0.0, std=std / math.sqrt(2 * (block.origin + 1)))
+        elif cfg.norm == "deepnorm":
+            beta = (8 * L) ** -0.25
+            for lin in (attn.q_proj, attn.k_proj):
+                nn.init.xavier_normal_(lin.weight, gain=1.0)
+            for lin in (attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                nn.init.xavier_normal_(lin.weight, gain=beta)
+
+
+# --------------------------------------------------------------------------- presets
+
+# The papers' sizes (LLaMA-style, sequence length 256, t5-base vocabulary) and a CPU size.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(hidden_size=128, intermediate_size=352, num_heads=4, num_layers=12),
+    "130m": dict(hidden_size=768, intermediate_size=2048, num_heads=12, num_layers=12),
+    "250m": dict(hidden_size=768, intermediate_size=2560, num_heads=16, num_layers=24),
+    "350m": dict(hidden_size=1024, intermediate_size=2736, num_heads=16, num_layers=24),
+    "1b": dict(hidden_size=2048, intermediate_size=5461, num_heads=32, num_layers=24),
+}
+
+
+def preset_config(name: str, **overrides) -> ModelConfig:
+    if name not in PRESETS:
+        raise DepthcurseError(f"unknown preset {name!r}: use one of {', '.join(PRESETS)}")
+    return ModelConfig(**{**PRESETS[name], **{k: v for k, v in overrides.items() if v is not None}})
+
+
+# --------------------------------------------------------------------------- Hugging Face export
+
+MODEL_TYPE = "depthcurse_llama"
+
+
+def _hf_classes():
+    """The transformers classes for our variants, defined and registered on first use so that
+    importing this module stays cheap."""
+    global _HF
+    if _HF is not None:
+        return _HF
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    class DepthcurseLlamaConfig(PretrainedConfig):
+        model_type = MODEL_TYPE
+
+        def __init__(self, vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                     num_attention_heads=12, max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-6,
+                     norm="pre", mix_ratio=0.25, initializer_range=0.02, layer_origins=None, trained_layers=None,
+                     **kwargs):
+            self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
+            self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
+            self.max_position_embeddings, self.rope_theta, self.rms_norm_eps = max_position_embeddings, rope_theta, rms_norm_eps
+            self.norm, self.mix_ratio, self.initializer_range = norm, mix_ratio, initializer_range
+            self.layer_origins = list(layer_origins) if layer_origins is not None else list(range(num_hidden_layers))
+            self.trained_layers = trained_layers if trained_layers is not None else num_hidden_layers
+            kwargs.setdefault("tie_word_embeddings", False)
+            super().__init__(**kwargs)
+
+        def model_config(self) -> ModelConfig:
+            return ModelConfig(
+                vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                num_layers=self.num_hidden_layers, num_heads=self.num_attention_heads, max_seq_len=self.max_position_embeddings,
+                rope_theta=self.rope_theta, norm_eps=self.rms_norm_eps, norm=self.norm, mix_ratio=self.mix_ratio,
+                init_std=self.initializer_range, layer_origins=list(self.layer_origins), trained_layers=self.trained_layers,
+            )
+
+    class DepthcurseLlamaForCausalLM(PreTrainedModel, GenerationMixin):
+        config_class = DepthcurseLlamaConfig
+        base_model_prefix = "model"
+        _no_split_modules = ["Block"]
+        _supports_sdpa = True
+
+        def __init__(self, config):
+            super().__init__(config)
+            cfg = config.model_config()
+            self.model = Body(cfg)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.post_init()
+
+        def _init_weights(self, module):
+            # Real weights always come from a checkpoint; this only fills fresh tensors sanely.
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, Block) and module.spec.branch_scale == "layerscale":
+                nn.init.constant_(module.attn_scale, module.spec.layerscale_init)
+                nn.init.constant_(module.mlp_scale, module.spec.layerscale_init)
+
+        def get_input_embeddings(self):
+            return self.model.embed_tokens
+
+        def set_input_embeddings(self, value):
+            self.model.embed_tokens = value
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+        def forward(self, input_ids=None, attention_mask=None, labels=None, **_ignored):
+            logits = self.lm_head(self.model(input_ids, attention_mask))
+            loss = None
+            if labels is not None:
+                loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100)
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    AutoConfig.register(MODEL_TYPE, DepthcurseLlamaConfig, exist_ok=True)
+    AutoModelForCausalLM.register(DepthcurseLlamaConfig, DepthcurseLlamaForCausalLM, exist_ok=True)
+    # `angular-distance` asks for a bare model; ours hands its Body over as `base_model`.
+    AutoModel.register(DepthcurseLlamaConfig, DepthcurseLlamaForCausalLM, exist_ok=True)
+    _HF = (DepthcurseLlamaConfig, DepthcurseLlamaForCausalLM)
+    return _HF
+
+
+_HF = None
+
+
+def register_with_transformers() -> None:
+    """Make `from_pretrained` (and so `depthcurse.loading.load_model`) know our model type."""
+    _hf_classes()
+
+
+def hf_config(cfg: ModelConfig, tokenizer=None):
+    Config, _ = _hf_classes()
+    return Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, max_position_embeddings=cfg.max_seq_len,
+        rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps, norm=cfg.norm, mix_ratio=cfg.mix_ratio,
+        initializer_range=cfg.init_std, layer_origins=list(cfg.layer_origins), trained_layers=cfg.trained_layers,
+        **_special_ids(tokenizer),
+    )
+
+
+def _special_ids(tokenizer) -> dict:
+    if tokenizer is None:
+        return {}
+    return {k: getattr(tokenizer, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+
+
+def to_hf(model: Transformer, tokenizer=None):
+    """Our model as a DepthcurseLlamaForCausalLM (any norm), sharing no storage with `model`."""
+    _, CausalLM = _hf_classes()
+    hf = CausalLM(hf_config(model.cfg, tokenizer))
+    hf.load_state_dict(model.state_dict())
+    return hf.eval()
+
+
+def to_stock_llama(model: Transformer, tokenizer=None):
+    """A Pre-LN-family model as a stock LlamaForCausalLM; LNS factors are folded into the norm
+    gains (gain/sqrt(l)), which is exact at inference."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = model.cfg
+    if cfg.norm not in STOCK_LLAMA_NORMS:
+        raise DepthcurseError(f"norm {cfg.norm!r} has no stock Llama equivalent (only {', '.join(STOCK_LLAMA_NORMS)})")
+    config = LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, initializer_range=cfg.init_std,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, tie_word_embeddings=False,
+        attention_bias=False, mlp_bias=False, **_special_ids(tokenizer),
+    )
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for i, block in enumerate(model.model.layers):
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            norm = getattr(block, name)
+            state[f"model.layers.{i}.{name}.weight"] = norm.weight.detach() * norm.scale
+    llama = LlamaForCausalLM(config)
+    llama.load_state_dict(state)
+    return llama.eval()
+
+
+def export(model: Transformer, out_dir, tokenizer=None, *, stock: bool = False):
+    """Save as a Hugging Face checkpoint folder (safetensors + tokenizer) that `load_model`,
+    `depthcurse prune` and `angular-distance` load: our own class, or a stock Llama."""
+    from pathlib import Path
+
+    out_dir = Path(out_dir)
+    hf = to_stock_llama(model, tokenizer) if stock else to_hf(model, tokenizer)
+    hf.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,482 @@
+"""Pre-train the papers' comparison models: one trainer, any normalisation variant.
+
+The pieces are separate functions so that compilation, activation checkpointing and data or
+model parallelism can wrap them later without restructuring (torchtitan-style):
+
+  resolve_config -> build_model -> build_optimizer / build_scheduler -> build_data
+  -> train_step (gradient accumulation, clipping, divergence check) -> evaluate
+  -> save_checkpoint / load_checkpoint -> MetricsLog -> export
+
+A run lives in one folder: `config.json` (the resolved configuration), `checkpoint.pt` (model,
+optimizer, scheduler, RNG and data position, rewritten atomically), `metrics.jsonl` (one JSON
+object per logged step), `summary.json`, `loss.png`, and at the end `hf/` (a Hugging Face
+checkpoint with the right norms) plus `hf-llama/` (a stock LlamaForCausalLM) for Pre-LN-family
+variants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from depthcurse import model as M
+from depthcurse.errors import DepthcurseError
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+CONFIG = "config.json"
+PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16")
+OPTIMIZERS = ("adam", "adamw")
+
+# The papers' schedules (steps, warm-up, peak lr), batch 512 x 256 tokens; `tiny` is sized for
+# a CPU: a few thousand steps of 16 x 128 tokens of the offline Wikipedia text.
+TRAIN_PRESETS: dict[str, dict] = {
+    "tiny": dict(lr=1e-3, steps=2000, warmup=200, batch_size=16, micro_batch=16, seq_len=128, max_seq_len=256,
+                 data="wiki", pack=True, val_tokens=32768, eval_every=250, save_every=250, log_every=10),
+    "130m": dict(lr=1e-3, steps=20_000, warmup=2000, batch_size=512, micro_batch=64),
+    "250m": dict(lr=1e-3, steps=40_000, warmup=4000, batch_size=512, micro_batch=64),
+    "350m": dict(lr=5e-4, steps=60_000, warmup=6000, batch_size=512, micro_batch=32),
+    "1b": dict(lr=5e-4, steps=100_000, warmup=1000, batch_size=512, micro_batch=16),
+}
+COMMON_DEFAULTS = dict(seq_len=256, max_seq_len=256, data="c4", pack=False, val_tokens=10_000_000,
+                       eval_every=1000, save_every=1000, log_every=10)
+
+# Fields that may change between a run and its resume: they change nothing that is computed.
+RESUMABLE_CHANGES = {"eval_every", "save_every", "log_every", "device", "steps_per_call"}
+
+
+@dataclass
+class TrainConfig:
+    """What a run is. None means: the preset's value."""
+
+    preset: str = "tiny"
+    norm: str = "pre"
+    mix_ratio: float = 0.25
+    data: str | None = None  # c4, wiki, or a local text file
+    tokenizer: str | None = None  # t5-base for c4, the SmolLM2 tokenizer (offline) otherwise
+    pack: bool | None = None
+    seq_len: int | None = None
+    max_seq_len: int | None = None  # longest sequence the model accepts (RoPE is computed, not learnt)
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    steps: int | None = None
+    tokens: int | None = None  # alternative to steps: train on this many (row) tokens
+    lr: float | None = None
+    warmup: int | None = None
+    min_lr_ratio: float = 0.1  # cosine decays to this share of the peak
+    batch_size: int | None = None  # sequences per optimizer step
+    micro_batch: int | None = None  # sequences per forward/backward (gradient accumulation)
+    optimizer: str = "adam"
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    grad_clip: float = 0.0  # 0: no clipping (the papers)
+    precision: str = "auto"  # bf16-mixed on GPU, fp32 on CPU; bf16 = pure bf16 weights (the papers)
+    seed: int = 42
+    val_tokens: int | None = None
+    eval_every: int | None = None
+    save_every: int | None = None
+    log_every: int | None = None
+    device: str = "auto"
+
+    def resolved(self) -> "TrainConfig":
+        """A copy with every None filled from the preset and checked: what the run records."""
+        if self.preset not in TRAIN_PRESETS or self.preset not in M.PRESETS:
+            raise DepthcurseError(f"unknown preset {self.preset!r}: use one of {', '.join(TRAIN_PRESETS)}")
+        if self.norm not in M.NORMS:
+            raise DepthcurseError(f"unknown norm {self.norm!r}: use one of {', '.join(M.NORMS)}")
+        defaults = {**COMMON_DEFAULTS, **M.PRESETS[self.preset], **TRAIN_PRESETS[self.preset]}
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        for k, v in values.items():
+            if v is None and k in defaults:
+                values[k] = defaults[k]
+        cfg = TrainConfig(**values)
+        if cfg.tokens is not None:
+            if cfg.tokens < 1:
+                raise DepthcurseError("--tokens must be at least 1")
+            cfg.steps = math.ceil(cfg.tokens / (cfg.batch_size * cfg.seq_len))
+        if self.warmup is None and cfg.steps != defaults["steps"]:
+            # Keep the preset's warm-up share of the run when only its length changes.
+            cfg.warmup = round(defaults["warmup"] * cfg.steps / defaults["steps"])
+        cfg.micro_batch = min(cfg.micro_batch, cfg.batch_size)
+        _check(cfg)
+        return cfg
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def model_config(self, vocab_size: int) -> M.ModelConfig:
+        return M.ModelConfig(
+            vocab_size=vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_layers=self.num_layers, num_heads=self.num_heads, max_seq_len=self.max_seq_len,
+            norm=self.norm, mix_ratio=self.mix_ratio,
+        )
+
+
+def _check(cfg: TrainConfig) -> None:
+    positive = ("steps", "batch_size", "micro_batch", "seq_len", "max_seq_len", "hidden_size", "intermediate_size",
+                "num_layers", "num_heads", "val_tokens", "eval_every", "save_every", "log_every")
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            raise DepthcurseError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.seq_len > cfg.max_seq_len:
+        raise DepthcurseError(f"--seq-len {cfg.seq_len} is longer than the model allows ({cfg.max_seq_len}): use a shorter --seq-len or raise --max-seq-len")
+    if cfg.batch_size % cfg.micro_batch:
+        raise DepthcurseError(f"--batch-size {cfg.batch_size} is not a multiple of --micro-batch {cfg.micro_batch}")
+    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
+        raise DepthcurseError(f"--lr must be a positive number, got {cfg.lr}")
+    if not 0 <= cfg.warmup <= cfg.steps:
+        raise DepthcurseError(f"--warmup must be between 0 and the number of steps ({cfg.steps}), got {cfg.warmup}")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise DepthcurseError(f"--min-lr-ratio must be between 0 and 1, got {cfg.min_lr_ratio}")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise DepthcurseError(f"unknown optimizer {cfg.optimizer!r}: use adam or adamw")
+    if cfg.precision not in PRECISIONS:
+        raise DepthcurseError(f"unknown precision {cfg.precision!r}: use one of {', '.join(PRECISIONS)}")
+    if cfg.weight_decay < 0 or cfg.grad_clip < 0:
+        raise DepthcurseError("--weight-decay and --grad-clip must not be negative")
+    if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
+        raise DepthcurseError("Adam betas must be in [0, 1)")
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+def pick_device(device: str) -> torch.device:
+    from depthcurse.loading import pick_device as pick
+
+    return torch.device(pick(device))
+
+
+def precision_of(cfg: TrainConfig, device: torch.device) -> str:
+    if cfg.precision != "auto":
+        return cfg.precision
+    # bf16 matmuls on a CPU are slow and gain nothing at tiny sizes.
+    return "bf16-mixed" if device.type == "cuda" else "fp32"
+
+
+def autocast_for(precision: str, device: torch.device):
+    if precision == "bf16-mixed":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, precision: str) -> M.Transformer:
+    torch.manual_seed(cfg.seed)  # same seed, same initial weights, whatever the norm
+    model = M.Transformer(cfg.model_config(vocab_size)).to(device)
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    return model
+
+
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = {"fused": True} if params and params[0].is_cuda else {}
+    return cls(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay, **fused)
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up to the peak, then cosine down to `min_ratio` of it at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup, cfg.steps, cfg.min_lr_ratio))
+
+
+class Diverged(DepthcurseError):
+    pass
+
+
+def train_step(model, optimizer, scheduler, batch, micro_batch: int, amp, grad_clip: float, device) -> tuple[float, float]:
+    """One optimizer step over `batch`, split into micro-batches. The loss is the mean over the
+    batch's real target tokens, whatever the split, so accumulation changes nothing."""
+    n_tokens = batch.tokens
+    optimizer.zero_grad(set_to_none=True)
+    total = torch.zeros((), device=device)
+    for ids, targets in zip(batch.input_ids.split(micro_batch), batch.targets.split(micro_batch)):
+        with amp:
+            loss = model(ids.to(device), targets.to(device)) / n_tokens
+        loss.backward()
+        total += loss.detach().float()
+    params = [p for p in model.parameters() if p.grad is not None]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    loss_value, norm_value = total.item(), grad_norm.item()
+    if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+        # Stop before the step: the weights stay as they were, and the last checkpoint is intact.
+        raise Diverged(f"loss {loss_value} / gradient norm {norm_value}")
+    optimizer.step()
+    scheduler.step()
+    return loss_value, norm_value
+
+
+@torch.no_grad()
+def evaluate(model, data, batch_size: int, amp, device) -> dict:
+    """Mean next-token loss over the fixed validation rows, and its perplexity."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for batch in data.val_batches(batch_size):
+        with amp:
+            total += model(batch.input_ids.to(device), batch.targets.to(device)).float().item()
+        count += batch.tokens
+    model.train(was_training)
+    loss = total / count
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)) if math.isfinite(loss) else float("nan"), "val_tokens": count}
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    """torch.save to a temporary file beside `path`, then rename: a crash mid-write leaves the
+    previous checkpoint whole."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_checkpoint(path: Path) -> dict:
+    try:
+        # Python's random state is a tuple; weights_only still refuses any code.
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise DepthcurseError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
+
+
+def config_differences(saved: dict, current: dict) -> list[str]:
+    keys = sorted((set(saved) | set(current)) - RESUMABLE_CHANGES)
+    return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
+
+
+class MetricsLog:
+    """metrics.jsonl: one JSON object per logged step, appended and flushed as it happens."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def rows(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, forget what was logged after the checkpoint: those steps run again."""
+        from depthcurse.report import atomic_write
+
+        kept = [r for r in self.rows() if r.get("step", 0) <= step]
+        atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+
+    def append(self, row: dict) -> None:
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(_finite(row)) + "\n")
+            fh.flush()
+
+
+def _finite(row: dict) -> dict:
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+
+
+# --------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Progress:
+    step: int
+    total: int
+    loss: float
+    lr: float
+    tokens: int
+    tokens_per_s: float
+
+
+def prepare_out_dir(out_dir: Path, cfg: dict, resume: bool) -> dict | None:
+    """The checkpoint to continue from, or None for a fresh run; refuses to mix runs."""
+    from depthcurse.report import ensure_out_dir
+
+    ensure_out_dir(out_dir)
+    ckpt_path = out_dir / CHECKPOINT
+    saved_cfg_path = out_dir / CONFIG
+    if not resume:
+        if ckpt_path.exists() or saved_cfg_path.exists():
+            raise DepthcurseError(f"{out_dir} already holds a run: pass --resume to continue it, or choose another --out")
+        return None
+    if not ckpt_path.exists():
+        if saved_cfg_path.exists():
+            saved = json.loads(saved_cfg_path.read_text())
+            diffs = config_differences(saved, cfg)
+            if diffs:
+                raise DepthcurseError(f"{out_dir} holds a run with a different configuration ({'; '.join(diffs)}): use another --out")
+        return None  # nothing saved yet: start from the beginning
+    state = load_checkpoint(ckpt_path)
+    diffs = config_differences(state.get("config", {}), cfg)
+    if diffs:
+        raise DepthcurseError(f"cannot resume {out_dir}: it was trained with a different configuration ({'; '.join(diffs)})")
+    return state
+
+
+def run(cfg: TrainConfig, out_dir, *, resume: bool = False, on_progress: Callable[[Progress], None] | None = None,
+        on_eval: Callable[[int, dict], None] | None = None, on_start: Callable[[dict], None] | None = None,
+        stop_after: int | None = None) -> dict:
+    """Train (or continue training) the run in `out_dir`; returns the summary.
+
+    `stop_after` ends the call after that many total steps, as a preemption would (checkpoint
+    written, no final evaluation or export): the next `resume=True` call continues exactly.
+    """
+    from depthcurse import report
+    from depthcurse.train_data import bpe_tokenizer, build_data, load_tokenizer
+
+    cfg = cfg.resolved()
+    out_dir = Path(out_dir)
+    cfg_dict = cfg.to_dict()
+    state = prepare_out_dir(out_dir, cfg_dict, resume)
+    if not (out_dir / CONFIG).exists() and (out_dir / "tokenizer").is_dir():
+        shutil.rmtree(out_dir / "tokenizer")  # left by an attempt that failed before it started: maybe other data
+
+    device = pick_device(cfg.device)
+    precision = precision_of(cfg, device)
+    amp = autocast_for(precision, device)
+    if cfg.tokenizer and cfg.tokenizer.startswith("bpe:"):
+        try:
+            vocab = int(cfg.tokenizer.removeprefix("bpe:"))
+        except ValueError:
+            raise DepthcurseError(f"--tokenizer {cfg.tokenizer}: write bpe:N with N the vocabulary size, e.g. bpe:4096") from None
+        tokenizer = bpe_tokenizer(cfg.data, vocab, out_dir / "tokenizer")
+    else:
+        tokenizer = load_tokenizer(cfg.tokenizer, cfg.data)
+    data = build_data(cfg.data, tokenizer, seq_len=cfg.seq_len, pack=cfg.pack, seed=cfg.seed, val_tokens=cfg.val_tokens)
+    # Written once the data is known to be usable: a failed start leaves a folder that can be reused.
+    report.atomic_write(out_dir / CONFIG, json.dumps(cfg_dict, indent=2) + "\n")
+    model = build_model(cfg, len(tokenizer), device, precision)
+    optimizer = build_optimizer(cfg, model)
+    scheduler = build_scheduler(cfg, optimizer)
+    metrics = MetricsLog(out_dir / METRICS)
+
+    step, tokens, seconds = 0, 0, 0.0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        data.train.load_state_dict(state["data"])
+        set_rng_state(state["rng"])
+        step, tokens, seconds = state["step"], state["tokens"], state["seconds"]
+        metrics.truncate_after(step)
+    elif (out_dir / METRICS).exists():
+        (out_dir / METRICS).unlink()  # a run that died before its first checkpoint starts over
+
+    def checkpoint() -> None:
+        save_checkpoint(out_dir / CHECKPOINT, {
+            "step": step, "tokens": tokens, "seconds": seconds, "config": cfg_dict,
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "data": data.train.state_dict(), "rng": rng_state(),
+        })
+
+    info = {"params": sum(p.numel() for p in model.parameters()), "device": str(device), "precision": precision,
+            "data": data.label, "val_tokens": data.val_tokens, "start_step": step, "steps": cfg.steps,
+            "vocab_size": len(tokenizer)}
+    if on_start:
+        on_start(info)
+    model.train()
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    tick, tick_tokens = time.perf_counter(), 0
+    last_saved = step if state is not None else None
+    while step < end:
+        batch = data.train.next_batch(cfg.batch_size)
+        lr = optimizer.param_groups[0]["lr"]
+        t0 = time.perf_counter()
+        try:
+            loss, grad_norm = train_step(model, optimizer, scheduler, batch, cfg.micro_batch, amp, cfg.grad_clip, device)
+        except Diverged as exc:
+            raise _diverged(exc, step + 1, out_dir, last_saved) from exc
+        if loss > 2 * math.log(len(tokenizer)):
+            raise _diverged(Diverged(f"loss {loss:.3f}, over twice that of a uniform guess"), step + 1, out_dir, last_saved)
+        seconds += time.perf_counter() - t0
+        step += 1
+        tokens += batch.input_ids.numel()
+        tick_tokens += batch.input_ids.numel()
+        if step % cfg.log_every == 0 or step == end:
+            now = time.perf_counter()
+            rate = tick_tokens / max(now - tick, 1e-9)
+            metrics.append({"step": step, "loss": loss, "lr": lr, "tokens": tokens, "grad_norm": grad_norm, "tokens_per_s": rate})
+            tick, tick_tokens = now, 0
+            if on_progress:
+                on_progress(Progress(step, cfg.steps, loss, lr, tokens, rate))
+        if step % cfg.eval_every == 0 and step < cfg.steps:
+            result = evaluate(model, data, cfg.micro_batch, amp, device)
+            metrics.append({"step": step, "tokens": tokens, **result})
+            if on_eval:
+                on_eval(step, result)
+        if step % cfg.save_every == 0 or step == end:
+            checkpoint()
+            last_saved = step
+
+    if step < cfg.steps:
+        return {"finished": False, "step": step}
+    final = evaluate(model, data, cfg.micro_batch, amp, device)
+    rows = metrics.rows()
+    if not rows or rows[-1].get("val_loss") is None or rows[-1].get("step") != step:
+        metrics.append({"step": step, "tokens": tokens, **final})
+    if on_eval:
+        on_eval(step, final)
+    exports = export_run(model, tokenizer, out_dir)
+    summary = {
+        "finished": True, "norm": cfg.norm, "preset": cfg.preset, "step": step, "tokens": tokens,
+        "train_seconds": seconds, **final, "params": info["params"], "precision": precision, "device": str(device),
+        "data": data.label, "exports": exports, "config": cfg_dict, "environment": report.environment(),
+    }
+    report.atomic_write(out_dir / SUMMARY, json.dumps(_finite(summary) | {"config": cfg_dict}, indent=2) + "\n")
+    from depthcurse.train_report import plot_loss
+
+    plot_loss(metrics.rows(), out_dir / "loss.png", title=f"{cfg.preset} · {cfg.norm} · {data.label}")
+    return summary
+
+
+def _diverged(exc: Exception, step: int, out_dir: Path, last_saved: int | None) -> DepthcurseError:
+    kept = f"the last good checkpoint (step {last_saved}) is kept in {out_dir}" if last_saved is not None else "no checkpoint had been written yet"
+    return DepthcurseError(f"training diverged at step {step} ({exc}); {kept}: lower --lr, raise --warmup or set --grad-clip")
+
+
+def export_run(model: M.Transformer, tokenizer, out_dir: Path) -> dict:
+    """hf/ (our class, any norm) and, for Pre-LN-family variants, hf-llama/ (stock Llama)."""
+    model = model.float().cpu() if next(model.parameters()).dtype != torch.float32 else model
+    exports = {"hf": str(M.export(model, out_dir / "hf", tokenizer))}
+    if model.cfg.norm in M.STOCK_LLAMA_NORMS:
+        exports["hf-llama"] = str(M.export(model, out_dir / "hf-llama", tokenizer, stock=True))
+    return exports

