@@ -52,6 +52,17 @@ def ensure_out_dir(path: Path) -> Path:
     return path
 
 
+def csv_text(rows: list[dict], *, digits: int | None = 8, empty_header: list[str] | None = None) -> str:
+    """Rows of dicts as CSV text: floats to `digits` significant digits (None: as Python prints
+    them), None as an empty cell; the header is the first row's keys (or `empty_header`)."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else list(empty_header or []), lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: ("" if v is None else (f"{v:.{digits}g}" if digits and isinstance(v, float) else v)) for k, v in row.items()})
+    return buf.getvalue()
+
+
 def atomic_write(path: Path, data: str | bytes) -> None:
     """Write to a temporary file beside `path`, then rename: a reader (or a crash) never sees half a file."""
     mode = "wb" if isinstance(data, bytes) else "w"
@@ -91,12 +102,7 @@ def prune_rows(sweep: "Sweep") -> list[dict]:
 
 
 def write_prune_tables(sweep: "Sweep", out_dir: Path) -> None:
-    rows = prune_rows(sweep)
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else ["removed"], lineterminator="\n")
-    writer.writeheader()
-    writer.writerows({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()} for row in rows)
-    atomic_write(out_dir / "prune.csv", buf.getvalue())
+    atomic_write(out_dir / "prune.csv", csv_text(prune_rows(sweep), digits=6, empty_header=["removed"]))
     atomic_write(out_dir / "prune.json", json.dumps(_clean(sweep.to_json()), indent=2) + "\n")
 
 
@@ -109,7 +115,7 @@ def plot_prune(sweep: "Sweep", path: Path) -> Path:
     singles = sorted((v for v in sweep.variants if len(v.removed) == 1), key=lambda v: v.removed[0])
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     if singles:
-        ax.plot([v.removed[0] for v in singles], [v.metrics[sweep.metric] for v in singles], marker="o", ms=4, lw=1.5, label=f"layer removed")
+        ax.plot([v.removed[0] for v in singles], [v.metrics[sweep.metric] for v in singles], marker="o", ms=4, lw=1.5, label="layer removed")
     base = sweep.baseline
     if base is not None:
         ax.axhline(base.metrics[sweep.metric], color="k", ls="--", lw=1, label=f"unpruned ({base.metrics[sweep.metric]:.4g})")
@@ -126,11 +132,7 @@ def plot_prune(sweep: "Sweep", path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    atomic_write(path, buf.getvalue())
-    return path
+    return save_figure(fig, path)
 
 
 def load_prune(folder: Path) -> "Sweep":
@@ -189,7 +191,7 @@ def plot_prune_overlay(folders: list[Path], path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    return _save_fig(fig, path)
+    return save_figure(fig, path)
 
 
 def prune_table(sweep: "Sweep") -> Table:
@@ -252,26 +254,20 @@ def _fmt(value, signed: bool = False) -> str:
 # --------------------------------------------------------------------------- angular distances
 
 
-def _csv_text(rows: list[dict]) -> str:
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
-    writer.writeheader()
-    for row in rows:
-        writer.writerow({k: ("" if v is None else (f"{v:.8g}" if isinstance(v, float) else v)) for k, v in row.items()})
-    return buf.getvalue()
 
 
 def write_angular(result, out_dir: Path) -> list[Path]:
     """angular.csv (l, n, distance, count), angular.json (everything) and layers.csv."""
     out_dir = Path(out_dir)
     paths = [out_dir / "angular.csv", out_dir / "angular.json", out_dir / "layers.csv"]
-    atomic_write(paths[0], _csv_text(result.angular_rows()))
+    atomic_write(paths[0], csv_text(result.angular_rows()))
     atomic_write(paths[1], json.dumps(_clean(result.to_json()), indent=2) + "\n")
-    atomic_write(paths[2], _csv_text(result.layer_rows()))
+    atomic_write(paths[2], csv_text(result.layer_rows()))
     return paths
 
 
-def _save_fig(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
+    """Render `fig` as PNG, write it atomically (a reader never sees half a file) and free it."""
     import matplotlib.pyplot as plt
 
     buf = io.BytesIO()
@@ -313,7 +309,7 @@ def plot_angular(result, path: Path, *, normalize: bool = True, title: str | Non
     bar.set_label("d, min-max normalised per row (n)" if normalize else "d = arccos(cos)/pi")
     ax.legend(loc="upper right", fontsize=8, framealpha=0.8)
     fig.tight_layout()
-    return _save_fig(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_layers(result, path: Path, *, title: str | None = None) -> Path:
@@ -342,7 +338,7 @@ def plot_layers(result, path: Path, *, title: str | None = None) -> Path:
     run = result.run or {}
     fig.suptitle(title or f"{run.get('model', 'model')}: per-layer statistics over {result.stat_tokens} tokens ({run.get('data', '?')})", fontsize=11)
     fig.tight_layout()
-    return _save_fig(fig, path)
+    return save_figure(fig, path)
 
 
 def angular_table(result) -> Table:

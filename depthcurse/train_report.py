@@ -3,8 +3,6 @@ the Curse of Depth paper's Table 1 (one row per method, one perplexity column pe
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import math
 from pathlib import Path
@@ -12,7 +10,7 @@ from pathlib import Path
 from rich.table import Table
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.report import atomic_write
+from depthcurse.report import atomic_write, csv_text, save_figure
 
 # Table 1's row order and names.
 METHOD_NAMES = {
@@ -55,11 +53,7 @@ def plot_runs(runs: dict[str, list[dict]], path: Path, title: str = "") -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    atomic_write(path, buf.getvalue())
-    return path
+    return save_figure(fig, path)
 
 
 def read_run(folder: Path) -> dict:
@@ -113,11 +107,7 @@ def table1(runs: list[dict]) -> Table:
 
 def write_compare(runs: list[dict], out_dir: Path) -> list[Path]:
     rows = compare_rows(runs)
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write(out_dir / "compare.csv", buf.getvalue())
+    atomic_write(out_dir / "compare.csv", csv_text(rows, digits=None))
     atomic_write(out_dir / "compare.json", json.dumps(rows, indent=2) + "\n")
     labels = {}
     for r in runs:

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from depthcurse.diagnostics import AngularResult, load_angular
 from depthcurse.errors import DepthcurseError

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import needs, tiny_bert, tiny_llama
+from conftest import needs, tiny_bert
 from depthcurse.errors import DepthcurseError
 from depthcurse.squad import (
     SquadTask,
