@@ -366,6 +366,10 @@ def lns_train(
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out exactly where its checkpoint left it."),
     out: Optional[Path] = typer.Option(None, "--out", help="Run folder (default runs/train/<preset>-<norm>-s<seed>)."),
     device: str = DeviceOpt,
+    kernels: str = typer.Option("auto", "--kernels", help="auto (Triton on CUDA, plain PyTorch elsewhere), triton, torch (the fused kernels' PyTorch path) or off (the plain model)."),
+    compile: bool = typer.Option(False, "--compile", help="torch.compile each block."),
+    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="Recompute each block's activations in the backward pass (less memory, about a third more compute)."),
+    parallel: Optional[str] = typer.Option(None, "--parallel", help="Under torchrun: ddp (default) or fsdp (FSDP2, sharded weights and optimizer state)."),
 ) -> None:
     """Pre-train a LLaMA-style model with the chosen normalisation; exports a checkpoint `prune` and `angular-distance` load."""
     from rich.progress import TaskProgressColumn
@@ -378,16 +382,22 @@ def lns_train(
         num_heads=num_heads, steps=steps, tokens=tokens, lr=lr, warmup=warmup, min_lr_ratio=min_lr_ratio,
         batch_size=batch_size, micro_batch=micro_batch, optimizer=optimizer, weight_decay=weight_decay,
         grad_clip=grad_clip, precision=precision, seed=seed, val_tokens=val_tokens, eval_every=eval_every,
-        save_every=save_every, log_every=log_every, device=device,
+        save_every=save_every, log_every=log_every, device=device, kernels=kernels, compile=compile,
+        activation_checkpointing=activation_checkpointing, parallel=parallel,
     )
+    # Under torchrun only rank 0 talks; the others fail quietly (rank 0 says why).
+    main_rank = int(os.environ.get("RANK", "0")) == 0
     out_dir = out or Path("runs") / "train" / f"{preset}-{_slug(norm)}-s{seed}"
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
-                        TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+                        TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+                        disable=not main_rank)
     bar = progress.add_task("training", total=None, stats="")
 
     def on_start(info: dict) -> None:
         progress.update(bar, total=info["steps"], completed=info["start_step"])
+        ranks = f" · {info['world_size']} ranks, {info['parallel']}" if info["parallel"] else ""
         console.print(f"[bold]{preset}[/] · norm [bold]{norm}[/] · {info['params'] / 1e6:.2f}M parameters · {info['device']} {info['precision']} · "
+                      f"kernels {info['kernels']}{ranks} · "
                       f"{info['data']} ({info['val_tokens']} held-out tokens) · {'resuming at step ' + str(info['start_step']) if info['start_step'] else 'from scratch'} · {out_dir}")
 
     def on_progress(p) -> None:
@@ -400,8 +410,15 @@ def lns_train(
         with progress:
             summary = train.run(cfg, out_dir, resume=resume, on_start=on_start, on_progress=on_progress, on_eval=on_eval)
     except KeyboardInterrupt:
-        err_console.print(f"interrupted: the last checkpoint in {out_dir} is kept; rerun with --resume to continue", soft_wrap=True)
+        if main_rank:
+            err_console.print(f"interrupted: the last checkpoint in {out_dir} is kept; rerun with --resume to continue", soft_wrap=True)
         raise typer.Exit(130)
+    except DepthcurseError:
+        if main_rank:
+            raise
+        raise typer.Exit(1)
+    if not main_rank:
+        return
     console.print(f"validation loss {summary['val_loss']:.4f} · perplexity {summary['val_ppl']:.2f} · {summary['step']} steps, {summary['tokens']:,} tokens")
     console.print(f"wrote {out_dir / 'metrics.jsonl'}, {out_dir / 'summary.json'}, {out_dir / 'loss.png'}, {', '.join(summary['exports'].values())}")
 

@@ -26,11 +26,14 @@ change it.
 
 Kernels and distribution plug in at two seams: `RMSNorm` (a fused norm can replace it) and
 `Transformer.loss_fn(hidden, head_weight, targets)` (a fused linear + cross-entropy can replace
-it).
+it). `Transformer(cfg, kernels=...)` uses them (see KERNELS): "off" is the plain eager model
+above, the reference; "torch" and "triton" run `depthcurse.kernels`, where each norm also takes
+the residual add before it, and the loss never holds the full [tokens, vocab] logits.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field, fields
 
@@ -38,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from depthcurse import kernels as K
 from depthcurse.errors import DepthcurseError
 
 NORMS = (
@@ -48,6 +52,11 @@ NORMS = (
 # trained model exports as a stock LlamaForCausalLM.
 STOCK_LLAMA_NORMS = ("pre", "lns", "scaled-init", "depth-scaled-init", "lns+scaled-init")
 LNS_NORMS = ("lns", "lns+scaled-init")
+# How the model computes its norms and loss. "off": the eager modules (the numerics every export
+# and equality test is checked against). "torch" / "triton": `depthcurse.kernels` (fused residual
+# add + norm, chunked linear + cross-entropy) on its PyTorch or its Triton path. "auto" is
+# resolved by `resolve_kernels`: Triton on CUDA, off elsewhere.
+KERNELS = ("auto", "triton", "torch", "off")
 
 
 @dataclass
@@ -142,8 +151,24 @@ class RMSNorm(nn.Module):
         h = self.weight * h.to(dtype)
         return h * self.scale if self.scale != 1.0 else h
 
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None, kernels: str):
+        """The same norm through `depthcurse.kernels`; with `residual`, (norm(x + residual), x + residual)."""
+        if residual is None:
+            return _kernel_norm(kernels)(x, self.weight, self.eps, self.scale, use_triton=kernels == "triton")
+        return _kernel_norm(kernels)(x, self.weight, self.eps, self.scale, residual, use_triton=kernels == "triton")
+
     def extra_repr(self) -> str:
         return f"{self.weight.numel()}, eps={self.eps}, scale={self.scale:.6g}"
+
+
+# The Triton norm is an autograd.Function launching Triton kernels from Python; compiled code
+# calls it eagerly (one graph break per norm) rather than trusting dynamo to trace its launcher.
+# The PyTorch path is plain tensor code that inductor traces and fuses itself.
+_triton_rms_norm = torch.compiler.disable(K.rms_norm)
+
+
+def _kernel_norm(kernels: str):
+    return _triton_rms_norm if kernels == "triton" else K.rms_norm
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,8 +239,22 @@ class Block(nn.Module):
         elif spec.branch_scale == "skipinit":
             self.attn_scale = nn.Parameter(torch.zeros(()))
             self.mlp_scale = nn.Parameter(torch.zeros(()))
+        # Recompute the block's activations in the backward pass instead of keeping them.
+        self.activation_checkpointing = False
 
-    def forward(self, x, cos, sin, mask=None):
+    def forward(self, x, cos, sin, mask=None, pending=None, kernels: str = "off"):
+        """The plain block (kernels "off": returns x), or through the fused kernels (returns
+        (x, pending), see `_forward_fused`). Checkpointing sits inside `forward` so that wrappers
+        hooked around the call (FSDP's all-gather) stay outside the recomputed region."""
+        if kernels == "off":
+            fn, args = self._forward, (x, cos, sin, mask)
+        else:
+            fn, args = self._forward_fused, (x, pending, cos, sin, mask, kernels)
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
+
+    def _forward(self, x, cos, sin, mask=None):
         kind, a = self.spec.kind, self.spec.residual_alpha
         if kind == "post":
             # x * 1.0 is exact, so Post-LN and DeepNorm share one line.
@@ -234,6 +273,34 @@ class Block(nn.Module):
             h = h * self.mlp_scale
         return x + h
 
+    def _forward_fused(self, x, pending, cos, sin, mask, kernels: str):
+        """`_forward` through the fused kernels. `pending` is the previous block's last branch
+        output, not yet added to the stream `x`: this block's first norm adds it in the same pass.
+        Returns (x, pending) in the same sense for the next block (or the final norm)."""
+        kind, a = self.spec.kind, self.spec.residual_alpha
+        if kind == "post":
+            if pending is not None:  # only after a pre block, which Mix-LN never puts before a post one
+                x = x + pending
+            x, _ = self.input_layernorm.fused(self.self_attn(x, cos, sin, mask), x * a, kernels)
+            x, _ = self.post_attention_layernorm.fused(self.mlp(x), x * a, kernels)
+            return x, None
+        if pending is None:
+            h = self.input_layernorm.fused(x, None, kernels)
+        else:
+            h, x = self.input_layernorm.fused(pending, x, kernels)
+        h = self.self_attn(h, cos, sin, mask)
+        if kind == "sandwich":
+            h = self.attn_out_norm.fused(h, None, kernels)
+        if self.spec.branch_scale:
+            h = h * self.attn_scale
+        h, x = self.post_attention_layernorm.fused(h, x, kernels)
+        h = self.mlp(h)
+        if kind == "sandwich":
+            h = self.mlp_out_norm.fused(h, None, kernels)
+        if self.spec.branch_scale:
+            h = h * self.mlp_scale
+        return x, h
+
 
 class Body(nn.Module):
     """Embedding, blocks and final norm: the part every head shares (HF's `model.`)."""
@@ -244,17 +311,27 @@ class Body(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, origin) for origin in cfg.layer_origins)
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.kernels = "off"  # "off", "torch" or "triton": see KERNELS
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_ignored) -> torch.Tensor:
         T = input_ids.shape[1]
         if T > self.cfg.max_seq_len:
             raise DepthcurseError(f"a sequence of {T} tokens is longer than the model allows ({self.cfg.max_seq_len})")
         cos, sin = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, input_ids.device)
+        # None when nothing is padded (always in training): SDPA then runs plain causal
+        # attention, for which the flash and memory-efficient backends are eligible.
         mask = _padding_mask(attention_mask, T)
         x = self.embed_tokens(input_ids)
+        if self.kernels == "off":
+            for block in self.layers:
+                x = block(x, cos, sin, mask)
+            return self.norm(x)
+        pending = None
         for block in self.layers:
-            x = block(x, cos, sin, mask)
-        return self.norm(x)
+            x, pending = block(x, cos, sin, mask, pending, self.kernels)
+        if pending is None:
+            return self.norm.fused(x, None, self.kernels)
+        return self.norm.fused(pending, x, self.kernels)[0]
 
 
 def _padding_mask(attention_mask: torch.Tensor | None, T: int) -> torch.Tensor | None:
@@ -273,15 +350,33 @@ def cross_entropy_sum(hidden: torch.Tensor, head_weight: torch.Tensor, targets: 
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100, reduction="sum")
 
 
+def resolve_kernels(kernels: str, device) -> str:
+    """"auto" -> "triton" on CUDA (when Triton is installed, else "torch"), "off" elsewhere."""
+    if kernels not in KERNELS:
+        raise DepthcurseError(f"unknown --kernels {kernels!r}: use one of {', '.join(KERNELS)}")
+    if kernels == "triton" and not K.triton_available():
+        raise DepthcurseError("--kernels triton needs the triton package: pip install triton, or use --kernels torch")
+    if kernels != "auto":
+        return kernels
+    if torch.device(device).type == "cuda":
+        return "triton" if K.triton_available() else "torch"
+    return "off"
+
+
 class Transformer(nn.Module):
     """The trainable model: `forward(ids)` gives logits, `forward(ids, targets)` the summed loss."""
 
-    def __init__(self, cfg: ModelConfig, loss_fn=cross_entropy_sum):
+    def __init__(self, cfg: ModelConfig, loss_fn=None, kernels: str = "off"):
         super().__init__()
+        if kernels not in KERNELS[1:]:
+            raise DepthcurseError(f"unknown kernels {kernels!r}: use triton, torch or off (resolve auto with resolve_kernels)")
         self.cfg = cfg
         self.model = Body(cfg)
+        self.model.kernels = kernels
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.loss_fn = loss_fn
+        if loss_fn is None and kernels != "off":
+            loss_fn = functools.partial(K.fused_linear_cross_entropy, reduction="sum", use_triton=kernels == "triton")
+        self.loss_fn = loss_fn or cross_entropy_sum
         init_weights(self, cfg)
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -292,6 +387,10 @@ class Transformer(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def set_activation_checkpointing(self, on: bool) -> None:
+        for block in self.model.layers:
+            block.activation_checkpointing = on
 
 
 @torch.no_grad()

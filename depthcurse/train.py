@@ -7,6 +7,13 @@ model parallelism can wrap them later without restructuring (torchtitan-style):
   -> train_step (gradient accumulation, clipping, divergence check) -> evaluate
   -> save_checkpoint / load_checkpoint -> MetricsLog -> export
 
+Speed (issue 6): `kernels` picks the model's fused norms and chunked loss (model.KERNELS),
+`compile` compiles each block, `activation_checkpointing` recomputes each block in the backward
+pass, and under torchrun (`torchrun --nproc-per-node N -m depthcurse lns-train ...`) the global
+batch is split over the ranks with DDP or FSDP2 (`parallel`). Every rank draws the same global
+batch from the same seeded order and trains on its slice, so N ranks compute what one process
+computes, and the checkpoint (gathered whole on rank 0) resumes on any number of ranks.
+
 A run lives in one folder: `config.json` (the resolved configuration), `checkpoint.pt` (model,
 optimizer, scheduler, RNG and data position, rewritten atomically), `metrics.jsonl` (one JSON
 object per logged step), `summary.json`, `loss.png`, and at the end `hf/` (a Hugging Face
@@ -39,6 +46,7 @@ SUMMARY = "summary.json"
 CONFIG = "config.json"
 PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16")
 OPTIMIZERS = ("adam", "adamw")
+PARALLEL = ("ddp", "fsdp")
 
 # The papers' schedules (steps, warm-up, peak lr), batch 512 x 256 tokens; `tiny` is sized for
 # a CPU: a few thousand steps of 16 x 128 tokens of the offline Wikipedia text.
@@ -54,7 +62,8 @@ COMMON_DEFAULTS = dict(seq_len=256, max_seq_len=256, data="c4", pack=False, val_
                        eval_every=1000, save_every=1000, log_every=10)
 
 # Fields that may change between a run and its resume: they change nothing that is computed.
-RESUMABLE_CHANGES = {"eval_every", "save_every", "log_every", "device", "steps_per_call"}
+RESUMABLE_CHANGES = {"eval_every", "save_every", "log_every", "device", "steps_per_call", "kernels", "compile",
+                     "activation_checkpointing", "parallel"}
 
 
 @dataclass
@@ -92,6 +101,10 @@ class TrainConfig:
     save_every: int | None = None
     log_every: int | None = None
     device: str = "auto"
+    kernels: str = "auto"  # model.KERNELS: Triton on CUDA, the plain eager model elsewhere
+    compile: bool = False  # torch.compile each block
+    activation_checkpointing: bool = False
+    parallel: str | None = None  # ddp or fsdp under torchrun (default ddp); must be None without it
 
     def resolved(self) -> "TrainConfig":
         """A copy with every None filled from the preset and checked: what the run records."""
@@ -151,6 +164,10 @@ def _check(cfg: TrainConfig) -> None:
         raise DepthcurseError("--weight-decay and --grad-clip must not be negative")
     if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
         raise DepthcurseError("Adam betas must be in [0, 1)")
+    if cfg.kernels not in M.KERNELS:
+        raise DepthcurseError(f"unknown --kernels {cfg.kernels!r}: use one of {', '.join(M.KERNELS)}")
+    if cfg.parallel is not None and cfg.parallel not in PARALLEL:
+        raise DepthcurseError(f"unknown --parallel {cfg.parallel!r}: use ddp or fsdp")
 
 
 # --------------------------------------------------------------------------- building blocks
@@ -176,11 +193,133 @@ def autocast_for(precision: str, device: torch.device):
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, precision: str) -> M.Transformer:
-    torch.manual_seed(cfg.seed)  # same seed, same initial weights, whatever the norm
-    model = M.Transformer(cfg.model_config(vocab_size)).to(device)
+    torch.manual_seed(cfg.seed)  # same seed, same initial weights, whatever the norm, on every rank
+    model = M.Transformer(cfg.model_config(vocab_size), kernels=M.resolve_kernels(cfg.kernels, device)).to(device)
     if precision == "bf16":
         model = model.to(torch.bfloat16)
     return model
+
+
+# --------------------------------------------------------------------------- many processes
+
+
+@dataclass
+class World:
+    """This process's place in a torchrun launch; World() is a lone process."""
+
+    rank: int = 0
+    size: int = 1
+    parallel: str | None = None  # "ddp" or "fsdp" under torchrun, None alone
+    owns_group: bool = False  # run() started the process group, so it ends it
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.parallel:
+            torch.distributed.barrier()
+
+    def shard(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's consecutive slice of a global batch."""
+        n = rows.shape[0] // self.size
+        return rows[self.rank * n : (self.rank + 1) * n]
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        if self.parallel:
+            torch.distributed.all_reduce(value)
+        return value
+
+    def close(self) -> None:
+        if self.owns_group:
+            torch.distributed.destroy_process_group()
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def setup_world(cfg: TrainConfig) -> tuple[World, torch.device]:
+    """The process group (nccl on CUDA, gloo on CPU) and this rank's device; checks first, so
+    a bad launch fails the same way on every rank before any process waits for another."""
+    device = pick_device(cfg.device)
+    if not launched_by_torchrun():
+        if cfg.parallel is not None:
+            raise DepthcurseError(f"--parallel {cfg.parallel} needs several processes: launch with torchrun --nproc-per-node N -m depthcurse lns-train ...")
+        return World(), device
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if cfg.batch_size % size:
+        raise DepthcurseError(f"--batch-size {cfg.batch_size} does not split evenly over {size} ranks: use a multiple of {size}")
+    per_rank = cfg.batch_size // size
+    if per_rank % min(cfg.micro_batch, per_rank):
+        raise DepthcurseError(f"each of the {size} ranks gets {per_rank} sequences, not a multiple of --micro-batch {cfg.micro_batch}")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+    owns = not torch.distributed.is_initialized()
+    if owns:
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return World(rank, size, cfg.parallel or "ddp", owns), device
+
+
+def parallelize(model: M.Transformer, cfg: TrainConfig, world: World, device: torch.device) -> torch.nn.Module:
+    """Checkpointing, compilation and the data-parallel wrapper, innermost first (torchtitan's
+    order): each block's forward is compiled, and FSDP's all-gathers hook around it."""
+    model.set_activation_checkpointing(cfg.activation_checkpointing)
+    if cfg.compile:
+        # Blocks share one compiled code object, with a variant per block kind (LNS factor 1 or
+        # not, Post or Pre in Mix-LN) and grad mode (training, evaluation): more than the default 8.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+        for block in model.model.layers:
+            # The forward, not the module: parameter names stay as they are (no `_orig_mod.`),
+            # and hooks around the call (FSDP) run eagerly.
+            block.forward = torch.compile(block.forward)
+    if world.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.model.layers:
+            fully_shard(block)
+        fully_shard(model)  # the embedding, final norm and head
+        return model
+    if world.parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: torch.nn.Module, world: World, on: bool):
+    """Communicate gradients only on the last micro-batch of a step."""
+    if world.parallel == "ddp" and not on:
+        with model.no_sync():
+            yield
+        return
+    if world.parallel == "fsdp":
+        model.set_requires_gradient_sync(on)
+    yield
+
+
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict, dict | None]:
+    """Model and optimizer state, whole, on the CPU, keyed by parameter name: the same on any
+    number of ranks with any wrapper. A collective under torchrun (every rank calls it; rank 0
+    gets the tensors)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=options)
+    return model_state, None if optimizer is None else get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=options)
+    if all(isinstance(p, int) for group in optimizer_state["param_groups"] for p in group["params"]):
+        optimizer.load_state_dict(optimizer_state)  # written before checkpoints were keyed by name
+    else:
+        set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
 
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -206,19 +345,27 @@ class Diverged(DepthcurseError):
     pass
 
 
-def train_step(model, optimizer, scheduler, batch, micro_batch: int, amp, grad_clip: float, device) -> tuple[float, float]:
-    """One optimizer step over `batch`, split into micro-batches. The loss is the mean over the
-    batch's real target tokens, whatever the split, so accumulation changes nothing."""
-    n_tokens = batch.tokens
+def train_step(model, optimizer, scheduler, batch, micro_batch: int, amp, grad_clip: float, device, world: World = World()) -> tuple[float, float]:
+    """One optimizer step over the global `batch`: this rank's slice of it, split into
+    micro-batches. The loss is the mean over the global batch's real target tokens, whatever the
+    split over ranks and micro-batches, so neither changes anything."""
+    n_tokens = batch.tokens  # every rank holds the whole global batch: no all-reduce needed
+    ids, targets = world.shard(batch.input_ids), world.shard(batch.targets)
+    micro = list(zip(ids.split(micro_batch), targets.split(micro_batch)))
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
-    for ids, targets in zip(batch.input_ids.split(micro_batch), batch.targets.split(micro_batch)):
-        with amp:
-            loss = model(ids.to(device), targets.to(device)) / n_tokens
-        loss.backward()
+    for i, (ids, targets) in enumerate(micro):
+        with gradient_sync(model, world, on=i == len(micro) - 1):
+            with amp:
+                loss = model(ids.to(device), targets.to(device)) / n_tokens
+            # DDP and FSDP average the ranks' gradients; the ranks' losses are shares of one sum.
+            (loss * world.size if world.size > 1 else loss).backward()
         total += loss.detach().float()
+    total = world.sum(total)
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor over the shards
+        grad_norm = grad_norm.full_tensor()
     loss_value, norm_value = total.item(), grad_norm.item()
     if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
         # Stop before the step: the weights stay as they were, and the last checkpoint is intact.
@@ -359,18 +506,26 @@ def run(cfg: TrainConfig, out_dir, *, resume: bool = False, on_progress: Callabl
 
     `stop_after` ends the call after that many total steps, as a preemption would (checkpoint
     written, no final evaluation or export): the next `resume=True` call continues exactly.
+    Under torchrun every rank calls this; only rank 0 writes files or calls the callbacks.
     """
+    cfg = cfg.resolved()
+    world, device = setup_world(cfg)
+    try:
+        return _run(cfg, Path(out_dir), world, device, resume, on_progress, on_eval, on_start, stop_after)
+    finally:
+        world.close()
+
+
+def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, stop_after) -> dict:
     from depthcurse import report
     from depthcurse.train_data import bpe_tokenizer, build_data, load_tokenizer
 
-    cfg = cfg.resolved()
-    out_dir = Path(out_dir)
     cfg_dict = cfg.to_dict()
     state = prepare_out_dir(out_dir, cfg_dict, resume)
-    if not (out_dir / CONFIG).exists() and (out_dir / "tokenizer").is_dir():
+    world.barrier()  # every rank has checked the folder before rank 0 writes into it
+    if world.main and not (out_dir / CONFIG).exists() and (out_dir / "tokenizer").is_dir():
         shutil.rmtree(out_dir / "tokenizer")  # left by an attempt that failed before it started: maybe other data
 
-    device = pick_device(cfg.device)
     precision = precision_of(cfg, device)
     amp = autocast_for(precision, device)
     if cfg.tokenizer and cfg.tokenizer.startswith("bpe:"):
@@ -378,51 +533,66 @@ def run(cfg: TrainConfig, out_dir, *, resume: bool = False, on_progress: Callabl
             vocab = int(cfg.tokenizer.removeprefix("bpe:"))
         except ValueError:
             raise DepthcurseError(f"--tokenizer {cfg.tokenizer}: write bpe:N with N the vocabulary size, e.g. bpe:4096") from None
-        tokenizer = bpe_tokenizer(cfg.data, vocab, out_dir / "tokenizer")
+        if world.main:  # trained once, by rank 0; the others load what it saved
+            tokenizer = bpe_tokenizer(cfg.data, vocab, out_dir / "tokenizer")
+        world.barrier()
+        if not world.main:
+            tokenizer = bpe_tokenizer(cfg.data, vocab, out_dir / "tokenizer")
     else:
         tokenizer = load_tokenizer(cfg.tokenizer, cfg.data)
+    # One global stream on every rank (not rank-sharded): each rank takes its slice of the same
+    # batch, so the run and its checkpoint do not depend on the number of ranks.
     data = build_data(cfg.data, tokenizer, seq_len=cfg.seq_len, pack=cfg.pack, seed=cfg.seed, val_tokens=cfg.val_tokens)
-    # Written once the data is known to be usable: a failed start leaves a folder that can be reused.
-    report.atomic_write(out_dir / CONFIG, json.dumps(cfg_dict, indent=2) + "\n")
-    model = build_model(cfg, len(tokenizer), device, precision)
+    if world.main:
+        # Written once the data is known to be usable: a failed start leaves a folder that can be reused.
+        report.atomic_write(out_dir / CONFIG, json.dumps(cfg_dict, indent=2) + "\n")
+    raw = build_model(cfg, len(tokenizer), device, precision)
+    model = parallelize(raw, cfg, world, device)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
     metrics = MetricsLog(out_dir / METRICS)
+    micro_batch = min(cfg.micro_batch, cfg.batch_size // world.size)
 
     step, tokens, seconds = 0, 0, 0.0
+    last_saved = None
     if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        load_full_state(model, optimizer, state["model"], state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         data.train.load_state_dict(state["data"])
         set_rng_state(state["rng"])
         step, tokens, seconds = state["step"], state["tokens"], state["seconds"]
-        metrics.truncate_after(step)
-    elif (out_dir / METRICS).exists():
+        last_saved = step
+        if world.main:
+            metrics.truncate_after(step)
+    elif world.main and (out_dir / METRICS).exists():
         (out_dir / METRICS).unlink()  # a run that died before its first checkpoint starts over
+    del state  # a whole model and optimizer on the CPU
 
     def checkpoint() -> None:
-        save_checkpoint(out_dir / CHECKPOINT, {
-            "step": step, "tokens": tokens, "seconds": seconds, "config": cfg_dict,
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "data": data.train.state_dict(), "rng": rng_state(),
-        })
+        model_state, optimizer_state = full_state(model, optimizer)  # every rank takes part
+        if world.main:
+            save_checkpoint(out_dir / CHECKPOINT, {
+                "step": step, "tokens": tokens, "seconds": seconds, "config": cfg_dict,
+                "model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+                "data": data.train.state_dict(), "rng": rng_state(), "world_size": world.size,
+            })
+        world.barrier()  # no rank runs ahead of a checkpoint that might not be written yet
 
-    info = {"params": sum(p.numel() for p in model.parameters()), "device": str(device), "precision": precision,
+    info = {"params": raw.num_params(), "device": str(device),
+            "precision": precision, "kernels": raw.model.kernels, "world_size": world.size, "parallel": world.parallel,
             "data": data.label, "val_tokens": data.val_tokens, "start_step": step, "steps": cfg.steps,
             "vocab_size": len(tokenizer)}
-    if on_start:
+    if on_start and world.main:
         on_start(info)
     model.train()
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     tick, tick_tokens = time.perf_counter(), 0
-    last_saved = step if state is not None else None
     while step < end:
         batch = data.train.next_batch(cfg.batch_size)
         lr = optimizer.param_groups[0]["lr"]
         t0 = time.perf_counter()
         try:
-            loss, grad_norm = train_step(model, optimizer, scheduler, batch, cfg.micro_batch, amp, cfg.grad_clip, device)
+            loss, grad_norm = train_step(model, optimizer, scheduler, batch, micro_batch, amp, cfg.grad_clip, device, world)
         except Diverged as exc:
             raise _diverged(exc, step + 1, out_dir, last_saved) from exc
         if loss > 2 * math.log(len(tokenizer)):
@@ -434,14 +604,16 @@ def run(cfg: TrainConfig, out_dir, *, resume: bool = False, on_progress: Callabl
         if step % cfg.log_every == 0 or step == end:
             now = time.perf_counter()
             rate = tick_tokens / max(now - tick, 1e-9)
-            metrics.append({"step": step, "loss": loss, "lr": lr, "tokens": tokens, "grad_norm": grad_norm, "tokens_per_s": rate})
+            if world.main:
+                metrics.append({"step": step, "loss": loss, "lr": lr, "tokens": tokens, "grad_norm": grad_norm, "tokens_per_s": rate})
             tick, tick_tokens = now, 0
-            if on_progress:
+            if on_progress and world.main:
                 on_progress(Progress(step, cfg.steps, loss, lr, tokens, rate))
         if step % cfg.eval_every == 0 and step < cfg.steps:
             result = evaluate(model, data, cfg.micro_batch, amp, device)
-            metrics.append({"step": step, "tokens": tokens, **result})
-            if on_eval:
+            if world.main:
+                metrics.append({"step": step, "tokens": tokens, **result})
+            if on_eval and world.main:
                 on_eval(step, result)
         if step % cfg.save_every == 0 or step == end:
             checkpoint()
@@ -450,17 +622,22 @@ def run(cfg: TrainConfig, out_dir, *, resume: bool = False, on_progress: Callabl
     if step < cfg.steps:
         return {"finished": False, "step": step}
     final = evaluate(model, data, cfg.micro_batch, amp, device)
+    model_state, _ = full_state(model)
+    summary = {
+        "finished": True, "norm": cfg.norm, "preset": cfg.preset, "step": step, "tokens": tokens,
+        "train_seconds": seconds, **final, "params": info["params"], "precision": precision, "device": str(device),
+        "kernels": info["kernels"], "world_size": world.size, "parallel": world.parallel,
+        "data": data.label, "config": cfg_dict,
+    }
+    if not world.main:
+        return summary
     rows = metrics.rows()
     if not rows or rows[-1].get("val_loss") is None or rows[-1].get("step") != step:
         metrics.append({"step": step, "tokens": tokens, **final})
     if on_eval:
         on_eval(step, final)
-    exports = export_run(model, tokenizer, out_dir)
-    summary = {
-        "finished": True, "norm": cfg.norm, "preset": cfg.preset, "step": step, "tokens": tokens,
-        "train_seconds": seconds, **final, "params": info["params"], "precision": precision, "device": str(device),
-        "data": data.label, "exports": exports, "config": cfg_dict, "environment": report.environment(),
-    }
+    summary["exports"] = export_run(model_state, raw.cfg, tokenizer, out_dir)
+    summary["environment"] = report.environment()
     report.atomic_write(out_dir / SUMMARY, json.dumps(_finite(summary) | {"config": cfg_dict}, indent=2) + "\n")
     from depthcurse.train_report import plot_loss
 
@@ -473,9 +650,11 @@ def _diverged(exc: Exception, step: int, out_dir: Path, last_saved: int | None) 
     return DepthcurseError(f"training diverged at step {step} ({exc}); {kept}: lower --lr, raise --warmup or set --grad-clip")
 
 
-def export_run(model: M.Transformer, tokenizer, out_dir: Path) -> dict:
-    """hf/ (our class, any norm) and, for Pre-LN-family variants, hf-llama/ (stock Llama)."""
-    model = model.float().cpu() if next(model.parameters()).dtype != torch.float32 else model
+def export_run(model_state: dict, model_cfg: M.ModelConfig, tokenizer, out_dir: Path) -> dict:
+    """hf/ (our class, any norm) and, for Pre-LN-family variants, hf-llama/ (stock Llama), from
+    the gathered state: a plain fp32 CPU model, whatever wrapper, device and precision trained it."""
+    model = M.Transformer(model_cfg)
+    model.load_state_dict({k: v.float() for k, v in model_state.items()})
     exports = {"hf": str(M.export(model, out_dir / "hf", tokenizer))}
     if model.cfg.norm in M.STOCK_LLAMA_NORMS:
         exports["hf-llama"] = str(M.export(model, out_dir / "hf-llama", tokenizer, stock=True))

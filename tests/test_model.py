@@ -5,6 +5,11 @@ for the rest), also after layers are removed."""
 from __future__ import annotations
 
 import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +19,11 @@ from depthcurse import model as M
 from depthcurse.errors import DepthcurseError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# As in test_kernels.py: Triton picks interpreted or compiled kernels when they are defined, so
+# the Triton cases run in a child pytest process started with TRITON_INTERPRET=1.
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+KERNEL_PATHS = ["torch", "triton"] if INTERPRETER else ["torch"]
 
 V = 97
 
@@ -236,3 +246,82 @@ def test_bad_model_input():
         tiny("pre")(torch.zeros(1, 65, dtype=torch.long))
     with pytest.raises(DepthcurseError, match="no stock Llama"):
         M.to_stock_llama(tiny("mix"))
+
+
+# --------------------------------------------------------------------------- kernels, checkpointing
+
+
+def loss_and_grads(model: M.Transformer, x, targets) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    loss = model(x, targets)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def next_token_targets(x):
+    targets = torch.roll(x, -1, dims=1)
+    targets[:, -1] = -100
+    targets[0, -5:] = -100  # some ignored positions, as padding gives
+    return targets
+
+
+@pytest.mark.parametrize("kernels", KERNEL_PATHS)
+@pytest.mark.parametrize("norm", ["pre", "lns", "mix", "sandwich", "layerscale", "deepnorm"])
+def test_kernels_match_the_plain_model(norm, kernels):
+    """The fused path (residual add inside the norms, chunked linear + cross-entropy) gives the
+    plain model's summed loss and every parameter's gradient, fp32. Mix-LN covers post blocks
+    followed by pre ones; a chunk of 8 rows makes the loss really chunked."""
+    plain = tiny(norm, layers=3, mix_ratio=0.34).train()
+    with torch.no_grad():
+        for block in plain.model.layers:  # non-zero branch scales, so SkipInit/LayerScale gradients matter
+            for name in ("attn_scale", "mlp_scale"):
+                if hasattr(block, name):
+                    getattr(block, name).fill_(0.5)
+    fused = M.Transformer(plain.cfg, kernels=kernels).train()
+    fused.load_state_dict(plain.state_dict())
+    fused.loss_fn.keywords["chunk_size"] = 8
+    x = ids(batch=2, T=16)
+    targets = next_token_targets(x)
+    loss, grads = loss_and_grads(plain, x, targets)
+    fused_loss, fused_grads = loss_and_grads(fused, x, targets)
+    torch.testing.assert_close(fused_loss, loss, rtol=1e-5, atol=1e-5)
+    for name, g in grads.items():
+        scale = g.abs().max().item()
+        torch.testing.assert_close(fused_grads[name], g, rtol=1e-4, atol=1e-5 * max(scale, 1.0), msg=name)
+    with torch.no_grad():  # and the logits, the path that export and evaluation use
+        torch.testing.assert_close(fused(x), plain(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernels", ["off", "torch"])
+@pytest.mark.parametrize("norm", ["lns", "post"])
+def test_activation_checkpointing_changes_nothing(norm, kernels):
+    model = M.Transformer(tiny(norm, layers=3).cfg, kernels=kernels).train()
+    x = ids(batch=2, T=16)
+    targets = next_token_targets(x)
+    loss, grads = loss_and_grads(model, x, targets)
+    model.set_activation_checkpointing(True)
+    ckpt_loss, ckpt_grads = loss_and_grads(model, x, targets)
+    assert ckpt_loss.item() == loss.item()  # the same operations in the same order
+    for name, g in grads.items():
+        torch.testing.assert_close(ckpt_grads[name], g, rtol=0, atol=0, msg=name)
+
+
+def test_resolve_kernels():
+    assert M.resolve_kernels("auto", "cpu") == "off"
+    assert M.resolve_kernels("torch", "cpu") == "torch"
+    with pytest.raises(DepthcurseError, match="unknown --kernels 'cuda'"):
+        M.resolve_kernels("cuda", "cpu")
+
+
+@pytest.mark.skipif(INTERPRETER, reason="this is the child run itself")
+def test_kernels_under_the_triton_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernels_match and triton", str(Path(__file__).resolve())],
+        cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=900,
+    )
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, tail
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed and int(passed.group(1)) == 6, tail  # every norm of test_kernels_match_the_plain_model

@@ -1,0 +1,196 @@
+"""Training throughput and peak memory: our trainer's step against a plain eager loop, one run.
+
+- reference: the papers' way. The same model with its plain modules (kernels off), SDPA
+  attention, the full [tokens, vocab] logits into F.cross_entropy, Adam, nothing fused or compiled.
+- trainer: `depthcurse.train.train_step` on a model built and wrapped as `lns-train` does it
+  (`build_model` + `parallelize`): fused norms and chunked linear + cross-entropy (`--kernels`),
+  optionally `--compile` and `--activation-checkpointing`.
+
+Both see the same random token batches, micro-batches, precision and optimizer. Each runs in a
+child process of its own, so one's freed memory cannot hide the other's peak. Peak memory: on the
+CPU, the rise of the resident set's high-water mark (Linux VmHWM, reset before the timed steps)
+above its size before them, with glibc told to return blocks of 64 KiB or more to the system so the
+mark follows live tensors (weights and Adam state exist before, so this is activations, gradients
+and logits); on CUDA, torch.cuda.max_memory_allocated over the timed steps (everything: weights,
+optimizer state, activations). On CUDA it also reports model FLOPs utilisation: (6 N + 12 L d T)
+FLOPs per token (N the parameters outside the input embedding, T the sequence length: PaLM's
+count, attention as if unmasked) times tokens/s, over `--peak-tflops`.
+
+    .venv/bin/python benchmarks/train_throughput.py                              # tiny, CPU, kernels' PyTorch path
+    .venv/bin/python benchmarks/train_throughput.py --device cuda --preset 130m  # Triton kernels, bf16-mixed
+    .venv/bin/python benchmarks/train_throughput.py --device cuda --preset 350m --compile --out /tmp/t.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+VARIANTS = ("reference", "trainer")
+
+
+def _status_bytes(key: str) -> int:
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(rf"^{key}:\s+(\d+) kB", text, re.M).group(1)) * 1024
+
+
+def run_variant(args) -> dict:
+    """One variant in this (child) process: warm-up steps, then timed steps; returns the figures."""
+    import torch
+    import torch.nn.functional as F
+
+    from depthcurse import train
+    from depthcurse.train_data import Batch
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    cfg = train.TrainConfig(preset=args.preset, norm=args.norm, seq_len=args.seq_len, max_seq_len=args.seq_len,
+                            batch_size=args.batch_size, micro_batch=args.micro_batch, precision=args.precision,
+                            kernels=args.kernels if args.variant == "trainer" else "off",
+                            compile=args.compile and args.variant == "trainer",
+                            activation_checkpointing=args.activation_checkpointing and args.variant == "trainer").resolved()
+    precision = train.precision_of(cfg, device)
+    amp = train.autocast_for(precision, device)
+    model = train.build_model(cfg, args.vocab, device, precision)
+    kernels = model.model.kernels
+    model = train.parallelize(model, cfg, train.World(), device)
+    optimizer = train.build_optimizer(cfg, model)
+    scheduler = train.build_scheduler(cfg, optimizer)
+    g = torch.Generator().manual_seed(0)
+
+    def batch() -> Batch:
+        ids = torch.randint(0, args.vocab, (cfg.batch_size, cfg.seq_len + 1), generator=g)
+        return Batch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+
+    def reference_step(b: Batch) -> float:
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        n_micro = cfg.batch_size // cfg.micro_batch
+        for ids, targets in zip(b.input_ids.split(cfg.micro_batch), b.targets.split(cfg.micro_batch)):
+            ids, targets = ids.to(device), targets.to(device)
+            with amp:
+                logits = model(ids)
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1)) / n_micro
+            loss.backward()
+            total += loss.item()
+        optimizer.step()
+        scheduler.step()
+        return total
+
+    def step(b: Batch) -> float:
+        if args.variant == "reference":
+            return reference_step(b)
+        return train.train_step(model, optimizer, scheduler, b, cfg.micro_batch, amp, 0.0, device)[0]
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(args.warmup):
+        step(batch())
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = 0
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts at the current size
+        before = _status_bytes("VmRSS")
+    seconds, losses = [], []
+    for _ in range(args.steps):
+        b = batch()
+        started = time.perf_counter()
+        losses.append(step(b))
+        sync()
+        seconds.append(time.perf_counter() - started)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _status_bytes("VmHWM")
+    raw = model.module if hasattr(model, "module") else model
+    tokens = cfg.batch_size * cfg.seq_len
+    median = statistics.median(seconds)
+    c = raw.cfg
+    n = raw.num_params() - raw.model.embed_tokens.weight.numel()
+    flops_per_token = 6 * n + 12 * c.num_layers * c.hidden_size * cfg.seq_len
+    result = {
+        "variant": args.variant, "kernels": kernels, "compile": cfg.compile, "activation_checkpointing": cfg.activation_checkpointing,
+        "precision": precision, "params": raw.num_params(), "tokens_per_step": tokens, "seconds": seconds,
+        "median_seconds": median, "tokens_per_s": tokens / median, "peak_bytes": peak - before,
+        "first_loss": losses[0], "last_loss": losses[-1],
+    }
+    if device.type == "cuda":
+        result["mfu"] = flops_per_token * tokens / median / (args.peak_tflops * 1e12)
+        result["peak_bytes_kind"] = "torch.cuda.max_memory_allocated (all of it)"
+    else:
+        result["peak_bytes_kind"] = "resident set high-water mark above the size before the timed steps"
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="tiny", help="model and batch preset: tiny, 130m, 250m, 350m, 1b")
+    parser.add_argument("--norm", default="lns")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: 49152, SmolLM2's, for tiny; 32100, t5-base's, otherwise)")
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: the preset's)")
+    parser.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (default: the preset's)")
+    parser.add_argument("--seq-len", type=int, default=None, help="default: the preset's")
+    parser.add_argument("--precision", default="auto", help="auto: bf16-mixed on CUDA, fp32 on the CPU")
+    parser.add_argument("--kernels", default=None, help="the trainer's kernels (default: auto on CUDA, torch on the CPU, where auto means off)")
+    parser.add_argument("--compile", action="store_true", help="compile the trainer's blocks")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (more with --compile)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps")
+    parser.add_argument("--threads", type=int, default=1, help="1: on a busy CPU, idle threads spinning made small steps many times slower")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the accelerator's peak, for MFU (H100 SXM dense bf16: 989)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # set in the child processes
+    args = parser.parse_args()
+    if args.vocab is None:
+        args.vocab = 49152 if args.preset == "tiny" else 32100
+    if args.kernels is None:
+        args.kernels = "auto" if args.device.startswith("cuda") else "torch"
+
+    if args.variant:
+        print(json.dumps(run_variant(args)))
+        return
+
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    load_before = os.getloadavg()
+    results = {}
+    for variant in VARIANTS:
+        proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--variant", variant], env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"{variant} failed:\n{proc.stderr[-3000:]}")
+        results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+    ref, ours = results["reference"], results["trainer"]
+    summary = {
+        "preset": args.preset, "norm": args.norm, "device": args.device, "vocab": args.vocab, "threads": args.threads,
+        "warmup": args.warmup, "steps": args.steps, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "cpus": os.cpu_count(), "load_average_before": load_before, "load_average_after": os.getloadavg(), "results": results,
+        "throughput_ratio_trainer_over_reference": ours["tokens_per_s"] / ref["tokens_per_s"],
+        "peak_memory_ratio_trainer_over_reference": ours["peak_bytes"] / ref["peak_bytes"],
+    }
+    print(f"{args.preset} ({ref['params'] / 1e6:.2f}M parameters, vocab {args.vocab}), {ours['tokens_per_step']} tokens per step, "
+          f"{args.device}, {ref['precision']}, {args.threads} threads, {args.steps} timed steps after {args.warmup}; "
+          f"load average before {load_before[0]:.2f}, after {summary['load_average_after'][0]:.2f}")
+    print(f"{'variant':<10} {'kernels':>8} {'compile':>8} {'tokens/s':>10} {'median s':>9} {'peak MB':>9}" + ("  MFU" if "mfu" in ref else ""))
+    for r in (ref, ours):
+        print(f"{r['variant']:<10} {r['kernels']:>8} {str(r['compile']):>8} {r['tokens_per_s']:>10.0f} {r['median_seconds']:>9.3f} "
+              f"{r['peak_bytes'] / 1e6:>9.1f}" + (f"  {r['mfu']:.1%}" if "mfu" in r else ""))
+    print(f"trainer / reference: throughput {summary['throughput_ratio_trainer_over_reference']:.2f}x, "
+          f"peak memory {summary['peak_memory_ratio_trainer_over_reference']:.2f}x; first-step loss {ref['first_loss']:.4f} vs {ours['first_loss']:.4f}")
+    if args.out:
+        from depthcurse.report import atomic_write
+
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(args.out, json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
