@@ -303,7 +303,7 @@ def plan(requests: list[TokenRequest], min_prefix: int = MIN_SHARED_PREFIX) -> l
 class VariantScorer:
     """Log-likelihoods of token requests under the unpruned model and every variant, batch by batch."""
 
-    def __init__(self, stepper: Stepper, variants: list[tuple[int, ...]], max_memory: int):
+    def __init__(self, stepper: Stepper, variants: list[tuple[int, ...]], max_memory: int, max_rows: int | None = None):
         self.s = stepper
         self.variants = list(variants)
         if () not in self.variants:
@@ -313,6 +313,9 @@ class VariantScorer:
                 raise DepthcurseError(f"variant {v} removes a layer outside 0-{stepper.n_layers - 1}")
         self.starts = sorted({min(v) for v in self.variants if v})
         self.budget = max_memory
+        # --batch-size: also the unit of progress and of resuming, so a sweep of a few long
+        # inputs still reports and saves as it goes instead of in one batch at the very end.
+        self.max_rows = max_rows
         self.block_passes = 0
         self.need_greedy = True  # whether is_greedy is wanted (lm-eval's tasks) or only log-likelihoods (ppl)
 
@@ -347,7 +350,8 @@ class VariantScorer:
                 longest = len(batch[0].inputs) - g.prefix if batch else width
                 n = len(batch) + 1
                 cost = n * longest * self._bytes_per_token(g.prefix + longest)
-                if batch and (cost > budget or n * longest > MAX_BATCH_TOKENS):
+                too_many = self.max_rows is not None and n > self.max_rows
+                if batch and (cost > budget or n * longest > MAX_BATCH_TOKENS or too_many):
                     out.append(_Batch(gi, batch))
                     batch = []
                 batch.append(row)
@@ -458,15 +462,17 @@ def score_requests(
     on_batch: Callable[[int, int], None] | None = None,
     share_prefixes: bool = True,
     need_greedy: bool = True,
+    max_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(log-likelihood [variants, requests], is_greedy [variants, requests], stats) for every variant.
 
     With `need_greedy=False` is_greedy is all False and the head skips its argmax pass.
+    `max_rows` caps the rows of a batch (the task's --batch-size); the memory budget caps it too.
 
     With `store`, each finished batch is saved there atomically and a rerun with the same
     `fingerprint` (same requests, variants and batching) loads it instead of recomputing.
     """
-    scorer = VariantScorer(stepper, variants, max_memory)
+    scorer = VariantScorer(stepper, variants, max_memory, max_rows)
     scorer.need_greedy = need_greedy
     groups = plan(requests, MIN_SHARED_PREFIX if share_prefixes else 10**9)
     batches = scorer.batches(requests, groups)
@@ -675,7 +681,7 @@ def evaluate_variants(
     if not requests:
         raise DepthcurseError(f"task {task.name} produced no requests to score")
     t_requests = time.perf_counter() - started
-    lp, greedy, stats = score_requests(stepper, requests, asked, max_memory=parse_memory(max_memory), store=store, fingerprint=fingerprint, on_batch=on_batch, share_prefixes=share_prefixes, need_greedy=lm_requests is not None)
+    lp, greedy, stats = score_requests(stepper, requests, asked, max_memory=parse_memory(max_memory), store=store, fingerprint=fingerprint, on_batch=on_batch, share_prefixes=share_prefixes, need_greedy=lm_requests is not None, max_rows=getattr(task, "batch_size", None))
     scores = {}
     for vi, v in enumerate(asked):
         if lm_requests is None:

@@ -77,6 +77,19 @@ def test_small_memory_budget_gives_the_same_scores(one_torch_thread):
     assert torch.allclose(big, small, atol=1e-5)
 
 
+def test_batch_size_caps_the_rows_of_a_batch(tiny_tokenizer, tmp_path, one_torch_thread):
+    """--batch-size is the unit of progress and resuming: 6 windows at batch size 2 are 3 saved batches."""
+    model = _model("llama-gqa", len(tiny_tokenizer))
+    loaded = _loaded(model, tiny_tokenizer)
+    scores = {}
+    for bs in (2, 6):
+        task = PerplexityTask(tiny_tokenizer, CORPUS * 8, source="corpus", seq_len=48, limit=6, batch_size=bs)
+        sweep = run_sweep(loaded, task, [0, 3], tmp_path / f"bs{bs}", engine="reuse")
+        assert sweep.meta["engine"]["batches"] == 6 // bs
+        scores[bs] = [v.metrics["loss"] for v in sweep.variants]
+    assert scores[2] == pytest.approx(scores[6], abs=1e-5)
+
+
 def _loaded(model, tokenizer):
     return LoadedModel(model=model, tokenizer=tokenizer, name="tiny", source="tiny", dtype=torch.float32, device=torch.device("cpu"))
 
