@@ -1,11 +1,9 @@
 """Chunked linear + cross-entropy against the naive `F.cross_entropy(hidden @ W.T, targets)`:
 peak memory and time of one forward + backward (loss, grads of hidden and W).
 
-Each variant runs in a child process of its own, so one's freed memory cannot hide the other's
-peak. On the CPU the peak is the process's resident-set high-water mark (Linux VmHWM, reset before
-each step via /proc/self/clear_refs) above its size just before the step; glibc is told to give
-every block of 64 KiB or more straight back to the system, so the mark follows live tensors. On
-CUDA it is torch.cuda.max_memory_allocated above the allocated memory before the step. Example:
+Each variant runs in a child process of its own; the peak is measured per step as
+`peak_memory.py` describes (resident-set rise on the CPU, torch.cuda.max_memory_allocated on
+CUDA). Example:
 
     .venv/bin/python benchmarks/kernels.py                       # N=4096, d=256, V=49152, fp32, CPU
     .venv/bin/python benchmarks/kernels.py --tokens 16384 --chunk-size 1024 --out /tmp/k.json
@@ -15,21 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import statistics
-import subprocess
-import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
+from peak_memory import PeakMemory, run_variants, write_json
+
 VARIANTS = ("naive", "chunked")
-
-
-def _status_bytes(key: str) -> int:
-    text = Path("/proc/self/status").read_text()
-    return int(re.search(rf"^{key}:\s+(\d+) kB", text, re.M).group(1)) * 1024
 
 
 def run_variant(args) -> dict:
@@ -61,21 +51,16 @@ def run_variant(args) -> dict:
             torch.cuda.synchronize()
 
     peaks, seconds = [], []
+    memory = PeakMemory(device)
     for i in range(args.repeats + 1):
         hidden.grad = weight.grad = None
         sync()
-        if device.type == "cuda":
-            before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark to the current size
-            before = _status_bytes("VmRSS")
+        memory.start()
         started = time.perf_counter()
         loss = step()
         sync()
         elapsed = time.perf_counter() - started
-        peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _status_bytes("VmHWM")
-        peaks.append(peak - before)
+        peaks.append(memory.rise())
         if i > 0:  # the first step warms up allocator and kernels
             seconds.append(elapsed)
     return {
@@ -104,23 +89,12 @@ def main() -> None:
         print(json.dumps(run_variant(args)))
         return
 
-    # glibc returns blocks of at least this size to the system on free, so resident memory
-    # tracks live tensors instead of a heap that only grows.
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    load_before = os.getloadavg()
-    results = {}
-    for variant in VARIANTS:
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", variant]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            sys.exit(f"{variant} failed:\n{proc.stderr[-3000:]}")
-        results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+    results, conditions = run_variants(__file__, VARIANTS)
+    load_before = conditions["load_average_before"]
     naive, chunked = results["naive"], results["chunked"]
     summary = {
         "shape": {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "dtype": args.dtype},
-        "device": args.device, "threads": args.threads, "repeats": args.repeats,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpus": os.cpu_count(),
-        "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "device": args.device, "threads": args.threads, "repeats": args.repeats, **conditions,
         "results": results,
         "peak_memory_ratio_chunked_over_naive": chunked["peak_bytes"] / naive["peak_bytes"],
         "time_ratio_chunked_over_naive": chunked["median_seconds"] / naive["median_seconds"],
@@ -136,11 +110,7 @@ def main() -> None:
           f"time {summary['time_ratio_chunked_over_naive']:.3f}; |loss difference| {summary['loss_abs_diff']:.2e}; "
           f"|grad| sums naive {naive['grad_hidden_abs_sum']:.6g} / {naive['grad_weight_abs_sum']:.6g}, "
           f"chunked {chunked['grad_hidden_abs_sum']:.6g} / {chunked['grad_weight_abs_sum']:.6g}")
-    if args.out:
-        from depthcurse.report import atomic_write
-
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(args.out, json.dumps(summary, indent=2) + "\n")
+    write_json(args.out, summary)
 
 
 if __name__ == "__main__":

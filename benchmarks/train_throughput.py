@@ -7,12 +7,9 @@
   optionally `--compile` and `--activation-checkpointing`.
 
 Both see the same random token batches, micro-batches, precision and optimizer. Each runs in a
-child process of its own, so one's freed memory cannot hide the other's peak. Peak memory: on the
-CPU, the rise of the resident set's high-water mark (Linux VmHWM, reset before the timed steps)
-above its size before them, with glibc told to return blocks of 64 KiB or more to the system so the
-mark follows live tensors (weights and Adam state exist before, so this is activations, gradients
-and logits); on CUDA, torch.cuda.max_memory_allocated over the timed steps (everything: weights,
-optimizer state, activations). On CUDA it also reports model FLOPs utilisation: (6 N + 12 L d T)
+child process of its own (`peak_memory.py`). Peak memory is the rise over the timed steps: on the
+CPU of the resident set's high-water mark, on CUDA of torch.cuda.max_memory_allocated. Weights
+and Adam state exist before the window opens, so this is activations, gradients and logits. On CUDA it also reports model FLOPs utilisation: (6 N + 12 L d T)
 FLOPs per token (N the parameters outside the input embedding, T the sequence length: PaLM's
 count, attention as if unmasked) times tokens/s, over `--peak-tflops`.
 
@@ -25,21 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import statistics
-import subprocess
-import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
+from peak_memory import PeakMemory, run_variants, write_json
+
 VARIANTS = ("reference", "trainer")
-
-
-def _status_bytes(key: str) -> int:
-    text = Path("/proc/self/status").read_text()
-    return int(re.search(rf"^{key}:\s+(\d+) kB", text, re.M).group(1)) * 1024
 
 
 def run_variant(args) -> dict:
@@ -97,12 +86,8 @@ def run_variant(args) -> dict:
     for _ in range(args.warmup):
         step(batch())
     sync()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        before = 0
-    else:
-        Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts at the current size
-        before = _status_bytes("VmRSS")
+    memory = PeakMemory(device)
+    memory.start()
     seconds, losses = [], []
     for _ in range(args.steps):
         b = batch()
@@ -110,7 +95,7 @@ def run_variant(args) -> dict:
         losses.append(step(b))
         sync()
         seconds.append(time.perf_counter() - started)
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _status_bytes("VmHWM")
+    peak = memory.rise()
     raw = model.module if hasattr(model, "module") else model
     tokens = cfg.batch_size * cfg.seq_len
     median = statistics.median(seconds)
@@ -120,12 +105,12 @@ def run_variant(args) -> dict:
     result = {
         "variant": args.variant, "kernels": kernels, "compile": cfg.compile, "activation_checkpointing": cfg.activation_checkpointing,
         "precision": precision, "params": raw.num_params(), "tokens_per_step": tokens, "seconds": seconds,
-        "median_seconds": median, "tokens_per_s": tokens / median, "peak_bytes": peak - before,
+        "median_seconds": median, "tokens_per_s": tokens / median, "peak_bytes": peak,
         "first_loss": losses[0], "last_loss": losses[-1],
     }
     if device.type == "cuda":
         result["mfu"] = flops_per_token * tokens / median / (args.peak_tflops * 1e12)
-        result["peak_bytes_kind"] = "torch.cuda.max_memory_allocated (all of it)"
+        result["peak_bytes_kind"] = "torch.cuda.max_memory_allocated above the allocated memory before the timed steps"
     else:
         result["peak_bytes_kind"] = "resident set high-water mark above the size before the timed steps"
     return result
@@ -160,19 +145,12 @@ def main() -> None:
         print(json.dumps(run_variant(args)))
         return
 
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    load_before = os.getloadavg()
-    results = {}
-    for variant in VARIANTS:
-        proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--variant", variant], env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            sys.exit(f"{variant} failed:\n{proc.stderr[-3000:]}")
-        results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+    results, conditions = run_variants(__file__, VARIANTS)
+    load_before = conditions["load_average_before"]
     ref, ours = results["reference"], results["trainer"]
     summary = {
         "preset": args.preset, "norm": args.norm, "device": args.device, "vocab": args.vocab, "threads": args.threads,
-        "warmup": args.warmup, "steps": args.steps, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "cpus": os.cpu_count(), "load_average_before": load_before, "load_average_after": os.getloadavg(), "results": results,
+        "warmup": args.warmup, "steps": args.steps, **conditions, "results": results,
         "throughput_ratio_trainer_over_reference": ours["tokens_per_s"] / ref["tokens_per_s"],
         "peak_memory_ratio_trainer_over_reference": ours["peak_bytes"] / ref["peak_bytes"],
     }
@@ -185,11 +163,7 @@ def main() -> None:
               f"{r['peak_bytes'] / 1e6:>9.1f}" + (f"  {r['mfu']:.1%}" if "mfu" in r else ""))
     print(f"trainer / reference: throughput {summary['throughput_ratio_trainer_over_reference']:.2f}x, "
           f"peak memory {summary['peak_memory_ratio_trainer_over_reference']:.2f}x; first-step loss {ref['first_loss']:.4f} vs {ours['first_loss']:.4f}")
-    if args.out:
-        from depthcurse.report import atomic_write
-
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(args.out, json.dumps(summary, indent=2) + "\n")
+    write_json(args.out, summary)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,76 @@
+"""Peak memory of one variant per child process, shared by the benchmark scripts beside it.
+
+Each variant runs in a child process of its own, so one's freed memory cannot hide the other's
+peak. On the CPU the peak is the rise of the process's resident-set high-water mark (Linux VmHWM,
+reset via /proc/self/clear_refs) above its size when the window opened; glibc is told to give
+every block of 64 KiB or more straight back to the system, so the mark follows live tensors. On
+CUDA it is torch.cuda.max_memory_allocated above the memory allocated when the window opened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+def _status_bytes(key: str) -> int:
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(rf"^{key}:\s+(\d+) kB", text, re.M).group(1)) * 1024
+
+
+class PeakMemory:
+    """`start()` opens a measuring window, `rise()` gives the peak bytes above its start."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.before = 0
+
+    def start(self) -> None:
+        import torch
+
+        if self.cuda:
+            self.before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts at the current size
+            self.before = _status_bytes("VmRSS")
+
+    def rise(self) -> int:
+        import torch
+
+        peak = torch.cuda.max_memory_allocated() if self.cuda else _status_bytes("VmHWM")
+        return peak - self.before
+
+
+def run_variants(script: str, variants: tuple[str, ...]) -> tuple[dict, dict]:
+    """Run `script` once per variant (with this command line plus `--variant NAME`), each in its
+    own process; its last stdout line is its result as JSON. Returns (results, conditions)."""
+    # glibc returns blocks of at least this size to the system on free, so resident memory
+    # tracks live tensors instead of a heap that only grows.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    load_before = os.getloadavg()
+    results = {}
+    for variant in variants:
+        proc = subprocess.run([sys.executable, script, *sys.argv[1:], "--variant", variant], env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"{variant} failed:\n{proc.stderr[-3000:]}")
+        results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+    conditions = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpus": os.cpu_count(),
+        "load_average_before": load_before, "load_average_after": os.getloadavg(),
+    }
+    return results, conditions
+
+
+def write_json(path: Path | None, summary: dict) -> None:
+    if path is None:
+        return
+    from depthcurse.report import atomic_write
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps(summary, indent=2) + "\n")
