@@ -44,7 +44,10 @@ from depthcurse.tasks import LmEvalTask, PerplexityTask, Score
 
 MIN_SHARED_PREFIX = 16  # tokens; below this a prefix group saves less than it costs in smaller batches
 HEAD_CHUNK_BYTES = 64 * 2**20  # fp32 logits computed at once by the head
-MAX_BATCH_TOKENS = 16384  # beyond this a bigger batch only delays the next saved checkpoint
+# Tokens per batch at most: a batch (every variant) is the unit of progress and of resuming, so
+# beyond this a bigger batch only delays the next saved checkpoint. A CPU gains little from big
+# batches and takes minutes per batch of all variants, so there the cap is lower.
+MAX_BATCH_TOKENS = {"cuda": 16384, "cpu": 2048}
 
 
 class Unsupported(Exception):
@@ -303,7 +306,7 @@ def plan(requests: list[TokenRequest], min_prefix: int = MIN_SHARED_PREFIX) -> l
 class VariantScorer:
     """Log-likelihoods of token requests under the unpruned model and every variant, batch by batch."""
 
-    def __init__(self, stepper: Stepper, variants: list[tuple[int, ...]], max_memory: int, max_rows: int | None = None):
+    def __init__(self, stepper: Stepper, variants: list[tuple[int, ...]], max_memory: int, max_batch_tokens: int | None = None):
         self.s = stepper
         self.variants = list(variants)
         if () not in self.variants:
@@ -313,9 +316,7 @@ class VariantScorer:
                 raise DepthcurseError(f"variant {v} removes a layer outside 0-{stepper.n_layers - 1}")
         self.starts = sorted({min(v) for v in self.variants if v})
         self.budget = max_memory
-        # --batch-size: also the unit of progress and of resuming, so a sweep of a few long
-        # inputs still reports and saves as it goes instead of in one batch at the very end.
-        self.max_rows = max_rows
+        self.max_batch_tokens = max_batch_tokens or MAX_BATCH_TOKENS.get(torch.device(stepper.device).type, MAX_BATCH_TOKENS["cuda"])
         self.block_passes = 0
         self.need_greedy = True  # whether is_greedy is wanted (lm-eval's tasks) or only log-likelihoods (ppl)
 
@@ -350,8 +351,7 @@ class VariantScorer:
                 longest = len(batch[0].inputs) - g.prefix if batch else width
                 n = len(batch) + 1
                 cost = n * longest * self._bytes_per_token(g.prefix + longest)
-                too_many = self.max_rows is not None and n > self.max_rows
-                if batch and (cost > budget or n * longest > MAX_BATCH_TOKENS or too_many):
+                if batch and (cost > budget or n * longest > self.max_batch_tokens):
                     out.append(_Batch(gi, batch))
                     batch = []
                 batch.append(row)
@@ -462,17 +462,18 @@ def score_requests(
     on_batch: Callable[[int, int], None] | None = None,
     share_prefixes: bool = True,
     need_greedy: bool = True,
-    max_rows: int | None = None,
+    max_batch_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(log-likelihood [variants, requests], is_greedy [variants, requests], stats) for every variant.
 
     With `need_greedy=False` is_greedy is all False and the head skips its argmax pass.
-    `max_rows` caps the rows of a batch (the task's --batch-size); the memory budget caps it too.
+    Batches are cut by the memory budget and by `max_batch_tokens` (default: MAX_BATCH_TOKENS for
+    the model's device).
 
     With `store`, each finished batch is saved there atomically and a rerun with the same
     `fingerprint` (same requests, variants and batching) loads it instead of recomputing.
     """
-    scorer = VariantScorer(stepper, variants, max_memory, max_rows)
+    scorer = VariantScorer(stepper, variants, max_memory, max_batch_tokens)
     scorer.need_greedy = need_greedy
     groups = plan(requests, MIN_SHARED_PREFIX if share_prefixes else 10**9)
     batches = scorer.batches(requests, groups)
@@ -681,7 +682,7 @@ def evaluate_variants(
     if not requests:
         raise DepthcurseError(f"task {task.name} produced no requests to score")
     t_requests = time.perf_counter() - started
-    lp, greedy, stats = score_requests(stepper, requests, asked, max_memory=parse_memory(max_memory), store=store, fingerprint=fingerprint, on_batch=on_batch, share_prefixes=share_prefixes, need_greedy=lm_requests is not None, max_rows=getattr(task, "batch_size", None))
+    lp, greedy, stats = score_requests(stepper, requests, asked, max_memory=parse_memory(max_memory), store=store, fingerprint=fingerprint, on_batch=on_batch, share_prefixes=share_prefixes, need_greedy=lm_requests is not None)
     scores = {}
     for vi, v in enumerate(asked):
         if lm_requests is None:

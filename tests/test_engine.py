@@ -77,17 +77,17 @@ def test_small_memory_budget_gives_the_same_scores(one_torch_thread):
     assert torch.allclose(big, small, atol=1e-5)
 
 
-def test_batch_size_caps_the_rows_of_a_batch(tiny_tokenizer, tmp_path, one_torch_thread):
-    """--batch-size is the unit of progress and resuming: 6 windows at batch size 2 are 3 saved batches."""
-    model = _model("llama-gqa", len(tiny_tokenizer))
-    loaded = _loaded(model, tiny_tokenizer)
-    scores = {}
-    for bs in (2, 6):
-        task = PerplexityTask(tiny_tokenizer, CORPUS * 8, source="corpus", seq_len=48, limit=6, batch_size=bs)
-        sweep = run_sweep(loaded, task, [0, 3], tmp_path / f"bs{bs}", engine="reuse")
-        assert sweep.meta["engine"]["batches"] == 6 // bs
-        scores[bs] = [v.metrics["loss"] for v in sweep.variants]
-    assert scores[2] == pytest.approx(scores[6], abs=1e-5)
+def test_token_cap_cuts_batches_and_changes_no_score(one_torch_thread):
+    """A batch (every variant) is the unit of progress and resuming: the token cap makes more of them, same scores."""
+    model = _model("llama-tied", 300)
+    stepper = engine.Stepper(model)
+    gen = torch.Generator().manual_seed(4)
+    requests = [engine.TokenRequest(tuple(torch.randint(0, 300, (64,), generator=gen).tolist()), 1, tuple(range(2, 65))) for _ in range(6)]
+    assert engine.VariantScorer(stepper, VARIANTS, 2**30).max_batch_tokens == engine.MAX_BATCH_TOKENS["cpu"]
+    one, _, s_one = engine.score_requests(stepper, requests, VARIANTS, max_memory=2**30, need_greedy=False)
+    cut, _, s_cut = engine.score_requests(stepper, requests, VARIANTS, max_memory=2**30, need_greedy=False, max_batch_tokens=128)
+    assert s_one["batches"] == 1 and s_cut["batches"] == 3
+    assert torch.allclose(one, cut, atol=1e-5)
 
 
 def _loaded(model, tokenizer):
