@@ -50,6 +50,18 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(text).name if os.path.exists(text) else text.split("/")[-1]).strip("-").lower() or "model"
 
 
+def _progress_bar(*extra_columns, **kwargs) -> Progress:
+    """The bar every long command shows: spinner, description, bar, done/total, extra columns, times."""
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), *extra_columns,
+                    TimeElapsedColumn(), TimeRemainingColumn(), console=console, **kwargs)
+
+
+def _model_line(loaded) -> str:
+    from depthcurse.surgery import num_layers
+
+    return f"[bold]{loaded.name}[/] ({type(loaded.model).__name__}, {num_layers(loaded.model)} layers, {str(loaded.dtype).removeprefix('torch.')}, {loaded.device})"
+
+
 @app.command()
 def prune(
     model: str = ModelArg,
@@ -114,9 +126,9 @@ def prune(
         variants = parse_layers(layers, num_layers(loaded.model))
     with console.status(f"building task {task}..."):
         the_task = build_task(task, loaded.tokenizer, data=data, seq_len=seq_len, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size, seed=seed, model=loaded.model, model_source=loaded.source)
-    console.print(f"[bold]{loaded.name}[/] ({type(loaded.model).__name__}, {num_layers(loaded.model)} layers, {str(loaded.dtype).removeprefix('torch.')}, {loaded.device}) · task [bold]{task}[/] · results in {out_dir}")
+    console.print(f"{_model_line(loaded)} · task [bold]{task}[/] · results in {out_dir}")
 
-    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+    progress = _progress_bar()
     bar = progress.add_task("baseline", total=len(variants) + 1)
 
     def on_variant(label: str, done: int, total: int) -> None:
@@ -229,7 +241,7 @@ def finetune_qa(
 
     cfg = FinetuneConfig(model=model, train_examples=train_examples, eval_examples=eval_examples, epochs=epochs, lr=lr, batch_size=batch_size, seed=seed, data=data)
     out_dir = out or Path("runs") / "finetune-qa" / _slug(model)
-    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+    progress = _progress_bar()
     bar = progress.add_task("starting", total=None)
     try:
         with progress:
@@ -318,10 +330,9 @@ def angular_distance(
 def _measure_angular(loaded, data: str, *, tokens: int, seq_len: int, batch_size: int, position: str, max_n, out_dir: Path):
     """One hooked forward pass over the text, with a progress bar; the result's `run` is filled in."""
     from depthcurse import diagnostics, report
-    from depthcurse.surgery import num_layers
 
-    console.print(f"[bold]{loaded.name}[/] ({type(loaded.model).__name__}, {num_layers(loaded.model)} layers, {str(loaded.dtype).removeprefix('torch.')}, {loaded.device}) · angular distance on {data}, {position} token · results in {out_dir}")
-    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+    console.print(f"{_model_line(loaded)} · angular distance on {data}, {position} token · results in {out_dir}")
+    progress = _progress_bar()
     bar = progress.add_task("tokens", total=None)
     with progress:
         result, tokenised, label = diagnostics.measure_text(
@@ -388,9 +399,7 @@ def lns_train(
     # Under torchrun only rank 0 talks; the others fail quietly (rank 0 says why).
     main_rank = int(os.environ.get("RANK", "0")) == 0
     out_dir = out or Path("runs") / "train" / f"{preset}-{_slug(norm)}-s{seed}"
-    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
-                        TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TimeRemainingColumn(), console=console,
-                        disable=not main_rank)
+    progress = _progress_bar(TaskProgressColumn(), TextColumn("{task.fields[stats]}"), disable=not main_rank)
     bar = progress.add_task("training", total=None, stats="")
 
     def on_start(info: dict) -> None:
