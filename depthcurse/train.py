@@ -653,8 +653,10 @@ def _diverged(exc: Exception, step: int, out_dir: Path, last_saved: int | None) 
 def export_run(model_state: dict, model_cfg: M.ModelConfig, tokenizer, out_dir: Path) -> dict:
     """hf/ (our class, any norm) and, for Pre-LN-family variants, hf-llama/ (stock Llama), from
     the gathered state: a plain fp32 CPU model, whatever wrapper, device and precision trained it."""
-    model = M.Transformer(model_cfg)
-    model.load_state_dict({k: v.float() for k, v in model_state.items()})
+    with torch.device("meta"):  # no initialisation to throw away: the weights come from the state
+        model = M.Transformer(model_cfg)
+    # Safe on meta: the LNS factors are plain floats of the modules, not tensors the state replaces.
+    model.load_state_dict({k: v.float() for k, v in model_state.items()}, assign=True)
     exports = {"hf": str(M.export(model, out_dir / "hf", tokenizer))}
     if model.cfg.norm in M.STOCK_LLAMA_NORMS:
         exports["hf-llama"] = str(M.export(model, out_dir / "hf-llama", tokenizer, stock=True))

@@ -325,3 +325,21 @@ def test_kernels_under_the_triton_interpreter():
     assert proc.returncode == 0, tail
     passed = re.search(r"(\d+) passed", proc.stdout)
     assert passed and int(passed.group(1)) == 6, tail  # every norm of test_kernels_match_the_plain_model
+
+
+@pytest.mark.parametrize("norm", ["lns", "mix"])
+def test_trainer_export_from_a_gathered_state_equals_the_model(norm, tmp_path, tiny_tokenizer):
+    """train.export_run rebuilds the model from its state dict (on the meta device, no init): same logits."""
+    from depthcurse.loading import load_model
+    from depthcurse.train import export_run
+
+    model = tiny(norm, layers=4)
+    exports = export_run(model.state_dict(), model.cfg, tiny_tokenizer, tmp_path)
+    x = ids()
+    with torch.no_grad():
+        expected = model(x)
+        ours = load_model(exports["hf"], device="cpu", dtype="fp32").model
+        torch.testing.assert_close(ours(input_ids=x).logits, expected, rtol=0, atol=0)
+        if "hf-llama" in exports:
+            stock = load_model(exports["hf-llama"], device="cpu", dtype="fp32").model
+            torch.testing.assert_close(stock(input_ids=x).logits, expected, rtol=0, atol=2e-5)
