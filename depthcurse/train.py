@@ -62,7 +62,7 @@ COMMON_DEFAULTS = dict(seq_len=256, max_seq_len=256, data="c4", pack=False, val_
                        eval_every=1000, save_every=1000, log_every=10)
 
 # Fields that may change between a run and its resume: they change nothing that is computed.
-RESUMABLE_CHANGES = {"eval_every", "save_every", "log_every", "device", "steps_per_call", "kernels", "compile",
+RESUMABLE_CHANGES = {"eval_every", "save_every", "log_every", "device", "kernels", "compile",
                      "activation_checkpointing", "parallel"}
 
 
