@@ -36,7 +36,7 @@ def run_variant(args) -> dict:
     hidden = torch.randn(args.tokens, args.hidden, generator=g).to(device, dtype).requires_grad_()
     weight = (torch.randn(args.vocab, args.hidden, generator=g) * args.hidden**-0.5).to(device, dtype).requires_grad_()
     targets = torch.randint(0, args.vocab, (args.tokens,), generator=g).to(device)
-    chunk = args.chunk_size or default_chunk_size(args.tokens, args.hidden, args.vocab)
+    chunk = args.chunk_size or default_chunk_size(args.tokens, args.hidden, args.vocab, device.type)
 
     def step():
         if args.variant == "naive":

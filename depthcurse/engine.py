@@ -43,7 +43,7 @@ from depthcurse.surgery import find_blocks
 from depthcurse.tasks import LmEvalTask, PerplexityTask, Score
 
 MIN_SHARED_PREFIX = 16  # tokens; below this a prefix group saves less than it costs in smaller batches
-HEAD_CHUNK_BYTES = 64 * 2**20  # fp32 logits computed at once by the head
+HEAD_CHUNK_BYTES = 256 * 2**20  # fp32 logits computed at once by the head (cross-entropy needs as much again)
 # Tokens per batch at most: a batch (every variant) is the unit of progress and of resuming, so
 # beyond this a bigger batch only delays the next saved checkpoint. A CPU gains little from big
 # batches and takes minutes per batch of all variants, so there the cap is lower.
@@ -139,6 +139,9 @@ class Stepper:
         if unknown:
             raise Unsupported(f"{type(model).__name__}: layer types {sorted(unknown)} are not supported")
         self.window = getattr(config, "sliding_window", None)
+        # sdpa given no mask applies causality itself (is_causal: the fused kernels, no [T, T]
+        # mask in memory), as the model's own forward does; eager attention needs the mask.
+        self.implicit_causal = getattr(config, "_attn_implementation", None) == "sdpa"
         self.rope_per_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.softcap = getattr(config, "final_logit_softcapping", None)
         self.device = self.embed.weight.device
@@ -152,12 +155,16 @@ class Stepper:
         """Masks and rotary embeddings for `length` new positions after `past` cached ones."""
         q = torch.arange(past, past + length, device=self.device)[:, None]
         k = torch.arange(past + length, device=self.device)[None]
-        allowed = {"full_attention": k <= q}
-        if "sliding_attention" in self.types:
-            allowed["sliding_attention"] = (k <= q) & (q - k < self.window)
-        # additive float masks: eager attention adds them, sdpa accepts them as they are
         lowest = torch.finfo(self.dtype).min
-        masks = {t: torch.zeros(a.shape, dtype=self.dtype, device=self.device).masked_fill(~a, lowest)[None, None] for t, a in allowed.items()}
+        masks = {}
+        for t in set(self.types):
+            window = self.window if t == "sliding_attention" else None
+            if self.implicit_causal and past == 0 and (window is None or length <= window):
+                masks[t] = None  # no cached prefix and no window cut: plain causality
+                continue
+            allowed = (k <= q) if window is None else (k <= q) & (q - k < window)
+            # additive float masks: eager attention adds them, sdpa accepts them as they are
+            masks[t] = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill(~allowed, lowest)[None, None]
         position_ids = torch.arange(past, past + length, device=self.device)[None]
         probe = torch.zeros(1, 1, device=self.device, dtype=self.dtype)
         if self.rope_per_type:
@@ -422,7 +429,7 @@ class VariantScorer:
                     tok_lp.append(logp.gather(1, t[:, None])[:, 0])
                     tok_ok.append(logp.argmax(dim=-1) == t)
                 else:  # ppl: no [positions, vocab] log-probabilities, no argmax pass
-                    tok_lp.append(logits.gather(1, t[:, None])[:, 0] - torch.logsumexp(logits, dim=-1))
+                    tok_lp.append(-F.cross_entropy(logits, t, reduction="none"))
                     tok_ok.append(torch.zeros_like(t, dtype=torch.bool))
             tok_lp, tok_ok = torch.cat(tok_lp), torch.cat(tok_ok)
             lp[vi] = torch.zeros(len(req_ids), dtype=torch.float64, device=s.device).index_add_(0, seg, tok_lp.double()).cpu()

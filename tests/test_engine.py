@@ -31,6 +31,8 @@ def _model(kind: str, vocab: int, *, max_pos: int = 4096):
         return tiny_llama(vocab)  # 256 positions: long prompts are truncated from the left, as lm-eval does
     if kind == "llama-tied":
         return LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True)).eval()
+    if kind == "llama-eager":  # eager attention: the engine must pass explicit causal masks, sdpa needs none
+        return LlamaForCausalLM(LlamaConfig(**common, attn_implementation="eager")).eval()
     if kind == "qwen2-sliding":
         return Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=True, sliding_window=24, max_window_layers=2, tie_word_embeddings=True)).eval()
     if kind == "gemma2":
@@ -38,7 +40,7 @@ def _model(kind: str, vocab: int, *, max_pos: int = 4096):
     raise ValueError(kind)
 
 
-ARCHS = ["llama-gqa", "llama-tied", "qwen2-sliding", "gemma2"]
+ARCHS = ["llama-gqa", "llama-tied", "llama-eager", "qwen2-sliding", "gemma2"]
 
 
 @pytest.mark.parametrize("kind", ARCHS)

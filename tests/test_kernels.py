@@ -5,7 +5,8 @@ Every test that takes `path` runs for the PyTorch path here and for the Triton p
 pytest process with TRITON_INTERPRET=1 (Triton's CPU interpreter): Triton chooses compiled or
 interpreted kernels when they are defined, so the variable must be set before anything imports
 them, and a child process keeps it away from the rest of the suite. The interpreter runs the
-kernels as Python, so a separate test compiles each of them for an H100 (no GPU needed).
+kernels as Python, so a separate test compiles each of them for an H100 (no GPU needed). Where a
+GPU exists, the same tests also run the compiled kernels on it (`cuda_path`).
 
 Tolerances: fp32 results must agree to about 1e-5. bf16 outputs are compared with the fp32 maths
 on the same bf16 inputs; a bf16 value carries 8 significant bits, so they may differ by one unit
@@ -33,7 +34,8 @@ from depthcurse import kernels
 from depthcurse.errors import DepthcurseError
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-PATHS = ["torch_path", "triton_path"] if INTERPRETER else ["torch_path"]
+# cuda_path: the compiled Triton kernels on a GPU, inputs copied there and results back (only where one exists)
+PATHS = ["torch_path", "triton_path"] if INTERPRETER else ["torch_path"] + (["cuda_path"] if torch.cuda.is_available() else [])
 BF16 = dict(rtol=1.6e-2, atol=1e-5)  # one bf16 unit in the last place, relative
 FP32 = dict(rtol=1e-5, atol=1e-5)  # sums of O(1) terms in another order differ by ~1e-6
 
@@ -41,7 +43,28 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _use_triton(path: str) -> bool:
-    return path == "triton_path"
+    return path in ("triton_path", "cuda_path")
+
+
+def _device_type(path: str) -> str:
+    return "cuda" if path == "cuda_path" else "cpu"
+
+
+def _there(path: str, t):
+    """`t` on the path's device: a differentiable copy, so gradients still reach the CPU leaf."""
+    return t.cuda() if path == "cuda_path" and t is not None else t
+
+
+def _back(out):
+    return tuple(o.cpu() for o in out) if isinstance(out, tuple) else out.cpu()
+
+
+def _rms_norm(path, x, weight, eps, scale=1.0, residual=None):
+    return _back(kernels.rms_norm(_there(path, x), _there(path, weight), eps, scale, residual=_there(path, residual), use_triton=_use_triton(path)))
+
+
+def _linear_ce(path, hidden, weight, targets, **kwargs):
+    return _back(kernels.fused_linear_cross_entropy(_there(path, hidden), _there(path, weight), _there(path, targets), use_triton=_use_triton(path), **kwargs))
 
 
 def reference_rms_norm(x, weight, eps, scale, residual=None):
@@ -90,7 +113,7 @@ def test_rms_norm_fp32_matches_reference(path, with_residual, scale):
     g = torch.Generator().manual_seed(1)
     dy, dr = torch.randn(x.shape, generator=g), torch.randn(x.shape, generator=g)
     eps = 1e-6
-    y, r, grads = _norm_grads(lambda x, w, res: kernels.rms_norm(x, w, eps, scale, residual=res, use_triton=_use_triton(path)), x, res, w, dy, dr)
+    y, r, grads = _norm_grads(lambda x, w, res: _rms_norm(path, x, w, eps, scale, residual=res), x, res, w, dy, dr)
     y_ref, r_ref, grads_ref = _norm_grads(lambda x, w, res: reference_rms_norm(x, w, eps, scale, res) if res is not None else reference_rms_norm(x, w, eps, scale)[0], x, res, w, dy, dr)
     torch.testing.assert_close(y, y_ref, **FP32)
     if with_residual:
@@ -109,7 +132,7 @@ def test_rms_norm_bf16_add_norm(path, w_dtype):
     dy = torch.randn(x.shape, generator=g).bfloat16().float()  # the bf16 grads autograd would pass
     dr = torch.randn(x.shape, generator=g).bfloat16().float()
     scale = 1 / math.sqrt(5)
-    y, r, grads = _norm_grads(lambda x, w, res: kernels.rms_norm(x, w, 1e-5, scale, residual=res, use_triton=_use_triton(path)), x, res, w, dy, dr)
+    y, r, grads = _norm_grads(lambda x, w, res: _rms_norm(path, x, w, 1e-5, scale, residual=res), x, res, w, dy, dr)
     assert y.dtype == r.dtype == torch.bfloat16
     assert [t.dtype for t in grads] == [torch.bfloat16, torch.bfloat16, w_dtype]
     torch.testing.assert_close(r, x + res, **(BF16 if path == "triton_path" else dict(rtol=0, atol=0)))
@@ -132,7 +155,7 @@ def test_rms_norm_mixed_dtypes_promote_like_eager(path):
     """A bf16 branch output added to an fp32 residual stream (autocast with fp32 activations)."""
     x, res, w = _norm_case((11, 24), torch.bfloat16, torch.float32, torch.float32, seed=4)
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
-    y, r, grads = _norm_grads(lambda x, w, res: kernels.rms_norm(x, w, 1e-6, 0.5, residual=res, use_triton=_use_triton(path)), x, res, w, dy, None)
+    y, r, grads = _norm_grads(lambda x, w, res: _rms_norm(path, x, w, 1e-6, 0.5, residual=res), x, res, w, dy, None)
     y_ref, r_ref, grads_ref = _norm_grads(lambda x, w, res: reference_rms_norm(x, w, 1e-6, 0.5, res), x, res, w, dy, None)
     assert y.dtype == r.dtype == torch.float32
     assert [t.dtype for t in grads] == [torch.bfloat16, torch.float32, torch.float32]
@@ -147,7 +170,7 @@ def test_rms_norm_mixed_dtypes_promote_like_eager(path):
 def test_rms_norm_matches_torch_rms_norm(path):
     """A second, library reference: F.rms_norm times the scale, at a wider row (d = 300)."""
     x, _, w = _norm_case((9, 300), torch.float32, torch.float32, None, seed=6)
-    got = kernels.rms_norm(x, w, 1e-6, 0.25, use_triton=_use_triton(path))
+    got = _rms_norm(path, x, w, 1e-6, 0.25)
     torch.testing.assert_close(got, F.rms_norm(x, (300,), w, 1e-6) * 0.25, **FP32)
 
 
@@ -207,7 +230,7 @@ def _naive(h, w, t, reduction="mean"):
 def test_linear_ce_fp32_matches_naive(path, chunk_size):
     # 37 tokens (not a multiple of the chunk), vocabulary 203, 5 padding targets
     hidden, weight, targets = _ce_case(37, 24, 203, n_ignored=5)
-    got = _ce_grads(lambda h, w, t: kernels.fused_linear_cross_entropy(h, w, t, chunk_size=chunk_size, use_triton=_use_triton(path)), hidden, weight, targets)
+    got = _ce_grads(lambda h, w, t: _linear_ce(path, h, w, t, chunk_size=chunk_size), hidden, weight, targets)
     want = _ce_grads(_naive, hidden, weight, targets)
     assert got[0].dtype == torch.float32 and got[0].shape == ()
     for a, b in zip(got, want):
@@ -218,7 +241,7 @@ def test_linear_ce_fp32_matches_naive(path, chunk_size):
 def test_linear_ce_sum_reduction_batched_shape_and_upstream_gradient(path):
     hidden, weight, targets = _ce_case(2 * 13, 16, 97, n_ignored=3, seed=1)
     hidden, targets = hidden.view(2, 13, 16), targets.view(2, 13)
-    fn = lambda h, w, t: kernels.fused_linear_cross_entropy(h, w, t, chunk_size=10, reduction="sum", use_triton=_use_triton(path))  # noqa: E731
+    fn = lambda h, w, t: _linear_ce(path, h, w, t, chunk_size=10, reduction="sum")  # noqa: E731
     got = _ce_grads(fn, hidden, weight, targets, upstream=0.37)
     want = _ce_grads(lambda h, w, t: _naive(h.view(-1, 16), w, t.view(-1), "sum"), hidden, weight, targets, upstream=0.37)
     assert got[1].shape == (2, 13, 16)
@@ -229,7 +252,7 @@ def test_linear_ce_sum_reduction_batched_shape_and_upstream_gradient(path):
 @pytest.mark.parametrize("path", PATHS)
 def test_linear_ce_bf16_close_to_fp32_maths(path):
     hidden, weight, targets = _ce_case(45, 32, 301, dtype=torch.bfloat16, n_ignored=4, seed=2)
-    loss, dh, dw = _ce_grads(lambda h, w, t: kernels.fused_linear_cross_entropy(h, w, t, chunk_size=16, use_triton=_use_triton(path)), hidden, weight, targets)
+    loss, dh, dw = _ce_grads(lambda h, w, t: _linear_ce(path, h, w, t, chunk_size=16), hidden, weight, targets)
     assert (loss.dtype, dh.dtype, dw.dtype) == (torch.float32, torch.bfloat16, torch.bfloat16)
     # Gold: the fp32 maths on the same bf16 inputs. Measured max errors, both paths: loss 4.2e-4,
     # dh 3.5e-4, dW 7e-4 (gradients up to 0.05 and 0.11). Eager bf16, F.cross_entropy on bf16
@@ -244,8 +267,8 @@ def test_linear_ce_bf16_close_to_fp32_maths(path):
 def test_linear_ce_under_autocast_keeps_fp32_master_grads(path):
     """fp32 hidden and weight under bf16 autocast: bf16 matmuls, fp32 gradients for fp32 inputs."""
     hidden, weight, targets = _ce_case(30, 32, 150, n_ignored=2, seed=3)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, dh, dw = _ce_grads(lambda h, w, t: kernels.fused_linear_cross_entropy(h, w, t, chunk_size=12, use_triton=_use_triton(path)), hidden, weight, targets)
+    with torch.autocast(_device_type(path), dtype=torch.bfloat16):
+        loss, dh, dw = _ce_grads(lambda h, w, t: _linear_ce(path, h, w, t, chunk_size=12), hidden, weight, targets)
     assert (loss.dtype, dh.dtype, dw.dtype) == (torch.float32,) * 3
     # Measured max errors: loss 1.2e-3, dh 5.6e-4, dW 1.1e-3 (Triton path; PyTorch path lower).
     gold = _ce_grads(_naive, hidden.bfloat16().float(), weight.bfloat16().float(), targets)
@@ -258,7 +281,7 @@ def test_linear_ce_under_autocast_keeps_fp32_master_grads(path):
 def test_linear_ce_all_targets_ignored_gives_zero_not_nan(path):
     hidden, weight, targets = _ce_case(9, 8, 50, n_ignored=9, seed=4)
     assert torch.isnan(_naive(hidden, weight, targets))  # what PyTorch does, for the record
-    loss, dh, dw = _ce_grads(lambda h, w, t: kernels.fused_linear_cross_entropy(h, w, t, chunk_size=4, use_triton=_use_triton(path)), hidden, weight, targets)
+    loss, dh, dw = _ce_grads(lambda h, w, t: _linear_ce(path, h, w, t, chunk_size=4), hidden, weight, targets)
     assert loss.item() == 0.0
     assert not dh.any() and not dw.any()
 
@@ -267,10 +290,10 @@ def test_linear_ce_all_targets_ignored_gives_zero_not_nan(path):
 def test_linear_ce_no_grad_and_frozen_weight(path):
     hidden, weight, targets = _ce_case(20, 12, 64, n_ignored=2, seed=5)
     with torch.no_grad():
-        loss = kernels.fused_linear_cross_entropy(hidden, weight, targets, chunk_size=7, use_triton=_use_triton(path))
+        loss = _linear_ce(path, hidden, weight, targets, chunk_size=7)
     torch.testing.assert_close(loss, _naive(hidden, weight, targets), **FP32)
     h = _leaf(hidden)
-    loss = kernels.fused_linear_cross_entropy(h, weight, targets, chunk_size=7, use_triton=_use_triton(path))
+    loss = _linear_ce(path, h, weight, targets, chunk_size=7)
     loss.backward()
     h_ref = _leaf(hidden)
     _naive(h_ref, weight, targets).backward()
@@ -331,6 +354,10 @@ def test_default_chunk_size():
     assert kernels.default_chunk_size(4096, 256, 49152) == 256
     assert kernels.default_chunk_size(65536, 768, 32000) == 2048  # 1572.9 -> next power of two
     assert kernels.default_chunk_size(100, 768, 32000) == 100
+    # on a GPU at least 2048 rows: smaller chunks cost a third more time there (docs/benchmarks.md)
+    assert kernels.default_chunk_size(16384, 768, 32100, "cuda") == 2048
+    assert kernels.default_chunk_size(65536, 768, 32000, "cuda") == 2048
+    assert kernels.default_chunk_size(262144, 768, 32000, "cuda") == 8192
 
 
 # --------------------------------------------------------------------------------------------

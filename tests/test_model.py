@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # As in test_kernels.py: Triton picks interpreted or compiled kernels when they are defined, so
 # the Triton cases run in a child pytest process started with TRITON_INTERPRET=1.
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-KERNEL_PATHS = ["torch", "triton"] if INTERPRETER else ["torch"]
+KERNEL_PATHS = ["torch", "triton"] if INTERPRETER else ["torch"] + (["triton-cuda"] if torch.cuda.is_available() else [])  # compiled Triton on a GPU
 
 V = 97
 
@@ -277,10 +277,12 @@ def test_kernels_match_the_plain_model(norm, kernels):
             for name in ("attn_scale", "mlp_scale"):
                 if hasattr(block, name):
                     getattr(block, name).fill_(0.5)
-    fused = M.Transformer(plain.cfg, kernels=kernels).train()
+    device = "cuda" if kernels == "triton-cuda" else "cpu"
+    fused = M.Transformer(plain.cfg, kernels=kernels.removesuffix("-cuda")).train()
     fused.load_state_dict(plain.state_dict())
     fused.loss_fn.keywords["chunk_size"] = 8
-    x = ids(batch=2, T=16)
+    plain, fused = plain.to(device), fused.to(device)
+    x = ids(batch=2, T=16).to(device)
     targets = next_token_targets(x)
     loss, grads = loss_and_grads(plain, x, targets)
     fused_loss, fused_grads = loss_and_grads(fused, x, targets)
