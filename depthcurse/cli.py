@@ -377,7 +377,7 @@ def lns_train(
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out exactly where its checkpoint left it."),
     out: Optional[Path] = typer.Option(None, "--out", help="Run folder (default runs/train/<preset>-<norm>-s<seed>)."),
     device: str = DeviceOpt,
-    kernels: str = typer.Option("auto", "--kernels", help="auto (Triton on CUDA, plain PyTorch elsewhere), triton, torch (the fused kernels' PyTorch path) or off (the plain model)."),
+    kernels: str = typer.Option("auto", "--kernels", help="auto (Triton on CUDA without --compile, the plain model otherwise), triton, torch (the fused kernels' PyTorch path) or off (the plain model)."),
     compile: bool = typer.Option(False, "--compile", help="torch.compile each block."),
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="Recompute each block's activations in the backward pass (less memory, about a third more compute)."),
     parallel: Optional[str] = typer.Option(None, "--parallel", help="Under torchrun: ddp (default) or fsdp (FSDP2, sharded weights and optimizer state)."),

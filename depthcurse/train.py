@@ -194,7 +194,7 @@ def autocast_for(precision: str, device: torch.device):
 
 def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, precision: str) -> M.Transformer:
     torch.manual_seed(cfg.seed)  # same seed, same initial weights, whatever the norm, on every rank
-    model = M.Transformer(cfg.model_config(vocab_size), kernels=M.resolve_kernels(cfg.kernels, device)).to(device)
+    model = M.Transformer(cfg.model_config(vocab_size), kernels=M.resolve_kernels(cfg.kernels, device, cfg.compile)).to(device)
     if precision == "bf16":
         model = model.to(torch.bfloat16)
     return model

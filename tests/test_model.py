@@ -310,6 +310,8 @@ def test_activation_checkpointing_changes_nothing(norm, kernels):
 
 def test_resolve_kernels():
     assert M.resolve_kernels("auto", "cpu") == "off"
+    assert M.resolve_kernels("auto", "cuda", compile=True) == "off"  # inductor fuses the plain blocks faster
+    assert M.resolve_kernels("triton", "cuda", compile=True) == "triton"  # asked for: kept
     assert M.resolve_kernels("torch", "cpu") == "torch"
     with pytest.raises(DepthcurseError, match="unknown --kernels 'cuda'"):
         M.resolve_kernels("cuda", "cpu")
