@@ -19,8 +19,10 @@ import argparse
 import json
 import platform
 import time
+from pathlib import Path
 
 import torch
+from peak_memory import write_json
 
 # From the models' published config.json files.
 SHAPES = {
@@ -59,7 +61,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=1, help="remove every n-th layer (1: all of them)")
     parser.add_argument("--max-memory", default="16GB", help="(c)'s budget for kept streams")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", default=None, help="also write the result as JSON here")
+    parser.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
     args = parser.parse_args()
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -120,9 +122,7 @@ def main() -> None:
     print(f"{args.shape} {args.dtype} on {result['device']}: {len(variants)} variants x {args.windows} x {args.seq_len} tokens; "
           f"(b) {b_s:.2f} s, (c) {c_s:.2f} s, (c)/(b) {c_s / b_s:.3f}; floor {result['floor_with_head']:.3f} "
           f"(blocks alone {result['floor_block_passes']:.3f}); max |loss diff| {result['max_loss_diff_b_c']:.2g}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":
