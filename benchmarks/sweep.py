@@ -5,7 +5,7 @@
         which is kinder to (a) than one `lm_eval` process per layer). ppl has no lm-eval task
         offline, so there (a) is save + load + our in-memory ppl.
     (b) `--engine lm-eval`: one in-memory model, each variant evaluated on its own.
-    (c) `--engine reuse`: all variants together (depthcurse.engine).
+    (c) `--engine reuse`: all variants together (depthcurse.prune.engine).
 
     DEPTHCURSE_CACHE=/tmp/dc_engine python benchmarks/sweep.py            # all three jobs
     DEPTHCURSE_CACHE=/tmp/dc_engine python benchmarks/sweep.py mmlu-5shot # one
@@ -34,8 +34,9 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 from depthcurse.loading import load_model  # noqa: E402
 from depthcurse.surgery import num_layers, save_pruned  # noqa: E402
-from depthcurse.sweep import run_sweep  # noqa: E402
-from depthcurse.tasks import build_task, offline_task_data, quiet_lm_eval, task_manager  # noqa: E402
+from depthcurse.prune import run_sweep  # noqa: E402
+from depthcurse.tasks import build_task  # noqa: E402
+from depthcurse.tasks.harness import offline_task_data, quiet_lm_eval, task_manager  # noqa: E402
 
 MODEL = "smollm2-135m"
 # Sized so that all three ways of all three jobs finish in about 30 minutes on a busy 2-core CPU:

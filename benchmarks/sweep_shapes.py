@@ -66,7 +66,7 @@ def main() -> None:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from depthcurse import engine
+    from depthcurse.prune import engine
     from depthcurse.surgery import removed_layers
     from depthcurse.tasks import PerplexityTask
 

@@ -2,7 +2,7 @@
 
 - reference: the papers' way. The same model with its plain modules (kernels off), SDPA
   attention, the full [tokens, vocab] logits into F.cross_entropy, Adam, nothing fused or compiled.
-- trainer: `depthcurse.train.train_step` on a model built and wrapped as `lns-train` does it
+- trainer: `depthcurse.train.loop.train_step` on a model built and wrapped as `lns-train` does it
   (`build_model` + `parallelize`): fused norms and chunked linear + cross-entropy (`--kernels`),
   optionally `--compile` and `--activation-checkpointing`.
 
@@ -36,12 +36,14 @@ def run_variant(args) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from depthcurse import train
-    from depthcurse.train_data import Batch
+    from depthcurse.train import loop as train
+    from depthcurse.train.config import TrainConfig
+    from depthcurse.train.data import Batch
+    from depthcurse.train.distributed import World, parallelize
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    cfg = train.TrainConfig(preset=args.preset, norm=args.norm, seq_len=args.seq_len, max_seq_len=args.seq_len,
+    cfg = TrainConfig(preset=args.preset, norm=args.norm, seq_len=args.seq_len, max_seq_len=args.seq_len,
                             batch_size=args.batch_size, micro_batch=args.micro_batch, precision=args.precision,
                             kernels=args.kernels if args.variant == "trainer" else "off",
                             compile=args.compile and args.variant == "trainer",
@@ -50,7 +52,7 @@ def run_variant(args) -> dict:
     amp = train.autocast_for(precision, device)
     model = train.build_model(cfg, args.vocab, device, precision)
     kernels = model.model.kernels
-    model = train.parallelize(model, cfg, train.World(), device)
+    model = parallelize(model, cfg, World(), device)
     optimizer = train.build_optimizer(cfg, model)
     scheduler = train.build_scheduler(cfg, optimizer)
     g = torch.Generator().manual_seed(0)

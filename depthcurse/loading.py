@@ -7,17 +7,19 @@ model that cannot be had live in one place.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
+import transformers
 
+from depthcurse import assets
 from depthcurse.errors import DepthcurseError
+from depthcurse.runtime import pick_device, pick_dtype
+from depthcurse.train.export import register_with_transformers
 
 Head = Literal["causal-lm", "qa", "base"]
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # Encoder-only families: an LM task on them is a user error, not a crash deep in lm-eval.
 ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "mpnet", "distilbert", "albert", "electra", "deberta", "deberta-v2", "modernbert"}
@@ -34,11 +36,6 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device  # where the inputs go (the embedding's device under device_map)
     revision: str | None = None
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def is_encoder(self) -> bool:
-        return self.model.config.model_type in ENCODER_TYPES
 
     def describe(self) -> dict:
         return {
@@ -48,33 +45,10 @@ class LoadedModel:
             "model_class": type(self.model).__name__,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
-            **self.extra,
         }
 
 
-def pick_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise DepthcurseError("--device cuda was asked for but no CUDA GPU is visible to torch")
-    if device not in {"cpu", "cuda"}:
-        raise DepthcurseError(f"unknown --device {device!r}: use auto, cpu or cuda")
-    return device
-
-
-def pick_dtype(dtype: str, device: str) -> torch.dtype | str:
-    """`auto` keeps the checkpoint's dtype on a GPU; on a CPU it means fp32, since bf16 matmuls
-    there are slow and a sweep's small differences should not drown in rounding."""
-    if dtype == "auto":
-        return "auto" if device == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise DepthcurseError(f"unknown --dtype {dtype!r}: use auto, bf16, fp16 or fp32")
-    return DTYPES[dtype]
-
-
 def _auto_class(head: Head, config):
-    import transformers
-
     if head == "qa":
         if config.model_type not in ENCODER_TYPES:
             raise DepthcurseError(
@@ -94,8 +68,6 @@ def _auto_class(head: Head, config):
 
 def resolve_source(name: str) -> tuple[str, dict]:
     """Turn what the user typed into from_pretrained arguments: (path_or_id, extra kwargs)."""
-    from depthcurse import assets
-
     resolved = assets.resolve_model(name)
     path = Path(resolved).expanduser()
     if path.suffix == ".gguf":
@@ -131,10 +103,6 @@ def load_model(
     A head the checkpoint lacks would be initialised randomly by transformers, which makes the
     measurement meaningless: that is refused unless `new_head` (for fine-tuning one).
     """
-    import transformers
-    from depthcurse import assets
-    from depthcurse.model import register_with_transformers
-
     # Checkpoints exported by `lns-train` (Post-LN, Mix-LN, ...) use depthcurse's own model
     # class: registering it is what lets them load without trust_remote_code.
     register_with_transformers()

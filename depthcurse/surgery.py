@@ -76,8 +76,6 @@ LAYER_INDEX_CONFIG_LISTS = ("mlp_only_layers",)
 # Integer attributes some block-list owners cache at init (DistilBERT's Transformer.n_layers).
 MODULE_COUNT_ATTRS = ("n_layers", "num_layers", "num_hidden_layers")
 
-ORIG_INDEX_ATTR = "_depthcurse_orig_index"
-
 
 @dataclass
 class BlockList:
@@ -123,12 +121,7 @@ def _configured_layer_count(model: nn.Module) -> int | None:
 
 
 def find_blocks(model: nn.Module) -> BlockList:
-    """The list of transformer blocks of ``model``: any common decoder or encoder, any head.
-
-    Every block found is tagged with its index at the time it is first seen
-    (``block._depthcurse_orig_index``) so that code running on a pruned model can still tell
-    which original layer a block was (LayerNorm Scaling needs it).
-    """
+    """The list of transformer blocks of ``model``: any common decoder or encoder, any head."""
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False):
         # Two stacks (T5, BART): "the" layer list is ambiguous and num_hidden_layers covers one.
@@ -169,10 +162,6 @@ def find_blocks(model: nn.Module) -> BlockList:
             f"cannot find the transformer blocks of {type(model).__name__}: "
             "unsupported architecture"
         )
-
-    for i, block in enumerate(blocks.layers):
-        if not hasattr(block, ORIG_INDEX_ATTR):
-            setattr(block, ORIG_INDEX_ATTR, i)
     return blocks
 
 
@@ -359,17 +348,6 @@ def removed_layers(model: nn.Module, layers: Iterable[int]) -> Iterator[nn.Modul
         yield model
     finally:
         restore()
-
-
-def drop_layers(model: nn.Module, layers: Iterable[int]) -> nn.Module:
-    """Remove the blocks for good (same bookkeeping as :func:`removed_layers`); returns ``model``.
-
-    This mutates the model. Removed blocks are released once nothing else refers to them; kept
-    blocks still carry ``_depthcurse_orig_index``, and a later call counts positions in the
-    already-pruned model.
-    """
-    _remove(model, layers)
-    return model
 
 
 def _is_gguf(quantizer) -> bool:

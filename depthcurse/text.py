@@ -5,9 +5,11 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
+from depthcurse import assets
 from depthcurse.errors import DepthcurseError
 
 C4_REPO = "allenai/c4"
@@ -23,8 +25,6 @@ def load_texts(data: str = "auto") -> tuple[list[str], str]:
     `auto` is C4 validation where the hub is reachable and the offline Wikipedia text otherwise.
     Anything that is not a source name is read as a local .txt, .jsonl/.json or .parquet file.
     """
-    from depthcurse import assets
-
     if data == "auto":
         data = "c4" if assets.hub_reachable() else "wiki"
     if data == "c4":
@@ -42,11 +42,9 @@ def load_texts(data: str = "auto") -> tuple[list[str], str]:
 
 
 def _c4_validation() -> list[str]:
-    from depthcurse import assets
-
     if not assets.hub_reachable():
         raise DepthcurseError("C4 comes from the hub, which is not reachable: use --data wiki or --data PATH")
-    import datasets
+    import datasets  # lazy: only C4 needs datasets (1 s to import)
 
     try:
         ds = datasets.load_dataset(C4_REPO, data_files={"validation": C4_VALIDATION_FILE}, split="validation")
@@ -64,7 +62,7 @@ def _read_file(path: Path) -> list[str]:
         if suffix in {".jsonl", ".jsonl.gz", ".json"}:
             return _read_json_lines(path)
         if suffix == ".parquet":
-            import pandas as pd
+            import pandas as pd  # lazy: only .parquet files need pandas
 
             frame = pd.read_parquet(path)
             if "text" not in frame.columns:
@@ -80,8 +78,6 @@ def _read_file(path: Path) -> list[str]:
 
 
 def _read_json_lines(path: Path) -> list[str]:
-    import gzip
-
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as fh:
         raw = fh.read()

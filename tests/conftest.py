@@ -1,40 +1,22 @@
-"""Shared fixtures: a tiny tokenizer trained in the test session and tiny random decoders.
+"""Shared fixtures: tiny tokenizers trained in the test session, saved tiny models, the CLI.
 
 Nothing here touches the hub: the tests run offline, like CI.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
 import pytest
 import torch
 
+from helpers import CORPUS, QA_CORPUS, tiny_llama
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
-
-CORPUS = [
-    "The residual stream of a transformer grows with depth, and deep blocks change it little.",
-    "Question: which layer can be removed?\nA. the first\nB. a middle one\nC. the last\nD. none\nAnswer: B",
-    "Paris is the capital of France. Berlin is the capital of Germany. Rome is the capital of Italy.",
-    "Water boils at one hundred degrees Celsius at sea level, and freezes at zero degrees.",
-    "The following are multiple choice questions (with answers) about abstract algebra and anatomy.",
-    "Find the degree for the given field extension Q(sqrt(2), sqrt(3)) over Q. 0 1 2 3 4 5 6 7 8 9",
-]
-
-
-def has_package(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
-
-
-def needs(*packages: str):
-    """Skip cleanly when a real offline asset package is not installed."""
-    missing = [p for p in packages if not has_package(p)]
-    return pytest.mark.skipif(bool(missing), reason=f"offline asset package(s) not installed: {', '.join(missing)}")
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +53,6 @@ def tiny_tokenizer():
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<eos>", "<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(CORPUS * 20, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
-
-
-def tiny_llama(vocab_size: int, layers: int = 4, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, eos_token_id=1, pad_token_id=2, bos_token_id=None)
-    return LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture()
@@ -122,15 +96,6 @@ def run_cli(capsys, monkeypatch, tmp_path_factory):
 
 
 # --------------------------------------------------------------------------- tiny BERT (extractive QA)
-
-QA_CORPUS = [
-    "Paris is the capital of France. Berlin is the capital of Germany. Rome is the capital of Italy.",
-    "What is the capital of France? Which city is the capital of Germany? Who wrote the book?",
-    "The river flows through the valley and the old town. The bridge was built in 1850 by engineers.",
-    "Water boils at one hundred degrees Celsius at sea level, and freezes at zero degrees.",
-]
-
-
 @pytest.fixture(scope="session")
 def tiny_bert_tokenizer():
     """A WordPiece tokenizer with BERT's [CLS] question [SEP] context [SEP] template (fast: offsets work)."""
@@ -146,12 +111,3 @@ def tiny_bert_tokenizer():
     tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]",
                                    model_max_length=128, model_input_names=["input_ids", "token_type_ids", "attention_mask"])
-
-
-def tiny_bert(vocab_size: int, layers: int = 4, seed: int = 0, qa: bool = True):
-    """A random Post-LN BERT, with a span head (BertForQuestionAnswering) or without (BertModel)."""
-    from transformers import BertConfig, BertForQuestionAnswering, BertModel
-
-    torch.manual_seed(seed)
-    config = BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=64, max_position_embeddings=128, pad_token_id=0)
-    return (BertForQuestionAnswering if qa else BertModel)(config).eval()

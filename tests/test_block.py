@@ -4,8 +4,11 @@ import json
 
 import pytest
 
-from depthcurse.diagnostics import AngularResult, load_angular
+from helpers import built_without
+
+from depthcurse.angular import AngularResult, load_angular, write_angular
 from depthcurse.errors import DepthcurseError
+from depthcurse.io import ensure_out_dir
 
 
 def synthetic(pairwise, max_n=None):
@@ -30,12 +33,10 @@ def test_choices_are_the_argmin_block_and_the_deepest_before_the_last():
 
 
 def test_angular_json_reads_back(tmp_path):
-    from depthcurse import report
-
     pairwise = [[abs(j - i) * 0.1 for j in range(5)] for i in range(5)]
     result = synthetic(pairwise, max_n=3)
     result.run = {"model": "m", "data": "d"}
-    report.write_angular(result, tmp_path)
+    write_angular(result, tmp_path)
     back = load_angular(tmp_path)
     assert back.pairwise == result.pairwise and back.max_n == 3 and back.run == result.run
     (tmp_path / "bad.json").write_text("{}")
@@ -48,7 +49,6 @@ def test_angular_json_reads_back(tmp_path):
 def test_block_prune_evaluates_both_blocks_like_models_built_without_them(run_cli, tiny_model_dir, text_file, tmp_path, tiny_tokenizer, one_torch_thread):
     from transformers import AutoModelForCausalLM
 
-    from depthcurse.surgery import drop_layers
     from depthcurse.tasks import PerplexityTask
 
     out = tmp_path / "block"
@@ -68,7 +68,7 @@ def test_block_prune_evaluates_both_blocks_like_models_built_without_them(run_cl
     texts = text_file.read_text().split("\n\n")
     task = PerplexityTask(tiny_tokenizer, texts, source="t", seq_len=16, limit=3, batch_size=8)
     for v in data["variants"][1:]:
-        model = drop_layers(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), v["removed"])
+        model = built_without(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), "model.layers", v["removed"])
         assert v["metrics"]["loss"] == pytest.approx(task.evaluate(model).metrics["loss"], abs=1e-5)
 
     # a rerun reuses the kept angular pass and the finished variants
@@ -80,12 +80,10 @@ def test_block_prune_evaluates_both_blocks_like_models_built_without_them(run_cl
 
 
 def test_block_uses_a_given_angular_result(run_cli, tiny_model_dir, text_file, tmp_path, one_torch_thread):
-    from depthcurse import report
-
     pairwise = [[abs(j - i) * 0.1 for j in range(5)] for i in range(5)]
     pairwise[0][1] = pairwise[1][0] = 0.001  # layer 0 "does nothing" in this made-up measurement
     result = synthetic(pairwise)
-    report.write_angular(result, report.ensure_out_dir(tmp_path / "ang"))
+    write_angular(result, ensure_out_dir(tmp_path / "ang"))
     out = tmp_path / "out"
     code, _, err = run_cli("prune", tiny_model_dir, "--task", "ppl", "--data", text_file, "--limit", "2", "--seq-len", "16",
                            "--block", "1", "--angular", tmp_path / "ang", "--out", out)
@@ -105,7 +103,7 @@ def test_block_uses_a_given_angular_result(run_cli, tiny_model_dir, text_file, t
     ],
 )
 def test_bad_block_input_gets_one_clear_line(run_cli, tiny_model_dir, text_file, tmp_path, extra, match):
-    from test_cli import assert_one_line_error
+    from helpers import assert_one_line_error
 
     extra = [e.replace("{tmp}", str(tmp_path)) for e in extra]
     code, out, err = run_cli("prune", tiny_model_dir, "--task", "ppl", "--data", text_file, "--out", tmp_path / "o", *extra)

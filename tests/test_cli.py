@@ -4,13 +4,7 @@ import json
 
 import pytest
 
-
-def assert_one_line_error(code, out, err, match):
-    assert code != 0
-    assert "Traceback" not in out + err
-    lines = [line for line in err.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith("error:") and match in lines[0], lines[0]
+from helpers import assert_one_line_error
 
 
 def test_prune_on_a_local_model_writes_table_and_files(run_cli, tiny_model_dir, text_file, tmp_path):
@@ -77,7 +71,7 @@ def test_sigterm_mid_sweep_keeps_finished_variants_and_a_rerun_finishes(tiny_mod
     import sys
     import time
 
-    from conftest import CORPUS
+    from helpers import CORPUS
 
     text = tmp_path / "long.txt"
     text.write_text("\n\n".join(CORPUS * 600), encoding="utf-8")

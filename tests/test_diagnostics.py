@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import CORPUS, tiny_llama
-from depthcurse import diagnostics
-from test_cli import assert_one_line_error
+from helpers import CORPUS, tiny_llama
+from depthcurse.angular import measurement as diagnostics
+from helpers import assert_one_line_error
 
 DOCS = [CORPUS[0], CORPUS[2][:40], CORPUS[3], CORPUS[1][:25], CORPUS[4], CORPUS[5][:60], CORPUS[2]]
 

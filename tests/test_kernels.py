@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from depthcurse import kernels
+from depthcurse.train import kernels
 from depthcurse.errors import DepthcurseError
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
@@ -304,7 +304,7 @@ def test_linear_ce_no_grad_and_frozen_weight(path):
 @pytest.mark.skipif(not INTERPRETER, reason="runs in the TRITON_INTERPRET=1 child of test_interpreter_subprocess")
 def test_kernel_vocabulary_tiles_triton_path():
     """The kernel's online log-sum-exp over several vocabulary tiles (203 columns in tiles of 64)."""
-    from depthcurse import triton_kernels
+    from depthcurse.train import triton_kernels
 
     g = torch.Generator().manual_seed(6)
     logits = torch.randn(7, 203, generator=g) * 4
@@ -378,7 +378,7 @@ def test_kernels_compile_for_an_h100(tmp_path, monkeypatch):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from depthcurse import triton_kernels as tk
+    from depthcurse.train import triton_kernels as tk
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile for real, leave nothing behind
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")

@@ -4,9 +4,10 @@ per-question log-likelihoods as our built-once, in-memory sweep path."""
 
 import pytest
 
-from conftest import needs
+from helpers import needs
 from depthcurse.loading import load_model
-from depthcurse.tasks import build_task, offline_task_data
+from depthcurse.tasks import build_task
+from depthcurse.tasks.harness import offline_task_data
 
 
 def _per_question(results, task):

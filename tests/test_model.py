@@ -15,7 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from depthcurse import model as M
+from depthcurse.train import export as E
+from depthcurse.train import model as M
+from depthcurse.train.config import TrainConfig
 from depthcurse.errors import DepthcurseError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -67,7 +69,7 @@ def test_pre_ln_equals_transformers_llama():
 
 def test_pre_ln_equals_llama_with_right_padding():
     model = tiny("pre")
-    hf = M.to_hf(model)
+    hf = E.to_hf(model)
     x = ids(T=12)
     mask = torch.ones_like(x)
     mask[0, 7:] = 0
@@ -110,7 +112,7 @@ def test_lns_exports_as_folded_stock_llama():
     x = ids()
     with torch.no_grad():
         ours = model(x)
-        stock = M.to_stock_llama(model)(input_ids=x).logits
+        stock = E.to_stock_llama(model)(input_ids=x).logits
         unscaled = llama_twin(model)(input_ids=x).logits  # what loading LNS weights into Llama silently gives
     torch.testing.assert_close(stock, ours, rtol=0, atol=2e-5)
     assert (unscaled - ours).abs().max() > 1e-2
@@ -205,7 +207,7 @@ def test_own_class_export_reloads_through_load_model(norm, tmp_path, tiny_tokeni
     from depthcurse.surgery import removed_layers, save_pruned
 
     model = tiny(norm, layers=6)
-    M.export(model, tmp_path / "hf", tiny_tokenizer)
+    E.export(model, tmp_path / "hf", tiny_tokenizer)
     lm = load_model(str(tmp_path / "hf"), device="cpu", dtype="fp32")
     assert type(lm.model).__name__ == "DepthcurseLlamaForCausalLM"
     x = ids()
@@ -229,7 +231,7 @@ def test_stock_export_reloads_through_load_model(tmp_path, tiny_tokenizer):
     from depthcurse.loading import load_model
 
     model = tiny("lns")
-    M.export(model, tmp_path / "llama", tiny_tokenizer, stock=True)
+    E.export(model, tmp_path / "llama", tiny_tokenizer, stock=True)
     lm = load_model(str(tmp_path / "llama"), device="cpu", dtype="fp32")
     assert type(lm.model).__name__ == "LlamaForCausalLM"
     x = ids()
@@ -241,11 +243,11 @@ def test_bad_model_input():
     with pytest.raises(DepthcurseError, match="unknown norm"):
         M.ModelConfig(norm="rmsnorm-everywhere")
     with pytest.raises(DepthcurseError, match="unknown preset"):
-        M.preset_config("7b")
+        TrainConfig(preset="7b").resolved()
     with pytest.raises(DepthcurseError, match="longer than the model allows"):
         tiny("pre")(torch.zeros(1, 65, dtype=torch.long))
     with pytest.raises(DepthcurseError, match="no stock Llama"):
-        M.to_stock_llama(tiny("mix"))
+        E.to_stock_llama(tiny("mix"))
 
 
 # --------------------------------------------------------------------------- kernels, checkpointing
@@ -333,9 +335,9 @@ def test_kernels_under_the_triton_interpreter():
 
 @pytest.mark.parametrize("norm", ["lns", "mix"])
 def test_trainer_export_from_a_gathered_state_equals_the_model(norm, tmp_path, tiny_tokenizer):
-    """train.export_run rebuilds the model from its state dict (on the meta device, no init): same logits."""
+    """export_run rebuilds the model from its state dict (on the meta device, no init): same logits."""
     from depthcurse.loading import load_model
-    from depthcurse.train import export_run
+    from depthcurse.train.export import export_run
 
     model = tiny(norm, layers=4)
     exports = export_run(model.state_dict(), model.cfg, tiny_tokenizer, tmp_path)

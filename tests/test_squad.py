@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import needs, tiny_bert
+from helpers import needs, squad_rows, tiny_bert, write_jsonl
 from depthcurse.errors import DepthcurseError
-from depthcurse.squad import (
+from depthcurse.tasks.squad import (
     SquadTask,
     exact_match_score,
     extract_answers,
@@ -23,28 +23,6 @@ from depthcurse.squad import (
     prepare_features,
     score_predictions,
 )
-
-FILLER = "The river flows through the valley and the old town. Water boils at one hundred degrees Celsius at sea level."
-FACTS = [("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome")]
-
-
-def squad_rows(n: int = 6, long: bool = False) -> list[dict]:
-    """Questions whose answer is a city; with `long`, the answer sits after several filler
-    sentences, beyond the first window of a short max_length."""
-    rows = []
-    for i in range(n):
-        country, city = FACTS[i % len(FACTS)]
-        pad = " ".join([FILLER] * (2 + i % 3)) if long else FILLER
-        context = f"{pad} {city} is the capital of {country}. {FILLER} {i}"  # the number keeps paragraphs distinct
-        rows.append({"id": f"q{i}", "title": "t", "context": context, "question": f"What is the capital of {country}?",
-                     "answers": {"text": [city, f"{city} city"], "answer_start": [context.index(f"{city} is"), context.index(f"{city} is")]}})
-    return rows
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
 
 # --------------------------------------------------------------------------- official scorer
 
@@ -245,7 +223,7 @@ def test_squad_refuses_decoders_and_encoders_without_a_head(run_cli, qa_dirs, ti
 
 
 def test_squad_excludes_the_questions_a_checkpoint_was_trained_on(tiny_bert_tokenizer, tmp_path):
-    from depthcurse.squad import TRAINING_RECORD
+    from depthcurse.tasks.squad import TRAINING_RECORD
     from depthcurse.tasks import build_task
 
     data = write_jsonl(tmp_path / "squad.jsonl", squad_rows(6))
@@ -260,7 +238,7 @@ def test_squad_excludes_the_questions_a_checkpoint_was_trained_on(tiny_bert_toke
 
 
 def test_repr_task_equals_one_passage_at_a_time(tiny_bert_tokenizer, text_file, one_torch_thread):
-    from depthcurse.representation import passages
+    from depthcurse.tasks.representation import passages
     from depthcurse.surgery import removed_layers
     from depthcurse.tasks import build_task
     from depthcurse.text import load_texts
@@ -308,16 +286,20 @@ def _sweep_json(folder, model, task, metric, higher, values, n_layers):
 
 
 def test_overlay_puts_worse_up_for_loss_and_accuracy(run_cli, tmp_path):
-    from depthcurse import report
+    from depthcurse.prune import load_prune
+    from depthcurse.prune.report import relative_drop_curve
 
     dec = _sweep_json(tmp_path / "dec", "decoder", "ppl", "loss", False, [(None, 2.0), (0, 8.0), (1, 2.2), (2, 2.1), (3, 2.5)], 4)
     enc = _sweep_json(tmp_path / "enc", "encoder", "squad", "f1", True, [(None, 80.0), (0, 60.0), (1, 40.0)], 2)
-    assert report.relative_drop_curve(report.load_prune(dec)) == ([0.0, 0.25, 0.5, 0.75], pytest.approx([300.0, 10.0, 5.0, 25.0]))
-    assert report.relative_drop_curve(report.load_prune(enc)) == ([0.0, 0.5], pytest.approx([25.0, 50.0]))
+    assert relative_drop_curve(load_prune(dec)) == ([0.0, 0.25, 0.5, 0.75], pytest.approx([300.0, 10.0, 5.0, 25.0]))
+    assert relative_drop_curve(load_prune(enc)) == ([0.0, 0.5], pytest.approx([25.0, 50.0]))
     code, stdout, err = run_cli("plot", dec, enc, "--out", tmp_path / "fig" / "overlay.png")
     assert code == 0, err
     assert (tmp_path / "fig" / "overlay.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     code, _, err = run_cli("plot", tmp_path / "nothing-here")
+    assert code == 1 and "does not exist" in err
+    (tmp_path / "empty").mkdir()
+    code, _, err = run_cli("plot", tmp_path / "empty")
     assert code == 1 and "no prune result" in err
 
 

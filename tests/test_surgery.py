@@ -8,7 +8,6 @@ layer_idx, num_hidden_layers), the two would disagree.
 
 from __future__ import annotations
 
-import copy
 import re
 
 import pytest
@@ -17,9 +16,10 @@ import transformers as tf
 from torch import nn
 
 from depthcurse.errors import DepthcurseError
+from helpers import built_without
+
 from depthcurse.surgery import (
     BlockList,
-    drop_layers,
     find_blocks,
     num_layers,
     parse_layers,
@@ -96,29 +96,6 @@ def make(name):
     return build(cls, make_config())
 
 
-def reference(model, path, removed):
-    """Independently built model: n - k layers, the kept blocks' weights copied by key renaming."""
-    n = len(model.get_submodule(path))
-    kept = [i for i in range(n) if i not in removed]
-    new_of = {old: new for new, old in enumerate(kept)}
-    config = copy.deepcopy(model.config)
-    config.num_hidden_layers = len(kept)
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = [config.layer_types[i] for i in kept]
-    ref = type(model)(config).eval()
-
-    block_key = re.compile(rf"^{re.escape(path)}\.(\d+)\.(.*)$")
-    state = {}
-    for key, value in model.state_dict().items():
-        m = block_key.match(key)
-        if m is None:
-            state[key] = value
-        elif int(m.group(1)) in new_of:
-            state[f"{path}.{new_of[int(m.group(1))]}.{m.group(2)}"] = value
-    ref.load_state_dict(state, strict=True)
-    return ref
-
-
 def inputs(name, padded):
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(2, VOCAB, (2, SEQ), generator=gen)
@@ -166,7 +143,7 @@ def test_removed_layers_matches_reference_and_restores(name):
             assert num_layers(model) == N - len(removed)
             assert model.config.num_hidden_layers == N - len(removed)
             got = out(model, batch)
-        expected = out(reference(model, path, removed), batch)
+        expected = out(built_without(model, path, removed), batch)
         exact(got, expected)
         # Not vacuous: the layer did something.
         assert not torch.allclose(got, before, atol=1e-3), label
@@ -214,7 +191,7 @@ def test_generate_with_cache_matches_reference(name):
             o = model(**batch, use_cache=True)
             assert len(o.past_key_values.layers) == N - 2
             got = model.generate(**batch, **kw)
-    ref = reference(model, "model.layers", removed)
+    ref = built_without(model, "model.layers", removed)
     ref.generation_config.pad_token_id = 0
     with torch.no_grad():
         expected = ref.generate(**batch, **kw)
@@ -282,30 +259,6 @@ def test_negative_and_duplicate_indices():
         with removed_layers(model, ["1"]):
             pass
     assert num_layers(model) == N
-
-
-def test_orig_index_survives_removal():
-    model = make("llama")
-    blocks = find_blocks(model).layers
-    assert [b._depthcurse_orig_index for b in blocks] == list(range(N))
-    with removed_layers(model, [0, 2]):
-        assert [b._depthcurse_orig_index for b in find_blocks(model).layers] == [1, 3, 4]
-        assert [b.self_attn.layer_idx for b in find_blocks(model).layers] == [0, 1, 2]
-    drop_layers(model, [1])
-    assert [b._depthcurse_orig_index for b in find_blocks(model).layers] == [0, 2, 3, 4]
-    # a second permanent drop counts positions in the current model, orig index stays original
-    drop_layers(model, [0])
-    assert [b._depthcurse_orig_index for b in find_blocks(model).layers] == [2, 3, 4]
-
-
-def test_drop_layers_is_permanent():
-    model = make("gemma3")
-    batch = inputs("gemma3", padded=True)
-    ref = reference(model, "model.layers", [1, 2])
-    assert drop_layers(model, [1, 2]) is model
-    assert num_layers(model) == 3 and model.config.num_hidden_layers == 3
-    assert model.config.layer_types == [LAYER_TYPES[i] for i in (0, 3, 4)]
-    exact(out(model, batch), out(ref, batch))
 
 
 def tiny_tokenizer():

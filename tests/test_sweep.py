@@ -3,12 +3,12 @@ import json
 
 import pytest
 
-from conftest import CORPUS, tiny_llama
-from depthcurse import report
+from helpers import CORPUS, tiny_llama
 from depthcurse.errors import DepthcurseError
+from depthcurse.io import ensure_out_dir
 from depthcurse.loading import LoadedModel
+from depthcurse.prune import plot_prune, run_sweep
 from depthcurse.surgery import removed_layers
-from depthcurse.sweep import run_sweep
 from depthcurse.tasks import PerplexityTask
 
 
@@ -55,7 +55,7 @@ def test_sweep_writes_one_row_per_variant_with_drops(setup, tmp_path):
     assert data["run"]["model"] == "tiny" and data["run"]["task"] == "ppl" and data["metric"] == "loss"
     assert data["environment"]["packages"]["torch"] and data["wall_time_s"] > 0
     assert len(data["variants"]) == 5
-    report.plot_prune(sweep, tmp_path / "prune.png")
+    plot_prune(sweep, tmp_path / "prune.png")
     assert (tmp_path / "prune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -87,4 +87,4 @@ def test_unwritable_out_dir_is_a_clear_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(DepthcurseError, match="not writable"):
-        report.ensure_out_dir(blocker / "sub")
+        ensure_out_dir(blocker / "sub")

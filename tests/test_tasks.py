@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from conftest import CORPUS, tiny_llama
+from helpers import CORPUS, tiny_llama
 from depthcurse.errors import DepthcurseError
 from depthcurse.tasks import PerplexityTask, build_task
 

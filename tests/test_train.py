@@ -9,8 +9,11 @@ import math
 import pytest
 import torch
 
-from depthcurse import train
-from depthcurse import train_data as D
+from depthcurse.train import data as D
+from depthcurse.train import loop as train
+from depthcurse.train.checkpoint import CHECKPOINT, load_checkpoint
+from depthcurse.train.config import TrainConfig
+from depthcurse.train.metrics import METRICS, SUMMARY, MetricsLog
 from depthcurse.errors import DepthcurseError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -25,7 +28,7 @@ def tok_dir(tmp_path, tiny_tokenizer):
 
 @pytest.fixture()
 def cfg(text_file, tok_dir):
-    return train.TrainConfig(
+    return TrainConfig(
         preset="tiny", norm="lns", data=str(text_file), tokenizer=str(tok_dir), pack=True, seq_len=16, max_seq_len=32,
         hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, steps=8, warmup=2, batch_size=4, micro_batch=2,
         val_tokens=64, eval_every=4, save_every=2, log_every=1,
@@ -33,7 +36,7 @@ def cfg(text_file, tok_dir):
 
 
 def losses(folder):
-    return [r["loss"] for r in train.MetricsLog(folder / train.METRICS).rows() if "loss" in r]
+    return [r["loss"] for r in MetricsLog(folder / METRICS).rows() if "loss" in r]
 
 
 def test_resume_continues_exactly(cfg, tmp_path):
@@ -44,16 +47,29 @@ def test_resume_continues_exactly(cfg, tmp_path):
     assert len(losses(tmp_path / "a")) == len(losses(tmp_path / "b")) == 8
     assert losses(tmp_path / "b") == pytest.approx(losses(tmp_path / "a"), rel=1e-6, abs=1e-6)
     assert resumed["val_loss"] == pytest.approx(straight["val_loss"], rel=1e-6)
-    a = train.load_checkpoint(tmp_path / "a" / train.CHECKPOINT)
-    b = train.load_checkpoint(tmp_path / "b" / train.CHECKPOINT)
-    assert a["step"] == b["step"] == 8 and a["data"] == b["data"]
+    a = load_checkpoint(tmp_path / "a" / CHECKPOINT)
+    b = load_checkpoint(tmp_path / "b" / CHECKPOINT)
+    assert a["train_state"]["step"] == b["train_state"]["step"] == 8 and a["data"] == b["data"]
     for k in a["model"]:
         torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-6, atol=1e-7)
 
 
+def test_a_checkpoint_of_the_earlier_layout_resumes_exactly(cfg, tmp_path):
+    """Checkpoints written before every part had its own entry kept the step counters at the top."""
+    train.run(cfg, tmp_path / "a")
+    train.run(cfg, tmp_path / "b", stop_after=4)
+    path = tmp_path / "b" / CHECKPOINT
+    state = load_checkpoint(path)
+    state.update(state.pop("train_state"))
+    torch.save(state, path)
+    train.run(cfg, tmp_path / "b", resume=True)
+    assert losses(tmp_path / "b") == pytest.approx(losses(tmp_path / "a"), rel=1e-6, abs=1e-6)
+    assert load_checkpoint(path)["train_state"]["tokens"] == load_checkpoint(tmp_path / "a" / CHECKPOINT)["train_state"]["tokens"]
+
+
 def test_metrics_and_outputs(cfg, tmp_path):
     summary = train.run(cfg, tmp_path / "run")
-    rows = train.MetricsLog(tmp_path / "run" / train.METRICS).rows()
+    rows = MetricsLog(tmp_path / "run" / METRICS).rows()
     logged = [r for r in rows if "loss" in r]
     assert [r["step"] for r in logged] == list(range(1, 9))
     assert all({"step", "loss", "lr", "tokens"} <= set(r) for r in logged)
@@ -116,10 +132,10 @@ def test_nan_stops_and_keeps_last_good_checkpoint(cfg, tmp_path, monkeypatch):
     monkeypatch.setattr(train, "build_model", poisoned)
     with pytest.raises(DepthcurseError, match=r"diverged at step 6 .*last good checkpoint \(step 4\)"):
         train.run(cfg, tmp_path / "run")
-    ckpt = train.load_checkpoint(tmp_path / "run" / train.CHECKPOINT)
-    assert ckpt["step"] == 4
+    ckpt = load_checkpoint(tmp_path / "run" / CHECKPOINT)
+    assert ckpt["train_state"]["step"] == 4
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
-    assert not (tmp_path / "run" / train.SUMMARY).exists()
+    assert not (tmp_path / "run" / SUMMARY).exists()
 
 
 def test_refuses_to_mix_runs(cfg, tmp_path):
@@ -128,7 +144,7 @@ def test_refuses_to_mix_runs(cfg, tmp_path):
     with pytest.raises(DepthcurseError, match="already holds a run: pass --resume"):
         train.run(cfg, tmp_path / "run")
     cfg.lr = 5e-3
-    with pytest.raises(DepthcurseError, match=r"different configuration \(lr: 0.001 -> 0.005\)"):
+    with pytest.raises(DepthcurseError, match=r"holds a different training run \(differs in: lr: 0.001 -> 0.005\)"):
         train.run(cfg, tmp_path / "run", resume=True)
 
 
@@ -167,13 +183,13 @@ def test_bad_training_input(cfg, tmp_path):
         (dict(optimizer="sgd"), "unknown optimizer"),
     ]
     for change, message in bad:
-        c = train.TrainConfig(**{**cfg.to_dict(), **change})
+        c = TrainConfig(**{**cfg.to_dict(), **change})
         with pytest.raises(DepthcurseError, match=message):
             train.run(c, tmp_path / "bad")
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n  \n")
     with pytest.raises(DepthcurseError, match="holds no text"):
-        train.run(train.TrainConfig(**{**cfg.to_dict(), "data": str(empty)}), tmp_path / "empty")
+        train.run(TrainConfig(**{**cfg.to_dict(), "data": str(empty)}), tmp_path / "empty")
 
 
 def test_cli_train_report_and_prune_the_export(run_cli, text_file, tok_dir, tmp_path):
@@ -208,4 +224,4 @@ def test_cli_train_report_and_prune_the_export(run_cli, text_file, tok_dir, tmp_
     code, out, err = run_cli("lns-train", *common, "--out", tmp_path / "bad")
     assert code == 0, err
     code, out, err = run_cli("lns-train", "--norm", "pre", *common, "--lr", "0.002", "--resume", "--out", tmp_path / "pre")
-    assert code == 1 and "different configuration" in err
+    assert code == 1 and "holds a different training run (differs in: lr" in err

@@ -10,7 +10,9 @@ from pathlib import Path
 from rich.table import Table
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.report import atomic_write, csv_text, save_figure
+from depthcurse.io import atomic_write, csv_text, save_figure
+from depthcurse.train.config import CONFIG
+from depthcurse.train.metrics import METRICS, SUMMARY, MetricsLog
 
 # Table 1's row order and names.
 METHOD_NAMES = {
@@ -33,7 +35,7 @@ def plot_loss(rows: list[dict], path: Path, title: str = "") -> Path:
 
 def plot_runs(runs: dict[str, list[dict]], path: Path, title: str = "") -> Path:
     """Training loss (lines) and validation loss (dots) against step, one colour per run."""
-    import matplotlib
+    import matplotlib  # lazy: only figures need matplotlib (1 s to import)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -59,13 +61,12 @@ def plot_runs(runs: dict[str, list[dict]], path: Path, title: str = "") -> Path:
 def read_run(folder: Path) -> dict:
     """A run folder's configuration, metrics and (if finished) summary."""
     folder = Path(folder)
-    cfg_path = folder / "config.json"
+    cfg_path = folder / CONFIG
     if not cfg_path.is_file():
         raise DepthcurseError(f"{folder} is not an lns-train run folder (no config.json)")
     config = json.loads(cfg_path.read_text())
-    metrics_path = folder / "metrics.jsonl"
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()] if metrics_path.exists() else []
-    summary_path = folder / "summary.json"
+    rows = MetricsLog(folder / METRICS).rows()
+    summary_path = folder / SUMMARY
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     _, val = _split(rows)
     last_val = val[-1] if val else {}

@@ -1,7 +1,7 @@
-"""Triton device code behind `depthcurse.kernels`: RMSNorm (+ residual add, + LNS scale) and a
+"""Triton device code behind `depthcurse.train.kernels`: RMSNorm (+ residual add, + LNS scale) and a
 cross-entropy pass over one chunk of logits.
 
-Import this module only through `depthcurse.kernels`, which decides when Triton is used. Triton
+Import this module only through `depthcurse.train.kernels`, which decides when Triton is used. Triton
 picks compiled kernels or its CPU interpreter when the `@triton.jit` decorators run, that is when
 this module is first imported: `TRITON_INTERPRET=1` must be set before that. `INTERPRETED` says
 which mode this process got.

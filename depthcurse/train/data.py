@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from depthcurse import assets
 from depthcurse.errors import DepthcurseError
+from depthcurse.text import load_texts
+from depthcurse.train.distributed import World
 
 log = logging.getLogger("depthcurse")
 
@@ -34,13 +38,11 @@ VAL_SPLIT_SEED = 0  # fixed, so runs with different seeds are validated on the s
 def load_tokenizer(name: str | None, data: str):
     """`name` (hub id, local folder or offline alias); None picks t5-base for C4 and the
     SmolLM2 tokenizer (available offline) for anything else."""
-    from transformers import AutoTokenizer
-
-    from depthcurse import assets
+    from transformers import AutoTokenizer  # lazy: only building a run's tokenizer needs transformers
 
     name = name or DEFAULT_TOKENIZERS.get(data, OFFLINE_TOKENIZER)
     if name.startswith("bpe:"):
-        raise DepthcurseError("a bpe:N tokenizer is trained per run: use depthcurse.train_data.bpe_tokenizer")
+        raise DepthcurseError("a bpe:N tokenizer is trained per run: use depthcurse.train.data.bpe_tokenizer")
     source = assets.resolve_model(name)
     try:
         tok = AutoTokenizer.from_pretrained(source, local_files_only=not assets.hub_reachable())
@@ -56,9 +58,7 @@ def bpe_tokenizer(data: str, vocab_size: int, folder):
     """A byte-level BPE tokenizer trained on the TRAINING documents of `data` (never the held-out
     ones), saved in `folder` and reloaded from there on resume. On a CPU a 49k-token head costs
     more than a small model's whole stack; a 4k vocabulary makes the tiny runs 2-3x faster."""
-    from pathlib import Path
-
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # lazy: as in load_tokenizer
 
     folder = Path(folder)
     if (folder / "tokenizer.json").is_file():
@@ -67,9 +67,7 @@ def bpe_tokenizer(data: str, vocab_size: int, folder):
         raise DepthcurseError("--tokenizer bpe:N trains on local documents: use it with --data wiki or a file")
     if not 256 < vocab_size <= 1_000_000:
         raise DepthcurseError(f"--tokenizer bpe:{vocab_size}: the vocabulary must be larger than 256 (the bytes)")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from depthcurse.text import load_texts
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # lazy: only bpe:N trains one
 
     train_texts, _ = _split_docs(load_texts(data)[0])
     tok = Tokenizer(models.BPE())
@@ -81,6 +79,23 @@ def bpe_tokenizer(data: str, vocab_size: int, folder):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     fast.save_pretrained(folder)
     return fast
+
+
+def run_tokenizer(name: str | None, data: str, folder: Path, world: World = World()):
+    """The tokenizer of a run: a named one (`load_tokenizer`), or with `bpe:N` one trained on the
+    run's data and kept in `folder`, trained by rank 0 alone and loaded by the other ranks."""
+    if not (name and name.startswith("bpe:")):
+        return load_tokenizer(name, data)
+    try:
+        vocab = int(name.removeprefix("bpe:"))
+    except ValueError:
+        raise DepthcurseError(f"--tokenizer {name}: write bpe:N with N the vocabulary size, e.g. bpe:4096") from None
+    if world.main:
+        tokenizer = bpe_tokenizer(data, vocab, folder)
+    world.barrier()
+    if not world.main:
+        tokenizer = bpe_tokenizer(data, vocab, folder)
+    return tokenizer
 
 
 def targets_for(rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -175,7 +190,7 @@ class C4Rows:
     """
 
     def __init__(self, tokenizer, seq_len: int, pack: bool, seed: int, rank: int = 0, world_size: int = 1, buffer: int = 10_000):
-        import datasets
+        import datasets  # lazy: as in build_data
         from datasets.distributed import split_dataset_by_node
 
         ds = datasets.load_dataset(C4_REPO, "en", split="train", streaming=True).shuffle(seed=seed, buffer_size=buffer)
@@ -250,9 +265,6 @@ class TrainData:
 
 def build_data(data: str, tokenizer, *, seq_len: int, pack: bool, seed: int, val_tokens: int, rank: int = 0, world_size: int = 1) -> TrainData:
     """Training stream and validation rows for `data`: c4, wiki, or a local text file."""
-    from depthcurse import assets
-    from depthcurse.text import load_texts
-
     if seq_len < 2:
         raise DepthcurseError("--seq-len must be at least 2")
     if val_tokens < 1:
@@ -260,7 +272,7 @@ def build_data(data: str, tokenizer, *, seq_len: int, pack: bool, seed: int, val
     if data == "c4":
         if not assets.hub_reachable():
             raise DepthcurseError("C4 is streamed from the hub, which is not reachable: use --data wiki or --data PATH")
-        import datasets
+        import datasets  # lazy: only C4 streams through datasets (1 s to import)
 
         try:
             train = C4Rows(tokenizer, seq_len, pack, seed, rank, world_size)

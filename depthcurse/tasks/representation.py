@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.tasks.base import Score
 
 MIN_WORDS = 8  # shorter lines in prose are headings and list items, not sentences
 
@@ -75,8 +76,6 @@ class RepresentationTask:
             pooled.append(((hidden.float() * m).sum(1) / m.sum(1)).cpu())
         return torch.cat(pooled)
 
-    def evaluate(self, model: torch.nn.Module):
-        from depthcurse.tasks import Score
-
+    def evaluate(self, model: torch.nn.Module) -> Score:
         cos = F.cosine_similarity(self.embed(model).double(), self.reference.double(), dim=-1)
         return Score({"cos": cos.mean().item(), "cos_min": cos.min().item()}, len(self.rows), {"tokens": sum(map(len, self.rows))})

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import shutil
 import time
@@ -33,9 +32,11 @@ from typing import Callable
 
 import torch
 
-from depthcurse import report
+from depthcurse import assets
 from depthcurse.errors import DepthcurseError
-from depthcurse.squad import TRAINING_RECORD, SquadTask, collate, load_squad, prepare_features
+from depthcurse.io import atomic_write, ensure_out_dir, environment, previous_folder, refuse_other_run
+from depthcurse.loading import load_model
+from depthcurse.tasks.squad import TRAINING_RECORD, SquadTask, collate, load_squad, prepare_features
 
 STATE_DIR = ".finetune-state"
 
@@ -77,8 +78,6 @@ class FinetuneConfig:
 
 def split_questions(cfg: FinetuneConfig) -> tuple[list[dict], list[dict], str]:
     """(training rows, held-out rows, data label); disjoint, deterministic for a seed."""
-    from depthcurse import assets
-
     data = cfg.data
     if data == "auto":
         data = "hub" if assets.hub_reachable() else "offline"
@@ -111,38 +110,30 @@ def split_questions(cfg: FinetuneConfig) -> tuple[list[dict], list[dict], str]:
 
 
 def _save_state(out: Path, model, optimizer, scheduler, step: int, losses: list[float], cfg: FinetuneConfig) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # lazy: only checkpoints need it
 
-    tmp = out / f"{STATE_DIR}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
-    torch.save({"step": step, "losses": losses, "config": asdict(cfg), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()}, tmp / "state.pt")
-    final, old = out / STATE_DIR, out / f"{STATE_DIR}.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    def write(folder: Path) -> None:
+        save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+        torch.save({"step": step, "losses": losses, "config": asdict(cfg), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()}, folder / "state.pt")
+
+    atomic_write(out / STATE_DIR, write, folder=True)
 
 
 def _load_state(out: Path, model, optimizer, scheduler, cfg: FinetuneConfig) -> tuple[int, list[float]] | None:
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # lazy: as in _save_state
 
     folder = out / STATE_DIR
     if not (folder / "state.pt").is_file():
-        folder = out / f"{STATE_DIR}.old"  # a crash between the two renames of _save_state
-        if not (folder / "state.pt").is_file():
+        folder = previous_folder(out / STATE_DIR)  # a crash between the two renames of a save
+        if folder is None or not (folder / "state.pt").is_file():
             return None
     try:
         state = torch.load(folder / "state.pt", weights_only=True)
         weights = load_file(str(folder / "model.safetensors"))
     except Exception as exc:  # torch and safetensors raise many kinds for a damaged file
         raise DepthcurseError(f"the saved training state in {folder} is damaged ({exc}); delete it to start over") from exc
-    if state["config"] != asdict(cfg):
-        differ = sorted(k for k in state["config"] if state["config"][k] != asdict(cfg).get(k))
-        raise DepthcurseError(f"{out} holds a fine-tune with other settings (differs in: {', '.join(differ)}); choose another --out or delete it")
+    refuse_other_run(out, state["config"], asdict(cfg), what="fine-tune")
     model.load_state_dict(weights)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
@@ -168,19 +159,16 @@ def finetune_qa(
     a phase (loading, tokenising, held-out evaluation, saving) begins. A finished `out` with the
     same settings is returned as is; one with other settings is refused.
     """
-    import transformers
-
-    from depthcurse.loading import load_model
+    import transformers  # lazy: its scheduler module imports seconds of model code
 
     cfg.check()
     if save_every < 1:
         raise DepthcurseError("save_every must be at least 1")
-    out = report.ensure_out_dir(Path(out))
+    out = ensure_out_dir(Path(out))
     record_path = out / TRAINING_RECORD
     if record_path.is_file():
         record = json.loads(record_path.read_text())
-        if record.get("config") != asdict(cfg):
-            raise DepthcurseError(f"{out} holds a finished fine-tune with other settings; choose another --out or delete it")
+        refuse_other_run(out, record.get("config", {}), asdict(cfg), what="fine-tune")
         return record
     if (out / "config.json").exists() and not (out / STATE_DIR).exists():
         raise DepthcurseError(f"{out} already holds a model that finetune-qa did not make; choose another --out")
@@ -255,9 +243,9 @@ def finetune_qa(
         "heldout_ids": [r["id"] for r in held_rows],
         "losses": losses,
         "wall_time_s": round(time.perf_counter() - started, 3),
-        "environment": report.environment(),
+        "environment": environment(),
     }
     # The record is written last: it marks the folder as finished.
-    report.atomic_write(record_path, json.dumps(record, indent=2) + "\n")
+    atomic_write(record_path, json.dumps(record, indent=2) + "\n")
     shutil.rmtree(out / STATE_DIR, ignore_errors=True)
     return record

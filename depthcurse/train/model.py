@@ -27,7 +27,7 @@ change it.
 Kernels and distribution plug in at two seams: `RMSNorm` (a fused norm can replace it) and
 `Transformer.loss_fn(hidden, head_weight, targets)` (a fused linear + cross-entropy can replace
 it). `Transformer(cfg, kernels=...)` uses them (see KERNELS): "off" is the plain eager model
-above, the reference; "torch" and "triton" run `depthcurse.kernels`, where each norm also takes
+above, the reference; "torch" and "triton" run `depthcurse.train.kernels`, where each norm also takes
 the residual add before it, and the loss never holds the full [tokens, vocab] logits.
 """
 
@@ -35,28 +35,20 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from depthcurse import kernels as K
 from depthcurse.errors import DepthcurseError
+from depthcurse.train import kernels as K
+from depthcurse.train.config import KERNELS, NORMS
 
-NORMS = (
-    "pre", "post", "deepnorm", "mix", "lns", "scaled-init", "sandwich",
-    "layerscale", "skipinit", "depth-scaled-init", "lns+scaled-init",
-)
 # Variants whose blocks are plain Pre-LN at inference (LNS folds into the norm gains), so a
 # trained model exports as a stock LlamaForCausalLM.
 STOCK_LLAMA_NORMS = ("pre", "lns", "scaled-init", "depth-scaled-init", "lns+scaled-init")
 LNS_NORMS = ("lns", "lns+scaled-init")
-# How the model computes its norms and loss. "off": the eager modules (the numerics every export
-# and equality test is checked against). "torch" / "triton": `depthcurse.kernels` (fused residual
-# add + norm, chunked linear + cross-entropy) on its PyTorch or its Triton path. "auto" is
-# resolved by `resolve_kernels`: Triton on CUDA without --compile, off otherwise.
-KERNELS = ("auto", "triton", "torch", "off")
 
 
 @dataclass
@@ -96,14 +88,6 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 @dataclass(frozen=True)
@@ -152,7 +136,7 @@ class RMSNorm(nn.Module):
         return h * self.scale if self.scale != 1.0 else h
 
     def fused(self, x: torch.Tensor, residual: torch.Tensor | None, kernels: str):
-        """The same norm through `depthcurse.kernels`; with `residual`, (norm(x + residual), x + residual)."""
+        """The same norm through `depthcurse.train.kernels`; with `residual`, (norm(x + residual), x + residual)."""
         if residual is None:
             return _kernel_norm(kernels)(x, self.weight, self.eps, self.scale, use_triton=kernels == "triton")
         return _kernel_norm(kernels)(x, self.weight, self.eps, self.scale, residual, use_triton=kernels == "triton")
@@ -421,177 +405,3 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
                 nn.init.xavier_normal_(lin.weight, gain=1.0)
             for lin in (attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
                 nn.init.xavier_normal_(lin.weight, gain=beta)
-
-
-# --------------------------------------------------------------------------- presets
-
-# The papers' sizes (LLaMA-style, sequence length 256, t5-base vocabulary) and a CPU size.
-PRESETS: dict[str, dict] = {
-    "tiny": dict(hidden_size=128, intermediate_size=352, num_heads=4, num_layers=12),
-    "130m": dict(hidden_size=768, intermediate_size=2048, num_heads=12, num_layers=12),
-    "250m": dict(hidden_size=768, intermediate_size=2560, num_heads=16, num_layers=24),
-    "350m": dict(hidden_size=1024, intermediate_size=2736, num_heads=16, num_layers=24),
-    "1b": dict(hidden_size=2048, intermediate_size=5461, num_heads=32, num_layers=24),
-}
-
-
-def preset_config(name: str, **overrides) -> ModelConfig:
-    if name not in PRESETS:
-        raise DepthcurseError(f"unknown preset {name!r}: use one of {', '.join(PRESETS)}")
-    return ModelConfig(**{**PRESETS[name], **{k: v for k, v in overrides.items() if v is not None}})
-
-
-# --------------------------------------------------------------------------- Hugging Face export
-
-MODEL_TYPE = "depthcurse_llama"
-
-
-def _hf_classes():
-    """The transformers classes for our variants, defined and registered on first use so that
-    importing this module stays cheap."""
-    global _HF
-    if _HF is not None:
-        return _HF
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    class DepthcurseLlamaConfig(PretrainedConfig):
-        model_type = MODEL_TYPE
-
-        def __init__(self, vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                     num_attention_heads=12, max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-6,
-                     norm="pre", mix_ratio=0.25, initializer_range=0.02, layer_origins=None, trained_layers=None,
-                     **kwargs):
-            self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
-            self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
-            self.max_position_embeddings, self.rope_theta, self.rms_norm_eps = max_position_embeddings, rope_theta, rms_norm_eps
-            self.norm, self.mix_ratio, self.initializer_range = norm, mix_ratio, initializer_range
-            self.layer_origins = list(layer_origins) if layer_origins is not None else list(range(num_hidden_layers))
-            self.trained_layers = trained_layers if trained_layers is not None else num_hidden_layers
-            kwargs.setdefault("tie_word_embeddings", False)
-            super().__init__(**kwargs)
-
-        def model_config(self) -> ModelConfig:
-            return ModelConfig(
-                vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                num_layers=self.num_hidden_layers, num_heads=self.num_attention_heads, max_seq_len=self.max_position_embeddings,
-                rope_theta=self.rope_theta, norm_eps=self.rms_norm_eps, norm=self.norm, mix_ratio=self.mix_ratio,
-                init_std=self.initializer_range, layer_origins=list(self.layer_origins), trained_layers=self.trained_layers,
-            )
-
-    class DepthcurseLlamaForCausalLM(PreTrainedModel, GenerationMixin):
-        config_class = DepthcurseLlamaConfig
-        base_model_prefix = "model"
-        _no_split_modules = ["Block"]
-        _supports_sdpa = True
-
-        def __init__(self, config):
-            super().__init__(config)
-            cfg = config.model_config()
-            self.model = Body(cfg)
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-            self.post_init()
-
-        def _init_weights(self, module):
-            # Real weights always come from a checkpoint; this only fills fresh tensors sanely.
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
-            elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
-            elif isinstance(module, Block) and module.spec.branch_scale == "layerscale":
-                nn.init.constant_(module.attn_scale, module.spec.layerscale_init)
-                nn.init.constant_(module.mlp_scale, module.spec.layerscale_init)
-
-        def get_input_embeddings(self):
-            return self.model.embed_tokens
-
-        def set_input_embeddings(self, value):
-            self.model.embed_tokens = value
-
-        def get_output_embeddings(self):
-            return self.lm_head
-
-        def forward(self, input_ids=None, attention_mask=None, labels=None, **_ignored):
-            logits = self.lm_head(self.model(input_ids, attention_mask))
-            loss = None
-            if labels is not None:
-                loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100)
-            return CausalLMOutputWithPast(loss=loss, logits=logits)
-
-    AutoConfig.register(MODEL_TYPE, DepthcurseLlamaConfig, exist_ok=True)
-    AutoModelForCausalLM.register(DepthcurseLlamaConfig, DepthcurseLlamaForCausalLM, exist_ok=True)
-    # `angular-distance` asks for a bare model; ours hands its Body over as `base_model`.
-    AutoModel.register(DepthcurseLlamaConfig, DepthcurseLlamaForCausalLM, exist_ok=True)
-    _HF = (DepthcurseLlamaConfig, DepthcurseLlamaForCausalLM)
-    return _HF
-
-
-_HF = None
-
-
-def register_with_transformers() -> None:
-    """Make `from_pretrained` (and so `depthcurse.loading.load_model`) know our model type."""
-    _hf_classes()
-
-
-def hf_config(cfg: ModelConfig, tokenizer=None):
-    Config, _ = _hf_classes()
-    return Config(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, max_position_embeddings=cfg.max_seq_len,
-        rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps, norm=cfg.norm, mix_ratio=cfg.mix_ratio,
-        initializer_range=cfg.init_std, layer_origins=list(cfg.layer_origins), trained_layers=cfg.trained_layers,
-        **_special_ids(tokenizer),
-    )
-
-
-def _special_ids(tokenizer) -> dict:
-    if tokenizer is None:
-        return {}
-    return {k: getattr(tokenizer, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-
-
-def to_hf(model: Transformer, tokenizer=None):
-    """Our model as a DepthcurseLlamaForCausalLM (any norm), sharing no storage with `model`."""
-    _, CausalLM = _hf_classes()
-    hf = CausalLM(hf_config(model.cfg, tokenizer))
-    hf.load_state_dict(model.state_dict())
-    return hf.eval()
-
-
-def to_stock_llama(model: Transformer, tokenizer=None):
-    """A Pre-LN-family model as a stock LlamaForCausalLM; LNS factors are folded into the norm
-    gains (gain/sqrt(l)), which is exact at inference."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = model.cfg
-    if cfg.norm not in STOCK_LLAMA_NORMS:
-        raise DepthcurseError(f"norm {cfg.norm!r} has no stock Llama equivalent (only {', '.join(STOCK_LLAMA_NORMS)})")
-    config = LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
-        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, initializer_range=cfg.init_std,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, tie_word_embeddings=False,
-        attention_bias=False, mlp_bias=False, **_special_ids(tokenizer),
-    )
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for i, block in enumerate(model.model.layers):
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            norm = getattr(block, name)
-            state[f"model.layers.{i}.{name}.weight"] = norm.weight.detach() * norm.scale
-    llama = LlamaForCausalLM(config)
-    llama.load_state_dict(state)
-    return llama.eval()
-
-
-def export(model: Transformer, out_dir, tokenizer=None, *, stock: bool = False):
-    """Save as a Hugging Face checkpoint folder (safetensors + tokenizer) that `load_model`,
-    `depthcurse prune` and `angular-distance` load: our own class, or a stock Llama."""
-    from pathlib import Path
-
-    out_dir = Path(out_dir)
-    hf = to_stock_llama(model, tokenizer) if stock else to_hf(model, tokenizer)
-    hf.save_pretrained(out_dir)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
-    return out_dir

@@ -29,7 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from depthcurse import assets
 from depthcurse.errors import DepthcurseError
+from depthcurse.tasks.base import Score
 
 HUB_DATASET = "rajpurkar/squad"
 SQUAD_SOURCES = ("auto", "hub", "offline")
@@ -90,8 +92,6 @@ def load_squad(data: str = "auto", split: str = "validation") -> tuple[list[dict
     .jsonl / .json list with one flat row per question. The offline copy holds the 1,000-row
     validation split only.
     """
-    from depthcurse import assets
-
     if data == "auto":
         data = "hub" if assets.hub_reachable() else "offline"
     if data == "hub":
@@ -115,11 +115,9 @@ def load_squad(data: str = "auto", split: str = "validation") -> tuple[list[dict
 
 
 def _hub_rows(split: str) -> list[dict]:
-    from depthcurse import assets
-
     if not assets.hub_reachable():
         raise DepthcurseError("the hub is not reachable: use --data offline (1,000 dev questions) or a local SQuAD file")
-    import datasets
+    import datasets  # lazy: only the hub's copy needs datasets (1 s to import)
 
     try:
         ds = datasets.load_dataset(HUB_DATASET, split=split)
@@ -341,9 +339,7 @@ class SquadTask:
                 ends.append(e[row, :n])
         return starts, ends
 
-    def evaluate(self, model: torch.nn.Module):
-        from depthcurse.tasks import Score
-
+    def evaluate(self, model: torch.nn.Module) -> Score:
         starts, ends = self.logits(model)
         self.predictions = extract_answers(self.examples, self.features, starts, ends, n_best=self.n_best, max_answer_length=self.max_answer_length)
         metrics = score_predictions(self.examples, self.predictions)

@@ -1,7 +1,7 @@
 """Fused kernels for pre-training: RMSNorm with the LNS scale (and the residual add before it),
 and a linear + cross-entropy loss that never holds the full [tokens, vocab] logits.
 
-Each function has two paths with the same maths: Triton kernels (`depthcurse.triton_kernels`)
+Each function has two paths with the same maths: Triton kernels (`depthcurse.train.triton_kernels`)
 and plain PyTorch. `use_triton=None` takes Triton for CUDA tensors and PyTorch elsewhere; `True`
 insists on Triton (on CPU tensors this needs Triton's interpreter, `TRITON_INTERPRET=1` set before
 the first Triton call); `False` insists on PyTorch.
@@ -72,7 +72,8 @@ def triton_available() -> bool:
 
 
 def _triton_module():
-    from depthcurse import triton_kernels
+    # lazy: triton is optional, and importing it fixes the interpreter-or-GPU mode for the process
+    from depthcurse.train import triton_kernels
 
     return triton_kernels
 

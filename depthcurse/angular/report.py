@@ -1,0 +1,85 @@
+"""`angular-distance` results as figures and on screen: the heatmap, the per-layer panels, the table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+
+from depthcurse.angular.result import AngularResult
+from depthcurse.io import save_figure
+
+
+def plot_angular(result: AngularResult, path: Path, *, normalize: bool = True, title: str | None = None) -> Path:
+    """Heatmap of d(x_l, x_{l+n}): x = l, y = n; cells with l+n > L masked; l* of each row marked."""
+    import matplotlib  # lazy: only figures need matplotlib (1 s to import)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    L, max_n = result.num_layers, result.max_n
+    grid = np.array([[np.nan if v is None else v for v in row] for row in result.matrix()], dtype=float)
+    shown = grid.copy()
+    if normalize:
+        for i, row in enumerate(grid):
+            lo, hi = np.nanmin(row), np.nanmax(row)
+            shown[i] = (row - lo) / (hi - lo) if hi > lo else np.where(np.isnan(row), np.nan, 0.0)
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#e6e6e6")
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.28 * L + 3), max(4.5, 0.22 * max_n + 2.5)), dpi=120)
+    im = ax.imshow(np.ma.masked_invalid(shown), origin="lower", aspect="auto", cmap=cmap,
+                   extent=(-0.5, L - 0.5, 0.5, max_n + 0.5), interpolation="nearest")
+    best = result.best_blocks()
+    ax.scatter([b["l"] for b in best], [b["n"] for b in best], marker="x", s=18, c="red", lw=1.2, label="l* = argmin over l")
+    ax.set_xlabel("l, first block of the pruned run (stream x_l)")
+    ax.set_ylabel("n, number of blocks skipped")
+    ax.set_xlim(-0.5, L - 0.5)
+    ax.set_ylim(0.5, max_n + 0.5)
+    run = result.run or {}
+    where = "last non-pad token" if result.position == "last" else "all non-pad tokens"
+    ax.set_title(title or f"{run.get('model', 'model')}: angular distance d(x_l, x_l+n)\n{where}, {result.samples} samples, data {run.get('data', '?')}", fontsize=10)
+    bar = fig.colorbar(im, ax=ax)
+    bar.set_label("d, min-max normalised per row (n)" if normalize else "d = arccos(cos)/pi")
+    ax.legend(loc="upper right", fontsize=8, framealpha=0.8)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def plot_layers(result: AngularResult, path: Path, *, title: str | None = None) -> Path:
+    """Four panels: Block Influence, relative update size, residual norm and variance by depth."""
+    import matplotlib  # lazy: only figures need matplotlib (1 s to import)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    L = result.num_layers
+    blocks, depths = list(range(L)), list(range(L + 1))
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), dpi=110)
+    panels = [
+        (axes[0, 0], blocks, result.block_influence, "Block Influence 1 - cos(x_l, x_l+1)", "block l", False),
+        (axes[0, 1], blocks, result.relative_update, "relative update |x_l+1 - x_l| / |x_l|", "block l", False),
+        (axes[1, 0], depths, result.norm, "mean L2 norm of x_l", "depth l (L = after last block, before final norm)", True),
+        (axes[1, 1], depths, result.variance, "mean per-token variance of x_l", "depth l (L = after last block, before final norm)", True),
+    ]
+    for ax, xs, ys, label, xlabel, log in panels:
+        ax.plot(xs, ys, marker="o", ms=3, lw=1.3)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel(xlabel, fontsize=9)
+        if log and min(ys) > 0:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    run = result.run or {}
+    fig.suptitle(title or f"{run.get('model', 'model')}: per-layer statistics over {result.stat_tokens} tokens ({run.get('data', '?')})", fontsize=11)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def angular_table(result: AngularResult) -> Table:
+    """Best block per n: the run of n blocks whose input and output streams are closest."""
+    run = result.run or {}
+    table = Table(title=f"{run.get('model', 'model')} · most redundant run of n blocks (l* = argmin_l d(x_l, x_l+n))", header_style="bold")
+    for col in ("n", "l*", "blocks", "d(x_l*, x_l*+n)"):
+        table.add_column(col, justify="right")
+    for b in result.best_blocks():
+        table.add_row(str(b["n"]), str(b["l"]), b["layers"], f"{b['distance']:.4f}")
+    return table

@@ -1,0 +1,149 @@
+"""What `angular-distance` measured, written and read back in one place: the angular distance
+between every pair of depths, the per-layer statistics, and the blocks they single out."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from depthcurse.errors import DepthcurseError
+from depthcurse.io import atomic_write, csv_text, json_text
+
+ANGULAR_JSON = "angular.json"
+
+
+@dataclass
+class AngularResult:
+    num_layers: int
+    max_n: int
+    position: str
+    pairwise: list[list[float]]  # [L+1][L+1]: mean d(x_i, x_j)
+    samples: int  # tokens averaged in the angular matrix
+    stat_tokens: int  # real tokens behind the per-layer statistics
+    block_influence: list[float]  # [L]
+    relative_update: list[float]  # [L]
+    norm: list[float]  # [L+1]
+    variance: list[float]  # [L+1]
+    sequences: int = 0
+    seconds: float = 0.0
+    run: dict = field(default_factory=dict)
+
+    def distance(self, l: int, n: int) -> float:
+        return self.pairwise[l][l + n]
+
+    def matrix(self) -> list[list[float | None]]:
+        """matrix[n-1][l] = d(x_l, x_{l+n}) for n = 1..max_n, l = 0..L-1; None where l+n > L."""
+        L = self.num_layers
+        return [[self.distance(l, n) if l + n <= L else None for l in range(L)] for n in range(1, self.max_n + 1)]
+
+    def best_blocks(self) -> list[dict]:
+        """For each n, l* = argmin_l d(x_l, x_{l+n}): the n blocks l*..l*+n-1 that change the stream least."""
+        out = []
+        for n in range(1, self.max_n + 1):
+            candidates = [(self.distance(l, n), l) for l in range(self.num_layers - n + 1)]
+            d, l = min(candidates)
+            out.append({"n": n, "l": l, "layers": f"{l}-{l + n - 1}" if n > 1 else str(l), "distance": d})
+        return out
+
+    def block_choices(self, n: int) -> list["BlockChoice"]:
+        """The two n-layer blocks `prune --block n` compares: the one angular distance picks
+        (l* = argmin_l d(x_l, x_{l+n})) and the n deepest layers before the final one, the
+        rule of thumb the heuristic has to beat."""
+        L = self.num_layers
+        if not 1 <= n <= L - 1:
+            raise DepthcurseError(f"--block {n} is out of range: the model has {L} layers (use 1-{L - 1}; the final layer is kept)")
+        if n > self.max_n:
+            raise DepthcurseError(f"--block {n} exceeds the angular result's max n ({self.max_n}); measure it with a larger --max-n")
+        best = min((self.distance(l, n), l) for l in range(L - n + 1))[1]
+        deepest = L - 1 - n
+        return [
+            BlockChoice("angular", tuple(range(best, best + n)), self.distance(best, n)),
+            BlockChoice("deepest", tuple(range(deepest, deepest + n)), self.distance(deepest, n)),
+        ]
+
+    def angular_rows(self) -> list[dict]:
+        return [
+            {"l": l, "n": n, "distance": self.distance(l, n), "count": self.samples}
+            for n in range(1, self.max_n + 1)
+            for l in range(self.num_layers - n + 1)
+        ]
+
+    def layer_rows(self) -> list[dict]:
+        rows = []
+        for l in range(self.num_layers + 1):
+            last = l == self.num_layers
+            rows.append({
+                "l": l,
+                "block_influence": None if last else self.block_influence[l],
+                "relative_update": None if last else self.relative_update[l],
+                "norm": self.norm[l],
+                "variance": self.variance[l],
+                "count": self.stat_tokens,
+            })
+        return rows
+
+    def to_json(self) -> dict:
+        return {
+            "run": self.run,
+            "num_layers": self.num_layers,
+            "max_n": self.max_n,
+            "token_position": self.position,
+            "samples": self.samples,
+            "sequences": self.sequences,
+            "seconds": self.seconds,
+            "definition": "d(x_l, x_{l+n}) = arccos(cos(x_l, x_{l+n}))/pi, x_l = input of block l, x_L = output of the last block before the final norm",
+            "matrix_index": "matrix[n-1][l] = d(x_l, x_{l+n}); null where l+n > L",
+            "matrix": self.matrix(),
+            "pairwise": self.pairwise,
+            "best_blocks": self.best_blocks(),
+            "layers": {
+                "block_influence": self.block_influence,
+                "relative_update": self.relative_update,
+                "norm": self.norm,
+                "variance": self.variance,
+                "tokens": self.stat_tokens,
+            },
+        }
+
+
+@dataclass(frozen=True)
+class BlockChoice:
+    rule: str  # "angular" or "deepest"
+    layers: tuple[int, ...]
+    distance: float  # d(x_first, x_first+n) measured on the unpruned model
+
+    @property
+    def label(self) -> str:
+        return f"{self.layers[0]}-{self.layers[-1]}" if len(self.layers) > 1 else str(self.layers[0])
+
+
+def load_angular(path) -> AngularResult:
+    """An `angular.json` written by `depthcurse angular-distance` (or `prune --block`), read back."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / ANGULAR_JSON
+    try:
+        data = json.loads(path.read_text())
+        layers = data["layers"]
+        return AngularResult(
+            num_layers=data["num_layers"], max_n=data["max_n"], position=data["token_position"],
+            pairwise=data["pairwise"], samples=data["samples"], stat_tokens=layers["tokens"],
+            block_influence=layers["block_influence"], relative_update=layers["relative_update"],
+            norm=layers["norm"], variance=layers["variance"], sequences=data.get("sequences", 0),
+            seconds=data.get("seconds", 0.0), run=data.get("run", {}),
+        )
+    except FileNotFoundError as exc:
+        raise DepthcurseError(f"no angular-distance result at {path}: run `depthcurse angular-distance` first") from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DepthcurseError(f"{path} is not a depthcurse angular.json ({type(exc).__name__}: {exc})") from exc
+
+
+def write_angular(result: AngularResult, out_dir: Path) -> list[Path]:
+    """angular.csv (l, n, distance, count), angular.json (everything) and layers.csv."""
+    out_dir = Path(out_dir)
+    paths = [out_dir / "angular.csv", out_dir / ANGULAR_JSON, out_dir / "layers.csv"]
+    atomic_write(paths[0], csv_text(result.angular_rows()))
+    atomic_write(paths[1], json_text(result.to_json()))
+    atomic_write(paths[2], csv_text(result.layer_rows()))
+    return paths

@@ -1,0 +1,171 @@
+"""Files on disk: the one atomic writer, results folders, CSV/JSON/PNG, run identity, the environment.
+
+Everything depthcurse writes goes through `atomic_write`, so a reader (or a crash, a Ctrl-C, a
+preemption) never sees half a file or half a folder: results tables, sweep batches, training
+checkpoints, fine-tuning states and offline-cache entries alike.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import platform
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+
+from depthcurse.errors import DepthcurseError
+
+PACKAGES = ("depthcurse", "torch", "transformers", "lm_eval", "datasets", "accelerate", "safetensors")
+STALE_AFTER_S = 6 * 3600  # a temporary folder this old was left by a killed writer
+
+
+def atomic_write(path: Path, content: str | bytes | Callable[[Path], object], *, folder: bool = False) -> Path:
+    """Write `path` whole or not at all: into a temporary name beside it, then rename.
+
+    `content` is text, bytes, or a function that writes a file at the path it is given
+    (`lambda tmp: torch.save(state, tmp)`); with `folder=True` the function gets an empty
+    folder to fill, and an existing folder at `path` is replaced in one swap. If anything
+    fails, the temporary copy is removed and `path` keeps its previous content.
+    """
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    if folder:
+        _remove_stale(path)
+        tmp.mkdir()
+    try:
+        if isinstance(content, str):
+            tmp.write_text(content, encoding="utf-8")
+        elif isinstance(content, bytes):
+            tmp.write_bytes(content)
+        else:
+            content(tmp)
+        if folder and path.exists():
+            # A folder cannot be renamed over another: move the old one aside, then drop it.
+            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+    return path
+
+
+def previous_folder(path: Path) -> Path | None:
+    """The copy `atomic_write(..., folder=True)` moved aside, if a crash came between its two renames."""
+    path = Path(path)
+    olds = sorted(path.parent.glob(f".{path.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    return olds[-1] if olds else None
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _remove_stale(path: Path) -> None:
+    """Temporary folders that killed writers of `path` left behind, hours old."""
+    now = time.time()
+    for pattern in (f".{path.name}.tmp-*", f".{path.name}.old-*"):
+        for stale in path.parent.glob(pattern):
+            try:
+                if now - stale.stat().st_mtime > STALE_AFTER_S:
+                    _remove(stale)
+            except OSError:
+                pass
+
+
+def ensure_out_dir(path: Path) -> Path:
+    """A results folder that exists and can be written to, or one clear error."""
+    path = Path(path).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-", delete=True)
+        probe.close()
+    except OSError as exc:
+        raise DepthcurseError(f"--out {path} is not writable: {exc.strerror or exc}") from exc
+    return path
+
+
+def finite(value):
+    """JSON has no NaN or infinity: they become null, in nested dicts and lists too."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite(v) for v in value]
+    return value
+
+
+def json_text(data) -> str:
+    return json.dumps(finite(data), indent=2) + "\n"
+
+
+def csv_text(rows: list[dict], *, digits: int | None = 8, empty_header: list[str] | None = None) -> str:
+    """Rows of dicts as CSV text: floats to `digits` significant digits (None: as Python prints
+    them), None as an empty cell; the header is the first row's keys (or `empty_header`)."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else list(empty_header or []), lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: ("" if v is None else (f"{v:.{digits}g}" if digits and isinstance(v, float) else v)) for k, v in row.items()})
+    return buf.getvalue()
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Render `fig` as PNG, write it atomically and free it."""
+    import matplotlib.pyplot as plt  # lazy: only the figure writers need matplotlib (1 s to import)
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return atomic_write(Path(path), buf.getvalue())
+
+
+def changed_settings(saved: dict, current: dict, *, ignore=frozenset()) -> list[str]:
+    """`name: old -> new` for every setting that differs between two runs' records."""
+    keys = sorted((set(saved) | set(current)) - set(ignore))
+    return [f"{k}: {_short(saved.get(k))} -> {_short(current.get(k))}" for k in keys if saved.get(k) != current.get(k)]
+
+
+def _short(value, width: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def refuse_other_run(folder: Path, saved: dict, current: dict, *, ignore=frozenset(), what: str = "run") -> None:
+    """The one identity check of every resumable job: a folder holding a different run is
+    refused, never overwritten or mixed with this one."""
+    differ = changed_settings(saved, current, ignore=ignore)
+    if differ:
+        shown = "; ".join(differ[:4]) + ("; ..." if len(differ) > 4 else "")
+        raise DepthcurseError(f"{folder} holds a different {what} (differs in: {shown}); choose another --out or delete it")
+
+
+def environment() -> dict:
+    """Python, platform, package versions, threads and GPUs: saved with every result."""
+    import torch  # lazy: the CLI imports this module at start-up, and torch takes seconds
+
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    env = {"python": platform.python_version(), "platform": platform.platform(), "packages": versions, "torch_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return env

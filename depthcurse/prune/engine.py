@@ -1,0 +1,93 @@
+"""The reuse engine: score every variant of a prune sweep without recomputing what they share.
+
+Variant "without layer l" is identical to the unpruned model up to block l. So for each batch of
+inputs the unpruned model runs once, keeping the residual stream at the input of every block a
+variant starts from, and variant l continues from the stream at block l, skipping the removed
+blocks: it computes only the blocks after l. On top of that:
+
+* only the positions a task scores go through the final norm and the head (the answer tokens of
+  a multiple-choice question; every position of a ppl window, in chunks, so the full
+  [tokens, vocab] logits never exist at once);
+* inputs that share a long token prefix (the few-shot examples of an MMLU subject) get that
+  prefix's keys and values computed once per variant; the rest of each input attends to them;
+* lm-eval's requests are built and tokenised once (by lm-eval's own HFLM code), and each
+  variant's responses go back through lm-eval's own filters, metrics and aggregation.
+
+The blocks are the model's own decoder-layer modules, called with the arguments the model's own
+forward passes them (rotary position embeddings, one additive mask per layer type). Before use,
+`Stepper.check` compares this block-by-block forward against the model's forward; an
+architecture that does not match, or a task the engine does not know, is reported as
+unsupported and the sweep falls back to evaluating each variant on its own.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+from depthcurse.errors import DepthcurseError
+from depthcurse.prune.requests import LmEvalRequests, ppl_requests
+from depthcurse.prune.scoring import parse_memory, score_requests
+from depthcurse.prune.stepping import Stepper, Unsupported
+from depthcurse.tasks.base import Score
+from depthcurse.tasks.harness import LmEvalTask
+from depthcurse.tasks.perplexity import PerplexityTask
+
+
+def why_unsupported(model, task) -> str | None:
+    """None when the engine can run this model and task; otherwise the reason it cannot."""
+    if not isinstance(task, (PerplexityTask, LmEvalTask)):
+        return f"task {getattr(task, 'name', type(task).__name__)} is not supported by the reuse engine"
+    try:
+        Stepper(model).check()
+    except Unsupported as exc:
+        return str(exc)
+    return None
+
+
+def evaluate_variants(
+    model,
+    task,
+    variants: list[tuple[int, ...]],
+    *,
+    max_memory: int | str | None = None,
+    store: Path | None = None,
+    fingerprint: str = "",
+    on_batch: Callable[[int, int], None] | None = None,
+    share_prefixes: bool = True,
+    checked: bool = False,
+) -> tuple[dict[tuple, Score], dict]:
+    """Scores of every variant (tuples of removed layers; () is the unpruned model) and run statistics.
+
+    Raises Unsupported (with the reason) for a model or task the engine cannot run, unless
+    `checked` says `why_unsupported` already found none.
+    """
+    reason = None if checked else why_unsupported(model, task)
+    if reason:
+        raise Unsupported(reason)
+    started = time.perf_counter()
+    stepper = Stepper(model)
+    asked = list(dict.fromkeys([(), *variants]))
+    if isinstance(task, PerplexityTask):
+        requests, lm_requests = ppl_requests(task), None
+    else:
+        lm_requests = LmEvalRequests(task, model)
+        requests = lm_requests.requests
+    if not requests:
+        raise DepthcurseError(f"task {task.name} produced no requests to score")
+    t_requests = time.perf_counter() - started
+    lp, greedy, stats = score_requests(stepper, requests, asked, max_memory=parse_memory(max_memory), store=store, fingerprint=fingerprint, on_batch=on_batch, share_prefixes=share_prefixes, need_greedy=lm_requests is not None)
+    scores = {}
+    for vi, v in enumerate(asked):
+        if lm_requests is None:
+            count = sum(len(r.targets) for r in requests)
+            scores[v] = task.score(-float(lp[vi].sum()), count)
+        else:
+            scores[v] = lm_requests.score(lp[vi], greedy[vi])
+    stats.update(
+        requests=len(requests),
+        seconds_building_requests=round(t_requests, 3),
+        seconds=round(time.perf_counter() - started, 3),
+    )
+    return scores, stats

@@ -1,0 +1,155 @@
+"""Prune results on screen and as figures: the rich table, the sweep plot, the Figure 2 overlay."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from rich.table import Table
+
+from depthcurse.angular.result import BlockChoice
+from depthcurse.errors import DepthcurseError
+from depthcurse.io import save_figure
+from depthcurse.prune.results import RESULTS_JSON, Sweep, prune_rows, read_sweep
+
+
+def plot_prune(sweep: Sweep, path: Path) -> Path:
+    import matplotlib  # lazy: only figures need matplotlib (1 s to import)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    singles = sorted((v for v in sweep.variants if len(v.removed) == 1), key=lambda v: v.removed[0])
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    if singles:
+        ax.plot([v.removed[0] for v in singles], [v.metrics[sweep.metric] for v in singles], marker="o", ms=4, lw=1.5, label="layer removed")
+    base = sweep.baseline
+    if base is not None:
+        ax.axhline(base.metrics[sweep.metric], color="k", ls="--", lw=1, label=f"unpruned ({base.metrics[sweep.metric]:.4g})")
+    task = sweep.run.get("task", "")
+    shots = sweep.run.get("num_fewshot")
+    task_label = f"{task}, {shots}-shot" if shots not in (None, 0, []) else str(task)
+    if task == "ppl":
+        task_label = f"ppl on {sweep.run.get('data')}"
+        if singles and base is not None and max(v.metrics["loss"] for v in singles) > 4 * base.metrics["loss"]:
+            ax.set_yscale("log")
+    ax.set_xlabel(f"removed layer index (0 to {sweep.n_layers - 1})")
+    ax.set_ylabel(f"{sweep.metric} ({'higher' if sweep.higher_is_better else 'lower'} is better)")
+    ax.set_title(f"{sweep.run.get('model')}: {task_label}, one layer removed at a time")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def load_prune(folder: Path) -> Sweep:
+    """The sweep in a prune results folder, or one clear error saying why there is none."""
+    folder = Path(folder)
+    if not folder.exists():
+        raise DepthcurseError(f"{folder} does not exist")
+    sweep = read_sweep(folder)
+    if sweep is None:
+        raise DepthcurseError(f"{folder} holds no prune result ({RESULTS_JSON}): give folders that `depthcurse prune` wrote")
+    return sweep
+
+
+def relative_drop_curve(sweep: Sweep) -> tuple[list[float], list[float]]:
+    """(removed layer / number of layers, relative drop in percent, positive = worse) per single-layer variant."""
+    singles = sorted((v for v in sweep.variants if len(v.removed) == 1), key=lambda v: v.removed[0])
+    return [v.removed[0] / sweep.n_layers for v in singles], [100 * sweep.drop(v)[1] for v in singles]
+
+
+def plot_prune_overlay(folders: list[Path], path: Path) -> Path:
+    """Several sweeps on one figure, comparable across models of any depth (the papers' Figure 2):
+    x = removed layer / number of layers, y = relative drop against each model's own baseline,
+    signed so that up is worse for every metric (a loss that rises, an accuracy that falls)."""
+    import matplotlib  # lazy: only figures need matplotlib (1 s to import)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not folders:
+        raise DepthcurseError("give at least one prune results folder")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 4.8), dpi=120)
+    largest = 0.0
+    for folder in folders:
+        sweep = load_prune(folder)
+        if sweep.baseline is None:
+            raise DepthcurseError(f"{folder}: the sweep has no unpruned baseline yet; rerun its prune command")
+        xs, ys = relative_drop_curve(sweep)
+        if not xs:
+            raise DepthcurseError(f"{folder}: the sweep has no single-layer removals to plot")
+        largest = max([largest, *(abs(y) for y in ys if math.isfinite(y))])
+        task = sweep.run.get("task", "?")
+        ax.plot(xs, ys, marker="o", ms=4, lw=1.5, label=f"{sweep.run.get('model')} ({sweep.n_layers} layers): {task}, {sweep.metric}")
+    ax.axhline(0, color="k", lw=0.8)
+    if largest > 150:  # a ruinous layer (a Pre-LN layer 0) would flatten every other point
+        ax.set_yscale("symlog", linthresh=10)
+        lowest = min(min(line.get_ydata()) for line in ax.get_lines()[:-1])
+        ax.set_ylim(bottom=min(-2.0, 1.2 * lowest))  # symlog would otherwise show a decade below zero
+    ax.set_xlabel("removed layer / number of layers (0 = first layer)")
+    ax.set_ylabel("relative drop vs. unpruned (%, up = worse)")
+    ax.set_title("one layer removed at a time, no fine-tuning")
+    ax.set_xlim(-0.03, 1.0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def prune_table(sweep: Sweep) -> Table:
+    """The sweep as a rich table; the worst variants are highlighted."""
+    rows = prune_rows(sweep)
+    title = f"{sweep.run.get('model')} · {sweep.run.get('task')} · {sweep.metric} ({'↑' if sweep.higher_is_better else '↓'} better)"
+    table = Table(title=title, header_style="bold")
+    extra = [m for m in (rows[0] if rows else {}) if m not in {"removed", "drop", "rel_drop", "examples", "seconds"}]
+    table.add_column("removed", justify="right")
+    for m in extra:
+        table.add_column(m, justify="right")
+    for name in ("drop", "rel. drop", "examples", "s"):
+        table.add_column(name, justify="right")
+    drops = sorted((r["drop"] for r in rows if r["removed"] != "none" and math.isfinite(r["drop"])), reverse=True)
+    worst = set(drops[: max(1, len(drops) // 10)])
+    for r in rows:
+        style = "bold red" if r["removed"] != "none" and r["drop"] in worst else ("bold" if r["removed"] == "none" else None)
+        table.add_row(
+            r["removed"],
+            *[_fmt(r[m]) for m in extra],
+            _fmt(r["drop"], signed=True),
+            "" if not math.isfinite(r["rel_drop"]) else f"{r['rel_drop']:+.1%}",
+            str(r["examples"]),
+            f"{r['seconds']:.1f}",
+            style=style,
+        )
+    return table
+
+
+def block_table(sweep: Sweep, choices: list[BlockChoice]) -> Table:
+    """`prune --block n`: the block angular distance picks against the n deepest layers before the last."""
+    n = len(choices[0].layers)
+    title = f"{sweep.run.get('model')} · {sweep.run.get('task')} · {n} contiguous layers removed · {sweep.metric} ({'↑' if sweep.higher_is_better else '↓'} better)"
+    table = Table(title=title, header_style="bold")
+    for col in ("rule", "layers removed", "d(x_l, x_l+n)", sweep.metric, "drop", "rel. drop"):
+        table.add_column(col, justify="right")
+    by_removed = {tuple(v.removed): v for v in sweep.variants}
+    base = sweep.baseline
+    if base is not None:
+        table.add_row("unpruned", "none", "", _fmt(base.metrics[sweep.metric]), "", "", style="bold")
+    for c in choices:
+        v = by_removed.get(tuple(c.layers))
+        if v is None:
+            table.add_row(c.rule, c.label, f"{c.distance:.4f}", "not run", "", "")
+            continue
+        drop, rel = sweep.drop(v)
+        table.add_row(c.rule, c.label, f"{c.distance:.4f}", _fmt(v.metrics[sweep.metric]), _fmt(drop, signed=True),
+                      "" if not math.isfinite(rel) else f"{rel:+.1%}")
+    return table
+
+
+def _fmt(value, signed: bool = False) -> str:
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return "nan"
+        return f"{value:+.4f}" if signed else f"{value:.4f}"
+    return str(value)

@@ -1,0 +1,114 @@
+"""A prune sweep's results: what `prune.json` and `prune.csv` hold, written and read in one place.
+
+`prune.json` is the record of a run: its identity (model, revision, dtype, task, data, shots,
+limit, seed), the package versions and wall time, and every finished variant. It is rewritten
+atomically after each variant (or batch), so it is also what an interrupted sweep resumes from.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+from depthcurse.errors import DepthcurseError
+from depthcurse.io import atomic_write, csv_text, json_text
+
+RESULTS_JSON = "prune.json"
+RESULTS_CSV = "prune.csv"
+PARTIAL_DIR = "prune.partial"  # the reuse engine's finished batches, until the sweep ends
+
+
+@dataclass
+class VariantResult:
+    removed: list[int]  # [] for the unpruned baseline
+    metrics: dict[str, float]
+    examples: int
+    seconds: float
+    details: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return variant_label(self.removed)
+
+
+def removal_key(variant: int | Iterable[int]) -> tuple[int, ...]:
+    """A variant as the sorted tuple of removed layers: 3 -> (3,), [5, 4] -> (4, 5)."""
+    return (variant,) if isinstance(variant, int) else tuple(sorted(set(variant)))
+
+
+def variant_label(removed: Iterable[int]) -> str:
+    removed = list(removed)
+    return "none" if not removed else ",".join(map(str, removed))
+
+
+@dataclass
+class Sweep:
+    """Everything `prune.json` holds; `variants[0]` is the baseline once it has run."""
+
+    run: dict  # what identifies the run: resuming requires the same
+    metric: str
+    higher_is_better: bool
+    n_layers: int
+    variants: list[VariantResult] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)  # versions, wall time: informative, not identity
+
+    @property
+    def baseline(self) -> VariantResult | None:
+        return next((v for v in self.variants if not v.removed), None)
+
+    def drop(self, v: VariantResult) -> tuple[float, float]:
+        """(absolute, relative) worsening against the baseline: positive means worse."""
+        base = self.baseline
+        if base is None:
+            return float("nan"), float("nan")
+        b, x = base.metrics[self.metric], v.metrics[self.metric]
+        worse = b - x if self.higher_is_better else x - b
+        return worse, (worse / abs(b) if b else float("nan"))
+
+    def to_json(self) -> dict:
+        return {"run": self.run, "metric": self.metric, "higher_is_better": self.higher_is_better, "n_layers": self.n_layers, **self.meta, "variants": [asdict(v) for v in self.variants]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Sweep":
+        keys = {"run", "metric", "higher_is_better", "n_layers", "variants"}
+        return cls(
+            run=data["run"],
+            metric=data["metric"],
+            higher_is_better=data["higher_is_better"],
+            n_layers=data["n_layers"],
+            variants=[VariantResult(**v) for v in data["variants"]],
+            meta={k: v for k, v in data.items() if k not in keys},
+        )
+
+
+def read_sweep(folder: Path) -> Sweep | None:
+    """The sweep saved in a results folder (or at a prune.json path); None when there is none."""
+    folder = Path(folder)
+    path = folder if folder.suffix == ".json" else folder / RESULTS_JSON
+    if not path.is_file():
+        return None
+    try:
+        return Sweep.from_json(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DepthcurseError(f"{path} is not a depthcurse prune result ({exc}); remove it or choose another --out") from exc
+
+
+def prune_rows(sweep: Sweep) -> list[dict]:
+    """One flat row per variant: removed, metrics, drop, relative drop, examples, seconds."""
+    rows = []
+    metric_names = list(dict.fromkeys(k for v in sweep.variants for k in v.metrics))
+    for v in sweep.variants:
+        drop, rel = sweep.drop(v)
+        row = {"removed": v.label}
+        row.update({m: v.metrics.get(m, float("nan")) for m in metric_names})
+        row.update({"drop": drop, "rel_drop": rel, "examples": v.examples, "seconds": v.seconds})
+        rows.append(row)
+    return rows
+
+
+def write_sweep(sweep: Sweep, out_dir: Path) -> None:
+    """prune.csv (one row per variant) and prune.json (everything), each written atomically."""
+    atomic_write(out_dir / RESULTS_CSV, csv_text(prune_rows(sweep), digits=6, empty_header=["removed"]))
+    atomic_write(out_dir / RESULTS_JSON, json_text(sweep.to_json()))

@@ -1,0 +1,340 @@
+"""Scoring token requests under every variant at once, batch by batch, resumably.
+
+`plan` groups the requests' rows by shared token prefix; `VariantScorer` cuts them into batches
+that fit the memory budget and runs each batch through the unpruned model once, every variant
+continuing from the stream at its first removed block; `score_requests` keeps each finished
+batch on disk, so an interrupted sweep recomputes nothing it finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from depthcurse.errors import DepthcurseError
+from depthcurse.io import atomic_write
+from depthcurse.prune.stepping import Stepper, _PrefixKV, _RecordKV
+
+MIN_SHARED_PREFIX = 16  # tokens; below this a prefix group saves less than it costs in smaller batches
+HEAD_CHUNK_BYTES = 256 * 2**20  # fp32 logits computed at once by the head (cross-entropy needs as much again)
+# Tokens per batch at most: a batch (every variant) is the unit of progress and of resuming, so
+# beyond this a bigger batch only delays the next saved checkpoint. A CPU gains little from big
+# batches and takes minutes per batch of all variants, so there the cap is lower.
+MAX_BATCH_TOKENS = {"cuda": 16384, "cpu": 2048}
+
+
+def parse_memory(text: str | int | None) -> int:
+    """'2GB', '512MB', '1.5GiB' or a number of bytes -> bytes. None -> 2 GiB."""
+    if text is None:
+        return 2 * 2**30
+    if isinstance(text, int):
+        value = text
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*", str(text).lower())
+        if match is None:
+            raise DepthcurseError(f"bad --max-memory {text!r}: use a size like 2GB or 512MB")
+        unit = (match.group(2) or "b").rstrip("b").rstrip("i")
+        value = int(float(match.group(1)) * 1024 ** "_kmgt".index(unit or "_"))
+    if value < 2**20:
+        raise DepthcurseError(f"--max-memory {text} is too small: give at least 1MB")
+    return value
+
+
+@dataclass(frozen=True)
+class TokenRequest:
+    """Score `targets` as the tokens following positions start, start+1, ... of `inputs`."""
+
+    inputs: tuple[int, ...]
+    start: int
+    targets: tuple[int, ...]
+
+
+@dataclass
+class _Row:
+    inputs: tuple[int, ...]
+    requests: list[int] = field(default_factory=list)  # indices into the request list
+
+    def first_scored(self, reqs: list[TokenRequest]) -> int:
+        return min(reqs[r].start for r in self.requests)
+
+
+@dataclass
+class _Group:
+    prefix: int  # tokens shared by every row (0: none)
+    rows: list[_Row]
+
+
+@dataclass
+class _Batch:
+    group: int
+    rows: list[_Row]
+
+
+def _common(a: tuple, b: tuple, limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def plan(requests: list[TokenRequest], min_prefix: int = MIN_SHARED_PREFIX) -> list[_Group]:
+    """Rows (one per distinct input: the choices of a question share one) grouped by shared token prefix.
+
+    Prefixes are found on tokens, not strings (BPE may merge across a string boundary), and end
+    before the first scored position of every row, so prefix positions never need the head.
+    """
+    rows: dict[tuple, _Row] = {}
+    for i, r in enumerate(requests):
+        rows.setdefault(r.inputs, _Row(r.inputs)).requests.append(i)
+    ordered = sorted(rows.values(), key=lambda row: row.inputs)
+    groups: list[_Group] = []
+    loose: list[_Row] = []
+    current: list[_Row] = []
+    prefix = 0
+
+    def close():
+        if len(current) >= 2 and prefix >= min_prefix:
+            groups.append(_Group(prefix, list(current)))
+        else:
+            loose.extend(current)
+
+    for row in ordered:
+        cap = row.first_scored(requests)
+        if current:
+            shared = _common(current[0].inputs, row.inputs, min(prefix, cap))
+            # k rows sharing p tokens save (k-1)*p token passes: join only if that does not shrink
+            # the saving (a subject's few-shot block beats each question's own longer context)
+            if shared >= min_prefix and len(current) * shared >= (len(current) - 1) * prefix:
+                current.append(row)
+                prefix = shared
+                continue
+            close()
+        current, prefix = [row], cap
+    if current:
+        close()
+    if loose:
+        groups.append(_Group(0, loose))
+    return groups
+
+
+class VariantScorer:
+    """Log-likelihoods of token requests under the unpruned model and every variant, batch by batch."""
+
+    def __init__(self, stepper: Stepper, variants: list[tuple[int, ...]], max_memory: int, max_batch_tokens: int | None = None):
+        self.s = stepper
+        self.variants = list(variants)
+        if () not in self.variants:
+            raise ValueError("the unpruned model must be among the variants")
+        for v in self.variants:
+            if any(not 0 <= i < stepper.n_layers for i in v):
+                raise DepthcurseError(f"variant {v} removes a layer outside 0-{stepper.n_layers - 1}")
+        self.starts = sorted({min(v) for v in self.variants if v})
+        self.budget = max_memory
+        self.max_batch_tokens = max_batch_tokens or MAX_BATCH_TOKENS.get(torch.device(stepper.device).type, MAX_BATCH_TOKENS["cuda"])
+        self.block_passes = 0
+        self.need_greedy = True  # whether is_greedy is wanted (lm-eval's tasks) or only log-likelihoods (ppl)
+
+    # memory: the kept streams, plus a few more activations per token (attention, MLP)
+    def _bytes_per_token(self, keys: int) -> int:
+        c = self.s.config
+        width = c.hidden_size * (len(self.starts) + 4) + 2 * getattr(c, "intermediate_size", 4 * c.hidden_size)
+        attn = getattr(c, "num_attention_heads", 1) * keys
+        return (width + attn) * self.s.embed.weight.element_size()
+
+    def _prefix_kv_bytes(self, length: int) -> int:
+        c = self.s.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        per_layer = 2 * length * getattr(c, "num_key_value_heads", c.num_attention_heads) * head_dim * self.s.embed.weight.element_size()
+        layers = sum(self.s.n_layers - min(v, default=0) - len(v) for v in self.variants)
+        return per_layer * layers
+
+    def batches(self, requests: list[TokenRequest], groups: list[_Group]) -> list[_Batch]:
+        """Rows cut into batches whose kept streams fit the memory budget; longest rows first, as lm-eval sorts."""
+        out = []
+        for gi, g in enumerate(groups):
+            budget = self.budget
+            if g.prefix:
+                kv = self._prefix_kv_bytes(g.prefix)
+                if kv > self.budget // 2:
+                    raise DepthcurseError(f"--max-memory {self.budget / 2**20:.0f}MB cannot hold the shared prefix of {g.prefix} tokens for every variant; give more")
+                budget -= kv
+            rows = sorted(g.rows, key=lambda r: (-len(r.inputs), r.inputs))
+            batch: list[_Row] = []
+            for row in rows:
+                width = len(row.inputs) - g.prefix
+                longest = len(batch[0].inputs) - g.prefix if batch else width
+                n = len(batch) + 1
+                cost = n * longest * self._bytes_per_token(g.prefix + longest)
+                if batch and (cost > budget or n * longest > self.max_batch_tokens):
+                    out.append(_Batch(gi, batch))
+                    batch = []
+                batch.append(row)
+            if batch:
+                out.append(_Batch(gi, batch))
+        return out
+
+    def _run(self, h, ctx, start: int, removed: tuple, cache) -> torch.Tensor:
+        for i in range(start, self.s.n_layers):
+            if i not in removed:
+                h = self.s.block(i, h, ctx, cache)
+                self.block_passes += h.shape[0] * h.shape[1]
+        return h
+
+    @torch.inference_mode()
+    def prefix_kv(self, tokens: tuple[int, ...]) -> dict:
+        """Keys and values of a shared prefix for every variant (only the layers each variant runs)."""
+        ids = torch.tensor([tokens], device=self.s.device)
+        ctx = self.s.context(len(tokens), 0)
+        rec = _RecordKV()
+        h, streams = self.s.embed(ids), {}
+        for i in range(self.s.n_layers):
+            if i in self.starts:
+                streams[i] = h
+            h = self.s.block(i, h, ctx, rec)
+            self.block_passes += h.shape[1]
+        out = {(): rec.kv}
+        for v in self.variants:
+            if v:
+                rv = _RecordKV()
+                self._run(streams[min(v)], ctx, min(v), v, rv)
+                out[v] = rv.kv
+        return out
+
+    @torch.inference_mode()
+    def score_batch(self, requests: list[TokenRequest], rows: list[_Row], prefix: int, kv: dict | None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """(log-likelihood [variants, requests] float64, is_greedy [variants, requests] bool, request ids)."""
+        s = self.s
+        width = max(len(r.inputs) for r in rows) - prefix
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for b, row in enumerate(rows):
+            ids[b, : len(row.inputs) - prefix] = torch.tensor(row.inputs[prefix:])
+        # every scored position of the batch, flattened: (row, position, target, request)
+        req_ids, b_idx, p_idx, tgt, seg = [], [], [], [], []
+        for b, row in enumerate(rows):
+            for r in row.requests:
+                tr = requests[r]
+                n = len(tr.targets)
+                b_idx += [b] * n
+                p_idx += range(tr.start - prefix, tr.start - prefix + n)
+                tgt += tr.targets
+                seg += [len(req_ids)] * n
+                req_ids.append(r)
+        b_idx, p_idx = torch.tensor(b_idx, device=s.device), torch.tensor(p_idx, device=s.device)
+        tgt, seg = torch.tensor(tgt, device=s.device), torch.tensor(seg, device=s.device)
+        ctx = s.context(width, prefix)
+        lp = torch.zeros(len(self.variants), len(req_ids), dtype=torch.float64)
+        greedy = torch.zeros(len(self.variants), len(req_ids), dtype=torch.bool)
+
+        def score(vi, h):
+            picked = h[b_idx, p_idx]
+            chunk = max(1, HEAD_CHUNK_BYTES // (4 * s.head.weight.shape[0]))
+            tok_lp, tok_ok = [], []
+            for lo in range(0, len(picked), chunk):
+                logits, t = s.logits(picked[lo : lo + chunk]), tgt[lo : lo + chunk]
+                if self.need_greedy:  # argmax of lm-eval's own log-softmax values, ties included
+                    logp = F.log_softmax(logits, dim=-1)
+                    tok_lp.append(logp.gather(1, t[:, None])[:, 0])
+                    tok_ok.append(logp.argmax(dim=-1) == t)
+                else:  # ppl: no [positions, vocab] log-probabilities, no argmax pass
+                    tok_lp.append(-F.cross_entropy(logits, t, reduction="none"))
+                    tok_ok.append(torch.zeros_like(t, dtype=torch.bool))
+            tok_lp, tok_ok = torch.cat(tok_lp), torch.cat(tok_ok)
+            lp[vi] = torch.zeros(len(req_ids), dtype=torch.float64, device=s.device).index_add_(0, seg, tok_lp.double()).cpu()
+            misses = torch.zeros(len(req_ids), dtype=torch.long, device=s.device).index_add_(0, seg, (~tok_ok).long())
+            greedy[vi] = (misses == 0).cpu()
+
+        h = s.embed(ids.to(s.device))
+        streams = {}
+        base_cache = _PrefixKV(kv[()]) if kv else None
+        for i in range(s.n_layers):
+            if i in self.starts:
+                streams[i] = h
+            h = s.block(i, h, ctx, base_cache)
+            self.block_passes += h.shape[0] * h.shape[1]
+        for vi, v in enumerate(self.variants):
+            if not v:
+                score(vi, h)
+            else:
+                score(vi, self._run(streams[min(v)], ctx, min(v), v, _PrefixKV(kv[v]) if kv else None))
+        return lp, greedy, req_ids
+
+
+def plain_block_passes(requests: list[TokenRequest], variants: list[tuple], n_layers: int) -> int:
+    """Token-block passes of evaluating each variant from scratch: every distinct input through every kept block, no padding."""
+    tokens = sum(len(inputs) for inputs in {r.inputs for r in requests})
+    return tokens * sum(n_layers - len(v) for v in variants)
+
+
+def score_requests(
+    stepper: Stepper,
+    requests: list[TokenRequest],
+    variants: list[tuple[int, ...]],
+    *,
+    max_memory: int,
+    store: Path | None = None,
+    fingerprint: str = "",
+    on_batch: Callable[[int, int], None] | None = None,
+    share_prefixes: bool = True,
+    need_greedy: bool = True,
+    max_batch_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(log-likelihood [variants, requests], is_greedy [variants, requests], stats) for every variant.
+
+    With `need_greedy=False` is_greedy is all False and the head skips its argmax pass.
+    Batches are cut by the memory budget and by `max_batch_tokens` (default: MAX_BATCH_TOKENS for
+    the model's device).
+
+    With `store`, each finished batch is saved there atomically and a rerun with the same
+    `fingerprint` (same requests, variants and batching) loads it instead of recomputing.
+    """
+    scorer = VariantScorer(stepper, variants, max_memory, max_batch_tokens)
+    scorer.need_greedy = need_greedy
+    groups = plan(requests, MIN_SHARED_PREFIX if share_prefixes else 10**9)
+    batches = scorer.batches(requests, groups)
+    key = hashlib.sha256(json.dumps([fingerprint, [list(v) for v in variants], [[(b.group, r.requests) for r in b.rows] for b in batches], [g.prefix for g in groups]]).encode()).hexdigest()[:16]
+    if store is not None:
+        state = store / "state.json"
+        if store.exists() and (not state.exists() or json.loads(state.read_text()).get("key") != key):
+            shutil.rmtree(store)  # partial results of another run: useless here
+        store.mkdir(parents=True, exist_ok=True)
+        atomic_write(state, json.dumps({"key": key, "batches": len(batches)}))
+    lp = torch.full((len(variants), len(requests)), float("nan"), dtype=torch.float64)
+    greedy = torch.zeros(len(variants), len(requests), dtype=torch.bool)
+    kv_group, kv = None, None
+    loaded_batches = 0
+    for k, batch in enumerate(batches):
+        path = store / f"batch_{k:06d}.pt" if store is not None else None
+        if path is not None and path.exists():
+            saved = torch.load(path, weights_only=True)
+            ids, blp, bg = saved["ids"], saved["lp"], saved["greedy"]
+            loaded_batches += 1
+        else:
+            g = groups[batch.group]
+            if g.prefix and kv_group != batch.group:
+                kv, kv_group = scorer.prefix_kv(g.rows[0].inputs[: g.prefix]), batch.group
+            blp, bg, ids = scorer.score_batch(requests, batch.rows, g.prefix, kv if g.prefix else None)
+            ids = torch.tensor(ids)
+            if path is not None:
+                finished = {"ids": ids, "lp": blp, "greedy": bg}
+                atomic_write(path, lambda tmp: torch.save(finished, tmp))
+        lp[:, ids], greedy[:, ids] = blp, bg
+        if on_batch:
+            on_batch(k + 1, len(batches))
+    stats = {
+        "batches": len(batches),
+        "batches_resumed": loaded_batches,
+        "prefix_groups": sum(1 for g in groups if g.prefix),
+        "rows": sum(len(g.rows) for g in groups),
+        "block_passes": scorer.block_passes,
+        "plain_block_passes": plain_block_passes(requests, variants, stepper.n_layers),
+    }
+    return lp, greedy, stats

@@ -1,0 +1,163 @@
+"""Running a decoder one block at a time, with the arguments its own forward passes each block.
+
+The reuse engine needs the residual stream between blocks, and to restart from it: `Stepper`
+calls the model's own decoder-layer modules with the rotary embeddings and the additive mask
+(one per layer type) that the model's forward would give them, and can record or feed a shared
+prefix's keys and values. `Stepper.check` compares this against the model's own forward.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from depthcurse.surgery import find_blocks
+
+
+class Unsupported(Exception):
+    """This model or task cannot go through the engine; the message says why."""
+
+
+class _RecordKV:
+    """A stand-in for a transformers Cache: remembers each layer's keys/values (the shared prefix)."""
+
+    def __init__(self):
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        self.kv[layer_idx] = (key, value)
+        return key, value
+
+
+class _PrefixKV:
+    """A stand-in for a transformers Cache holding a prefix: new keys/values are appended to it."""
+
+    def __init__(self, kv: dict[int, tuple[torch.Tensor, torch.Tensor]]):
+        self.kv = kv
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        pk, pv = self.kv[layer_idx]
+        b = key.shape[0]
+        return torch.cat([pk.expand(b, *pk.shape[1:]), key], dim=-2), torch.cat([pv.expand(b, *pv.shape[1:]), value], dim=-2)
+
+
+@dataclass
+class _Context:
+    """What every block of one forward needs besides the stream: masks and rotary embeddings per layer type."""
+
+    masks: dict
+    rope: dict
+    position_ids: torch.Tensor
+
+
+class Stepper:
+    """Runs a decoder-only Hugging Face model one block at a time.
+
+    Supported: models whose base keeps `embed_tokens`, `layers`, `norm` and `rotary_emb` (Llama,
+    Mistral, Qwen2/3, Gemma 1/2/3 text, Phi3, ...). Sequences are right-padded and use no
+    attention mask beyond causality (as lm-eval's HFLM calls the model), so padding never reaches
+    a real position.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        config = getattr(model, "config", None)
+        if config is None or getattr(config, "is_encoder_decoder", False):
+            raise Unsupported(f"{type(model).__name__} is not a decoder-only language model")
+        blocks = find_blocks(model)
+        base = blocks.parent
+        missing = [n for n in ("embed_tokens", "norm", "rotary_emb") if not isinstance(getattr(base, n, None), torch.nn.Module)]
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if missing or head is None:
+            raise Unsupported(f"{type(model).__name__}: no {', '.join(missing) or 'language-model head'} where Llama-like models keep it")
+        self.model, self.layers, self.embed, self.norm, self.rotary, self.head = model, blocks.layers, base.embed_tokens, base.norm, base.rotary_emb, head
+        self.config = config = base.config
+        n = len(self.layers)
+        types = getattr(config, "layer_types", None)
+        if types is not None and len(types) == n:
+            self.types = list(types)
+        elif getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            self.types = ["sliding_attention"] * n  # Mistral-style: one window for every layer
+        else:
+            self.types = ["full_attention"] * n
+        unknown = set(self.types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise Unsupported(f"{type(model).__name__}: layer types {sorted(unknown)} are not supported")
+        self.window = getattr(config, "sliding_window", None)
+        # sdpa given no mask applies causality itself (is_causal: the fused kernels, no [T, T]
+        # mask in memory), as the model's own forward does; eager attention needs the mask.
+        self.implicit_causal = getattr(config, "_attn_implementation", None) == "sdpa"
+        self.rope_per_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.device = self.embed.weight.device
+        self.dtype = self.embed.weight.dtype
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def context(self, length: int, past: int) -> _Context:
+        """Masks and rotary embeddings for `length` new positions after `past` cached ones."""
+        q = torch.arange(past, past + length, device=self.device)[:, None]
+        k = torch.arange(past + length, device=self.device)[None]
+        lowest = torch.finfo(self.dtype).min
+        masks = {}
+        for t in set(self.types):
+            window = self.window if t == "sliding_attention" else None
+            if self.implicit_causal and past == 0 and (window is None or length <= window):
+                masks[t] = None  # no cached prefix and no window cut: plain causality
+                continue
+            allowed = (k <= q) if window is None else (k <= q) & (q - k < window)
+            # additive float masks: eager attention adds them, sdpa accepts them as they are
+            masks[t] = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill(~allowed, lowest)[None, None]
+        position_ids = torch.arange(past, past + length, device=self.device)[None]
+        probe = torch.zeros(1, 1, device=self.device, dtype=self.dtype)
+        if self.rope_per_type:
+            rope = {t: self.rotary(probe, position_ids, t) for t in set(self.types)}
+        else:
+            shared = self.rotary(probe, position_ids)
+            rope = {t: shared for t in set(self.types)}
+        return _Context(masks, rope, position_ids)
+
+    def block(self, i: int, h: torch.Tensor, ctx: _Context, cache=None) -> torch.Tensor:
+        t = self.types[i]
+        out = self.layers[i](h, attention_mask=ctx.masks[t], position_embeddings=ctx.rope[t], position_ids=ctx.position_ids, past_key_values=cache, use_cache=False)
+        return out[0] if isinstance(out, tuple) else out
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and head for the given positions only, in fp32."""
+        logits = self.head(self.norm(h)).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    @torch.inference_mode()
+    def check(self, length: int = 40) -> None:
+        """Raise Unsupported unless block stepping (with and without a cached prefix) gives the model's own logits."""
+        max_pos = getattr(self.config, "max_position_embeddings", None) or length
+        length = max(4, min(length, max_pos))
+        gen = torch.Generator().manual_seed(0)
+        vocab = self.head.weight.shape[0]
+        ids = torch.randint(0, vocab, (2, length), generator=gen).to(self.device)
+        reference = self.model(input_ids=ids, use_cache=False).logits.float()
+        h = self.embed(ids)
+        ctx = self.context(length, 0)
+        for i in range(self.n_layers):
+            h = self.block(i, h, ctx)
+        full = self.logits(h)
+        split = length // 2
+        rec = _RecordKV()
+        hp, cp = self.embed(ids[:1, :split]), self.context(split, 0)
+        for i in range(self.n_layers):
+            hp = self.block(i, hp, cp, rec)
+        hs, cs, cache = self.embed(ids[:1, split:]), self.context(length - split, split), _PrefixKV(rec.kv)
+        for i in range(self.n_layers):
+            hs = self.block(i, hs, cs, cache)
+        suffix = self.logits(hs)
+        tol = 1e-3 if self.dtype == torch.float32 else 5e-2
+        scale = reference.abs().max().item() + 1.0
+        for name, ours, theirs in (("block-by-block forward", full, reference), ("cached-prefix forward", suffix, reference[:1, split:])):
+            err = (ours - theirs).abs().max().item()
+            if not err <= tol * scale:
+                raise Unsupported(f"{type(self.model).__name__}: the {name} differs from the model's own by {err:.2g}")

@@ -1,0 +1,82 @@
+"""What a pruned model is measured on: a small registry of tasks, and lm-eval's for the rest.
+
+`build_task(name, tokenizer, ...)` looks `name` up in `TASKS` (a new task is one entry: which
+model head it needs and how to build it); any other name is an lm-eval task or group (mmlu,
+arc_easy, hellaswag, ...). Every task meets the contract in `base` (`Task`, `Score`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from depthcurse.errors import DepthcurseError
+from depthcurse.tasks.base import Score, Task
+from depthcurse.tasks.harness import LmEvalTask
+from depthcurse.tasks.perplexity import PerplexityTask
+from depthcurse.tasks.representation import RepresentationTask
+from depthcurse.tasks.squad import build_squad_task
+from depthcurse.text import load_texts
+
+__all__ = ["Score", "Task", "TASKS", "build_task", "head_for_task", "PerplexityTask", "LmEvalTask", "RepresentationTask"]
+
+
+@dataclass(frozen=True)
+class TaskEntry:
+    head: str  # the model head `load_model` must give: "causal-lm", "qa" or "base"
+    build: Callable[..., Task]  # (tokenizer, data=, seq_len=, limit=, batch_size=, model=, model_source=) -> Task
+
+
+def _perplexity(tokenizer, *, data, seq_len, limit, batch_size, **_) -> PerplexityTask:
+    started = time.perf_counter()
+    texts, source = load_texts(data)
+    task = PerplexityTask(tokenizer, texts, source=source, seq_len=512 if seq_len is None else seq_len, limit=32 if limit is None else limit, batch_size=batch_size)
+    logging.getLogger("depthcurse").debug("ppl windows built in %.1fs", time.perf_counter() - started)
+    return task
+
+
+def _squad(tokenizer, *, data, limit, batch_size, model_source, **_) -> Task:
+    return build_squad_task(tokenizer, data=data, limit=limit, batch_size=batch_size, model_source=model_source)
+
+
+def _representation(tokenizer, *, data, seq_len, limit, batch_size, model, **_) -> RepresentationTask:
+    texts, source = load_texts(data)
+    # sentence encoders are trained on short passages (all-MiniLM-L6-v2: 128 tokens)
+    return RepresentationTask(tokenizer, model, texts, source=source, seq_len=128 if seq_len is None else seq_len, limit=256 if limit is None else limit, batch_size=batch_size)
+
+
+#: depthcurse's own tasks; every other name is looked up among lm-eval's.
+TASKS: dict[str, TaskEntry] = {
+    "ppl": TaskEntry("causal-lm", _perplexity),
+    "squad": TaskEntry("qa", _squad),
+    "repr": TaskEntry("base", _representation),
+}
+
+
+def head_for_task(name: str) -> str:
+    """Which head `load_model` must give the model for task `name`."""
+    entry = TASKS.get(name)
+    return entry.head if entry else "causal-lm"
+
+
+def build_task(name: str, tokenizer, *, data: str = "auto", seq_len: int | None = None, limit: int | None = None, num_fewshot: int | None = 0, batch_size: int = 8, seed: int = 1234, model=None, model_source: str | None = None) -> Task:
+    """The task called `name`: `ppl`, `squad`, `repr`, or any lm-eval task/group name (mmlu, arc_easy, ...).
+
+    `seq_len` is the ppl window (default 512) or the repr passage length (default 128).
+    `limit` is the number of text windows for ppl (default 32), of questions for squad (default
+    all), of passages for repr (default 256), and of examples per lm-eval subtask otherwise
+    (default: all). `repr` needs the unpruned `model` (it remembers its embeddings); `squad` skips
+    the questions a `depthcurse finetune-qa` checkpoint at `model_source` was trained on.
+    """
+    if tokenizer is None:
+        raise DepthcurseError("this model has no tokenizer: text tasks need one")
+    if limit is not None and limit <= 0:
+        raise DepthcurseError("--limit must be a positive number")
+    entry = TASKS.get(name)
+    if entry is not None:
+        return entry.build(tokenizer, data=data, seq_len=seq_len, limit=limit, batch_size=batch_size, model=model, model_source=model_source)
+    if data != "auto":
+        raise DepthcurseError(f"--data applies to --task ppl only (and squad, repr); {name} brings its own data")
+    return LmEvalTask(name, tokenizer, num_fewshot=num_fewshot, limit=limit, batch_size=batch_size, seed=seed)

@@ -1,0 +1,116 @@
+"""Many processes: this rank's place in a torchrun launch, and the model wrapped for it.
+
+Under torchrun (`torchrun --nproc-per-node N -m depthcurse lns-train ...`) every rank draws the
+same global batch from the same seeded order and trains on its slice, with DDP or FSDP2, so N
+ranks compute what one process computes. A lone process is `World()`, and nothing here runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+from depthcurse.errors import DepthcurseError
+from depthcurse.runtime import pick_device
+from depthcurse.train.config import TrainConfig
+from depthcurse.train.model import Transformer
+
+
+@dataclass
+class World:
+    """This process's place in a torchrun launch; World() is a lone process."""
+
+    rank: int = 0
+    size: int = 1
+    parallel: str | None = None  # "ddp" or "fsdp" under torchrun, None alone
+    owns_group: bool = False  # run() started the process group, so it ends it
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.parallel:
+            torch.distributed.barrier()
+
+    def shard(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's consecutive slice of a global batch."""
+        n = rows.shape[0] // self.size
+        return rows[self.rank * n : (self.rank + 1) * n]
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        if self.parallel:
+            torch.distributed.all_reduce(value)
+        return value
+
+    def close(self) -> None:
+        if self.owns_group:
+            torch.distributed.destroy_process_group()
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def setup_world(cfg: TrainConfig) -> tuple[World, torch.device]:
+    """The process group (nccl on CUDA, gloo on CPU) and this rank's device; checks first, so
+    a bad launch fails the same way on every rank before any process waits for another."""
+    device = torch.device(pick_device(cfg.device))
+    if not launched_by_torchrun():
+        if cfg.parallel is not None:
+            raise DepthcurseError(f"--parallel {cfg.parallel} needs several processes: launch with torchrun --nproc-per-node N -m depthcurse lns-train ...")
+        return World(), device
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if cfg.batch_size % size:
+        raise DepthcurseError(f"--batch-size {cfg.batch_size} does not split evenly over {size} ranks: use a multiple of {size}")
+    per_rank = cfg.batch_size // size
+    if per_rank % min(cfg.micro_batch, per_rank):
+        raise DepthcurseError(f"each of the {size} ranks gets {per_rank} sequences, not a multiple of --micro-batch {cfg.micro_batch}")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+    owns = not torch.distributed.is_initialized()
+    if owns:
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return World(rank, size, cfg.parallel or "ddp", owns), device
+
+
+def parallelize(model: Transformer, cfg: TrainConfig, world: World, device: torch.device) -> torch.nn.Module:
+    """Checkpointing, compilation and the data-parallel wrapper, innermost first (torchtitan's
+    order): each block's forward is compiled, and FSDP's all-gathers hook around it."""
+    model.set_activation_checkpointing(cfg.activation_checkpointing)
+    if cfg.compile:
+        # Blocks share one compiled code object, with a variant per block kind (LNS factor 1 or
+        # not, Post or Pre in Mix-LN) and grad mode (training, evaluation): more than the default 8.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+        for block in model.model.layers:
+            # The forward, not the module: parameter names stay as they are (no `_orig_mod.`),
+            # and hooks around the call (FSDP) run eagerly.
+            block.forward = torch.compile(block.forward)
+    if world.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard  # lazy: only a torchrun launch needs it
+
+        for block in model.model.layers:
+            fully_shard(block)
+        fully_shard(model)  # the embedding, final norm and head
+        return model
+    if world.parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel  # lazy: as above
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: torch.nn.Module, world: World, on: bool):
+    """Communicate gradients only on the last micro-batch of a step."""
+    if world.parallel == "ddp" and not on:
+        with model.no_sync():
+            yield
+        return
+    if world.parallel == "fsdp":
+        model.set_requires_gradient_sync(on)
+    yield

@@ -1,0 +1,263 @@
+"""The `lns-train` loop: one trainer for every normalisation variant.
+
+The pieces are separate, and compose (torchtitan's layout): `config` says what the run is,
+`model` builds it, `distributed` wraps it for torchrun (DDP or FSDP2, compilation, activation
+checkpointing), `data` feeds it, `checkpoint` saves and restores every part, `metrics` logs,
+`export` writes the Hugging Face checkpoints at the end. This module joins them:
+
+  TrainConfig.resolved -> build_model -> parallelize -> build_optimizer / build_scheduler
+  -> train_step (gradient accumulation, clipping, divergence check) -> evaluate
+  -> CheckpointManager.save / load -> MetricsLog -> export_run
+
+A run lives in one folder: `config.json` (the resolved configuration), `checkpoint.pt` (model,
+optimizer, scheduler, RNG and data position, rewritten atomically), `metrics.jsonl` (one JSON
+object per logged step), `summary.json`, `loss.png`, and at the end `hf/` (a Hugging Face
+checkpoint with the right norms) plus `hf-llama/` (a stock LlamaForCausalLM) for Pre-LN-family
+variants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from depthcurse.errors import DepthcurseError
+from depthcurse.io import atomic_write, environment, json_text
+from depthcurse.train.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState, TrainState, prepare_out_dir
+from depthcurse.train.config import CONFIG, TrainConfig
+from depthcurse.train.data import build_data, run_tokenizer
+from depthcurse.train.distributed import World, gradient_sync, parallelize, setup_world
+from depthcurse.train.export import export_run
+from depthcurse.train.metrics import METRICS, SUMMARY, MetricsLog, Progress
+from depthcurse.train.model import ModelConfig, Transformer, resolve_kernels
+from depthcurse.train.report import plot_loss
+
+
+def precision_of(cfg: TrainConfig, device: torch.device) -> str:
+    if cfg.precision != "auto":
+        return cfg.precision
+    # bf16 matmuls on a CPU are slow and gain nothing at tiny sizes.
+    return "bf16-mixed" if device.type == "cuda" else "fp32"
+
+
+def autocast_for(precision: str, device: torch.device):
+    if precision == "bf16-mixed":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_layers=cfg.num_layers, num_heads=cfg.num_heads, max_seq_len=cfg.max_seq_len,
+        norm=cfg.norm, mix_ratio=cfg.mix_ratio,
+    )
+
+
+def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, precision: str) -> Transformer:
+    torch.manual_seed(cfg.seed)  # same seed, same initial weights, whatever the norm, on every rank
+    model = Transformer(model_config(cfg, vocab_size), kernels=resolve_kernels(cfg.kernels, device, cfg.compile)).to(device)
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    return model
+
+
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = {"fused": True} if params and params[0].is_cuda else {}
+    return cls(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay, **fused)
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up to the peak, then cosine down to `min_ratio` of it at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup, cfg.steps, cfg.min_lr_ratio))
+
+
+class Diverged(DepthcurseError):
+    pass
+
+
+def train_step(model, optimizer, scheduler, batch, micro_batch: int, amp, grad_clip: float, device, world: World = World()) -> tuple[float, float]:
+    """One optimizer step over the global `batch`: this rank's slice of it, split into
+    micro-batches. The loss is the mean over the global batch's real target tokens, whatever the
+    split over ranks and micro-batches, so neither changes anything."""
+    n_tokens = batch.tokens  # every rank holds the whole global batch: no all-reduce needed
+    ids, targets = world.shard(batch.input_ids), world.shard(batch.targets)
+    micro = list(zip(ids.split(micro_batch), targets.split(micro_batch)))
+    optimizer.zero_grad(set_to_none=True)
+    total = torch.zeros((), device=device)
+    for i, (ids, targets) in enumerate(micro):
+        with gradient_sync(model, world, on=i == len(micro) - 1):
+            with amp:
+                loss = model(ids.to(device), targets.to(device)) / n_tokens
+            # DDP and FSDP average the ranks' gradients; the ranks' losses are shares of one sum.
+            (loss * world.size if world.size > 1 else loss).backward()
+        total += loss.detach().float()
+    total = world.sum(total)
+    params = [p for p in model.parameters() if p.grad is not None]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor over the shards
+        grad_norm = grad_norm.full_tensor()
+    loss_value, norm_value = total.item(), grad_norm.item()
+    if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+        # Stop before the step: the weights stay as they were, and the last checkpoint is intact.
+        raise Diverged(f"loss {loss_value} / gradient norm {norm_value}")
+    optimizer.step()
+    scheduler.step()
+    return loss_value, norm_value
+
+
+@torch.no_grad()
+def evaluate(model, data, batch_size: int, amp, device) -> dict:
+    """Mean next-token loss over the fixed validation rows, and its perplexity."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for batch in data.val_batches(batch_size):
+        with amp:
+            total += model(batch.input_ids.to(device), batch.targets.to(device)).float().item()
+        count += batch.tokens
+    model.train(was_training)
+    loss = total / count
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)) if math.isfinite(loss) else float("nan"), "val_tokens": count}
+
+
+def run(cfg: TrainConfig, out_dir, *, resume: bool = False, on_progress: Callable[[Progress], None] | None = None,
+        on_eval: Callable[[int, dict], None] | None = None, on_start: Callable[[dict], None] | None = None,
+        stop_after: int | None = None) -> dict:
+    """Train (or continue training) the run in `out_dir`; returns the summary.
+
+    `stop_after` ends the call after that many total steps, as a preemption would (checkpoint
+    written, no final evaluation or export): the next `resume=True` call continues exactly.
+    Under torchrun every rank calls this; only rank 0 writes files or calls the callbacks.
+    """
+    cfg = cfg.resolved()
+    world, device = setup_world(cfg)
+    try:
+        return _run(cfg, Path(out_dir), world, device, resume, on_progress, on_eval, on_start, stop_after)
+    finally:
+        world.close()
+
+
+def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, stop_after) -> dict:
+    cfg_dict = cfg.to_dict()
+    saved = prepare_out_dir(out_dir, cfg_dict, resume)
+    world.barrier()  # every rank has checked the folder before rank 0 writes into it
+    if world.main and not (out_dir / CONFIG).exists() and (out_dir / "tokenizer").is_dir():
+        shutil.rmtree(out_dir / "tokenizer")  # left by an attempt that failed before it started: maybe other data
+
+    precision = precision_of(cfg, device)
+    amp = autocast_for(precision, device)
+    tokenizer = run_tokenizer(cfg.tokenizer, cfg.data, out_dir / "tokenizer", world)
+    # One global stream on every rank (not rank-sharded): each rank takes its slice of the same
+    # batch, so the run and its checkpoint do not depend on the number of ranks.
+    data = build_data(cfg.data, tokenizer, seq_len=cfg.seq_len, pack=cfg.pack, seed=cfg.seed, val_tokens=cfg.val_tokens)
+    if world.main:
+        # Written once the data is known to be usable: a failed start leaves a folder that can be reused.
+        atomic_write(out_dir / CONFIG, json.dumps(cfg_dict, indent=2) + "\n")
+    raw = build_model(cfg, len(tokenizer), device, precision)
+    model = parallelize(raw, cfg, world, device)
+    optimizer = build_optimizer(cfg, model)
+    scheduler = build_scheduler(cfg, optimizer)
+    metrics = MetricsLog(out_dir / METRICS)
+    micro_batch = min(cfg.micro_batch, cfg.batch_size // world.size)
+
+    progress = TrainState()
+    checkpoints = CheckpointManager(out_dir, {
+        "model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "scheduler": scheduler,
+        "data": data.train, "rng": RNGState(), "train_state": progress,
+    }, config=cfg_dict, world=world)
+    last_saved = None
+    if saved is not None:
+        checkpoints.load(saved)
+        last_saved = progress.step
+        if world.main:
+            metrics.truncate_after(progress.step)
+    elif world.main and (out_dir / METRICS).exists():
+        (out_dir / METRICS).unlink()  # a run that died before its first checkpoint starts over
+    del saved  # a whole model and optimizer on the CPU
+
+    info = {"params": raw.num_params(), "device": str(device),
+            "precision": precision, "kernels": raw.model.kernels, "world_size": world.size, "parallel": world.parallel,
+            "data": data.label, "val_tokens": data.val_tokens, "start_step": progress.step, "steps": cfg.steps,
+            "vocab_size": len(tokenizer)}
+    if on_start and world.main:
+        on_start(info)
+    model.train()
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    tick, tick_tokens = time.perf_counter(), 0
+    while progress.step < end:
+        batch = data.train.next_batch(cfg.batch_size)
+        lr = optimizer.param_groups[0]["lr"]
+        t0 = time.perf_counter()
+        try:
+            loss, grad_norm = train_step(model, optimizer, scheduler, batch, micro_batch, amp, cfg.grad_clip, device, world)
+        except Diverged as exc:
+            raise _diverged(exc, progress.step + 1, out_dir, last_saved) from exc
+        if loss > 2 * math.log(len(tokenizer)):
+            raise _diverged(Diverged(f"loss {loss:.3f}, over twice that of a uniform guess"), progress.step + 1, out_dir, last_saved)
+        progress.seconds += time.perf_counter() - t0
+        progress.step += 1
+        progress.tokens += batch.input_ids.numel()
+        tick_tokens += batch.input_ids.numel()
+        step = progress.step
+        if step % cfg.log_every == 0 or step == end:
+            now = time.perf_counter()
+            rate = tick_tokens / max(now - tick, 1e-9)
+            if world.main:
+                metrics.append({"step": step, "loss": loss, "lr": lr, "tokens": progress.tokens, "grad_norm": grad_norm, "tokens_per_s": rate})
+            tick, tick_tokens = now, 0
+            if on_progress and world.main:
+                on_progress(Progress(step, cfg.steps, loss, lr, progress.tokens, rate))
+        if step % cfg.eval_every == 0 and step < cfg.steps:
+            result = evaluate(model, data, cfg.micro_batch, amp, device)
+            if world.main:
+                metrics.append({"step": step, "tokens": progress.tokens, **result})
+            if on_eval and world.main:
+                on_eval(step, result)
+        if step % cfg.save_every == 0 or step == end:
+            checkpoints.save()
+            last_saved = step
+
+    if progress.step < cfg.steps:
+        return {"finished": False, "step": progress.step}
+    final = evaluate(model, data, cfg.micro_batch, amp, device)
+    model_state = ModelState(model).state_dict()  # every rank takes part
+    summary = {
+        "finished": True, "norm": cfg.norm, "preset": cfg.preset, "step": progress.step, "tokens": progress.tokens,
+        "train_seconds": progress.seconds, **final, "params": info["params"], "precision": precision, "device": str(device),
+        "kernels": info["kernels"], "world_size": world.size, "parallel": world.parallel,
+        "data": data.label, "config": cfg_dict,
+    }
+    if not world.main:
+        return summary
+    rows = metrics.rows()
+    if not rows or rows[-1].get("val_loss") is None or rows[-1].get("step") != progress.step:
+        metrics.append({"step": progress.step, "tokens": progress.tokens, **final})
+    if on_eval:
+        on_eval(progress.step, final)
+    summary["exports"] = export_run(model_state, raw.cfg, tokenizer, out_dir)
+    summary["environment"] = environment()
+    atomic_write(out_dir / SUMMARY, json_text(summary))
+    plot_loss(metrics.rows(), out_dir / "loss.png", title=f"{cfg.preset} · {cfg.norm} · {data.label}")
+    return summary
+
+
+def _diverged(exc: Exception, step: int, out_dir: Path, last_saved: int | None) -> DepthcurseError:
+    kept = f"the last good checkpoint (step {last_saved}) is kept in {out_dir}" if last_saved is not None else "no checkpoint had been written yet"
+    return DepthcurseError(f"training diverged at step {step} ({exc}); {kept}: lower --lr, raise --warmup or set --grad-clip")

@@ -1,0 +1,47 @@
+"""What a training run logs: `metrics.jsonl`, one JSON object per logged step, and the progress
+report the command line shows."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from depthcurse.io import atomic_write, finite
+
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"  # written when the run finishes
+
+
+class MetricsLog:
+    """metrics.jsonl: appended and flushed as it happens, so a crash loses no logged step."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def rows(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, forget what was logged after the checkpoint: those steps run again."""
+        kept = [r for r in self.rows() if r.get("step", 0) <= step]
+        atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+
+    def append(self, row: dict) -> None:
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(finite(row)) + "\n")
+            fh.flush()
+
+
+@dataclass
+class Progress:
+    """One logged step, as the progress bar shows it."""
+
+    step: int
+    total: int
+    loss: float
+    lr: float
+    tokens: int
+    tokens_per_s: float

@@ -1,0 +1,113 @@
+"""What several test modules share: tiny models built in the test, small texts, and checks.
+
+Fixtures live in conftest.py; plain functions and data live here, imported by name
+(`from helpers import tiny_llama`), so no test module imports another.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import re
+
+import pytest
+import torch
+
+CORPUS = [
+    "The residual stream of a transformer grows with depth, and deep blocks change it little.",
+    "Question: which layer can be removed?\nA. the first\nB. a middle one\nC. the last\nD. none\nAnswer: B",
+    "Paris is the capital of France. Berlin is the capital of Germany. Rome is the capital of Italy.",
+    "Water boils at one hundred degrees Celsius at sea level, and freezes at zero degrees.",
+    "The following are multiple choice questions (with answers) about abstract algebra and anatomy.",
+    "Find the degree for the given field extension Q(sqrt(2), sqrt(3)) over Q. 0 1 2 3 4 5 6 7 8 9",
+]
+
+
+QA_CORPUS = [
+    "Paris is the capital of France. Berlin is the capital of Germany. Rome is the capital of Italy.",
+    "What is the capital of France? Which city is the capital of Germany? Who wrote the book?",
+    "The river flows through the valley and the old town. The bridge was built in 1850 by engineers.",
+    "Water boils at one hundred degrees Celsius at sea level, and freezes at zero degrees.",
+]
+
+
+FILLER = "The river flows through the valley and the old town. Water boils at one hundred degrees Celsius at sea level."
+FACTS = [("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome")]
+
+
+def has_package(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def needs(*packages: str):
+    """Skip cleanly when a real offline asset package is not installed."""
+    missing = [p for p in packages if not has_package(p)]
+    return pytest.mark.skipif(bool(missing), reason=f"offline asset package(s) not installed: {', '.join(missing)}")
+
+
+def tiny_llama(vocab_size: int, layers: int = 4, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, eos_token_id=1, pad_token_id=2, bos_token_id=None)
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_bert(vocab_size: int, layers: int = 4, seed: int = 0, qa: bool = True):
+    """A random Post-LN BERT, with a span head (BertForQuestionAnswering) or without (BertModel)."""
+    from transformers import BertConfig, BertForQuestionAnswering, BertModel
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=64, max_position_embeddings=128, pad_token_id=0)
+    return (BertForQuestionAnswering if qa else BertModel)(config).eval()
+
+
+def squad_rows(n: int = 6, long: bool = False) -> list[dict]:
+    """Questions whose answer is a city; with `long`, the answer sits after several filler
+    sentences, beyond the first window of a short max_length."""
+    rows = []
+    for i in range(n):
+        country, city = FACTS[i % len(FACTS)]
+        pad = " ".join([FILLER] * (2 + i % 3)) if long else FILLER
+        context = f"{pad} {city} is the capital of {country}. {FILLER} {i}"  # the number keeps paragraphs distinct
+        rows.append({"id": f"q{i}", "title": "t", "context": context, "question": f"What is the capital of {country}?",
+                     "answers": {"text": [city, f"{city} city"], "answer_start": [context.index(f"{city} is"), context.index(f"{city} is")]}})
+    return rows
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def assert_one_line_error(code, out, err, match):
+    assert code != 0
+    assert "Traceback" not in out + err
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error:") and match in lines[0], lines[0]
+
+
+def built_without(model, path, removed):
+    """The independent reference for a pruned model: one built with n - k layers, the kept
+    blocks' weights copied by renaming their keys (no depthcurse code involved)."""
+    n = len(model.get_submodule(path))
+    kept = [i for i in range(n) if i not in removed]
+    new_of = {old: new for new, old in enumerate(kept)}
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = len(kept)
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = [config.layer_types[i] for i in kept]
+    ref = type(model)(config).eval()
+
+    block_key = re.compile(rf"^{re.escape(path)}\.(\d+)\.(.*)$")
+    state = {}
+    for key, value in model.state_dict().items():
+        m = block_key.match(key)
+        if m is None:
+            state[key] = value
+        elif int(m.group(1)) in new_of:
+            state[f"{path}.{new_of[int(m.group(1))]}.{m.group(2)}"] = value
+    ref.load_state_dict(state, strict=True)
+    return ref
