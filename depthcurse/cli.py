@@ -6,6 +6,7 @@ Each command imports the library inside itself: the library loads torch and tran
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -20,10 +21,11 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
-from depthcurse.errors import DepthcurseError
+from depthcurse.errors import DepthcurseError, one_line
 from depthcurse.io import ensure_out_dir
-from depthcurse.train import read_run, table1, write_compare
+from depthcurse.train import incomparable, read_run, table1, write_compare
 from depthcurse.train.config import TrainConfig
 from depthcurse.train.config import options as train_options
 
@@ -53,6 +55,12 @@ def _main(debug: bool = typer.Option(False, "--debug", help="Show full traceback
         quiet_lm_eval()
 
 
+def _say(label: str, text: str, style: str = "yellow") -> None:
+    """`label: text` on stderr; the text is printed as it is (no rich markup, no :emoji: codes),
+    since it holds paths, option values and messages from other libraries."""
+    err_console.print(Text.assemble((f"{label}:", style), " ", text), highlight=False, soft_wrap=True)
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(text).name if os.path.exists(text) else text.split("/")[-1]).strip("-").lower() or "model"
 
@@ -61,6 +69,20 @@ def _progress_bar(*extra_columns, **kwargs) -> Progress:
     """The bar every long command shows: spinner, description, bar, done/total, extra columns, times."""
     return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), *extra_columns,
                     TimeElapsedColumn(), TimeRemainingColumn(), console=console, **kwargs)
+
+
+@contextlib.contextmanager
+def _showing(progress: Progress):
+    """Show `progress` while the body runs. An error erases it, so that the error is the one line
+    printed; an interruption keeps it (it says how far the work came)."""
+    progress.start()
+    try:
+        yield progress
+    except Exception:
+        progress.live.transient = True
+        raise
+    finally:
+        progress.stop()
 
 
 def _load(model: str, **options):
@@ -82,13 +104,13 @@ def _model_line(loaded) -> str:
 @app.command()
 def prune(
     model: str = ModelArg,
-    task: str = typer.Option("ppl", "--task", "-t", help="ppl, mmlu, any lm-eval log-likelihood task (arc_easy, hellaswag, piqa, sciq...), squad (extractive QA encoders) or repr (any encoder: embedding kept)."),
+    task: str = typer.Option("ppl", "--task", "-t", help="ppl, mmlu, any lm-eval log-likelihood task (arc_easy, hellaswag, piqa, sciq...), squad (extractive QA encoders) or repr (any model, made for encoders: mean-pooled embedding kept)."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Layers to remove one at a time, e.g. 0,3,5-8 (default: all)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="ppl: number of text windows (default 32); squad: questions (default all); repr: passages (default 256); lm-eval tasks: examples per subtask (default all)."),
     num_fewshot: int = typer.Option(0, "--num-fewshot", help="Few-shot examples in each prompt (lm-eval tasks)."),
     batch_size: int = typer.Option(8, "--batch-size", help="Sequences per forward pass."),
     data: str = typer.Option("auto", "--data", help="ppl/repr text: auto (C4 validation, or wiki offline), c4, wiki, or a .txt/.jsonl/.parquet file; squad: auto (hub validation, or offline), hub, offline, or a SQuAD .json/.jsonl file."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="ppl window length in tokens (default 512); repr passage length (default 128)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="ppl window length in tokens (default 512, or the model's maximum if less); repr passage length (default 128)."),
     seed: int = typer.Option(1234, "--seed", help="Seed for few-shot sampling and torch."),
     engine: str = typer.Option("reuse", "--engine", help="reuse (all variants together, reusing the blocks before each removed layer and shared few-shot prefixes) or lm-eval (each variant evaluated on its own). Unsupported models/tasks fall back to lm-eval."),
     max_memory: str = typer.Option("2GB", "--max-memory", help="reuse engine: memory for the kept residual streams and prefix keys/values of one batch, e.g. 2GB or 512MB."),
@@ -119,6 +141,8 @@ def prune(
         raise DepthcurseError("--block and --layers are exclusive: --block picks its own layers")
     if block is None and angular is not None:
         raise DepthcurseError("--angular only applies with --block N")
+    if angular_tokens < 1:
+        raise DepthcurseError(f"--angular-tokens must be positive (got {angular_tokens})")
     if engine not in sweeps.ENGINES:
         raise DepthcurseError(f"unknown --engine {engine!r}: use {' or '.join(sweeps.ENGINES)}")
     sweeps.parse_memory(max_memory)
@@ -151,14 +175,14 @@ def prune(
         progress.update(bar, completed=done, total=total, description=desc)
 
     try:
-        with progress:
+        with _showing(progress):
             sweep = sweeps.run_sweep(loaded, the_task, variants, out_dir, run_extra=run_extra, on_variant=on_variant, engine=engine, max_memory=max_memory)
     except KeyboardInterrupt:
         _finish_interrupted(out_dir)
         raise typer.Exit(130)
     used = sweep.meta.get("engine", {})
     if used.get("fallback"):
-        err_console.print(f"[yellow]note:[/] --engine reuse cannot run this ({used['fallback']}); each variant was evaluated on its own", highlight=False, soft_wrap=True)
+        _say("note", f"--engine reuse cannot run this ({used['fallback']}); each variant was evaluated on its own")
     if choices is not None:
         console.print(sweeps.block_table(sweep, choices))
         written = [out_dir / name for name in (sweeps.RESULTS_CSV, sweeps.RESULTS_JSON, "angular.json", "angular.csv", "layers.csv") if (out_dir / name).exists()]
@@ -176,9 +200,9 @@ def _finish_interrupted(out_dir: Path) -> None:
     batches = list((out_dir / sweeps.PARTIAL_DIR).glob("batch_*.pt"))
     if sweep is not None:
         sweeps.plot_prune(sweep, out_dir / "prune.png")
-        err_console.print(f"interrupted: {len(sweep.variants)} finished variant(s) kept in {out_dir}; rerun the same command to continue", soft_wrap=True)
+        err_console.print(Text(f"interrupted: {len(sweep.variants)} finished variant(s) kept in {out_dir}; rerun the same command to continue"), soft_wrap=True)
     elif batches:
-        err_console.print(f"interrupted: {len(batches)} finished batch(es) of all variants kept in {out_dir / sweeps.PARTIAL_DIR}; rerun the same command to continue", soft_wrap=True)
+        err_console.print(Text(f"interrupted: {len(batches)} finished batch(es) of all variants kept in {out_dir / sweeps.PARTIAL_DIR}; rerun the same command to continue"), soft_wrap=True)
     else:
         err_console.print("interrupted before any variant finished")
 
@@ -196,7 +220,14 @@ def drop(
     """Save MODEL with LAYERS removed as a normal checkpoint that from_pretrained reloads."""
     from depthcurse.surgery import num_layers, parse_layers, save_pruned  # lazy: start-up
 
+    ensure_out_dir(out)
+
     loaded = _load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
+    source = Path(loaded.source)
+    if out.resolve() in (source.resolve(), source.parent.resolve() if source.suffix == ".gguf" else None):
+        raise DepthcurseError(f"--out {out} is where {model} was loaded from: save the pruned copy to another folder")
+    if (out / "config.json").exists():
+        raise DepthcurseError(f"--out {out} already holds a checkpoint: choose an empty or new folder")
     n = num_layers(loaded.model)
     removed = parse_layers(layers, n)
     if len(removed) == n:
@@ -228,14 +259,14 @@ def finetune_qa(
     progress = _progress_bar()
     bar = progress.add_task("starting", total=None)
     try:
-        with progress:
+        with _showing(progress):
             record = run_finetune(
                 cfg, out_dir, device=device, save_every=save_every,
                 on_step=lambda step, total, loss: progress.update(bar, completed=step, total=total, description=f"training, loss {loss:.3f}"),
                 on_phase=lambda text: progress.update(bar, description=text),
             )
     except KeyboardInterrupt:
-        err_console.print(f"interrupted: the last checkpoint in {out_dir} is kept; rerun the same command to continue", soft_wrap=True)
+        err_console.print(Text(f"interrupted: the last checkpoint in {out_dir} is kept; rerun the same command to continue"), soft_wrap=True)
         raise typer.Exit(130)
     held = record["heldout"]
     score = f"held-out ({record['heldout_questions']} questions): EM {held['exact_match']:.2f}, F1 {held['f1']:.2f}" if held else "no held-out questions"
@@ -251,6 +282,8 @@ def plot(
     """Overlay prune sweeps on a relative depth axis (removed layer / number of layers) with the relative drop."""
     from depthcurse.prune import plot_prune_overlay  # lazy: start-up
 
+    if out.is_dir():
+        raise DepthcurseError(f"--out {out} is a folder: give the figure's file name, e.g. {out / 'overlay.png'}")
     path = plot_prune_overlay(folders, out)
     console.print(f"wrote {path}")
 
@@ -267,11 +300,16 @@ def assets(
     with console.status("building offline assets (SmolLM2 conversion takes about a minute)..."):
         records = offline.build_all(force=force) + alias_records(force=force, trained=trained)
     table = Table(title=f"offline assets in {offline.cache_dir()}", header_style="bold")
-    for col in ("name", "kind", "status", "source", "path"):
+    for col in ("name", "kind", "status", "source", "path or reason"):
         table.add_column(col)
     for r in records:
-        table.add_row(*(str(getattr(r, col, "") or "") for col in ("name", "kind", "status", "source", "path")))
+        where = str(r.path) if r.path else r.detail
+        table.add_row(r.name, r.kind, f"[red]{r.status}[/]" if r.status == "failed" else r.status, r.source, where)
     console.print(table)
+    failed = [r for r in records if r.status == "failed"]
+    if failed:
+        reasons = sorted({r.detail for r in failed})
+        raise DepthcurseError(f"{len(failed)} of {len(records)} entries failed: {reasons[0]}" + (f" (and {len(reasons) - 1} other reason(s), in the table)" if len(reasons) > 1 else ""))
 
 
 @app.command("angular-distance")
@@ -279,7 +317,7 @@ def angular_distance(
     model: str = ModelArg,
     data: str = typer.Option("auto", "--data", help="auto (C4 validation, or wiki offline), c4, wiki, or a .txt/.jsonl/.parquet file."),
     tokens: int = typer.Option(65536, "--tokens", help="Token budget: real (non-pad) tokens fed to the model."),
-    seq_len: int = typer.Option(512, "--seq-len", help="One document per row, truncated to this many tokens."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="One document per row, truncated to this many tokens (default 512, or the model's maximum if less)."),
     batch_size: int = typer.Option(4, "--batch-size", help="Sequences per forward pass."),
     token_position: str = typer.Option("last", "--token-position", help="last (last non-pad token of each row, as Gromov et al.) or all (every non-pad token)."),
     max_n: Optional[int] = typer.Option(None, "--max-n", help="Largest block size n (default: the number of layers)."),
@@ -308,18 +346,21 @@ def angular_distance(
     console.print(f"wrote {', '.join(str(p) for p in paths)}")
 
 
-def _measure_angular(loaded, out_dir: Path, *, data: str, tokens: int, seq_len: int, position: str, **options):
+def _measure_angular(loaded, out_dir: Path, *, data: str, tokens: int, seq_len: int | None, position: str, **options):
     """The angular pass, with a header line and a progress bar, and a warning when the text ran out."""
     from depthcurse.angular import measure_loaded  # lazy: start-up
+    from depthcurse.angular.measurement import row_length
 
-    console.print(f"{_model_line(loaded)} · angular distance on {data}, {position} token · results in {out_dir}")
+    seq_len = row_length(loaded.model, seq_len)  # a bad one is refused before anything is printed
+    header = f"{_model_line(loaded)} · angular distance on {data}, {position} token · results in {out_dir}"
     progress = _progress_bar()
     bar = progress.add_task("tokens", total=None)
-    with progress:
+    with _showing(progress):
         result, tokenised, label = measure_loaded(loaded, data, tokens=tokens, seq_len=seq_len, position=position,
-                                                  on_batch=lambda done, total: progress.update(bar, completed=done, total=total), **options)
+                                                  on_batch=lambda done, total: progress.update(bar, completed=done, total=total),
+                                                  on_start=lambda: progress.console.print(header), **options)
     if tokenised.exhausted:
-        err_console.print(f"[yellow]warning:[/] {label} holds only {tokenised.tokens} tokens of {len(tokenised.sequences)} documents at --seq-len {seq_len} (asked for --tokens {tokens}): used all of them", highlight=False, soft_wrap=True)
+        _say("warning", f"{label} holds only {tokenised.tokens} tokens of {len(tokenised.sequences)} documents at --seq-len {seq_len} (asked for --tokens {tokens}): used all of them")
     return result
 
 
@@ -364,6 +405,8 @@ def lns_train(
     bar = progress.add_task("training", total=None, stats="")
 
     def on_start(info: dict) -> None:
+        if resume and not info["resumed"]:
+            _say("note", f"--resume: {out_dir} holds no checkpoint yet, so the run starts from scratch")
         progress.update(bar, total=info["steps"], completed=info["start_step"])
         ranks = f" · {info['world_size']} ranks, {info['parallel']}" if info["parallel"] else ""
         console.print(f"[bold]{preset}[/] · norm [bold]{norm}[/] · {info['params'] / 1e6:.2f}M parameters · {info['device']} {info['precision']} · "
@@ -377,11 +420,11 @@ def lns_train(
         progress.console.print(f"step {step}: validation loss {result['val_loss']:.4f}, perplexity {result['val_ppl']:.2f}")
 
     try:
-        with progress:
+        with _showing(progress):
             summary = run(cfg, out_dir, resume=resume, on_start=on_start, on_progress=on_progress, on_eval=on_eval)
     except KeyboardInterrupt:
         if main_rank:
-            err_console.print(f"interrupted: the last checkpoint in {out_dir} is kept; rerun with --resume to continue", soft_wrap=True)
+            err_console.print(Text(f"interrupted: the last checkpoint in {out_dir} is kept; rerun with --resume to continue"), soft_wrap=True)
         raise typer.Exit(130)
     except DepthcurseError:
         if main_rank:
@@ -403,6 +446,8 @@ def lns_report(
     ensure_out_dir(out)
     paths = write_compare(read, out)
     console.print(table1(read))
+    for line in incomparable(read):
+        _say("warning", line)
     console.print(f"wrote {', '.join(str(p) for p in paths)}")
 
 
@@ -424,7 +469,7 @@ def main() -> None:
     except DepthcurseError as exc:
         if debug:
             raise
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        _say("error", str(exc), "bold red")
         sys.exit(1)
     except KeyboardInterrupt:
         err_console.print("interrupted")
@@ -432,7 +477,7 @@ def main() -> None:
     except Exception as exc:  # an unexpected failure still gets one line unless --debug
         if debug:
             raise
-        err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", highlight=False, soft_wrap=True)
+        _say("error", f"{one_line(exc)} (rerun with --debug for the traceback)", "bold red")
         sys.exit(1)
 
 

@@ -8,3 +8,13 @@ class DepthcurseError(Exception):
     index, empty data...). The CLI prints ``error: <message>`` and exits 1; ``--debug``
     shows the traceback instead.
     """
+
+
+def one_line(exc: BaseException) -> str:
+    """`Type: first line of the message`, for an unexpected error shown in one line. A type named
+    like `error` (struct's, socket's) gets its module, so the line never reads `error: error:`."""
+    name = type(exc).__name__
+    if name.islower():
+        name = f"{type(exc).__module__}.{name}"
+    text = str(exc).strip().splitlines()
+    return f"{name}: {text[0]}" if text else name

@@ -33,14 +33,15 @@ def atomic_write(path: Path, content: str | bytes | Callable[[Path], object], *,
     `content` is text, bytes, or a function that writes a file at the path it is given
     (`lambda tmp: torch.save(state, tmp)`); with `folder=True` the function gets an empty
     folder to fill, and an existing folder at `path` is replaced in one swap. If anything
-    fails, the temporary copy is removed and `path` keeps its previous content.
+    fails, the temporary copy is removed and `path` keeps its previous content. A file system
+    that refuses the write (read-only, full, no permission) is one clear error naming `path`.
     """
     path = Path(path)
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    if folder:
-        _remove_stale(path)
-        tmp.mkdir()
     try:
+        if folder:
+            _remove_stale(path)
+            tmp.mkdir()
         if isinstance(content, str):
             tmp.write_text(content, encoding="utf-8")
         elif isinstance(content, bytes):
@@ -55,6 +56,11 @@ def atomic_write(path: Path, content: str | bytes | Callable[[Path], object], *,
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
+    except OSError as exc:
+        _remove(tmp)
+        if exc.filename is not None and not str(exc.filename).startswith(str(path.parent)):
+            raise  # not the write failing: the writer reading something else
+        raise DepthcurseError(f"cannot write {path}: {exc.strerror or exc}") from exc
     except BaseException:
         _remove(tmp)
         raise
@@ -87,15 +93,17 @@ def _remove_stale(path: Path) -> None:
                 pass
 
 
-def ensure_out_dir(path: Path) -> Path:
-    """A results folder that exists and can be written to, or one clear error."""
+def ensure_out_dir(path: Path, what: str = "--out") -> Path:
+    """A folder that exists and can be written to, or one clear error about `what` it is."""
     path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise DepthcurseError(f"{what} {path} is a file, not a folder")
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-", delete=True)
         probe.close()
     except OSError as exc:
-        raise DepthcurseError(f"--out {path} is not writable: {exc.strerror or exc}") from exc
+        raise DepthcurseError(f"{what} {path} is not writable: {exc.strerror or exc}") from exc
     return path
 
 

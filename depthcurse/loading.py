@@ -6,6 +6,7 @@ model that cannot be had live in one place.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,9 +14,10 @@ from typing import Literal
 
 import torch
 import transformers
+from safetensors import SafetensorError
 
 from depthcurse import assets
-from depthcurse.errors import DepthcurseError
+from depthcurse.errors import DepthcurseError, one_line
 from depthcurse.runtime import pick_device, pick_dtype
 from depthcurse.train.export import register_with_transformers
 
@@ -48,9 +50,27 @@ class LoadedModel:
         }
 
 
-def _auto_class(head: Head, config):
+def max_positions(model: torch.nn.Module) -> int | None:
+    """The longest sequence the model accepts, where its config says."""
+    most = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return most if isinstance(most, int) else None
+
+
+def check_sequence_length(model: torch.nn.Module, length: int, option: str = "--seq-len") -> None:
+    """Refuse sequences longer than the model has positions for: they would run for nothing, or fail deep inside."""
+    most = max_positions(model)
+    if most is not None and length > most:
+        raise DepthcurseError(f"{option} {length} is longer than {type(model).__name__} accepts ({most} positions): use {option} {most} or less")
+
+
+def _auto_class(head: Head, config, new_head: bool = False):
     if head == "qa":
         if config.model_type not in ENCODER_TYPES:
+            if new_head:  # finetune-qa
+                raise DepthcurseError(
+                    f"a span (QA) head goes on an encoder (BERT-style); {config.model_type} is a decoder: "
+                    "fine-tune an encoder instead, e.g. `depthcurse finetune-qa minilm-l6`"
+                )
             raise DepthcurseError(
                 f"--task squad needs an extractive QA encoder (BERT-style, fine-tuned on SQuAD); {config.model_type} is a decoder: "
                 "use e.g. bert-large-uncased-whole-word-masking-finetuned-squad, or fine-tune one with `depthcurse finetune-qa minilm-l6`"
@@ -114,20 +134,22 @@ def load_model(
     common = dict(trust_remote_code=trust_remote_code, revision=revision, local_files_only=offline, **kwargs)
 
     try:
-        config = transformers.AutoConfig.from_pretrained(source, **common)
+        with _damaged_files_named(source, kwargs):
+            config = transformers.AutoConfig.from_pretrained(source, **common)
     except (OSError, ValueError) as exc:
         raise DepthcurseError(_explain_load_failure(name, source, offline, exc)) from exc
 
-    auto_cls = _auto_class(head, config)
+    auto_cls = _auto_class(head, config, new_head)
     load_kwargs = dict(common, dtype=torch_dtype)
     if dev == "cuda":
         load_kwargs["device_map"] = "auto"
     try:
         # The QA head is the one a plain encoder checkpoint lacks: ask which weights were missing.
-        if head == "qa":
-            model, info = auto_cls.from_pretrained(source, output_loading_info=True, **load_kwargs)
-        else:
-            model, info = auto_cls.from_pretrained(source, **load_kwargs), {}
+        with _damaged_files_named(source, kwargs):
+            if head == "qa":
+                model, info = auto_cls.from_pretrained(source, output_loading_info=True, **load_kwargs)
+            else:
+                model, info = auto_cls.from_pretrained(source, **load_kwargs), {}
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc):
             raise DepthcurseError(
@@ -161,6 +183,25 @@ def load_model(
         device=input_device,
         revision=revision_seen,
     )
+
+
+@contextlib.contextmanager
+def _damaged_files_named(source: str, kwargs: dict):
+    """A truncated or corrupt weights file fails deep in a reader with a message about bytes and
+    shapes; say which file it is and what is wrong with it instead."""
+    try:
+        yield
+    except DepthcurseError:
+        raise
+    except SafetensorError as exc:
+        files = sorted(Path(source).glob("*.safetensors")) if Path(source).is_dir() else []
+        where = ", ".join(str(f) for f in files[:3]) if files else f"the safetensors weights of {source}"
+        raise DepthcurseError(f"{where} is corrupt or incomplete (a truncated download or copy?): {_first_line(exc)}") from exc
+    except Exception as exc:
+        if "gguf_file" not in kwargs:
+            raise
+        path = Path(source) / kwargs["gguf_file"]
+        raise DepthcurseError(f"{path} is not a readable GGUF file: it looks truncated or corrupt ({one_line(exc)})") from exc
 
 
 def _refuse_random_head(name: str, model, info: dict) -> None:

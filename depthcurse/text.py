@@ -34,8 +34,14 @@ def load_texts(data: str = "auto") -> tuple[list[str], str]:
     path = Path(data).expanduser()
     if not path.exists():
         raise DepthcurseError(f"no such data file: {data} (or use one of: {', '.join(TEXT_SOURCES)})")
+    if path.is_dir():
+        raise DepthcurseError(f"--data {path} is a folder: give a .txt, .jsonl, .json or .parquet file")
     texts = _read_file(path)
-    texts = [t for t in texts if isinstance(t, str) and t.strip()]
+    wrong = next(((i, t) for i, t in enumerate(texts) if not isinstance(t, str)), None)
+    if wrong is not None:
+        i, value = wrong
+        raise DepthcurseError(f"{path}: record {i + 1} holds {type(value).__name__} {str(value)[:40]!r} where its text should be")
+    texts = [t for t in texts if t.strip()]
     if not texts:
         raise DepthcurseError(f"{path} holds no text")
     return texts, str(path)

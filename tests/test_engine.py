@@ -126,10 +126,56 @@ def test_interrupted_engine_keeps_finished_batches_and_resumes(tiny_tokenizer, t
         run_sweep(loaded, task, [0, 3], tmp_path, max_memory="1MB", on_variant=stop_after_two)
     assert len(list((tmp_path / "prune.partial").glob("batch_*.pt"))) == 2
     resumed = run_sweep(loaded, task, [0, 3], tmp_path, max_memory="1MB")
-    assert resumed.meta["engine"]["batches_resumed"] == 2 < resumed.meta["engine"]["batches"]
+    info = resumed.meta["engine"]
+    assert info["batches_resumed"] == 2 < info["batches"]
+    # the batches finished before the interruption count in every variant's share of the time
+    assert info["seconds_resumed"] > 0
+    assert all(v.seconds >= info["seconds_resumed"] / 3 - 1e-3 for v in resumed.variants)
     fresh = run_sweep(loaded, task, [0, 3], tmp_path / "fresh", engine="lm-eval")
     for a, b in zip(fresh.variants, resumed.variants):
         assert b.metrics["loss"] == pytest.approx(a.metrics["loss"], abs=1e-5)
+
+
+def test_a_reuse_sweep_extended_with_more_layers_keeps_what_it_had(tiny_tokenizer, tmp_path, one_torch_thread):
+    model = _model("llama-gqa", len(tiny_tokenizer))
+    task = PerplexityTask(tiny_tokenizer, CORPUS * 8, source="corpus", seq_len=48, limit=4, batch_size=4)
+    loaded = _loaded(model, tiny_tokenizer)
+    first = run_sweep(loaded, task, [0, 1], tmp_path)
+    extended = run_sweep(loaded, task, [0, 1, 2, 3], tmp_path)
+    assert [v.removed for v in extended.variants] == [[], [0], [1], [2], [3]]
+    assert extended.meta["engine"]["name"] == "reuse"
+    for before, after in zip(first.variants, extended.variants):  # kept as they were, not recomputed
+        assert (after.removed, after.metrics, after.seconds) == (before.removed, before.metrics, before.seconds)
+    on_disk = json.loads((tmp_path / "prune.json").read_text())
+    assert [v["removed"] for v in on_disk["variants"]] == [[], [0], [1], [2], [3]]
+    plain = run_sweep(loaded, task, [2, 3], tmp_path / "plain", engine="lm-eval")
+    for a, b in zip(plain.variants[1:], extended.variants[3:]):
+        assert b.metrics["loss"] == pytest.approx(a.metrics["loss"], abs=1e-5)
+
+
+def test_saved_batches_of_other_text_are_never_taken(tiny_tokenizer, tmp_path, one_torch_thread):
+    """Same shapes and the same run description, other tokens: the saved batches are discarded."""
+    model = _model("llama-gqa", 300)
+    stepper = Stepper(model)
+    gen = torch.Generator().manual_seed(3)
+
+    def requests():
+        return [TokenRequest(tuple(torch.randint(0, 300, (40,), generator=gen).tolist()), 0, tuple(range(1, 41))) for _ in range(6)]
+
+    first, other = requests(), requests()
+    store = tmp_path / "partial"
+
+    def stop_after_two(done, total):
+        if done == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        score_requests(stepper, first, VARIANTS, max_memory=2**30, store=store, fingerprint="same run", on_batch=stop_after_two, need_greedy=False, max_batch_tokens=80)
+    assert len(list(store.glob("batch_*.pt"))) == 2
+    got, _, stats = score_requests(stepper, other, VARIANTS, max_memory=2**30, store=store, fingerprint="same run", need_greedy=False, max_batch_tokens=80)
+    want, _, _ = score_requests(stepper, other, VARIANTS, max_memory=2**30, need_greedy=False, max_batch_tokens=80)
+    assert stats["batches_resumed"] == 0
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_unsupported_model_falls_back_and_says_so(tiny_tokenizer, tmp_path, one_torch_thread):
@@ -141,7 +187,12 @@ def test_unsupported_model_falls_back_and_says_so(tiny_tokenizer, tmp_path, one_
     sweep = run_sweep(_loaded(model, tiny_tokenizer), task, [1], tmp_path)
     info = json.loads((tmp_path / "prune.json").read_text())["engine"]
     assert info["name"] == "lm-eval" and "GPT2LMHeadModel" in info["fallback"]
-    assert len(sweep.variants) == 2
+    assert [v.removed for v in sweep.variants] == [[], [1]]
+    # the fallback's scores are the plain path's: each variant evaluated on its own
+    assert sweep.variants[0].metrics == task.evaluate(model).metrics
+    with removed_layers(model, [1]):
+        assert sweep.variants[1].metrics == task.evaluate(model).metrics
+    assert sweep.variants[1].metrics["loss"] != sweep.variants[0].metrics["loss"]
 
 
 def test_parse_memory():
@@ -203,3 +254,36 @@ def test_lm_eval_tasks_equal_the_lm_eval_engine(shared, tiny_tokenizer, task_nam
                     assert ll_a == pytest.approx(ll_b, abs=1e-4), (kind, removed, name, doc)
                     assert max(range(len(ll_a)), key=ll_a.__getitem__) == max(range(len(ll_b)), key=ll_b.__getitem__)
                     assert [r[1] for r in a[doc]] == [r[1] for r in b[doc]]
+
+
+def test_rolling_loglikelihood_tasks_score_every_window(tiny_tokenizer, tmp_path, monkeypatch, one_torch_thread):
+    """lm-eval's perplexity tasks (wikitext-style, `loglikelihood_rolling`): a document longer than
+    the model's window is several requests, and all of them count, through both engines."""
+    from lm_eval.tasks import TaskManager
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from depthcurse.prune.engine import evaluate_variants
+    from depthcurse.tasks import harness
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": " ".join(CORPUS[i:] + CORPUS[:i]) * 2}) + "\n" for i in range(3)))
+    (tmp_path / "tiny_rolling.yaml").write_text(
+        "task: tiny_rolling\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {docs}\ntest_split: test\noutput_type: loglikelihood_rolling\n"
+        'doc_to_text: ""\ndoc_to_target: "{{text}}"\nmetric_list:\n  - metric: word_perplexity\n'
+        "  - metric: byte_perplexity\n  - metric: bits_per_byte\n"
+    )
+    monkeypatch.setattr(harness, "_TASK_MANAGER", TaskManager(include_path=str(tmp_path), include_defaults=False))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                         num_attention_heads=4, max_position_embeddings=64, eos_token_id=1, pad_token_id=2, bos_token_id=None)).eval()
+    task = build_task("tiny_rolling", tiny_tokenizer, batch_size=4)
+    requests = LmEvalRequests(task, model)
+    assert len(requests.requests) > 3 * 3  # every document needs several 64-token windows
+    scores, _ = evaluate_variants(model, task, [(1,), (0, 2)])
+    for removed, score in scores.items():
+        with removed_layers(model, removed):
+            plain = task.evaluate(model).metrics
+        assert score.metrics.keys() == plain.keys() and score.examples == 3
+        for name, value in plain.items():
+            assert score.metrics[name] == pytest.approx(value, rel=1e-5), (removed, name)

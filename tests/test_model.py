@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from depthcurse.train import export as E
 from depthcurse.train import model as M
-from depthcurse.train.config import TrainConfig
+from depthcurse.train.config import NORMS, TrainConfig
 from depthcurse.errors import DepthcurseError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -134,7 +134,7 @@ def _naive_block(block, x, cos, sin):
     return x + g2 * mlp(n2(x))
 
 
-@pytest.mark.parametrize("norm", M.NORMS)
+@pytest.mark.parametrize("norm", NORMS)
 def test_every_variant_trains_and_matches_its_formula(norm):
     model = tiny(norm, layers=8).train()
     if norm == "skipinit":  # at init the branches are off; give them a value so the formula is tested

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import needs, squad_rows, tiny_bert, write_jsonl
+from helpers import built_without, needs, squad_rows, tiny_bert, write_jsonl
 from depthcurse.errors import DepthcurseError
 from depthcurse.tasks.squad import (
     SquadTask,
@@ -262,6 +262,28 @@ def test_repr_task_equals_one_passage_at_a_time(tiny_bert_tokenizer, text_file, 
     assert got["cos"] < 1 - 1e-6  # the layer did change the embeddings
     with pytest.raises(DepthcurseError, match="unpruned model"):
         build_task("repr", tiny_bert_tokenizer, data=str(text_file))
+
+
+def test_prune_repr_on_a_decoder_compares_its_mean_pooled_last_hidden_states(run_cli, tiny_model_dir, text_file, tmp_path, one_torch_thread):
+    """What repr means for a decoder: the bare model's last hidden states (after the final norm), mean-pooled."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from depthcurse.tasks.representation import passages
+    from depthcurse.text import load_texts
+
+    out = tmp_path / "repr"
+    code, _, err = run_cli("prune", tiny_model_dir, "--task", "repr", "--data", text_file, "--limit", "4", "--layers", "2", "--out", out)
+    assert code == 0, err
+    result = json.loads((out / "prune.json").read_text())
+    assert result["run"]["model_class"] == "LlamaModel" and result["run"]["pooling"] == "mean of last hidden states"
+    model, tok = AutoModel.from_pretrained(tiny_model_dir).eval(), AutoTokenizer.from_pretrained(tiny_model_dir)
+    paras = passages(load_texts(str(text_file))[0], 4)
+    with torch.no_grad():
+        full = torch.stack([model(**tok(p, return_tensors="pt")).last_hidden_state[0].mean(0) for p in paras])
+        pruned_model = built_without(model, "layers", [2])
+        pruned = torch.stack([pruned_model(**tok(p, return_tensors="pt")).last_hidden_state[0].mean(0) for p in paras])
+    expected = F.cosine_similarity(pruned.double(), full.double(), dim=-1).mean().item()
+    assert result["variants"][1]["metrics"]["cos"] == pytest.approx(expected, abs=1e-5)
 
 
 def test_prune_repr_on_an_encoder_without_head(run_cli, qa_dirs, text_file, tmp_path, one_torch_thread):

@@ -8,6 +8,7 @@ from depthcurse.errors import DepthcurseError
 from depthcurse.io import ensure_out_dir
 from depthcurse.loading import LoadedModel
 from depthcurse.prune import plot_prune, run_sweep
+from depthcurse.prune.report import data_amount
 from depthcurse.surgery import removed_layers
 from depthcurse.tasks import PerplexityTask
 
@@ -57,6 +58,8 @@ def test_sweep_writes_one_row_per_variant_with_drops(setup, tmp_path):
     assert len(data["variants"]) == 5
     plot_prune(sweep, tmp_path / "prune.png")
     assert (tmp_path / "prune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the figure says what each point rests on
+    assert data_amount(sweep) == f"{task.describe()['windows']} windows x {task.seq_len} tokens of {task.source}"
 
 
 def test_interrupted_sweep_keeps_finished_variants_and_resumes(setup, tmp_path):

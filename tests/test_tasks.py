@@ -28,6 +28,15 @@ def test_perplexity_batch_size_does_not_change_the_result(tiny_tokenizer):
     assert a.metrics["loss"] == pytest.approx(b.metrics["loss"], rel=1e-6)
 
 
+def test_a_default_limit_only_caps_while_an_asked_one_warns(tiny_tokenizer, text_file, caplog):
+    with caplog.at_level("WARNING", logger="depthcurse"):
+        default = build_task("ppl", tiny_tokenizer, data=str(text_file), seq_len=128)
+    assert default.describe()["windows"] < 32 and "windows" not in caplog.text
+    with caplog.at_level("WARNING", logger="depthcurse"):
+        build_task("ppl", tiny_tokenizer, data=str(text_file), seq_len=128, limit=10_000)
+    assert "holds only" in caplog.text
+
+
 def test_too_little_text_is_a_clear_error(tiny_tokenizer):
     with pytest.raises(DepthcurseError, match="fewer than one window"):
         PerplexityTask(tiny_tokenizer, ["short"], source="tiny", seq_len=512)
@@ -36,10 +45,22 @@ def test_too_little_text_is_a_clear_error(tiny_tokenizer):
 def test_build_task_checks_its_inputs(tiny_tokenizer, text_file):
     with pytest.raises(DepthcurseError, match="--limit"):
         build_task("ppl", tiny_tokenizer, data=str(text_file), limit=0)
-    with pytest.raises(DepthcurseError, match="--data applies to --task ppl only"):
+    with pytest.raises(DepthcurseError, match="--data does not apply to --task mmlu: it is for ppl, squad, repr"):
         build_task("mmlu", tiny_tokenizer, data=str(text_file))
+    with pytest.raises(DepthcurseError, match="--seq-len does not apply to --task arc_easy: it is for ppl, repr"):
+        build_task("arc_easy", tiny_tokenizer, seq_len=64)
+    with pytest.raises(DepthcurseError, match="--num-fewshot does not apply to --task ppl: it is for lm-eval tasks"):
+        build_task("ppl", tiny_tokenizer, data=str(text_file), num_fewshot=5)
+    with pytest.raises(DepthcurseError, match="--num-fewshot must be 0 or more, got -1"):
+        build_task("arc_easy", tiny_tokenizer, num_fewshot=-1)
+    # the unknown name is what is wrong, whatever else was given with it
+    with pytest.raises(DepthcurseError, match="unknown task 'nonsense_task'"):
+        build_task("nonsense_task", tiny_tokenizer, data="wiki")
     with pytest.raises(DepthcurseError, match="no tokenizer"):
         build_task("ppl", None)
+    model = tiny_llama(len(tiny_tokenizer))  # 256 positions
+    with pytest.raises(DepthcurseError, match="--seq-len 100000 is longer than LlamaForCausalLM accepts \\(256 positions\\)"):
+        build_task("ppl", tiny_tokenizer, data=str(text_file), seq_len=100000, model=model)
     task = build_task("ppl", tiny_tokenizer, data=str(text_file), seq_len=32, limit=3)
     assert task.describe()["windows"] == 3
 

@@ -33,6 +33,7 @@ def test_jsonl_and_parquet_read_the_text_field(tmp_path):
         ("notext.jsonl", '{"body": "x"}\n', "no 'text' field"),
         ("bad.parquet", "this is not parquet", "corrupt"),
         ("data.csv", "text\nhello\n", "unsupported data file type"),
+        ("number.jsonl", '{"text": "ok"}\n{"text": 5}\n', "record 2 holds int '5' where its text should be"),
     ],
 )
 def test_bad_files_give_one_clear_error(tmp_path, name, content, message):

@@ -78,6 +78,14 @@ def test_metrics_and_outputs(cfg, tmp_path):
     assert math.exp(summary["val_loss"]) == pytest.approx(summary["val_ppl"])
     for name in ("loss.png", "summary.json", "config.json", "hf/config.json", "hf-llama/config.json"):
         assert (tmp_path / "run" / name).is_file()
+    # both exports are the trained model: our class with LNS, and stock Llama with it folded in
+    from depthcurse.loading import load_model
+
+    ours, stock = load_model(str(tmp_path / "run" / "hf")).model, load_model(str(tmp_path / "run" / "hf-llama")).model
+    assert type(ours).__name__ == "DepthcurseLlamaForCausalLM" and type(stock).__name__ == "LlamaForCausalLM"
+    ids = torch.arange(1, 30)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids).logits, stock(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
     # lr: linear warm-up over 2 steps, then cosine to 10% of the peak at the last step
     lrs = [r["lr"] for r in logged]
     assert lrs[:2] == pytest.approx([cfg.resolved().lr * 0.5, cfg.resolved().lr])
@@ -102,6 +110,34 @@ def test_validation_loss_matches_a_direct_computation(cfg, tmp_path):
             count += len(row) - 1
     assert summary["val_tokens"] == count > 0
     assert summary["val_loss"] == pytest.approx(total / count, rel=1e-5)
+
+
+def test_a_kill_between_checkpoints_logs_every_step_once_after_the_resume(cfg, tmp_path):
+    cfg.save_every = 4
+
+    def killed_at_step_6(progress):
+        if progress.step == 6:
+            raise KeyboardInterrupt  # logged up to step 6, last checkpoint at step 4
+
+    train.run(cfg, tmp_path / "a")
+    with pytest.raises(KeyboardInterrupt):
+        train.run(cfg, tmp_path / "b", on_progress=killed_at_step_6)
+    assert [r["step"] for r in MetricsLog(tmp_path / "b" / METRICS).rows() if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    train.run(cfg, tmp_path / "b", resume=True)
+    assert [r["step"] for r in MetricsLog(tmp_path / "b" / METRICS).rows() if "loss" in r] == list(range(1, 9))
+    assert losses(tmp_path / "b") == pytest.approx(losses(tmp_path / "a"), rel=1e-6, abs=1e-6)
+
+
+def test_a_presets_validation_budget_only_caps_while_an_asked_one_warns(cfg, tmp_path, caplog):
+    cfg.steps, cfg.warmup, cfg.eval_every, cfg.save_every = 1, 0, 1, 1
+    cfg.val_tokens = None  # the tiny preset's 32,768: far more than the test text holds
+    with caplog.at_level("WARNING", logger="depthcurse"):
+        summary = train.run(cfg, tmp_path / "preset")
+    assert 0 < summary["val_tokens"] < 32768 and "held-out" not in caplog.text
+    cfg.val_tokens = 10**6
+    with caplog.at_level("WARNING", logger="depthcurse"):
+        train.run(cfg, tmp_path / "asked")
+    assert "asked for --val-tokens 1000000" in caplog.text
 
 
 def test_gradient_accumulation_changes_nothing(cfg, tmp_path):
@@ -215,13 +251,36 @@ def test_cli_train_report_and_prune_the_export(run_cli, text_file, tok_dir, tmp_
         (["--preset", "3b"], "unknown preset '3b'"),
         (["--seq-len", "64"], "longer than the model allows"),
         (["--data", tmp_path / "missing.txt"], "no such data file"),
+        (["--mix-ratio", "2"], "--mix-ratio must be between 0 and 1"),
+        (["--hidden-size", "30"], "--hidden-size 30 must split into --heads 4 heads of even size"),
     ]
     for extra, message in cases:
         code, out, err = run_cli("lns-train", *common, *extra, "--out", tmp_path / "bad")
         assert code == 1 and message in err and "Traceback" not in err, (extra, err)
         assert len(err.strip().splitlines()) == 1, err
+        assert "━" not in out, out  # no progress bar left above the error
     # a start that failed on bad data leaves a folder the corrected command can use
     code, out, err = run_cli("lns-train", *common, "--out", tmp_path / "bad")
     assert code == 0, err
     code, out, err = run_cli("lns-train", "--norm", "pre", *common, "--lr", "0.002", "--resume", "--out", tmp_path / "pre")
     assert code == 1 and "holds a different training run (differs in: lr" in err
+    # --resume where nothing was saved yet says that it starts from scratch
+    code, out, err = run_cli("lns-train", *common, "--steps", "1", "--resume", "--out", tmp_path / "fresh")
+    assert code == 0 and "holds no checkpoint yet, so the run starts from scratch" in err
+
+
+def test_lns_report_shows_every_run_and_warns_when_they_cannot_be_compared(run_cli, tmp_path):
+    """Two Pre-LN runs of one size with other tokenizers: a row each, and a warning."""
+    from depthcurse.train import TrainConfig as Config
+
+    for name, tokenizer, ppl in (("pre-smollm", None, 40.0), ("pre-bpe", "bpe:4096", 25.0), ("lns-bpe", "bpe:4096", 24.0)):
+        folder = tmp_path / name
+        folder.mkdir()
+        config = {**Config(norm=name.split("-")[0], tokenizer=tokenizer).resolved().to_dict()}
+        (folder / "config.json").write_text(json.dumps(config))
+        (folder / "summary.json").write_text(json.dumps({"finished": True, "step": 2000, "val_loss": math.log(ppl), "val_ppl": ppl}))
+    code, out, err = run_cli("lns-report", *(tmp_path / n for n in ("pre-smollm", "pre-bpe", "lns-bpe")), "--out", tmp_path / "cmp")
+    assert code == 0, err
+    assert "Pre-LN · pre-smollm" in out and "Pre-LN · pre-bpe" in out and "40.00" in out and "25.00" in out
+    assert "Pre-LN + LNS" in out and "24.00" in out
+    assert "the tiny runs differ in tokenizer (None / bpe:4096): their perplexities cannot be compared" in err

@@ -15,6 +15,7 @@ from depthcurse.angular.capture import StreamCapture
 from depthcurse.angular.result import AngularResult
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import environment
+from depthcurse.loading import check_sequence_length, max_positions
 from depthcurse.surgery import find_blocks
 from depthcurse.text import load_texts
 
@@ -25,7 +26,7 @@ def check_options(*, tokens: int, seq_len: int, batch_size: int, position: str) 
     """Validate the options that do not need the model (raises DepthcurseError)."""
     if tokens <= 0:
         raise DepthcurseError(f"--tokens must be positive (got {tokens})")
-    if seq_len < 1:
+    if seq_len is not None and seq_len < 1:
         raise DepthcurseError(f"--seq-len must be at least 1 (got {seq_len})")
     if batch_size < 1:
         raise DepthcurseError(f"--batch-size must be at least 1 (got {batch_size})")
@@ -127,24 +128,39 @@ def measure_text(
     max_n: int | None = None,
     device=None,
     on_batch: Callable[[int, int], None] | None = None,
+    on_start: Callable[[], None] | None = None,
 ) -> tuple[AngularResult, TokenisedData, str]:
     """`measure` on text read by `load_texts(data)`: one document per row, up to `tokens` tokens.
 
+    `on_start()` is called once the text is read and tokenised, before the first forward pass.
     Returns the result, what was tokenised (check `.exhausted`) and the data's label.
     """
     check_options(tokens=tokens, seq_len=seq_len, batch_size=batch_size, position=position)
     docs, label = load_texts(data)
     tokenised = tokenise_docs(tokenizer, docs, seq_len=seq_len, budget=tokens)
     batches = make_batches(tokenised.sequences, batch_size, pad_id_of(tokenizer))
+    if on_start is not None:
+        on_start()
     result = measure(model, batches, position=position, max_n=max_n, device=device, on_batch=on_batch)
     result.run = {"data": label, "tokens_requested": tokens, "tokens_seen": tokenised.tokens, "data_exhausted": tokenised.exhausted,
                   "seq_len": seq_len, "batch_size": batch_size, "token_position": position}
     return result, tokenised, label
 
 
+def row_length(model: torch.nn.Module, seq_len: int | None) -> int:
+    """The tokens per row: `seq_len`, which the model must accept, or by default 512 (less for a
+    model with fewer positions)."""
+    if seq_len is None:
+        return min(512, max_positions(model) or 512)
+    check_sequence_length(model, seq_len)
+    return seq_len
+
+
 def measure_loaded(loaded, data: str = "auto", **options) -> tuple[AngularResult, TokenisedData, str]:
     """`measure_text` on a model from `depthcurse.loading.load_model`, with the model's
-    description and the environment recorded in the result's `run`."""
+    description and the environment recorded in the result's `run`. `seq_len=None` means 512,
+    or the model's maximum if that is less; a longer one than the model accepts is refused."""
+    options["seq_len"] = row_length(loaded.model, options.get("seq_len"))
     result, tokenised, label = measure_text(loaded.model, loaded.tokenizer, data, device=loaded.device, **options)
     result.run = {**loaded.describe(), **result.run, "environment": environment()}
     return result, tokenised, label

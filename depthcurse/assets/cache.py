@@ -40,7 +40,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.io import atomic_write
+from depthcurse.io import atomic_write, ensure_out_dir
 
 #: bump when the layout or content of a built entry changes: older entries are rebuilt
 FORMAT_VERSION = 1
@@ -54,6 +54,11 @@ def cache_dir() -> Path:
     """Root of the offline cache: ``$DEPTHCURSE_CACHE`` or ``~/.cache/depthcurse``."""
     env = os.environ.get("DEPTHCURSE_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "depthcurse"
+
+
+def writable_cache_dir() -> Path:
+    """The cache root, made if needed; one clear error when it cannot hold entries."""
+    return ensure_out_dir(cache_dir(), what="the offline cache (DEPTHCURSE_CACHE)")
 
 
 def _env_true(name: str) -> bool:
@@ -173,6 +178,7 @@ def build_entry(dest: Path, build: Callable[[Path], dict], force: bool = False) 
     dest = Path(dest)
     if not force and is_built(dest):
         return dest
+    writable_cache_dir()
     dest.parent.mkdir(parents=True, exist_ok=True)
 
     def fill(folder: Path) -> None:

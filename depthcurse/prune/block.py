@@ -11,8 +11,9 @@ from depthcurse.angular.result import ANGULAR_JSON
 from depthcurse.errors import DepthcurseError
 from depthcurse.surgery import num_layers
 
-# The angular pass `--block` makes when it has none to reuse: Gromov et al.'s last-token distance.
-BLOCK_PASS = {"seq_len": 512, "batch_size": 4, "position": "last"}
+# The angular pass `--block` makes when it has none to reuse: Gromov et al.'s last-token distance
+# (rows of 512 tokens, or the model's maximum if less).
+BLOCK_PASS = {"seq_len": None, "batch_size": 4, "position": "last"}
 
 
 def block_choices(loaded, n: int, out_dir: Path, *, angular: Path | None = None, data: str = "auto", tokens: int = 65536,

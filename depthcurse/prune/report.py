@@ -9,7 +9,7 @@ from rich.table import Table
 
 from depthcurse.angular.result import BlockChoice
 from depthcurse.errors import DepthcurseError
-from depthcurse.io import save_figure
+from depthcurse.io import ensure_out_dir, save_figure
 from depthcurse.prune.results import RESULTS_JSON, Sweep, prune_rows, read_sweep
 
 
@@ -26,20 +26,27 @@ def plot_prune(sweep: Sweep, path: Path) -> Path:
     base = sweep.baseline
     if base is not None:
         ax.axhline(base.metrics[sweep.metric], color="k", ls="--", lw=1, label=f"unpruned ({base.metrics[sweep.metric]:.4g})")
-    task = sweep.run.get("task", "")
-    shots = sweep.run.get("num_fewshot")
-    task_label = f"{task}, {shots}-shot" if shots not in (None, 0, []) else str(task)
-    if task == "ppl":
-        task_label = f"ppl on {sweep.run.get('data')}"
-        if singles and base is not None and max(v.metrics["loss"] for v in singles) > 4 * base.metrics["loss"]:
-            ax.set_yscale("log")
+    if sweep.run.get("task") == "ppl" and singles and base is not None and max(v.metrics["loss"] for v in singles) > 4 * base.metrics["loss"]:
+        ax.set_yscale("log")
     ax.set_xlabel(f"removed layer index (0 to {sweep.n_layers - 1})")
     ax.set_ylabel(f"{sweep.metric} ({'higher' if sweep.higher_is_better else 'lower'} is better)")
-    ax.set_title(f"{sweep.run.get('model')}: {task_label}, one layer removed at a time")
+    ax.set_title(f"{sweep.run.get('model')}: {sweep.metric} with one layer removed at a time\neach point: {data_amount(sweep)}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     return save_figure(fig, path)
+
+
+def data_amount(sweep: Sweep) -> str:
+    """What each variant's score rests on, in words: `16 windows x 512 tokens of wiki`, `570 examples of arc_easy, 5-shot`."""
+    run, base = sweep.run, sweep.baseline
+    task = run.get("task", "?")
+    if task == "ppl":
+        return f"{run.get('windows', '?')} windows x {run.get('seq_len', '?')} tokens of {run.get('data', '?')}"
+    unit = {"squad": "questions", "repr": "passages"}.get(task, "examples")
+    shots = run.get("num_fewshot")
+    source = run.get("data", "?") if task in ("squad", "repr") else task
+    return f"{base.examples if base else '?'} {unit} of {source}" + (f", {shots}-shot" if shots not in (None, 0, []) else "")
 
 
 def load_prune(folder: Path) -> Sweep:
@@ -70,7 +77,7 @@ def plot_prune_overlay(folders: list[Path], path: Path) -> Path:
 
     if not folders:
         raise DepthcurseError("give at least one prune results folder")
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    ensure_out_dir(Path(path).parent, what="the folder of --out")
     fig, ax = plt.subplots(figsize=(8, 4.8), dpi=120)
     largest = 0.0
     for folder in folders:
@@ -81,8 +88,7 @@ def plot_prune_overlay(folders: list[Path], path: Path) -> Path:
         if not xs:
             raise DepthcurseError(f"{folder}: the sweep has no single-layer removals to plot")
         largest = max([largest, *(abs(y) for y in ys if math.isfinite(y))])
-        task = sweep.run.get("task", "?")
-        ax.plot(xs, ys, marker="o", ms=4, lw=1.5, label=f"{sweep.run.get('model')} ({sweep.n_layers} layers): {task}, {sweep.metric}")
+        ax.plot(xs, ys, marker="o", ms=4, lw=1.5, label=f"{sweep.run.get('model')} ({sweep.n_layers} layers): {sweep.metric}, {data_amount(sweep)}")
     ax.axhline(0, color="k", lw=0.8)
     if largest > 150:  # a ruinous layer (a Pre-LN layer 0) would flatten every other point
         ax.set_yscale("symlog", linthresh=10)
@@ -102,7 +108,9 @@ def prune_table(sweep: Sweep) -> Table:
     """The sweep as a rich table; the worst variants are highlighted."""
     rows = prune_rows(sweep)
     title = f"{sweep.run.get('model')} · {sweep.run.get('task')} · {sweep.metric} ({'↑' if sweep.higher_is_better else '↓'} better)"
-    table = Table(title=title, header_style="bold")
+    shared = sweep.meta.get("engine", {}).get("name") == "reuse"
+    caption = "s: seconds spent scoring the variant" + (" (the reuse engine scores them together: an equal share of its time)" if shared else "")
+    table = Table(title=title, caption=caption, header_style="bold")
     extra = [m for m in (rows[0] if rows else {}) if m not in {"removed", "drop", "rel_drop", "examples", "seconds"}]
     table.add_column("removed", justify="right")
     for m in extra:

@@ -12,6 +12,8 @@ import hashlib
 import json
 import re
 import shutil
+import time
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -274,6 +276,16 @@ def plain_block_passes(requests: list[TokenRequest], variants: list[tuple], n_la
     return tokens * sum(n_layers - len(v) for v in variants)
 
 
+def requests_digest(requests: list[TokenRequest]) -> str:
+    """A fingerprint of the requests' tokens, so that saved batches of other text never pass for these."""
+    digest = hashlib.sha256()
+    for inputs in dict.fromkeys(r.inputs for r in requests):  # a question's choices share one input
+        digest.update(array("q", inputs).tobytes())
+    for r in requests:
+        digest.update(array("q", (r.start, *r.targets)).tobytes())
+    return digest.hexdigest()[:16]
+
+
 def score_requests(
     stepper: Stepper,
     requests: list[TokenRequest],
@@ -293,14 +305,17 @@ def score_requests(
     Batches are cut by the memory budget and by `max_batch_tokens` (default: MAX_BATCH_TOKENS for
     the model's device).
 
-    With `store`, each finished batch is saved there atomically and a rerun with the same
-    `fingerprint` (same requests, variants and batching) loads it instead of recomputing.
+    With `store`, each finished batch is saved there atomically (with the seconds it took) and a
+    rerun with the same `fingerprint`, requests (their tokens), variants and batching loads it
+    instead of recomputing; anything else in `store` is discarded. `stats["seconds_resumed"]` is
+    the time the loaded batches took when they were computed.
     """
     scorer = VariantScorer(stepper, variants, max_memory, max_batch_tokens)
     scorer.need_greedy = need_greedy
     groups = plan(requests, MIN_SHARED_PREFIX if share_prefixes else 10**9)
     batches = scorer.batches(requests, groups)
-    key = hashlib.sha256(json.dumps([fingerprint, [list(v) for v in variants], [[(b.group, r.requests) for r in b.rows] for b in batches], [g.prefix for g in groups]]).encode()).hexdigest()[:16]
+    layout = [[list(v) for v in variants], [[(b.group, r.requests) for r in b.rows] for b in batches], [g.prefix for g in groups]]
+    key = hashlib.sha256(json.dumps([fingerprint, requests_digest(requests), layout]).encode()).hexdigest()[:16]
     if store is not None:
         state = store / "state.json"
         if store.exists() and (not state.exists() or json.loads(state.read_text()).get("key") != key):
@@ -310,21 +325,23 @@ def score_requests(
     lp = torch.full((len(variants), len(requests)), float("nan"), dtype=torch.float64)
     greedy = torch.zeros(len(variants), len(requests), dtype=torch.bool)
     kv_group, kv = None, None
-    loaded_batches = 0
+    loaded_batches, resumed_seconds = 0, 0.0
     for k, batch in enumerate(batches):
         path = store / f"batch_{k:06d}.pt" if store is not None else None
         if path is not None and path.exists():
             saved = torch.load(path, weights_only=True)
             ids, blp, bg = saved["ids"], saved["lp"], saved["greedy"]
             loaded_batches += 1
+            resumed_seconds += float(saved.get("seconds", 0.0))
         else:
+            started = time.perf_counter()
             g = groups[batch.group]
             if g.prefix and kv_group != batch.group:
                 kv, kv_group = scorer.prefix_kv(g.rows[0].inputs[: g.prefix]), batch.group
             blp, bg, ids = scorer.score_batch(requests, batch.rows, g.prefix, kv if g.prefix else None)
             ids = torch.tensor(ids)
             if path is not None:
-                finished = {"ids": ids, "lp": blp, "greedy": bg}
+                finished = {"ids": ids, "lp": blp, "greedy": bg, "seconds": time.perf_counter() - started}
                 atomic_write(path, lambda tmp: torch.save(finished, tmp))
         lp[:, ids], greedy[:, ids] = blp, bg
         if on_batch:
@@ -332,6 +349,7 @@ def score_requests(
     stats = {
         "batches": len(batches),
         "batches_resumed": loaded_batches,
+        "seconds_resumed": round(resumed_seconds, 3),
         "prefix_groups": sum(1 for g in groups if g.prefix),
         "rows": sum(len(g.rows) for g in groups),
         "block_passes": scorer.block_passes,

@@ -107,8 +107,9 @@ def _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, star
     store = out_dir / PARTIAL_DIR
     progress = (lambda done, total: on_variant("batches", done, total)) if on_variant else None
     scores, stats = engine.evaluate_variants(loaded.model, task, todo, max_memory=max_memory, store=store, fingerprint=json.dumps(run, sort_keys=True, default=str), on_batch=progress, checked=True)
-    # The variants finish together: each is credited an equal share of the time.
-    share = round((time.perf_counter() - t0) / len(todo), 3)
+    # The variants are scored together: each is credited an equal share of the engine's time,
+    # batches finished before an interruption included.
+    share = round((time.perf_counter() - t0 + stats["seconds_resumed"]) / len(todo), 3)
     for removed in todo:
         score = scores[removed]
         sweep.variants.append(VariantResult(list(removed), score.metrics, score.examples, share, score.details))

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from depthcurse.errors import DepthcurseError
 from depthcurse.tasks.base import Score, Task
-from depthcurse.tasks.harness import LmEvalTask
+from depthcurse.loading import check_sequence_length, max_positions
+from depthcurse.tasks.harness import LmEvalTask, check_task_name
 from depthcurse.tasks.perplexity import PerplexityTask
 from depthcurse.tasks.representation import RepresentationTask
 from depthcurse.tasks.squad import build_squad_task
@@ -27,12 +28,17 @@ __all__ = ["Score", "Task", "TASKS", "build_task", "head_for_task", "PerplexityT
 class TaskEntry:
     head: str  # the model head `load_model` must give: "causal-lm", "qa" or "base"
     build: Callable[..., Task]  # (tokenizer, data=, seq_len=, limit=, batch_size=, model=, model_source=) -> Task
+    takes: frozenset = frozenset()  # which of the options `data`, `seq_len`, `num_fewshot` it uses
 
 
-def _perplexity(tokenizer, *, data, seq_len, limit, batch_size, **_) -> PerplexityTask:
+def _perplexity(tokenizer, *, data, seq_len, limit, batch_size, model, **_) -> PerplexityTask:
+    if seq_len is None:  # 512, or what the model accepts if that is less
+        seq_len = min(512, (max_positions(model) if model is not None else None) or 512)
+    elif model is not None:
+        check_sequence_length(model, seq_len)
     started = time.perf_counter()
     texts, source = load_texts(data)
-    task = PerplexityTask(tokenizer, texts, source=source, seq_len=512 if seq_len is None else seq_len, limit=32 if limit is None else limit, batch_size=batch_size)
+    task = PerplexityTask(tokenizer, texts, source=source, seq_len=seq_len, limit=32 if limit is None else limit, batch_size=batch_size, warn_short=limit is not None)
     logging.getLogger("depthcurse").debug("ppl windows built in %.1fs", time.perf_counter() - started)
     return task
 
@@ -42,6 +48,8 @@ def _squad(tokenizer, *, data, limit, batch_size, model_source, **_) -> Task:
 
 
 def _representation(tokenizer, *, data, seq_len, limit, batch_size, model, **_) -> RepresentationTask:
+    if model is not None and seq_len is not None:
+        check_sequence_length(model, seq_len)
     texts, source = load_texts(data)
     # sentence encoders are trained on short passages (all-MiniLM-L6-v2: 128 tokens)
     return RepresentationTask(tokenizer, model, texts, source=source, seq_len=128 if seq_len is None else seq_len, limit=256 if limit is None else limit, batch_size=batch_size)
@@ -49,10 +57,12 @@ def _representation(tokenizer, *, data, seq_len, limit, batch_size, model, **_) 
 
 #: depthcurse's own tasks; every other name is looked up among lm-eval's.
 TASKS: dict[str, TaskEntry] = {
-    "ppl": TaskEntry("causal-lm", _perplexity),
-    "squad": TaskEntry("qa", _squad),
-    "repr": TaskEntry("base", _representation),
+    "ppl": TaskEntry("causal-lm", _perplexity, frozenset({"data", "seq_len"})),
+    "squad": TaskEntry("qa", _squad, frozenset({"data"})),
+    "repr": TaskEntry("base", _representation, frozenset({"data", "seq_len"})),
 }
+LM_EVAL_TAKES = frozenset({"num_fewshot"})
+_FLAGS = {"data": "--data", "seq_len": "--seq-len", "num_fewshot": "--num-fewshot"}
 
 
 def head_for_task(name: str) -> str:
@@ -64,7 +74,8 @@ def head_for_task(name: str) -> str:
 def build_task(name: str, tokenizer, *, data: str = "auto", seq_len: int | None = None, limit: int | None = None, num_fewshot: int | None = 0, batch_size: int = 8, seed: int = 1234, model=None, model_source: str | None = None) -> Task:
     """The task called `name`: `ppl`, `squad`, `repr`, or any lm-eval task/group name (mmlu, arc_easy, ...).
 
-    `seq_len` is the ppl window (default 512) or the repr passage length (default 128).
+    `seq_len` is the ppl window (default 512, or the model's maximum if less) or the repr passage
+    length (default 128); one longer than the model accepts is refused.
     `limit` is the number of text windows for ppl (default 32), of questions for squad (default
     all), of passages for repr (default 256), and of examples per lm-eval subtask otherwise
     (default: all). `repr` needs the unpruned `model` (it remembers its embeddings); `squad` skips
@@ -74,9 +85,16 @@ def build_task(name: str, tokenizer, *, data: str = "auto", seq_len: int | None 
         raise DepthcurseError("this model has no tokenizer: text tasks need one")
     if limit is not None and limit <= 0:
         raise DepthcurseError("--limit must be a positive number")
+    if num_fewshot is not None and num_fewshot < 0:
+        raise DepthcurseError(f"--num-fewshot must be 0 or more, got {num_fewshot}")
     entry = TASKS.get(name)
+    if entry is None:
+        check_task_name(name)  # an unknown name is the first thing to say, before what it cannot take
+    given = {"data": data != "auto", "seq_len": seq_len is not None, "num_fewshot": num_fewshot not in (None, 0)}
+    takes = entry.takes if entry is not None else LM_EVAL_TAKES
+    for option in (o for o, set_ in given.items() if set_ and o not in takes):
+        users = [t for t, e in TASKS.items() if option in e.takes] + (["lm-eval tasks"] if option in LM_EVAL_TAKES else [])
+        raise DepthcurseError(f"{_FLAGS[option]} does not apply to --task {name}: it is for {', '.join(users)}")
     if entry is not None:
         return entry.build(tokenizer, data=data, seq_len=seq_len, limit=limit, batch_size=batch_size, model=model, model_source=model_source)
-    if data != "auto":
-        raise DepthcurseError(f"--data applies to --task ppl only (and squad, repr); {name} brings its own data")
     return LmEvalTask(name, tokenizer, num_fewshot=num_fewshot, limit=limit, batch_size=batch_size, seed=seed)

@@ -10,6 +10,7 @@ import contextlib
 import difflib
 import logging
 import os
+from pathlib import Path
 
 from depthcurse import assets
 from depthcurse.errors import DepthcurseError
@@ -46,6 +47,19 @@ def task_manager():
     return _TASK_MANAGER
 
 
+def check_task_name(task: str) -> None:
+    """An unknown task name is one clear line, with the closest names lm-eval knows."""
+    names = task_manager().all_tasks
+    if task not in names:
+        close = difflib.get_close_matches(task, names, n=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise DepthcurseError(f"unknown task {task!r}: not ppl, squad or repr, and not an lm-eval task{hint}")
+
+
+# `datasets` builders that read local files (a task YAML with `dataset_path: json` and `data_files`).
+LOCAL_BUILDERS = {"json", "csv", "parquet", "text", "arrow", "pandas"}
+
+
 @contextlib.contextmanager
 def offline_task_data(notes: list[str]):
     """Point lm-eval's hub data at the offline cache while tasks are built.
@@ -61,6 +75,8 @@ def offline_task_data(notes: list[str]):
     real_load, real_download = datasets.load_dataset, ConfigurableTask.download
 
     def load_dataset(path, name=None, **kwargs):
+        if path in LOCAL_BUILDERS or Path(str(path)).exists():  # a task reading local files: nothing to redirect
+            return real_load(path, name=name, **kwargs)
         local = assets.local_dataset(path)
         if local is None:
             raise DepthcurseError(f"data set {path} is on the hub, which is not reachable, and is not among the offline assets (see `depthcurse assets`)")
@@ -99,11 +115,8 @@ class LmEvalTask:
         self.name, self.tokenizer, self.limit, self.batch_size, self.seed = task, tokenizer, limit, batch_size, seed
         self.offline = not assets.hub_reachable()
         self.notes: list[str] = []
+        check_task_name(task)
         tm = task_manager()
-        if task not in tm.all_tasks:
-            close = difflib.get_close_matches(task, tm.all_tasks, n=3)
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise DepthcurseError(f"unknown task {task!r}: not ppl, and not an lm-eval task{hint}")
         if self.offline:
             assets.go_offline()
         with offline_task_data(self.notes) if self.offline else contextlib.nullcontext():

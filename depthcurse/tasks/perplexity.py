@@ -23,7 +23,7 @@ class PerplexityTask:
     metric = "loss"
     higher_is_better = False
 
-    def __init__(self, tokenizer, texts: list[str], *, source: str, seq_len: int = 512, limit: int | None = 32, batch_size: int = 4):
+    def __init__(self, tokenizer, texts: list[str], *, source: str, seq_len: int = 512, limit: int | None = 32, batch_size: int = 4, warn_short: bool = True):
         if seq_len < 2:
             raise DepthcurseError("--seq-len must be at least 2")
         self.source, self.seq_len, self.batch_size = source, seq_len, max(1, batch_size)
@@ -39,7 +39,7 @@ class PerplexityTask:
         n_windows = len(ids) // seq_len
         if n_windows == 0:
             raise DepthcurseError(f"the text in {source} has {len(ids)} tokens, fewer than one window of --seq-len {seq_len}")
-        if limit is not None and n_windows < limit:
+        if warn_short and limit is not None and n_windows < limit:  # a default limit only caps
             logging.getLogger("depthcurse").warning("%s holds only %d windows of %d tokens; using them all", source, n_windows, seq_len)
         n_windows = n_windows if limit is None else min(n_windows, limit)
         self.windows = torch.tensor(ids[: n_windows * seq_len]).view(n_windows, seq_len)

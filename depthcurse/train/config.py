@@ -101,7 +101,7 @@ class TrainConfig:
         """A copy with every None filled from the preset and checked: what the run records."""
         if self.preset not in PRESETS:
             raise DepthcurseError(f"unknown preset {self.preset!r}: use one of {', '.join(PRESETS)}")
-        if self.norm not in NORMS:
+        if self.norm not in NORMS:  # before the preset fills the rest: the first thing to say
             raise DepthcurseError(f"unknown norm {self.norm!r}: use one of {', '.join(NORMS)}")
         defaults = {**COMMON_DEFAULTS, **PRESETS[self.preset]}
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -133,6 +133,16 @@ def options() -> list:
     return out
 
 
+def check_architecture(norm: str, hidden_size: int, num_heads: int, mix_ratio: float) -> None:
+    """The model's own constraints, checked with the run's settings before anything is written."""
+    if norm not in NORMS:
+        raise DepthcurseError(f"unknown norm {norm!r}: use one of {', '.join(NORMS)}")
+    if num_heads < 1 or hidden_size % num_heads or (hidden_size // num_heads) % 2:
+        raise DepthcurseError(f"--hidden-size {hidden_size} must split into --heads {num_heads} heads of even size")
+    if not 0.0 <= mix_ratio <= 1.0:
+        raise DepthcurseError(f"--mix-ratio must be between 0 and 1, got {mix_ratio}")
+
+
 def _check(cfg: TrainConfig) -> None:
     positive = ("steps", "batch_size", "micro_batch", "seq_len", "max_seq_len", "hidden_size", "intermediate_size",
                 "num_layers", "num_heads", "val_tokens", "eval_every", "save_every", "log_every")
@@ -161,3 +171,4 @@ def _check(cfg: TrainConfig) -> None:
         raise DepthcurseError(f"unknown --kernels {cfg.kernels!r}: use one of {', '.join(KERNELS)}")
     if cfg.parallel is not None and cfg.parallel not in PARALLEL:
         raise DepthcurseError(f"unknown --parallel {cfg.parallel!r}: use ddp or fsdp")
+    check_architecture(cfg.norm, cfg.hidden_size, cfg.num_heads, cfg.mix_ratio)

@@ -81,6 +81,14 @@ def bpe_tokenizer(data: str, vocab_size: int, folder):
     return fast
 
 
+def require_source(data: str) -> None:
+    """C4 streams from the hub; a local file must exist. Said before the tokenizer is fetched."""
+    if data == "c4" and not assets.hub_reachable():
+        raise DepthcurseError("C4 is streamed from the hub, which is not reachable: use --data wiki or --data PATH")
+    if data not in ("c4", "wiki") and not Path(data).expanduser().exists():
+        raise DepthcurseError(f"no such data file: {data} (or use c4 or wiki)")
+
+
 def run_tokenizer(name: str | None, data: str, folder: Path, world: World = World()):
     """The tokenizer of a run: a named one (`load_tokenizer`), or with `bpe:N` one trained on the
     run's data and kept in `folder`, trained by rank 0 alone and loaded by the other ranks."""
@@ -263,8 +271,13 @@ class TrainData:
         return int((self.val_lengths - 1).clamp(min=0).sum())
 
 
-def build_data(data: str, tokenizer, *, seq_len: int, pack: bool, seed: int, val_tokens: int, rank: int = 0, world_size: int = 1) -> TrainData:
-    """Training stream and validation rows for `data`: c4, wiki, or a local text file."""
+def build_data(data: str, tokenizer, *, seq_len: int, pack: bool, seed: int, val_tokens: int, rank: int = 0, world_size: int = 1,
+               warn_short: bool = True) -> TrainData:
+    """Training stream and validation rows for `data`: c4, wiki, or a local text file.
+
+    `val_tokens` is a budget: held-out text shorter than it is used whole, with a warning when
+    `warn_short` (the user asked for that many; a preset's default only caps).
+    """
     if seq_len < 2:
         raise DepthcurseError("--seq-len must be at least 2")
     if val_tokens < 1:
@@ -301,6 +314,6 @@ def build_data(data: str, tokenizer, *, seq_len: int, pack: bool, seed: int, val
     if len(vr) == 0:
         raise DepthcurseError(f"the held-out part of {label} gives no validation rows of {seq_len} tokens: use more text or a shorter --seq-len")
     vr, vl = _take_budget(vr, vl, val_tokens)
-    if int((vl - 1).sum()) < val_tokens:
+    if warn_short and int((vl - 1).sum()) < val_tokens:
         log.warning("held-out %s has only %d tokens (asked for --val-tokens %d): using all of them", label, int((vl - 1).sum()), val_tokens)
     return TrainData(LocalRows(rows, lengths, seed, rank, world_size), vr, vl, label, tokenizer)

@@ -32,7 +32,7 @@ from depthcurse.errors import DepthcurseError
 from depthcurse.io import atomic_write, environment, json_text
 from depthcurse.train.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState, TrainState, prepare_out_dir
 from depthcurse.train.config import CONFIG, TrainConfig
-from depthcurse.train.data import build_data, run_tokenizer
+from depthcurse.train.data import build_data, require_source, run_tokenizer
 from depthcurse.train.distributed import World, gradient_sync, parallelize, setup_world
 from depthcurse.train.export import export_run
 from depthcurse.train.metrics import METRICS, SUMMARY, MetricsLog, Progress
@@ -146,15 +146,16 @@ def run(cfg: TrainConfig, out_dir, *, resume: bool = False, on_progress: Callabl
     written, no final evaluation or export): the next `resume=True` call continues exactly.
     Under torchrun every rank calls this; only rank 0 writes files or calls the callbacks.
     """
+    asked_val_tokens = cfg.val_tokens is not None  # a preset's budget only caps: no warning when the text is shorter
     cfg = cfg.resolved()
     world, device = setup_world(cfg)
     try:
-        return _run(cfg, Path(out_dir), world, device, resume, on_progress, on_eval, on_start, stop_after)
+        return _run(cfg, Path(out_dir), world, device, resume, on_progress, on_eval, on_start, stop_after, asked_val_tokens)
     finally:
         world.close()
 
 
-def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, stop_after) -> dict:
+def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, stop_after, asked_val_tokens) -> dict:
     cfg_dict = cfg.to_dict()
     saved = prepare_out_dir(out_dir, cfg_dict, resume)
     world.barrier()  # every rank has checked the folder before rank 0 writes into it
@@ -163,14 +164,15 @@ def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, st
 
     precision = precision_of(cfg, device)
     amp = autocast_for(precision, device)
+    require_source(cfg.data)  # C4 offline is the data's problem, not the tokenizer's
     tokenizer = run_tokenizer(cfg.tokenizer, cfg.data, out_dir / "tokenizer", world)
     # One global stream on every rank (not rank-sharded): each rank takes its slice of the same
     # batch, so the run and its checkpoint do not depend on the number of ranks.
-    data = build_data(cfg.data, tokenizer, seq_len=cfg.seq_len, pack=cfg.pack, seed=cfg.seed, val_tokens=cfg.val_tokens)
-    if world.main:
-        # Written once the data is known to be usable: a failed start leaves a folder that can be reused.
-        atomic_write(out_dir / CONFIG, json.dumps(cfg_dict, indent=2) + "\n")
+    data = build_data(cfg.data, tokenizer, seq_len=cfg.seq_len, pack=cfg.pack, seed=cfg.seed, val_tokens=cfg.val_tokens, warn_short=asked_val_tokens)
     raw = build_model(cfg, len(tokenizer), device, precision)
+    if world.main:
+        # Written once the data and the model are known to be usable: a failed start leaves a folder the corrected command can use.
+        atomic_write(out_dir / CONFIG, json.dumps(cfg_dict, indent=2) + "\n")
     model = parallelize(raw, cfg, world, device)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
@@ -190,9 +192,10 @@ def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, st
             metrics.truncate_after(progress.step)
     elif world.main and (out_dir / METRICS).exists():
         (out_dir / METRICS).unlink()  # a run that died before its first checkpoint starts over
+    resumed = saved is not None
     del saved  # a whole model and optimizer on the CPU
 
-    info = {"params": raw.num_params(), "device": str(device),
+    info = {"params": raw.num_params(), "device": str(device), "resumed": resumed,
             "precision": precision, "kernels": raw.model.kernels, "world_size": world.size, "parallel": world.parallel,
             "data": data.label, "val_tokens": data.val_tokens, "start_step": progress.step, "steps": cfg.steps,
             "vocab_size": len(tokenizer)}

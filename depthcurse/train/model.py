@@ -43,7 +43,7 @@ from torch import nn
 
 from depthcurse.errors import DepthcurseError
 from depthcurse.train import kernels as K
-from depthcurse.train.config import KERNELS, NORMS
+from depthcurse.train.config import KERNELS, check_architecture
 
 # Variants whose blocks are plain Pre-LN at inference (LNS folds into the norm gains), so a
 # trained model exports as a stock LlamaForCausalLM.
@@ -70,12 +70,7 @@ class ModelConfig:
     trained_layers: int | None = None  # L of the stack as trained (DeepNorm, Mix-LN, inits)
 
     def __post_init__(self):
-        if self.norm not in NORMS:
-            raise DepthcurseError(f"unknown norm {self.norm!r}: use one of {', '.join(NORMS)}")
-        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
-            raise DepthcurseError(f"hidden size {self.hidden_size} must split into {self.num_heads} heads of even size")
-        if not 0.0 <= self.mix_ratio <= 1.0:
-            raise DepthcurseError(f"--mix-ratio must be between 0 and 1, got {self.mix_ratio}")
+        check_architecture(self.norm, self.hidden_size, self.num_heads, self.mix_ratio)
         if self.num_layers < 1 and self.layer_origins is None:
             raise DepthcurseError("the model needs at least one layer")
         if self.layer_origins is None:

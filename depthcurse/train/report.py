@@ -53,7 +53,8 @@ def plot_runs(runs: dict[str, list[dict]], path: Path, title: str = "") -> Path:
     ax.set_ylabel("loss (nats per token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # runs with nothing logged yet draw no line
+        ax.legend(fontsize=8)
     fig.tight_layout()
     return save_figure(fig, path)
 
@@ -84,26 +85,48 @@ def compare_rows(runs: list[dict]) -> list[dict]:
 
 
 def table1(runs: list[dict]) -> Table:
-    """Perplexity per method (rows) and size (columns), as in the paper's Table 1."""
+    """Perplexity per method (rows) and size (columns), as in the paper's Table 1. Every run gets
+    a cell: a method with several runs of one size (other seeds, tokenizers...) gets a row per
+    run, named by its folder."""
     sizes = [s for s in SIZE_ORDER if any(r["preset"] == s for r in runs)]
-    methods = [m for m in METHOD_NAMES if any(r["norm"] == m for r in runs)]
     table = Table(title="validation perplexity (lower is better); * = run not finished", header_style="bold")
     table.add_column("method")
     for s in sizes:
         table.add_column(s.upper() if s != "tiny" else "tiny", justify="right")
-    for m in methods:
-        cells = []
-        for s in sizes:
-            hits = [r for r in runs if r["norm"] == m and r["preset"] == s]
-            if not hits:
-                cells.append("")
-                continue
-            r = hits[-1]
-            ppl = r["val_ppl"]
-            text = "-" if ppl is None or not math.isfinite(ppl) else f"{ppl:.2f}"
-            cells.append(text + ("" if r["finished"] else "*"))
-        table.add_row(METHOD_NAMES[m], *cells)
+    for norm in sorted({r["norm"] for r in runs}, key=lambda n: list(METHOD_NAMES).index(n) if n in METHOD_NAMES else len(METHOD_NAMES)):
+        mine = [r for r in runs if r["norm"] == norm]
+        name = METHOD_NAMES.get(norm, norm)
+        if max(sum(r["preset"] == s for r in mine) for s in sizes) == 1:
+            table.add_row(name, *(_cell(next((r for r in mine if r["preset"] == s), None)) for s in sizes))
+            continue
+        for r in mine:
+            table.add_row(f"{name} · {Path(r['folder']).name}", *(_cell(r) if r["preset"] == s else "" for s in sizes))
     return table
+
+
+def _cell(run: dict | None) -> str:
+    if run is None:
+        return ""
+    ppl = run["val_ppl"]
+    text = "-" if ppl is None or not math.isfinite(ppl) else f"{ppl:.2f}"
+    return text + ("" if run["finished"] else "*")
+
+
+# Settings that must agree for two runs' validation perplexities to be comparable at all.
+COMPARABLE_SETTINGS = ("tokenizer", "data", "seq_len", "pack", "val_tokens")
+
+
+def incomparable(runs: list[dict]) -> list[str]:
+    """For each size, the settings that differ between its runs and make their perplexities
+    incomparable (another tokenizer measures per-token loss over other tokens), in words."""
+    out = []
+    for size in dict.fromkeys(r["preset"] for r in runs):
+        same_size = [r for r in runs if r["preset"] == size]
+        for key in COMPARABLE_SETTINGS:
+            values = list(dict.fromkeys(str(r["config"].get(key)) for r in same_size))
+            if len(values) > 1:
+                out.append(f"the {size} runs differ in {key} ({' / '.join(values)}): their perplexities cannot be compared")
+    return out
 
 
 def write_compare(runs: list[dict], out_dir: Path) -> list[Path]:

@@ -1,0 +1,86 @@
+"""The one atomic writer, results folders and the run-identity check that every job shares."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from depthcurse.errors import DepthcurseError, one_line
+from depthcurse.io import atomic_write, ensure_out_dir, previous_folder, refuse_other_run
+
+
+def test_a_file_is_written_whole_or_not_at_all(tmp_path):
+    path = tmp_path / "result.json"
+    atomic_write(path, "first\n")
+    with pytest.raises(RuntimeError):
+        atomic_write(path, lambda tmp: (tmp.write_text("half"), (_ for _ in ()).throw(RuntimeError("killed"))))
+    assert path.read_text() == "first\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]  # no temporary file left
+    atomic_write(path, b"\x00bytes")
+    assert path.read_bytes() == b"\x00bytes"
+
+
+def test_a_folder_is_swapped_in_whole(tmp_path):
+    dest = tmp_path / "state"
+
+    def fill(text):
+        return lambda folder: (folder / "a.txt").write_text(text)
+
+    atomic_write(dest, fill("one"), folder=True)
+    atomic_write(dest, fill("two"), folder=True)
+    assert (dest / "a.txt").read_text() == "two"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]
+    assert previous_folder(dest) is None
+
+
+def test_a_refused_write_is_one_clear_line_naming_the_file(tmp_path, monkeypatch):
+    path = tmp_path / "prune.png"
+
+    def read_only(src, dst):
+        raise OSError(errno.EROFS, "Read-only file system", str(src))
+
+    monkeypatch.setattr(os, "replace", read_only)
+    with pytest.raises(DepthcurseError, match=rf"^cannot write {path}: Read-only file system$"):
+        atomic_write(path, b"png")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_results_folders(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DepthcurseError, match="--out .*file is a file, not a folder"):
+        ensure_out_dir(tmp_path / "file")
+    with pytest.raises(DepthcurseError, match="--out .*file/sub is not writable"):
+        ensure_out_dir(tmp_path / "file" / "sub")
+    assert ensure_out_dir(tmp_path / "new" / "deeper").is_dir()
+
+
+def test_a_read_only_folder_is_one_clear_line_about_what_it_is_for(tmp_path, monkeypatch):
+    import tempfile
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", read_only)
+    with pytest.raises(DepthcurseError, match=r"^the offline cache \(DEPTHCURSE_CACHE\) .* is not writable: Read-only file system$"):
+        ensure_out_dir(tmp_path, what="the offline cache (DEPTHCURSE_CACHE)")
+
+
+def test_a_folder_of_another_run_is_refused_with_what_differs(tmp_path):
+    refuse_other_run(tmp_path, {"lr": 0.1, "every": 5}, {"lr": 0.1, "every": 10}, ignore={"every"})
+    with pytest.raises(DepthcurseError, match=r"holds a different run \(differs in: lr: 0.1 -> 0.2\)"):
+        refuse_other_run(tmp_path, {"lr": 0.1}, {"lr": 0.2})
+    long = {"tasks": [f"mmlu_subject_{i}" for i in range(57)]}
+    with pytest.raises(DepthcurseError) as caught:
+        refuse_other_run(tmp_path, long, {"tasks": []})
+    assert len(str(caught.value)) < 200  # a long value is shortened, the line stays readable
+
+
+def test_an_unexpected_error_reads_as_one_line():
+    import struct
+
+    with pytest.raises(struct.error) as caught:
+        struct.unpack_from("<I", b"")
+    assert one_line(caught.value).startswith("struct.error: ")
+    assert one_line(ValueError("first\nsecond")) == "ValueError: first"
