@@ -95,6 +95,12 @@ def _load(model: str, **options):
         return load_model(model, **options)
 
 
+def _cuda_available() -> bool:
+    import torch  # lazy: start-up
+
+    return torch.cuda.is_available()
+
+
 def _model_line(loaded) -> str:
     from depthcurse.surgery import num_layers  # lazy: start-up
 
@@ -113,7 +119,7 @@ def prune(
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="ppl window length in tokens (default 512, or the model's maximum if less); repr passage length (default 128)."),
     seed: int = typer.Option(1234, "--seed", help="Seed for few-shot sampling and torch."),
     engine: str = typer.Option("reuse", "--engine", help="reuse (all variants together, reusing the blocks before each removed layer and shared few-shot prefixes) or lm-eval (each variant evaluated on its own). Unsupported models/tasks fall back to lm-eval."),
-    max_memory: str = typer.Option("2GB", "--max-memory", help="reuse engine: memory for the kept residual streams and prefix keys/values of one batch, e.g. 2GB or 512MB."),
+    max_memory: str = typer.Option("auto", "--max-memory", help="reuse engine: memory for the kept residual streams and prefix keys/values of one batch: auto (2GB on a CPU, 80% of the GPU memory free after loading) or a size, e.g. 24GB."),
     out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default runs/prune/<model>/<task>)."),
     block: Optional[int] = typer.Option(None, "--block", help="Instead of one layer at a time: remove the N contiguous layers angular distance picks, and for comparison the N deepest layers before the final one."),
     angular: Optional[Path] = typer.Option(None, "--angular", help="With --block: an angular-distance result (folder or angular.json) to pick the block from, instead of measuring."),
@@ -131,8 +137,6 @@ def prune(
     import torch  # lazy: start-up
 
     from depthcurse import prune as sweeps
-    from depthcurse.surgery import num_layers, parse_layers
-    from depthcurse.tasks import build_task, head_for_task
 
     torch.manual_seed(seed)
     if batch_size < 1:
@@ -150,12 +154,45 @@ def prune(
     block_tag = f"-block{block}" if block is not None else ""
     out_dir = out or Path("runs") / "prune" / _slug(model) / f"{task}{shot_tag}{block_tag}"
     ensure_out_dir(out_dir)
-    loaded = _load(model, head=head_for_task(task), dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
+    world = _join_ranks(device)
+    try:
+        _prune(world, model, task, layers, limit, num_fewshot, batch_size, data, seq_len, seed, engine, max_memory, out_dir,
+               block, angular, angular_data, angular_tokens, dtype, device, trust_remote_code, revision)
+    finally:
+        world.close()
+
+
+def _join_ranks(device: str):
+    """This process's place: alone, or one rank of a torchrun launch (where only rank 0 talks)."""
+    from depthcurse.runtime import World, join_torchrun, launched_by_torchrun, pick_device  # lazy: start-up
+
+    if not launched_by_torchrun():
+        return World()
+    world, _ = join_torchrun(pick_device(device), "requests")
+    console.quiet = err_console.quiet = not world.main  # the other ranks fail quietly too: rank 0 says why
+    return world
+
+
+def _prune(world, model, task, layers, limit, num_fewshot, batch_size, data, seq_len, seed, engine, max_memory, out_dir,
+           block, angular, angular_data, angular_tokens, dtype, device, trust_remote_code, revision) -> None:
+    from depthcurse import prune as sweeps  # lazy: start-up
+    from depthcurse.runtime import rank_gpus
+    from depthcurse.surgery import num_layers, parse_layers
+    from depthcurse.tasks import build_task, head_for_task
+
+    gpus = rank_gpus() if world.parallel and device != "cpu" and _cuda_available() else None
+    loaded = _load(model, head=head_for_task(task), dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision, gpus=gpus)
     run_extra = {"seed": seed}
     choices = None
     if block is not None:
-        choices = sweeps.block_choices(loaded, block, out_dir, angular=angular, data=angular_data, tokens=angular_tokens,
-                                       measure=lambda **options: _measure_angular(loaded, out_dir, **options))
+        def pick():
+            return sweeps.block_choices(loaded, block, out_dir, angular=angular, data=angular_data, tokens=angular_tokens,
+                                        measure=lambda **options: _measure_angular(loaded, out_dir, **options))
+
+        # Rank 0 measures the angular distances and keeps them in out_dir, where the other ranks read them.
+        choices = pick() if world.main else None
+        world.barrier()
+        choices = choices or pick()
         variants = [c.layers for c in choices]
         run_extra["block"] = {"n": block, **{c.rule: list(c.layers) for c in choices}}
     else:
@@ -176,10 +213,13 @@ def prune(
 
     try:
         with _showing(progress):
-            sweep = sweeps.run_sweep(loaded, the_task, variants, out_dir, run_extra=run_extra, on_variant=on_variant, engine=engine, max_memory=max_memory)
+            sweep = sweeps.run_sweep(loaded, the_task, variants, out_dir, run_extra=run_extra, on_variant=on_variant, engine=engine, max_memory=max_memory, world=world)
     except KeyboardInterrupt:
-        _finish_interrupted(out_dir)
+        if world.main:
+            _finish_interrupted(out_dir)
         raise typer.Exit(130)
+    if sweep is None:  # another rank: rank 0 writes and shows the results
+        return
     used = sweep.meta.get("engine", {})
     if used.get("fallback"):
         _say("note", f"--engine reuse cannot run this ({used['fallback']}); each variant was evaluated on its own")

@@ -114,11 +114,13 @@ def load_model(
     revision: str | None = None,
     tokenizer: bool = True,
     new_head: bool = False,
+    gpus: list[int] | None = None,
 ) -> LoadedModel:
     """Load `name` (hub id, local folder, .gguf file or offline alias) in eval mode.
 
     On CUDA the model goes through `device_map="auto"`, so a model larger than one GPU is
-    spread over all visible GPUs by accelerate.
+    spread over all visible GPUs by accelerate, or over `gpus` only (one rank's share of a
+    node under torchrun).
 
     A head the checkpoint lacks would be initialised randomly by transformers, which makes the
     measurement meaningless: that is refused unless `new_head` (for fine-tuning one).
@@ -143,6 +145,8 @@ def load_model(
     load_kwargs = dict(common, dtype=torch_dtype)
     if dev == "cuda":
         load_kwargs["device_map"] = "auto"
+        if gpus is not None:
+            load_kwargs["max_memory"] = {i: torch.cuda.mem_get_info(i)[0] for i in gpus}
     try:
         # The QA head is the one a plain encoder checkpoint lacks: ask which weights were missing.
         with _damaged_files_named(source, kwargs):

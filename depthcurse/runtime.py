@@ -1,6 +1,10 @@
-"""Where and in what precision a model runs: the device and dtype choice every command shares."""
+"""Where and in what precision a model runs: the device and dtype choice every command shares,
+and this process's place among several under torchrun."""
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import torch
 
@@ -28,3 +32,72 @@ def pick_dtype(dtype: str, device: str) -> torch.dtype | str:
     if dtype not in DTYPES:
         raise DepthcurseError(f"unknown --dtype {dtype!r}: use auto, bf16, fp16 or fp32")
     return DTYPES[dtype]
+
+
+@dataclass
+class World:
+    """This process's place in a torchrun launch; World() is a lone process."""
+
+    rank: int = 0
+    size: int = 1
+    parallel: str | None = None  # how the work is split: "ddp"/"fsdp" (training), "requests" (a sweep); None alone
+    owns_group: bool = False  # this process started the process group, so it ends it
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.parallel:
+            torch.distributed.barrier()
+
+    def shard(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's consecutive slice of a global batch."""
+        n = rows.shape[0] // self.size
+        return rows[self.rank * n : (self.rank + 1) * n]
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        if self.parallel:
+            torch.distributed.all_reduce(value)
+        return value
+
+    def gather(self, obj) -> list | None:
+        """Every rank's `obj`, in rank order, on rank 0 (None elsewhere); [obj] alone."""
+        if not self.parallel:
+            return [obj]
+        out = [None] * self.size if self.main else None
+        torch.distributed.gather_object(obj, out, dst=0)
+        return out
+
+    def close(self) -> None:
+        if self.owns_group:
+            torch.distributed.destroy_process_group()
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def join_torchrun(device: str, parallel: str) -> tuple[World, torch.device]:
+    """This rank's place and device under torchrun: the process group (nccl on CUDA, gloo on the
+    CPU) and, on CUDA, the GPU of its local rank."""
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", rank_gpus()[0])
+        torch.cuda.set_device(dev)
+    owns = not torch.distributed.is_initialized()
+    if owns:
+        torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return World(rank, size, parallel, owns), dev
+
+
+def rank_gpus() -> list[int]:
+    """The GPUs of this rank: the node's GPUs split evenly over its local ranks (a model bigger
+    than one GPU spans several per rank)."""
+    local, per_node = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    count = torch.cuda.device_count()
+    each = count // per_node
+    if each < 1:
+        raise DepthcurseError(f"{per_node} ranks on this node but {count} GPU(s): launch at most {count} with --nproc-per-node")
+    return list(range(local * each, (local + 1) * each))

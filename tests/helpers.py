@@ -9,7 +9,11 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,3 +116,13 @@ def built_without(model, path, removed):
             state[f"{path}.{new_of[int(m.group(1))]}.{m.group(2)}"] = value
     ref.load_state_dict(state, strict=True)
     return ref
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(*args, nproc: int = 2) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node N ARGS` on the CPU, one thread per rank, from the repository root."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *map(str, args)]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -10,15 +10,12 @@ runs 4 steps, so a launch takes seconds (most of it importing torch twice).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import CORPUS
+from helpers import CORPUS, torchrun
 from depthcurse.errors import DepthcurseError
 from depthcurse.train import loop as train
 from depthcurse.train.checkpoint import CHECKPOINT, load_checkpoint
@@ -57,11 +54,6 @@ def cli_args(cfg: TrainConfig) -> list[str]:
             args += [flag, str(value)]
     return args
 
-
-def torchrun(*args, nproc: int = 2) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *map(str, args)]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 def logged_losses(folder: Path) -> list[float]:

@@ -196,6 +196,7 @@ def test_unsupported_model_falls_back_and_says_so(tiny_tokenizer, tmp_path, one_
 
 
 def test_parse_memory():
+    assert parse_memory("auto") == parse_memory(None) == parse_memory("auto", "cpu") == 2 * 2**30  # a GPU: 80% of its free memory
     assert parse_memory("2GB") == 2 * 2**30
     assert parse_memory("512mb") == 512 * 2**20
     assert parse_memory("1.5GiB") == int(1.5 * 2**30)
@@ -287,3 +288,21 @@ def test_rolling_loglikelihood_tasks_score_every_window(tiny_tokenizer, tmp_path
         assert score.metrics.keys() == plain.keys() and score.examples == 3
         for name, value in plain.items():
             assert score.metrics[name] == pytest.approx(value, rel=1e-5), (removed, name)
+
+
+def test_a_model_spread_over_devices_scores_as_on_one(tiny_model_dir, tiny_tokenizer, tmp_path, one_torch_thread):
+    """Blocks behind accelerate's hooks, as `device_map` puts a model bigger than one GPU: here two
+    blocks and the head offloaded to disk and loaded at each call, the path a split over GPUs takes."""
+    from transformers import AutoModelForCausalLM
+
+    on_disk = {"model.layers.1": "disk", "model.layers.3": "disk", "lm_head": "disk"}
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.2": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", **on_disk}
+    split = AutoModelForCausalLM.from_pretrained(tiny_model_dir, device_map=device_map, offload_folder=tmp_path / "offload").eval()
+    assert split.model.layers[1].self_attn.q_proj.weight.device.type == "meta"  # its weights live on disk
+    whole = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    task = PerplexityTask(tiny_tokenizer, CORPUS * 8, source="corpus", seq_len=48, limit=4, batch_size=4)
+    one = run_sweep(_loaded(whole, tiny_tokenizer), task, [0, 1, 3], tmp_path / "one")
+    spread = run_sweep(_loaded(split, tiny_tokenizer), task, [0, 1, 3], tmp_path / "spread")
+    assert one.meta["engine"]["name"] == spread.meta["engine"]["name"] == "reuse"
+    for a, b in zip(one.variants, spread.variants):
+        assert b.metrics["loss"] == pytest.approx(a.metrics["loss"], abs=1e-6)

@@ -30,6 +30,7 @@ from depthcurse.errors import DepthcurseError
 from depthcurse.prune.requests import LmEvalRequests, ppl_requests
 from depthcurse.prune.scoring import parse_memory, score_requests
 from depthcurse.prune.stepping import Stepper, Unsupported
+from depthcurse.runtime import World
 from depthcurse.tasks.base import Score
 from depthcurse.tasks.harness import LmEvalTask
 from depthcurse.tasks.perplexity import PerplexityTask
@@ -57,11 +58,14 @@ def evaluate_variants(
     on_batch: Callable[[int, int], None] | None = None,
     share_prefixes: bool = True,
     checked: bool = False,
-) -> tuple[dict[tuple, Score], dict]:
+    world: World = World(),
+) -> tuple[dict[tuple, Score] | None, dict]:
     """Scores of every variant (tuples of removed layers; () is the unpruned model) and run statistics.
 
     Raises Unsupported (with the reason) for a model or task the engine cannot run, unless
-    `checked` says `why_unsupported` already found none.
+    `checked` says `why_unsupported` already found none. Under torchrun every rank calls this
+    and scores its share of the requests; rank 0 gets every score (lm-eval's metrics computed
+    once, from all the requests), the other ranks get None.
     """
     reason = None if checked else why_unsupported(model, task)
     if reason:
@@ -77,7 +81,10 @@ def evaluate_variants(
     if not requests:
         raise DepthcurseError(f"task {task.name} produced no requests to score")
     t_requests = time.perf_counter() - started
-    lp, greedy, stats = score_requests(stepper, requests, asked, max_memory=parse_memory(max_memory), store=store, fingerprint=fingerprint, on_batch=on_batch, share_prefixes=share_prefixes, need_greedy=lm_requests is not None)
+    lp, greedy, stats = score_requests(stepper, requests, asked, max_memory=parse_memory(max_memory, stepper.device), store=store, fingerprint=fingerprint,
+                                       on_batch=on_batch, share_prefixes=share_prefixes, need_greedy=lm_requests is not None, world=world)
+    if lp is None:  # another rank's share, gathered on rank 0
+        return None, stats
     scores = {}
     for vi, v in enumerate(asked):
         if lm_requests is None:

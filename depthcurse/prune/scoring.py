@@ -14,6 +14,7 @@ import re
 import shutil
 import time
 from array import array
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import atomic_write
 from depthcurse.prune.stepping import Stepper, _PrefixKV, _RecordKV
+from depthcurse.runtime import World
 
 MIN_SHARED_PREFIX = 16  # tokens; below this a prefix group saves less than it costs in smaller batches
 HEAD_CHUNK_BYTES = 256 * 2**20  # fp32 logits computed at once by the head (cross-entropy needs as much again)
@@ -33,16 +35,21 @@ HEAD_CHUNK_BYTES = 256 * 2**20  # fp32 logits computed at once by the head (cros
 MAX_BATCH_TOKENS = {"cuda": 16384, "cpu": 2048}
 
 
-def parse_memory(text: str | int | None) -> int:
-    """'2GB', '512MB', '1.5GiB' or a number of bytes -> bytes. None -> 2 GiB."""
-    if text is None:
+def parse_memory(text: str | int | None, device=None) -> int:
+    """'2GB', '512MB', '1.5GiB' or a number of bytes -> bytes. `auto` (or None): 2 GiB on a CPU;
+    on a GPU 80% of what is free on `device` once the model is loaded, in whole GiB (so that a
+    resumed sweep cuts the same batches)."""
+    if text is None or str(text).strip().lower() == "auto":
+        if device is not None and torch.device(device).type == "cuda":
+            free, _ = torch.cuda.mem_get_info(torch.device(device))
+            return max(2**30, int(0.8 * free) // 2**30 * 2**30)
         return 2 * 2**30
     if isinstance(text, int):
         value = text
     else:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*", str(text).lower())
         if match is None:
-            raise DepthcurseError(f"bad --max-memory {text!r}: use a size like 2GB or 512MB")
+            raise DepthcurseError(f"bad --max-memory {text!r}: use auto or a size like 2GB or 512MB")
         unit = (match.group(2) or "b").rstrip("b").rstrip("i")
         value = int(float(match.group(1)) * 1024 ** "_kmgt".index(unit or "_"))
     if value < 2**20:
@@ -233,15 +240,18 @@ class VariantScorer:
         b_idx, p_idx = torch.tensor(b_idx, device=s.device), torch.tensor(p_idx, device=s.device)
         tgt, seg = torch.tensor(tgt, device=s.device), torch.tensor(seg, device=s.device)
         ctx = s.context(width, prefix)
-        lp = torch.zeros(len(self.variants), len(req_ids), dtype=torch.float64)
-        greedy = torch.zeros(len(self.variants), len(req_ids), dtype=torch.bool)
+        # Scores stay on the device until the batch is done: one transfer per batch, not two per variant.
+        lp = torch.zeros(len(self.variants), len(req_ids), dtype=torch.float64, device=s.device)
+        misses = torch.zeros(len(self.variants), len(req_ids), dtype=torch.long, device=s.device)
 
         def score(vi, h):
-            picked = h[b_idx, p_idx]
+            # A model spread over devices (device_map) ends on another device than it starts on.
+            picked = h[b_idx.to(h.device), p_idx.to(h.device)]
             chunk = max(1, HEAD_CHUNK_BYTES // (4 * s.head.weight.shape[0]))
             tok_lp, tok_ok = [], []
             for lo in range(0, len(picked), chunk):
-                logits, t = s.logits(picked[lo : lo + chunk]), tgt[lo : lo + chunk]
+                logits = s.logits(picked[lo : lo + chunk])
+                t = tgt[lo : lo + chunk].to(logits.device)
                 if self.need_greedy:  # argmax of lm-eval's own log-softmax values, ties included
                     logp = F.log_softmax(logits, dim=-1)
                     tok_lp.append(logp.gather(1, t[:, None])[:, 0])
@@ -249,10 +259,9 @@ class VariantScorer:
                 else:  # ppl: no [positions, vocab] log-probabilities, no argmax pass
                     tok_lp.append(-F.cross_entropy(logits, t, reduction="none"))
                     tok_ok.append(torch.zeros_like(t, dtype=torch.bool))
-            tok_lp, tok_ok = torch.cat(tok_lp), torch.cat(tok_ok)
-            lp[vi] = torch.zeros(len(req_ids), dtype=torch.float64, device=s.device).index_add_(0, seg, tok_lp.double()).cpu()
-            misses = torch.zeros(len(req_ids), dtype=torch.long, device=s.device).index_add_(0, seg, (~tok_ok).long())
-            greedy[vi] = (misses == 0).cpu()
+            tok_lp, tok_ok = torch.cat(tok_lp).to(s.device), torch.cat(tok_ok).to(s.device)
+            lp[vi].index_add_(0, seg, tok_lp.double())
+            misses[vi].index_add_(0, seg, (~tok_ok).long())
 
         h = s.embed(ids.to(s.device))
         streams = {}
@@ -267,7 +276,7 @@ class VariantScorer:
                 score(vi, h)
             else:
                 score(vi, self._run(streams[min(v)], ctx, min(v), v, _PrefixKV(kv[v]) if kv else None))
-        return lp, greedy, req_ids
+        return lp.cpu(), (misses == 0).cpu(), req_ids
 
 
 def plain_block_passes(requests: list[TokenRequest], variants: list[tuple], n_layers: int) -> int:
@@ -298,17 +307,23 @@ def score_requests(
     share_prefixes: bool = True,
     need_greedy: bool = True,
     max_batch_tokens: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    world: World = World(),
+) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
     """(log-likelihood [variants, requests], is_greedy [variants, requests], stats) for every variant.
 
     With `need_greedy=False` is_greedy is all False and the head skips its argmax pass.
     Batches are cut by the memory budget and by `max_batch_tokens` (default: MAX_BATCH_TOKENS for
     the model's device).
 
-    With `store`, each finished batch is saved there atomically (with the seconds it took) and a
-    rerun with the same `fingerprint`, requests (their tokens), variants and batching loads it
-    instead of recomputing; anything else in `store` is discarded. `stats["seconds_resumed"]` is
-    the time the loaded batches took when they were computed.
+    With `store`, each finished batch is saved there atomically (with the seconds it took, by a
+    background thread, so that the device never waits for the disk) and a rerun with the same
+    `fingerprint`, requests (their tokens), variants and batching loads it instead of
+    recomputing; anything else in `store` is discarded. `stats["seconds_resumed"]` is the time
+    the loaded batches took when they were computed.
+
+    Under torchrun (`world`), rank r takes batches r, r + N, ...; rank 0 gathers every rank's
+    scores and returns them, the other ranks return (None, None, stats). A store is shared by
+    the ranks and does not depend on their number: a sweep resumes on any number of ranks.
     """
     scorer = VariantScorer(stepper, variants, max_memory, max_batch_tokens)
     scorer.need_greedy = need_greedy
@@ -318,41 +333,59 @@ def score_requests(
     key = hashlib.sha256(json.dumps([fingerprint, requests_digest(requests), layout]).encode()).hexdigest()[:16]
     if store is not None:
         state = store / "state.json"
-        if store.exists() and (not state.exists() or json.loads(state.read_text()).get("key") != key):
-            shutil.rmtree(store)  # partial results of another run: useless here
-        store.mkdir(parents=True, exist_ok=True)
-        atomic_write(state, json.dumps({"key": key, "batches": len(batches)}))
-    lp = torch.full((len(variants), len(requests)), float("nan"), dtype=torch.float64)
-    greedy = torch.zeros(len(variants), len(requests), dtype=torch.bool)
+        if world.main:
+            if store.exists() and (not state.exists() or json.loads(state.read_text()).get("key") != key):
+                shutil.rmtree(store)  # partial results of another run: useless here
+            store.mkdir(parents=True, exist_ok=True)
+            atomic_write(state, json.dumps({"key": key, "batches": len(batches)}))
+        world.barrier()  # no rank reads the store before rank 0 has cleared another run's
+    mine = range(world.rank, len(batches), world.size)
+    done: list[tuple] = []  # (request ids, log-likelihoods, is_greedy) of this rank's batches
     kv_group, kv = None, None
     loaded_batches, resumed_seconds = 0, 0.0
-    for k, batch in enumerate(batches):
-        path = store / f"batch_{k:06d}.pt" if store is not None else None
-        if path is not None and path.exists():
-            saved = torch.load(path, weights_only=True)
-            ids, blp, bg = saved["ids"], saved["lp"], saved["greedy"]
-            loaded_batches += 1
-            resumed_seconds += float(saved.get("seconds", 0.0))
-        else:
-            started = time.perf_counter()
-            g = groups[batch.group]
-            if g.prefix and kv_group != batch.group:
-                kv, kv_group = scorer.prefix_kv(g.rows[0].inputs[: g.prefix]), batch.group
-            blp, bg, ids = scorer.score_batch(requests, batch.rows, g.prefix, kv if g.prefix else None)
-            ids = torch.tensor(ids)
-            if path is not None:
-                finished = {"ids": ids, "lp": blp, "greedy": bg, "seconds": time.perf_counter() - started}
-                atomic_write(path, lambda tmp: torch.save(finished, tmp))
-        lp[:, ids], greedy[:, ids] = blp, bg
-        if on_batch:
-            on_batch(k + 1, len(batches))
+    with ThreadPoolExecutor(max_workers=1) as saver:
+        pending = []
+        for i, k in enumerate(mine):
+            batch = batches[k]
+            path = store / f"batch_{k:06d}.pt" if store is not None else None
+            if path is not None and path.exists():
+                saved = torch.load(path, weights_only=True)
+                ids, blp, bg = saved["ids"], saved["lp"], saved["greedy"]
+                loaded_batches += 1
+                resumed_seconds += float(saved.get("seconds", 0.0))
+            else:
+                started = time.perf_counter()
+                g = groups[batch.group]
+                if g.prefix and kv_group != batch.group:
+                    kv, kv_group = scorer.prefix_kv(g.rows[0].inputs[: g.prefix]), batch.group
+                blp, bg, ids = scorer.score_batch(requests, batch.rows, g.prefix, kv if g.prefix else None)
+                ids = torch.tensor(ids)
+                if path is not None:
+                    finished = {"ids": ids, "lp": blp, "greedy": bg, "seconds": time.perf_counter() - started}
+                    pending.append(saver.submit(atomic_write, path, lambda tmp, obj=finished: torch.save(obj, tmp)))
+            done.append((ids, blp, bg))
+            if on_batch:
+                on_batch(i + 1, len(mine))
+        for future in pending:  # every finished batch is on disk before the scores are used
+            future.result()
+    local = {"block_passes": scorer.block_passes, "batches_resumed": loaded_batches, "seconds_resumed": resumed_seconds}
+    gathered = world.gather((done, local))
+    if gathered is None:
+        return None, None, local
+    lp = torch.full((len(variants), len(requests)), float("nan"), dtype=torch.float64)
+    greedy = torch.zeros(len(variants), len(requests), dtype=torch.bool)
+    for rank_done, _ in gathered:
+        for ids, blp, bg in rank_done:
+            lp[:, ids], greedy[:, ids] = blp, bg
     stats = {
         "batches": len(batches),
-        "batches_resumed": loaded_batches,
-        "seconds_resumed": round(resumed_seconds, 3),
+        "batches_resumed": sum(g[1]["batches_resumed"] for g in gathered),
+        "seconds_resumed": round(sum(g[1]["seconds_resumed"] for g in gathered), 3),
         "prefix_groups": sum(1 for g in groups if g.prefix),
         "rows": sum(len(g.rows) for g in groups),
-        "block_passes": scorer.block_passes,
+        "block_passes": sum(g[1]["block_passes"] for g in gathered),
         "plain_block_passes": plain_block_passes(requests, variants, stepper.n_layers),
+        "max_memory": max_memory,
+        "ranks": world.size,
     }
     return lp, greedy, stats

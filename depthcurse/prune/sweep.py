@@ -17,7 +17,7 @@ from depthcurse.io import ensure_out_dir, environment, refuse_other_run
 from depthcurse.loading import LoadedModel
 from depthcurse.prune import engine
 from depthcurse.prune.results import PARTIAL_DIR, Sweep, VariantResult, read_sweep, removal_key, variant_label, write_sweep
-from depthcurse.prune.scoring import parse_memory
+from depthcurse.runtime import World
 from depthcurse.surgery import num_layers, removed_layers
 from depthcurse.tasks.base import Task
 
@@ -34,7 +34,8 @@ def run_sweep(
     on_variant: Callable[[str, int, int], None] | None = None,
     engine: str = "reuse",
     max_memory: str | int | None = None,
-) -> Sweep:
+    world: World = World(),
+) -> Sweep | None:
     """Evaluate the baseline and each variant, saving after each one.
 
     A variant is a layer index (that layer removed) or a collection of indices removed together
@@ -48,6 +49,10 @@ def run_sweep(
     `on_variant("batches", done, total)` reports them. A model or task it cannot run falls back
     to `engine="lm-eval"`: each variant evaluated on its own, in memory. Which one ran, and why,
     is saved in prune.json under "engine".
+
+    Under torchrun (`world`) every rank calls this with its own copy of the model: the reuse
+    engine splits the requests over the ranks, and rank 0 computes the metrics, writes the files
+    and returns the sweep; the other ranks return None. The fallback runs on rank 0 alone.
     """
     if engine not in ENGINES:
         raise DepthcurseError(f"unknown --engine {engine!r}: use {' or '.join(ENGINES)}")
@@ -71,9 +76,11 @@ def run_sweep(
     total = len(asked)
     engine_info = {"name": "lm-eval" if todo else engine}
     if engine == "reuse" and todo:
-        engine_info = _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, started, previous_wall)
+        engine_info = _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, started, previous_wall, world)
         if engine_info["name"] == "reuse":
             todo = []
+    if not world.main:
+        return None  # rank 0 has the scores and writes the files
     for removed in todo:
         if on_variant:
             on_variant(variant_label(removed), total - len(todo) + todo.index(removed), total)
@@ -94,7 +101,7 @@ def _save(sweep: Sweep, out_dir: Path, wall: float, engine_info: dict) -> None:
     write_sweep(sweep, out_dir)
 
 
-def _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, started, previous_wall) -> dict:
+def _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, started, previous_wall, world) -> dict:
     """Score `todo` with the reuse engine and add the results to `sweep`; the engine info for prune.json.
 
     Returns {"name": "lm-eval", "fallback": reason} without doing anything when the engine
@@ -106,7 +113,10 @@ def _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, star
     t0 = time.perf_counter()
     store = out_dir / PARTIAL_DIR
     progress = (lambda done, total: on_variant("batches", done, total)) if on_variant else None
-    scores, stats = engine.evaluate_variants(loaded.model, task, todo, max_memory=max_memory, store=store, fingerprint=json.dumps(run, sort_keys=True, default=str), on_batch=progress, checked=True)
+    scores, stats = engine.evaluate_variants(loaded.model, task, todo, max_memory=max_memory, store=store, fingerprint=json.dumps(run, sort_keys=True, default=str),
+                                             on_batch=progress, checked=True, world=world)
+    if scores is None:
+        return {"name": "reuse"}  # another rank: its share is with rank 0
     # The variants are scored together: each is credited an equal share of the engine's time,
     # batches finished before an interruption included.
     share = round((time.perf_counter() - t0 + stats["seconds_resumed"]) / len(todo), 3)
@@ -114,7 +124,7 @@ def _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, star
         score = scores[removed]
         sweep.variants.append(VariantResult(list(removed), score.metrics, score.examples, share, score.details))
     sweep.variants.sort(key=lambda v: (len(v.removed), v.removed))
-    info = {"name": "reuse", "max_memory": parse_memory(max_memory), **stats}
+    info = {"name": "reuse", **stats}
     _save(sweep, out_dir, previous_wall + time.perf_counter() - started, info)
     shutil.rmtree(store, ignore_errors=True)  # everything it held is in prune.json now
     return info

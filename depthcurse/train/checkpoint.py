@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import atomic_write, ensure_out_dir, refuse_other_run
 from depthcurse.train.config import CONFIG, RESUMABLE_CHANGES
-from depthcurse.train.distributed import World
+from depthcurse.runtime import World
 
 CHECKPOINT = "checkpoint.pt"
 

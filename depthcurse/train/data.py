@@ -24,7 +24,7 @@ import torch
 from depthcurse import assets
 from depthcurse.errors import DepthcurseError
 from depthcurse.text import load_texts
-from depthcurse.train.distributed import World
+from depthcurse.runtime import World
 
 log = logging.getLogger("depthcurse")
 

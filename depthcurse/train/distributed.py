@@ -9,50 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
 
 import torch
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.runtime import pick_device
+from depthcurse.runtime import World, join_torchrun, launched_by_torchrun, pick_device
 from depthcurse.train.config import TrainConfig
 from depthcurse.train.model import Transformer
-
-
-@dataclass
-class World:
-    """This process's place in a torchrun launch; World() is a lone process."""
-
-    rank: int = 0
-    size: int = 1
-    parallel: str | None = None  # "ddp" or "fsdp" under torchrun, None alone
-    owns_group: bool = False  # run() started the process group, so it ends it
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self) -> None:
-        if self.parallel:
-            torch.distributed.barrier()
-
-    def shard(self, rows: torch.Tensor) -> torch.Tensor:
-        """This rank's consecutive slice of a global batch."""
-        n = rows.shape[0] // self.size
-        return rows[self.rank * n : (self.rank + 1) * n]
-
-    def sum(self, value: torch.Tensor) -> torch.Tensor:
-        if self.parallel:
-            torch.distributed.all_reduce(value)
-        return value
-
-    def close(self) -> None:
-        if self.owns_group:
-            torch.distributed.destroy_process_group()
-
-
-def launched_by_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def setup_world(cfg: TrainConfig) -> tuple[World, torch.device]:
@@ -63,19 +26,13 @@ def setup_world(cfg: TrainConfig) -> tuple[World, torch.device]:
         if cfg.parallel is not None:
             raise DepthcurseError(f"--parallel {cfg.parallel} needs several processes: launch with torchrun --nproc-per-node N -m depthcurse lns-train ...")
         return World(), device
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    size = int(os.environ["WORLD_SIZE"])
     if cfg.batch_size % size:
         raise DepthcurseError(f"--batch-size {cfg.batch_size} does not split evenly over {size} ranks: use a multiple of {size}")
     per_rank = cfg.batch_size // size
     if per_rank % min(cfg.micro_batch, per_rank):
         raise DepthcurseError(f"each of the {size} ranks gets {per_rank} sequences, not a multiple of --micro-batch {cfg.micro_batch}")
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        torch.cuda.set_device(device)
-    owns = not torch.distributed.is_initialized()
-    if owns:
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return World(rank, size, cfg.parallel or "ddp", owns), device
+    return join_torchrun(device.type, cfg.parallel or "ddp")
 
 
 def parallelize(model: Transformer, cfg: TrainConfig, world: World, device: torch.device) -> torch.nn.Module:

@@ -33,7 +33,8 @@ from depthcurse.io import atomic_write, environment, json_text
 from depthcurse.train.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState, TrainState, prepare_out_dir
 from depthcurse.train.config import CONFIG, TrainConfig
 from depthcurse.train.data import build_data, require_source, run_tokenizer
-from depthcurse.train.distributed import World, gradient_sync, parallelize, setup_world
+from depthcurse.runtime import World
+from depthcurse.train.distributed import gradient_sync, parallelize, setup_world
 from depthcurse.train.export import export_run
 from depthcurse.train.metrics import METRICS, SUMMARY, MetricsLog, Progress
 from depthcurse.train.model import ModelConfig, Transformer, resolve_kernels

