@@ -95,12 +95,6 @@ def _load(model: str, **options):
         return load_model(model, **options)
 
 
-def _cuda_available() -> bool:
-    import torch  # lazy: start-up
-
-    return torch.cuda.is_available()
-
-
 def _model_line(loaded) -> str:
     from depthcurse.surgery import num_layers  # lazy: start-up
 
@@ -137,6 +131,9 @@ def prune(
     import torch  # lazy: start-up
 
     from depthcurse import prune as sweeps
+    from depthcurse.runtime import rank_gpus
+    from depthcurse.surgery import num_layers, parse_layers
+    from depthcurse.tasks import build_task, head_for_task
 
     torch.manual_seed(seed)
     if batch_size < 1:
@@ -156,8 +153,57 @@ def prune(
     ensure_out_dir(out_dir)
     world = _join_ranks(device)
     try:
-        _prune(world, model, task, layers, limit, num_fewshot, batch_size, data, seq_len, seed, engine, max_memory, out_dir,
-               block, angular, angular_data, angular_tokens, dtype, device, trust_remote_code, revision)
+        gpus = rank_gpus() if world.parallel and device != "cpu" and torch.cuda.is_available() else None  # this rank's share
+        loaded = _load(model, head=head_for_task(task), dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision, gpus=gpus)
+        run_extra = {"seed": seed}
+        choices = None
+        if block is not None:
+            def pick():
+                return sweeps.block_choices(loaded, block, out_dir, angular=angular, data=angular_data, tokens=angular_tokens,
+                                            measure=lambda **options: _measure_angular(loaded, out_dir, **options))
+
+            # Rank 0 measures the angular distances and keeps them in out_dir, where the other ranks read them.
+            choices = pick() if world.main else None
+            world.barrier()
+            choices = choices or pick()
+            variants = [c.layers for c in choices]
+            run_extra["block"] = {"n": block, **{c.rule: list(c.layers) for c in choices}}
+        else:
+            variants = parse_layers(layers, num_layers(loaded.model))
+        with console.status(f"building task {task}..."):
+            the_task = build_task(task, loaded.tokenizer, data=data, seq_len=seq_len, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size, seed=seed, model=loaded.model, model_source=loaded.source)
+        console.print(f"{_model_line(loaded)} · task [bold]{task}[/] · results in {out_dir}")
+
+        progress = _progress_bar()
+        bar = progress.add_task("baseline", total=len(variants) + 1)
+
+        def on_variant(label: str, done: int, total: int) -> None:
+            if label == "batches":  # the reuse engine: all variants at once, batch by batch
+                progress.update(bar, completed=done, total=total, description="all variants, batch by batch")
+                return
+            desc = "finished" if label == "done" else ("unpruned baseline" if label == "none" else f"without layer{'s' if ',' in label else ''} {label}")
+            progress.update(bar, completed=done, total=total, description=desc)
+
+        try:
+            with _showing(progress):
+                sweep = sweeps.run_sweep(loaded, the_task, variants, out_dir, run_extra=run_extra, on_variant=on_variant, engine=engine, max_memory=max_memory, world=world)
+        except KeyboardInterrupt:
+            if world.main:
+                _finish_interrupted(out_dir)
+            raise typer.Exit(130)
+        if sweep is None:  # another rank: rank 0 writes and shows the results
+            return
+        used = sweep.meta.get("engine", {})
+        if used.get("fallback"):
+            _say("note", f"--engine reuse cannot run this ({used['fallback']}); each variant was evaluated on its own")
+        if choices is not None:
+            console.print(sweeps.block_table(sweep, choices))
+            written = [out_dir / name for name in (sweeps.RESULTS_CSV, sweeps.RESULTS_JSON, "angular.json", "angular.csv", "layers.csv") if (out_dir / name).exists()]
+            console.print(f"wrote {', '.join(map(str, written))}")
+            return
+        sweeps.plot_prune(sweep, out_dir / "prune.png")
+        console.print(sweeps.prune_table(sweep))
+        console.print(f"wrote {out_dir / sweeps.RESULTS_CSV}, {out_dir / sweeps.RESULTS_JSON}, {out_dir / 'prune.png'}")
     finally:
         world.close()
 
@@ -171,66 +217,6 @@ def _join_ranks(device: str):
     world, _ = join_torchrun(pick_device(device), "requests")
     console.quiet = err_console.quiet = not world.main  # the other ranks fail quietly too: rank 0 says why
     return world
-
-
-def _prune(world, model, task, layers, limit, num_fewshot, batch_size, data, seq_len, seed, engine, max_memory, out_dir,
-           block, angular, angular_data, angular_tokens, dtype, device, trust_remote_code, revision) -> None:
-    from depthcurse import prune as sweeps  # lazy: start-up
-    from depthcurse.runtime import rank_gpus
-    from depthcurse.surgery import num_layers, parse_layers
-    from depthcurse.tasks import build_task, head_for_task
-
-    gpus = rank_gpus() if world.parallel and device != "cpu" and _cuda_available() else None
-    loaded = _load(model, head=head_for_task(task), dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision, gpus=gpus)
-    run_extra = {"seed": seed}
-    choices = None
-    if block is not None:
-        def pick():
-            return sweeps.block_choices(loaded, block, out_dir, angular=angular, data=angular_data, tokens=angular_tokens,
-                                        measure=lambda **options: _measure_angular(loaded, out_dir, **options))
-
-        # Rank 0 measures the angular distances and keeps them in out_dir, where the other ranks read them.
-        choices = pick() if world.main else None
-        world.barrier()
-        choices = choices or pick()
-        variants = [c.layers for c in choices]
-        run_extra["block"] = {"n": block, **{c.rule: list(c.layers) for c in choices}}
-    else:
-        variants = parse_layers(layers, num_layers(loaded.model))
-    with console.status(f"building task {task}..."):
-        the_task = build_task(task, loaded.tokenizer, data=data, seq_len=seq_len, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size, seed=seed, model=loaded.model, model_source=loaded.source)
-    console.print(f"{_model_line(loaded)} · task [bold]{task}[/] · results in {out_dir}")
-
-    progress = _progress_bar()
-    bar = progress.add_task("baseline", total=len(variants) + 1)
-
-    def on_variant(label: str, done: int, total: int) -> None:
-        if label == "batches":  # the reuse engine: all variants at once, batch by batch
-            progress.update(bar, completed=done, total=total, description="all variants, batch by batch")
-            return
-        desc = "finished" if label == "done" else ("unpruned baseline" if label == "none" else f"without layer{'s' if ',' in label else ''} {label}")
-        progress.update(bar, completed=done, total=total, description=desc)
-
-    try:
-        with _showing(progress):
-            sweep = sweeps.run_sweep(loaded, the_task, variants, out_dir, run_extra=run_extra, on_variant=on_variant, engine=engine, max_memory=max_memory, world=world)
-    except KeyboardInterrupt:
-        if world.main:
-            _finish_interrupted(out_dir)
-        raise typer.Exit(130)
-    if sweep is None:  # another rank: rank 0 writes and shows the results
-        return
-    used = sweep.meta.get("engine", {})
-    if used.get("fallback"):
-        _say("note", f"--engine reuse cannot run this ({used['fallback']}); each variant was evaluated on its own")
-    if choices is not None:
-        console.print(sweeps.block_table(sweep, choices))
-        written = [out_dir / name for name in (sweeps.RESULTS_CSV, sweeps.RESULTS_JSON, "angular.json", "angular.csv", "layers.csv") if (out_dir / name).exists()]
-        console.print(f"wrote {', '.join(map(str, written))}")
-        return
-    sweeps.plot_prune(sweep, out_dir / "prune.png")
-    console.print(sweeps.prune_table(sweep))
-    console.print(f"wrote {out_dir / sweeps.RESULTS_CSV}, {out_dir / sweeps.RESULTS_JSON}, {out_dir / 'prune.png'}")
 
 
 def _finish_interrupted(out_dir: Path) -> None:
