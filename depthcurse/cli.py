@@ -375,9 +375,9 @@ def angular_distance(
 def _measure_angular(loaded, out_dir: Path, *, data: str, tokens: int, seq_len: int | None, position: str, **options):
     """The angular pass, with a header line and a progress bar, and a warning when the text ran out."""
     from depthcurse.angular import measure_loaded  # lazy: start-up
-    from depthcurse.angular.measurement import row_length
+    from depthcurse.loading import window_length
 
-    seq_len = row_length(loaded.model, seq_len)  # a bad one is refused before anything is printed
+    seq_len = window_length(loaded.model, seq_len)  # a bad one is refused before anything is printed
     header = f"{_model_line(loaded)} · angular distance on {data}, {position} token · results in {out_dir}"
     progress = _progress_bar()
     bar = progress.add_task("tokens", total=None)

@@ -10,11 +10,17 @@ class DepthcurseError(Exception):
     """
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none)."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
 def one_line(exc: BaseException) -> str:
     """`Type: first line of the message`, for an unexpected error shown in one line. A type named
     like `error` (struct's, socket's) gets its module, so the line never reads `error: error:`."""
     name = type(exc).__name__
     if name.islower():
         name = f"{type(exc).__module__}.{name}"
-    text = str(exc).strip().splitlines()
-    return f"{name}: {text[0]}" if text else name
+    text = str(exc).strip()
+    return f"{name}: {first_line(exc)}" if text else name

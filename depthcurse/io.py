@@ -58,8 +58,9 @@ def atomic_write(path: Path, content: str | bytes | Callable[[Path], object], *,
             os.replace(tmp, path)
     except OSError as exc:
         _remove(tmp)
-        if exc.filename is not None and not str(exc.filename).startswith(str(path.parent)):
-            raise  # not the write failing: the writer reading something else
+        failed = Path(exc.filename).resolve() if exc.filename is not None else None
+        if failed is not None and path.parent.resolve() not in (failed, *failed.parents):
+            raise  # not the write failing: the writer reading something elsewhere
         raise DepthcurseError(f"cannot write {path}: {exc.strerror or exc}") from exc
     except BaseException:
         _remove(tmp)

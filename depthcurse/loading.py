@@ -17,7 +17,7 @@ import transformers
 from safetensors import SafetensorError
 
 from depthcurse import assets
-from depthcurse.errors import DepthcurseError, one_line
+from depthcurse.errors import DepthcurseError, first_line, one_line
 from depthcurse.runtime import pick_device, pick_dtype
 from depthcurse.train.export import register_with_transformers
 
@@ -54,6 +54,15 @@ def max_positions(model: torch.nn.Module) -> int | None:
     """The longest sequence the model accepts, where its config says."""
     most = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     return most if isinstance(most, int) else None
+
+
+def window_length(model: torch.nn.Module | None, asked: int | None, default: int = 512) -> int:
+    """Tokens per window or row: `asked`, which the model must accept, or else `default`, less for
+    a model with fewer positions."""
+    if asked is None:
+        return min(default, max_positions(model) or default)
+    check_sequence_length(model, asked)
+    return asked
 
 
 def check_sequence_length(model: torch.nn.Module, length: int, option: str = "--seq-len") -> None:
@@ -174,7 +183,7 @@ def load_model(
         try:
             tok = transformers.AutoTokenizer.from_pretrained(source, **common)
         except (OSError, ValueError) as exc:
-            raise DepthcurseError(f"cannot load the tokenizer of {name}: {_first_line(exc)}") from exc
+            raise DepthcurseError(f"cannot load the tokenizer of {name}: {first_line(exc)}") from exc
 
     input_device = model.get_input_embeddings().weight.device
     revision_seen = revision or getattr(config, "_commit_hash", None)
@@ -200,7 +209,7 @@ def _damaged_files_named(source: str, kwargs: dict):
     except SafetensorError as exc:
         files = sorted(Path(source).glob("*.safetensors")) if Path(source).is_dir() else []
         where = ", ".join(str(f) for f in files[:3]) if files else f"the safetensors weights of {source}"
-        raise DepthcurseError(f"{where} is corrupt or incomplete (a truncated download or copy?): {_first_line(exc)}") from exc
+        raise DepthcurseError(f"{where} is corrupt or incomplete (a truncated download or copy?): {first_line(exc)}") from exc
     except Exception as exc:
         if "gguf_file" not in kwargs:
             raise
@@ -221,18 +230,13 @@ def _refuse_random_head(name: str, model, info: dict) -> None:
     )
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
-
-
 def _explain_load_failure(name: str, source: str, offline: bool, exc: BaseException) -> str:
     if offline:
         return (
             f"cannot load {name!r}: the model hub is not reachable and it is not in the local cache "
             "(offline aliases: see `depthcurse assets`)"
         )
-    msg = _first_line(exc)
+    msg = first_line(exc)
     if "does not appear to have a file named" in msg or "is not a local folder and is not a valid model identifier" in msg:
         return f"unknown model {name!r}: not a local folder and not a model on the hub"
     return f"cannot load {name!r}: {msg}"

@@ -15,7 +15,7 @@ from depthcurse.angular.capture import StreamCapture
 from depthcurse.angular.result import AngularResult
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import environment
-from depthcurse.loading import check_sequence_length, max_positions
+from depthcurse.loading import window_length
 from depthcurse.surgery import find_blocks
 from depthcurse.text import load_texts
 
@@ -147,20 +147,11 @@ def measure_text(
     return result, tokenised, label
 
 
-def row_length(model: torch.nn.Module, seq_len: int | None) -> int:
-    """The tokens per row: `seq_len`, which the model must accept, or by default 512 (less for a
-    model with fewer positions)."""
-    if seq_len is None:
-        return min(512, max_positions(model) or 512)
-    check_sequence_length(model, seq_len)
-    return seq_len
-
-
 def measure_loaded(loaded, data: str = "auto", **options) -> tuple[AngularResult, TokenisedData, str]:
     """`measure_text` on a model from `depthcurse.loading.load_model`, with the model's
     description and the environment recorded in the result's `run`. `seq_len=None` means 512,
     or the model's maximum if that is less; a longer one than the model accepts is refused."""
-    options["seq_len"] = row_length(loaded.model, options.get("seq_len"))
+    options["seq_len"] = window_length(loaded.model, options.get("seq_len"))
     result, tokenised, label = measure_text(loaded.model, loaded.tokenizer, data, device=loaded.device, **options)
     result.run = {**loaded.describe(), **result.run, "environment": environment()}
     return result, tokenised, label

@@ -13,6 +13,7 @@ from depthcurse.assets.datasets import DATASET_ASSETS, build_dataset
 from depthcurse.assets.models import MODEL_ALIASES, build_model
 from depthcurse.assets.squad import SQUAD_LICENCE, squad_dev_path, squad_folder
 from depthcurse.assets.wiki import WIKI_LICENCE, wiki_folder, wiki_path
+from depthcurse.errors import first_line
 
 
 @dataclass
@@ -44,8 +45,7 @@ def build_record(name: str, kind: str, pkg: SourcePackage, licence: str, folder:
     try:
         path = build()
     except Exception as exc:  # one broken asset must not stop the others
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return AssetRecord(name, kind, None, pkg.describe(), 0, "failed", licence, detail=msg,
+        return AssetRecord(name, kind, None, pkg.describe(), 0, "failed", licence, detail=first_line(exc),
                            seconds=time.perf_counter() - t0)
     return AssetRecord(name, kind, path, pkg.describe(), folder_size(folder), "cached" if cached else "built",
                        licence, seconds=time.perf_counter() - t0)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from depthcurse.errors import DepthcurseError
 from depthcurse.tasks.base import Score, Task
-from depthcurse.loading import check_sequence_length, max_positions
+from depthcurse.loading import check_sequence_length, window_length
 from depthcurse.tasks.harness import LmEvalTask, check_task_name
 from depthcurse.tasks.perplexity import PerplexityTask
 from depthcurse.tasks.representation import RepresentationTask
@@ -32,10 +32,7 @@ class TaskEntry:
 
 
 def _perplexity(tokenizer, *, data, seq_len, limit, batch_size, model, **_) -> PerplexityTask:
-    if seq_len is None:  # 512, or what the model accepts if that is less
-        seq_len = min(512, (max_positions(model) if model is not None else None) or 512)
-    elif model is not None:
-        check_sequence_length(model, seq_len)
+    seq_len = window_length(model, seq_len)
     started = time.perf_counter()
     texts, source = load_texts(data)
     task = PerplexityTask(tokenizer, texts, source=source, seq_len=seq_len, limit=32 if limit is None else limit, batch_size=batch_size, warn_short=limit is not None)

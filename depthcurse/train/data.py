@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from depthcurse import assets
-from depthcurse.errors import DepthcurseError
+from depthcurse.errors import DepthcurseError, first_line
 from depthcurse.text import load_texts
 from depthcurse.runtime import World
 
@@ -47,7 +47,7 @@ def load_tokenizer(name: str | None, data: str):
     try:
         tok = AutoTokenizer.from_pretrained(source, local_files_only=not assets.hub_reachable())
     except (OSError, ValueError) as exc:
-        raise DepthcurseError(f"cannot load tokenizer {name!r}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__} "
+        raise DepthcurseError(f"cannot load tokenizer {name!r}: {first_line(exc)} "
                               f"(offline, use --tokenizer {OFFLINE_TOKENIZER})") from exc
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token  # padding is masked out of the loss, so any id will do
