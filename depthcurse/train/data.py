@@ -282,9 +282,8 @@ def build_data(data: str, tokenizer, *, seq_len: int, pack: bool, seed: int, val
         raise DepthcurseError("--seq-len must be at least 2")
     if val_tokens < 1:
         raise DepthcurseError("--val-tokens must be at least 1")
+    require_source(data)
     if data == "c4":
-        if not assets.hub_reachable():
-            raise DepthcurseError("C4 is streamed from the hub, which is not reachable: use --data wiki or --data PATH")
         import datasets  # lazy: only C4 streams through datasets (1 s to import)
 
         try:
