@@ -19,7 +19,7 @@ def plot_prune(sweep: Sweep, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    singles = sorted((v for v in sweep.variants if len(v.removed) == 1), key=lambda v: v.removed[0])
+    singles = sweep.single_removals
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     if singles:
         ax.plot([v.removed[0] for v in singles], [v.metrics[sweep.metric] for v in singles], marker="o", ms=4, lw=1.5, label="layer removed")
@@ -62,7 +62,7 @@ def load_prune(folder: Path) -> Sweep:
 
 def relative_drop_curve(sweep: Sweep) -> tuple[list[float], list[float]]:
     """(removed layer / number of layers, relative drop in percent, positive = worse) per single-layer variant."""
-    singles = sorted((v for v in sweep.variants if len(v.removed) == 1), key=lambda v: v.removed[0])
+    singles = sweep.single_removals
     return [v.removed[0] / sweep.n_layers for v in singles], [100 * sweep.drop(v)[1] for v in singles]
 
 

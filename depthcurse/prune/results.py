@@ -58,6 +58,11 @@ class Sweep:
     def baseline(self) -> VariantResult | None:
         return next((v for v in self.variants if not v.removed), None)
 
+    @property
+    def single_removals(self) -> list[VariantResult]:
+        """The variants without one layer each, by that layer."""
+        return sorted((v for v in self.variants if len(v.removed) == 1), key=lambda v: v.removed[0])
+
     def drop(self, v: VariantResult) -> tuple[float, float]:
         """(absolute, relative) worsening against the baseline: positive means worse."""
         base = self.baseline
