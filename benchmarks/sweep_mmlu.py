@@ -3,7 +3,8 @@
 The prompts are lm-eval's own (the offline MMLU copy, `depthcurse assets`), tokenised by SmolLM2's
 tokenizer (offline). The model is a published shape with random weights (its vocabulary set to
 the tokenizer's), since timings depend on shapes, not values; or, with `--weights smollm2-135m`,
-SmolLM2's real weights from the offline cache. Printed: wall time of each side, the reuse
+SmolLM2's real weights from the offline cache. Printed: wall time of each side, (c) again
+with one row per sequence (padded, `pack=False`) and how far its scores are from the packed ones, the reuse
 engine's achieved TFLOP/s (the multiply-adds of the block passes it ran and of the head on
 the scored positions, times 2), the arithmetic floor (c)/(b), and how many questions get another
 answer from (c) than from (b) in any variant (ties in bf16 are where they may differ).
@@ -54,6 +55,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="(b)'s lm-eval batch size")
     parser.add_argument("--max-memory", default="auto", help="(c)'s budget")
     parser.add_argument("--skip-b", action="store_true", help="time the reuse engine only (full MMLU on lm-eval takes hours)")
+    parser.add_argument("--skip-unpacked", action="store_true", help="do not also time (c) with one row per sequence (padded)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense peak, for the MFU (H100 SXM bf16: 989)")
     parser.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
     args = parser.parse_args()
@@ -101,6 +103,15 @@ def main() -> None:
     lp, greedy, stats = score_requests(Stepper(model), requests.requests, variants, max_memory=budget)
     sync()
     score_s = time.perf_counter() - t0
+    unpacked = {}
+    if not args.skip_unpacked:  # the same engine, one row per sequence: what packing saves
+        t0 = time.perf_counter()
+        lp_u, greedy_u, stats_u = score_requests(Stepper(model), requests.requests, variants, max_memory=budget, pack=False)
+        sync()
+        unpacked = {"c_unpacked_score_s": round(time.perf_counter() - t0, 2), "c_unpacked_batches": stats_u["batches"],
+                    "c_unpacked_padding": round(1 - stats_u["tokens"] / stats_u["batch_tokens"], 3),
+                    "packed_vs_unpacked_max_abs_ll": float((lp - lp_u).abs().max()), "packed_vs_unpacked_greedy_differ": int((greedy != greedy_u).sum())}
+        unpacked["c_packed_over_unpacked"] = round(score_s / unpacked["c_unpacked_score_s"], 3)
     t0 = time.perf_counter()
     reuse = {v: requests.results(lp[i], greedy[i], log_samples=True) for i, v in enumerate(variants)}
     metrics_s = time.perf_counter() - t0
@@ -118,8 +129,10 @@ def main() -> None:
         "dtype": args.dtype, "torch": torch.__version__, "threads": torch.get_num_threads(), "shots": args.shots,
         "questions": len(answers(reuse[()])), "requests": len(requests.requests), "mean_input_tokens": round(mean_len, 1),
         "variants": len(variants), "batches": stats["batches"], "prefix_groups": stats["prefix_groups"], "max_memory": budget,
+        "packing": stats["packing"], "c_padding": round(1 - stats["tokens"] / stats["batch_tokens"], 3),
         "start_s": round(start_s, 2), "c_build_requests_s": round(build_s, 2), "c_score_s": round(score_s, 2), "c_metrics_s": round(metrics_s, 2), "c_reuse_s": round(c_s, 2),
         "c_tflops": round(engine_flops / score_s / 1e12, 2), "floor_c_over_b": round(engine_flops / plain_flops, 3),
+        **unpacked,
     }
     if args.peak_tflops:
         result["c_mfu"] = round(result["c_tflops"] / args.peak_tflops, 3)

@@ -119,6 +119,9 @@ def prune(
     angular: Optional[Path] = typer.Option(None, "--angular", help="With --block: an angular-distance result (folder or angular.json) to pick the block from, instead of measuring."),
     angular_data: str = typer.Option("auto", "--angular-data", help="With --block: text the angular distance is measured on (auto, c4, wiki or a file)."),
     angular_tokens: int = typer.Option(65536, "--angular-tokens", help="With --block: token budget of the angular-distance pass."),
+    granularity: str = typer.Option("layer", "--granularity", help="What a removal takes out: layer (the whole block), attn or mlp (only that branch of the block; the residual stream passes it by)."),
+    greedy: Optional[int] = typer.Option(None, "--greedy", help="Instead of one at a time: remove K units greedily, each step the one whose removal costs least (measured exactly), and compare with the orders one-shot ranking, Block Influence, angular distance and the last layers give."),
+    max_drop: Optional[float] = typer.Option(None, "--max-drop", help="With --greedy: stop after the step whose relative drop exceeds this (e.g. 0.05)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     trust_remote_code: bool = TrustOpt,
@@ -127,6 +130,7 @@ def prune(
     """Remove each layer in turn (no fine-tuning) and measure the drop against the unpruned model.
 
     With --block N: remove the N-layer block that angular distance picks and the N deepest layers, and compare.
+    With --greedy K: the depth curve, K units removed one greedy step at a time, against cheaper orders.
     """
     import torch  # lazy: start-up
 
@@ -140,16 +144,25 @@ def prune(
         raise DepthcurseError("--batch-size must be at least 1")
     if block is not None and layers is not None:
         raise DepthcurseError("--block and --layers are exclusive: --block picks its own layers")
-    if block is None and angular is not None:
-        raise DepthcurseError("--angular only applies with --block N")
+    if block is None and greedy is None and angular is not None:
+        raise DepthcurseError("--angular only applies with --block N or --greedy K")
+    if greedy is not None and (block is not None or layers is not None):
+        raise DepthcurseError("--greedy searches every layer itself: it takes neither --block nor --layers")
+    if max_drop is not None and greedy is None:
+        raise DepthcurseError("--max-drop only applies with --greedy K")
+    if granularity not in ("layer", "attn", "mlp"):
+        raise DepthcurseError(f"unknown --granularity {granularity!r}: use layer, attn or mlp")
+    if block is not None and granularity != "layer":
+        raise DepthcurseError("--block removes whole layers: it takes no --granularity")
     if angular_tokens < 1:
         raise DepthcurseError(f"--angular-tokens must be positive (got {angular_tokens})")
     if engine not in sweeps.ENGINES:
         raise DepthcurseError(f"unknown --engine {engine!r}: use {' or '.join(sweeps.ENGINES)}")
     sweeps.parse_memory(max_memory)
     shot_tag = f"-{num_fewshot}shot" if task not in ("ppl", "squad", "repr") else ""
-    block_tag = f"-block{block}" if block is not None else ""
-    out_dir = out or Path("runs") / "prune" / _slug(model) / f"{task}{shot_tag}{block_tag}"
+    block_tag = f"-block{block}" if block is not None else (f"-greedy{greedy}" if greedy is not None else "")
+    unit_tag = f"-{granularity}" if granularity != "layer" else ""
+    out_dir = out or Path("runs") / "prune" / _slug(model) / f"{task}{shot_tag}{unit_tag}{block_tag}"
     ensure_out_dir(out_dir)
     world = _join_ranks(device)
     try:
@@ -168,12 +181,17 @@ def prune(
             choices = choices or pick()
             variants = [c.layers for c in choices]
             run_extra["block"] = {"n": block, **{c.rule: list(c.layers) for c in choices}}
-        else:
+        elif greedy is None:
             variants = parse_layers(layers, num_layers(loaded.model))
         with console.status(f"building task {task}..."):
             the_task = build_task(task, loaded.tokenizer, data=data, seq_len=seq_len, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size, seed=seed, model=loaded.model, model_source=loaded.source)
         console.print(f"{_model_line(loaded)} · task [bold]{task}[/] · results in {out_dir}")
 
+        if greedy is not None:
+            _prune_greedy(loaded, the_task, out_dir, greedy, granularity, max_drop, run_extra, engine, max_memory, world,
+                          angular=lambda: sweeps.block_pass(loaded, out_dir, angular=angular, data=angular_data, tokens=angular_tokens,
+                                                            measure=lambda **options: _measure_angular(loaded, out_dir, **options)))
+            return
         progress = _progress_bar()
         bar = progress.add_task("baseline", total=len(variants) + 1)
 
@@ -186,7 +204,7 @@ def prune(
 
         try:
             with _showing(progress):
-                sweep = sweeps.run_sweep(loaded, the_task, variants, out_dir, run_extra=run_extra, on_variant=on_variant, engine=engine, max_memory=max_memory, world=world)
+                sweep = sweeps.run_sweep(loaded, the_task, variants, out_dir, run_extra=run_extra, on_variant=on_variant, engine=engine, max_memory=max_memory, granularity=granularity, world=world)
         except KeyboardInterrupt:
             if world.main:
                 _finish_interrupted(out_dir)
@@ -206,6 +224,42 @@ def prune(
         console.print(f"wrote {out_dir / sweeps.RESULTS_CSV}, {out_dir / sweeps.RESULTS_JSON}, {out_dir / 'prune.png'}")
     finally:
         world.close()
+
+
+def _prune_greedy(loaded, task, out_dir, steps, granularity, max_drop, run_extra, engine, max_memory, world, angular) -> None:
+    from depthcurse import prune as sweeps  # lazy: start-up
+
+    progress = _progress_bar()
+    outer = progress.add_task("greedy steps", total=steps)
+    inner = progress.add_task("", total=None)
+    try:
+        with _showing(progress):
+            result = sweeps.run_greedy(loaded, task, out_dir, steps=steps, granularity=granularity, max_drop=max_drop, angular=angular, run_extra=run_extra,
+                                       engine=engine, max_memory=max_memory, world=world,
+                                       on_step=lambda label, done, total: progress.update(outer, completed=done, total=total, description=label),
+                                       on_variant=lambda label, done, total: progress.update(inner, completed=done, total=total, description="  batches" if label == "batches" else f"  {label}"))
+    except KeyboardInterrupt:
+        if world.main:
+            err_console.print(Text(f"interrupted: finished greedy steps are kept in {out_dir}; rerun the same command to continue"), soft_wrap=True)
+        raise typer.Exit(130)
+    if result is None:
+        return
+    sweeps.plot_greedy(result, out_dir / "greedy.png")
+    console.print(sweeps.greedy_table(result))
+    console.print(f"wrote {out_dir / 'greedy.json'}, {out_dir / 'greedy.csv'}, {out_dir / 'greedy.png'}")
+
+
+@app.command()
+def report(
+    folders: list[Path] = typer.Argument(..., help="Results folders: prune sweeps, greedy curves (prune --greedy), angular-distance results, lns-train runs."),
+    out: Path = typer.Option(Path("report.md"), "--out", help="The Markdown page to write; its figures go to <name>_figures/ beside it."),
+) -> None:
+    """One Markdown page for several results folders: figures and tables side by side."""
+    from depthcurse.report import kind_of, write_report  # lazy: start-up
+
+    page = write_report(folders, out)
+    kinds = [kind_of(f) for f in folders]
+    console.print(f"wrote {page} ({', '.join(f'{kinds.count(k)} {k}' for k in dict.fromkeys(kinds))}) and its figures in {page.parent / (page.stem + '_figures')}")
 
 
 def _join_ranks(device: str):

@@ -350,6 +350,60 @@ def removed_layers(model: nn.Module, layers: Iterable[int]) -> Iterator[nn.Modul
         restore()
 
 
+# What `--granularity` removes: a whole block, or one residual branch of each chosen block.
+GRANULARITIES = ("layer", "attn", "mlp")
+# Where a pre-norm block keeps each residual branch (h + branch(norm(h))), tried in order. BERT-style
+# Post-LN blocks have none of these: their norm sits on the residual path itself, so "the stream
+# passes the branch by" is not defined there.
+BRANCH_NAMES = {"attn": ("self_attn", "attn", "self_attention"), "mlp": ("mlp", "block_sparse_moe", "feed_forward")}
+
+
+def branch_of(block: nn.Module, part: str) -> nn.Module:
+    """The module computing `part` ("attn" or "mlp") of a decoder block, whose output the block adds to its stream."""
+    for name in BRANCH_NAMES[part]:
+        module = getattr(block, name, None)
+        if isinstance(module, nn.Module):
+            return module
+    kind = {"attn": "attention", "mlp": "MLP"}[part]
+    raise DepthcurseError(f"--granularity {part} is not defined for {type(block).__name__}: it has no {kind} branch on a residual stream "
+                          f"(looked for {', '.join(BRANCH_NAMES[part])}; Post-LN blocks such as BERT's normalise the stream itself)")
+
+
+def check_granularity(model: nn.Module, granularity: str) -> None:
+    if granularity not in GRANULARITIES:
+        raise DepthcurseError(f"unknown --granularity {granularity!r}: use {', '.join(GRANULARITIES)}")
+    if granularity != "layer":
+        branch_of(find_blocks(model).layers[0], granularity)
+
+
+def _zero_branch(module, args, output):
+    # The branch's output, zeroed in whatever structure it has (attention: (output, weights)).
+    if isinstance(output, tuple):
+        return (torch.zeros_like(output[0]), *output[1:])
+    return torch.zeros_like(output)
+
+
+@contextmanager
+def removed_units(model: nn.Module, units: Iterable[int], granularity: str = "layer") -> Iterator[nn.Module]:
+    """`removed_layers` for `granularity="layer"`; for "attn" or "mlp", the model with that branch
+    of each given block contributing nothing (its output zeroed: the stream passes it by), put back
+    afterwards. Every other part of those blocks runs as before."""
+    check_granularity(model, granularity)
+    if granularity == "layer":
+        with removed_layers(model, units):
+            yield model
+        return
+    layers = find_blocks(model).layers
+    n = len(layers)
+    branches = [branch_of(layers[i], granularity) for i in {_normalize_index(operator.index(i), n) for i in units}]
+    hooks = [b.register_forward_hook(_zero_branch) for b in branches]
+    try:
+        yield model
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def _is_gguf(quantizer) -> bool:
     method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
     return str(getattr(method, "value", method)).lower() == "gguf"

@@ -70,6 +70,43 @@ def test_every_variant_equals_the_pruned_models_own_forward(kind, one_torch_thre
                 assert bool(greedy[vi, ri]) == bool((logp[pos].argmax(-1) == tgt).all())
 
 
+def _mixed_lengths(vocab: int, seed: int) -> list[TokenRequest]:
+    """Rows from 6 to 70 tokens (the window is 24), half of them after a 30-token shared prefix."""
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, vocab, (30,), generator=gen).tolist()
+    requests = []
+    for i, n in enumerate((70, 6, 41, 9, 33, 12, 25, 8, 17, 50, 7, 29)):
+        tokens = torch.randint(0, vocab, (n,), generator=gen).tolist()
+        if i % 2:
+            tokens = shared + tokens
+        scored = min(len(tokens) - 1, 3 + i % 4)
+        requests.append(TokenRequest(tuple(tokens), len(tokens) - scored, tuple(torch.randint(0, vocab, (scored,), generator=gen).tolist())))
+    return requests
+
+
+@pytest.mark.parametrize("kind", ARCHS)
+def test_packed_batches_equal_unpacked_ones(kind, one_torch_thread):
+    """Rows of different lengths packed into shared sequences (block-diagonal masks, positions
+    restarting per row, sliding windows per row) score as they do one row per sequence."""
+    model = _model(kind, 300)
+    stepper = Stepper(model)
+    assert stepper.packing_fails() is None
+    requests = _mixed_lengths(300, seed=5)
+    for shares in (True, False):
+        packed, p_greedy, p_stats = score_requests(stepper, requests, VARIANTS, max_memory=2**30, share_prefixes=shares)
+        plain, u_greedy, u_stats = score_requests(stepper, requests, VARIANTS, max_memory=2**30, share_prefixes=shares, pack=False)
+        assert p_stats["packing"] == "packed" and u_stats["packing"] == "not asked"
+        assert p_stats["tokens"] == u_stats["tokens"] <= p_stats["batch_tokens"] < u_stats["batch_tokens"]
+        torch.testing.assert_close(packed, plain, rtol=0, atol=1e-4)
+        assert torch.equal(p_greedy, u_greedy)
+
+
+def test_attention_without_masks_is_not_packed(one_torch_thread):
+    model = _model("llama-tied", 300)
+    model.config._attn_implementation = "flash_attention_2"  # never run: only asked whether it takes masks
+    assert "does not take an arbitrary mask" in Stepper(model).packing_fails()
+
+
 def test_small_memory_budget_gives_the_same_scores(one_torch_thread):
     model = _model("llama-tied", 300)
     stepper = Stepper(model)

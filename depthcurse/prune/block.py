@@ -18,15 +18,21 @@ BLOCK_PASS = {"seq_len": None, "batch_size": 4, "position": "last"}
 
 def block_choices(loaded, n: int, out_dir: Path, *, angular: Path | None = None, data: str = "auto", tokens: int = 65536,
                   measure: Callable[..., AngularResult] | None = None) -> list[BlockChoice]:
-    """The angular pick and the deepest block of `n` layers for the model `loaded`.
-
-    The angular distances come from `angular` (an `angular-distance` result), else from this
-    results folder's own earlier pass on the same text, else from a new pass: `measure(data=,
-    tokens=, **BLOCK_PASS)` (default: `measure_loaded` without progress), kept in `out_dir`.
-    """
+    """The angular pick and the deepest block of `n` layers for the model `loaded` (the angular
+    distances from `block_pass`)."""
     L = num_layers(loaded.model)
     if not 1 <= n <= L - 1:
         raise DepthcurseError(f"--block {n} is out of range: the model has {L} layers (use 1-{L - 1}; the final layer is kept)")
+    return block_pass(loaded, out_dir, angular=angular, data=data, tokens=tokens, measure=measure).block_choices(n)
+
+
+def block_pass(loaded, out_dir: Path, *, angular: Path | None = None, data: str = "auto", tokens: int = 65536,
+               measure: Callable[..., AngularResult] | None = None) -> AngularResult:
+    """The angular distances that pick blocks: from `angular` (an `angular-distance` result), else
+    from this results folder's own earlier pass on the same text, else from a new pass:
+    `measure(data=, tokens=, **BLOCK_PASS)` (default: `measure_loaded` without progress), kept
+    in `out_dir`."""
+    L = num_layers(loaded.model)
     kept = Path(out_dir) / ANGULAR_JSON
     source = angular if angular is not None else (kept if kept.exists() else None)
     result = load_angular(source) if source is not None else None
@@ -39,4 +45,4 @@ def block_choices(loaded, n: int, out_dir: Path, *, angular: Path | None = None,
         result = measure(data=data, tokens=tokens, **BLOCK_PASS)
         result.run["data_asked"] = data
         write_angular(result, out_dir)
-    return result.block_choices(n)
+    return result

@@ -10,6 +10,9 @@ blocks: it computes only the blocks after l. On top of that:
   [tokens, vocab] logits never exist at once);
 * inputs that share a long token prefix (the few-shot examples of an MMLU subject) get that
   prefix's keys and values computed once per variant; the rest of each input attends to them;
+* inputs of different lengths are packed into shared sequences, each attending only to itself
+  (a block-diagonal causal mask, positions restarting per input), so batches carry almost no
+  padding;
 * lm-eval's requests are built and tokenised once (by lm-eval's own HFLM code), and each
   variant's responses go back through lm-eval's own filters, metrics and aggregation.
 
@@ -57,10 +60,13 @@ def evaluate_variants(
     fingerprint: str = "",
     on_batch: Callable[[int, int], None] | None = None,
     share_prefixes: bool = True,
+    pack: bool = True,
+    granularity: str = "layer",
     checked: bool = False,
     world: World = World(),
 ) -> tuple[dict[tuple, Score] | None, dict]:
-    """Scores of every variant (tuples of removed layers; () is the unpruned model) and run statistics.
+    """Scores of every variant (tuples of removed layers, or with `granularity` "attn"/"mlp" of the
+    layers whose branch is removed; () is the unpruned model) and run statistics.
 
     Raises Unsupported (with the reason) for a model or task the engine cannot run, unless
     `checked` says `why_unsupported` already found none. Under torchrun every rank calls this
@@ -82,7 +88,7 @@ def evaluate_variants(
         raise DepthcurseError(f"task {task.name} produced no requests to score")
     t_requests = time.perf_counter() - started
     lp, greedy, stats = score_requests(stepper, requests, asked, max_memory=parse_memory(max_memory, stepper.device), store=store, fingerprint=fingerprint,
-                                       on_batch=on_batch, share_prefixes=share_prefixes, need_greedy=lm_requests is not None, world=world)
+                                       on_batch=on_batch, share_prefixes=share_prefixes, pack=pack, granularity=granularity, need_greedy=lm_requests is not None, world=world)
     if lp is None:  # another rank's share, gathered on rank 0
         return None, stats
     scores = {}

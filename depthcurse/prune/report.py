@@ -10,6 +10,7 @@ from rich.table import Table
 from depthcurse.angular.result import BlockChoice
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import ensure_out_dir, save_figure
+from depthcurse.prune.greedy import THRESHOLDS, DepthCurves
 from depthcurse.prune.results import RESULTS_JSON, Sweep, prune_rows, read_sweep
 
 
@@ -24,13 +25,21 @@ def plot_prune(sweep: Sweep, path: Path) -> Path:
     if singles:
         ax.plot([v.removed[0] for v in singles], [v.metrics[sweep.metric] for v in singles], marker="o", ms=4, lw=1.5, label="layer removed")
     base = sweep.baseline
-    if base is not None:
-        ax.axhline(base.metrics[sweep.metric], color="k", ls="--", lw=1, label=f"unpruned ({base.metrics[sweep.metric]:.4g})")
-    if sweep.run.get("task") == "ppl" and singles and base is not None and max(v.metrics["loss"] for v in singles) > 4 * base.metrics["loss"]:
-        ax.set_yscale("log")
-    ax.set_xlabel(f"removed layer index (0 to {sweep.n_layers - 1})")
-    ax.set_ylabel(f"{sweep.metric} ({'higher' if sweep.higher_is_better else 'lower'} is better)")
-    ax.set_title(f"{sweep.run.get('model')}: {sweep.metric} with one layer removed at a time\neach point: {data_amount(sweep)}", fontsize=10)
+    worst = max((v.metrics[sweep.metric] for v in singles), default=None) if sweep.run.get("task") == "ppl" else None
+    return _finish(fig, ax, path, sweep.metric, sweep.higher_is_better, base.metrics[sweep.metric] if base else None, worst,
+                   f"removed layer index (0 to {sweep.n_layers - 1})",
+                   f"{sweep.run.get('model')}: {sweep.metric} with one layer removed at a time\neach point: {data_amount(sweep)}")
+
+
+def _finish(fig, ax, path: Path, metric: str, higher_is_better: bool, baseline: float | None, worst_loss: float | None, xlabel: str, title: str) -> Path:
+    """The unpruned line, a log scale when a loss rises more than 4-fold, labels, and the file."""
+    if baseline is not None:
+        ax.axhline(baseline, color="k", ls="--", lw=1, label=f"unpruned ({baseline:.4g})")
+        if worst_loss is not None and worst_loss > 4 * baseline:
+            ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(f"{metric} ({'higher' if higher_is_better else 'lower'} is better)")
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -161,3 +170,42 @@ def _fmt(value, signed: bool = False) -> str:
             return "nan"
         return f"{value:+.4f}" if signed else f"{value:.4f}"
     return str(value)
+
+
+UNIT_NAMES = {"layer": "layers", "attn": "attention branches", "mlp": "MLP branches"}
+
+
+def greedy_table(result: DepthCurves) -> Table:
+    """Per strategy: units removed before the relative drop first exceeds 1%, 5%, 10%, and the last point."""
+    unit = UNIT_NAMES[result.granularity]
+    table = Table(title=f"{unit} removable ({result.n_units} in all) before {result.metric} drops by more than")
+    table.add_column("strategy")
+    for t in THRESHOLDS:
+        table.add_column(f"{t:.0%}", justify="right")
+    table.add_column(f"{result.metric} at the last step", justify="right")
+    table.add_column("removed, in order", overflow="fold")
+    for name, points in result.curves.items():
+        last = points[-1]
+        order = [p.removed for p in points]
+        steps = [next(iter(set(b) - set(a)), None) for a, b in zip(order, order[1:])] if name == "greedy" else last.removed
+        table.add_row(name, *(str(result.units_within(name, t)) for t in THRESHOLDS), f"{last.metric:.4g} (k={last.k})", " ".join(map(str, steps)))
+    for name, why in result.notes.items():
+        table.add_row(f"[dim]{name}[/]", *["-"] * len(THRESHOLDS), "-", f"[dim]{why}[/]")
+    return table
+
+
+def plot_greedy(result: DepthCurves, path: Path) -> Path:
+    """Metric against the fraction of units removed, one line per strategy."""
+    import matplotlib  # lazy: only figures need matplotlib (1 s to import)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    for name, points in result.curves.items():
+        ax.plot([p.k / result.n_units for p in points], [p.metric for p in points], marker="o" if name == "greedy" else ".", ms=4,
+                lw=2 if name == "greedy" else 1.2, label=name)
+    unit = UNIT_NAMES[result.granularity]
+    worst = max(p.metric for pts in result.curves.values() for p in pts) if result.metric == "loss" else None
+    return _finish(fig, ax, path, result.metric, result.higher_is_better, result.curves["greedy"][0].metric, worst,
+                   f"fraction of {unit} removed (of {result.n_units})", f"{result.run.get('model')}: {result.run.get('task')}, {unit} removed by each strategy")

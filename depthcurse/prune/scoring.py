@@ -14,6 +14,7 @@ import re
 import shutil
 import time
 from array import array
+from contextlib import nullcontext
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from depthcurse.errors import DepthcurseError
 from depthcurse.io import atomic_write
 from depthcurse.prune.stepping import Stepper, _PrefixKV, _RecordKV
 from depthcurse.runtime import World
+from depthcurse.surgery import check_granularity, removed_units
 
 MIN_SHARED_PREFIX = 16  # tokens; below this a prefix group saves less than it costs in smaller batches
 HEAD_CHUNK_BYTES = 256 * 2**20  # fp32 logits computed at once by the head (cross-entropy needs as much again)
@@ -85,6 +87,16 @@ class _Group:
 class _Batch:
     group: int
     rows: list[_Row]
+    bins: list[list[int]]  # the sequences the batch runs as: indices into rows, packed one after another
+
+    @property
+    def packed(self) -> bool:
+        return any(len(b) > 1 for b in self.bins)
+
+
+def _place(free: list[int], width: int) -> int:
+    """The sequence a row of `width` tokens goes into: the first with room for it (first fit), or a new one."""
+    return next((j for j, f in enumerate(free) if f >= width), len(free))
 
 
 def _common(a: tuple, b: tuple, limit: int) -> int:
@@ -138,8 +150,10 @@ def plan(requests: list[TokenRequest], min_prefix: int = MIN_SHARED_PREFIX) -> l
 class VariantScorer:
     """Log-likelihoods of token requests under the unpruned model and every variant, batch by batch."""
 
-    def __init__(self, stepper: Stepper, variants: list[tuple[int, ...]], max_memory: int, max_batch_tokens: int | None = None):
+    def __init__(self, stepper: Stepper, variants: list[tuple[int, ...]], max_memory: int, max_batch_tokens: int | None = None, pack: bool = False, granularity: str = "layer"):
         self.s = stepper
+        check_granularity(stepper.model, granularity)
+        self.granularity = granularity  # what a variant's indices remove: whole blocks, or one branch of each
         self.variants = list(variants)
         if () not in self.variants:
             raise ValueError("the unpruned model must be among the variants")
@@ -149,14 +163,16 @@ class VariantScorer:
         self.starts = sorted({min(v) for v in self.variants if v})
         self.budget = max_memory
         self.max_batch_tokens = max_batch_tokens or MAX_BATCH_TOKENS.get(torch.device(stepper.device).type, MAX_BATCH_TOKENS["cuda"])
+        self.pack = pack  # rows of different lengths share a sequence (see Stepper.packed_context)
         self.block_passes = 0
         self.need_greedy = True  # whether is_greedy is wanted (lm-eval's tasks) or only log-likelihoods (ppl)
 
-    # memory: the kept streams, plus a few more activations per token (attention, MLP)
+    # memory: the kept streams, plus a few more activations per token (attention, MLP), and the
+    # packed masks (one per layer type)
     def _bytes_per_token(self, keys: int) -> int:
         c = self.s.config
         width = c.hidden_size * (len(self.starts) + 4) + 2 * getattr(c, "intermediate_size", 4 * c.hidden_size)
-        attn = getattr(c, "num_attention_heads", 1) * keys
+        attn = (getattr(c, "num_attention_heads", 1) + (len(set(self.s.types)) if self.pack else 0)) * keys
         return (width + attn) * self.s.embed.weight.element_size()
 
     def _prefix_kv_bytes(self, length: int) -> int:
@@ -167,7 +183,11 @@ class VariantScorer:
         return per_layer * layers
 
     def batches(self, requests: list[TokenRequest], groups: list[_Group]) -> list[_Batch]:
-        """Rows cut into batches whose kept streams fit the memory budget; longest rows first, as lm-eval sorts."""
+        """Rows cut into batches whose kept streams fit the memory budget; longest rows first, as lm-eval sorts.
+
+        Packed, a batch's sequences are as long as its longest row and the shorter rows fill them
+        first-fit, so a batch of mixed lengths runs on (nearly) no padding.
+        """
         out = []
         for gi, g in enumerate(groups):
             budget = self.budget
@@ -178,24 +198,36 @@ class VariantScorer:
                 budget -= kv
             rows = sorted(g.rows, key=lambda r: (-len(r.inputs), r.inputs))
             batch: list[_Row] = []
+            bins: list[list[int]] = []
+            free: list[int] = []  # room left in each sequence of the batch
             for row in rows:
                 width = len(row.inputs) - g.prefix
                 longest = len(batch[0].inputs) - g.prefix if batch else width
-                n = len(batch) + 1
-                cost = n * longest * self._bytes_per_token(g.prefix + longest)
-                if batch and (cost > budget or n * longest > self.max_batch_tokens):
-                    out.append(_Batch(gi, batch))
-                    batch = []
+                j = _place(free, width) if self.pack else len(free)
+                tokens = (len(free) + (j == len(free))) * longest
+                if batch and (tokens * self._bytes_per_token(g.prefix + longest) > budget or tokens > self.max_batch_tokens):
+                    out.append(_Batch(gi, batch, bins))
+                    batch, bins, free, j = [], [], [], 0
+                    longest = width
+                if j == len(free):
+                    bins.append([])
+                    free.append(longest)
+                bins[j].append(len(batch))
+                free[j] -= width
                 batch.append(row)
             if batch:
-                out.append(_Batch(gi, batch))
+                out.append(_Batch(gi, batch, bins))
         return out
 
     def _run(self, h, ctx, start: int, removed: tuple, cache) -> torch.Tensor:
-        for i in range(start, self.s.n_layers):
-            if i not in removed:
-                h = self.s.block(i, h, ctx, cache)
-                self.block_passes += h.shape[0] * h.shape[1]
+        """The stream at block `start` through the rest of the variant: removed blocks skipped, or
+        (attn/mlp granularity) every block run with the removed branches zeroed."""
+        skipped = removed if self.granularity == "layer" else ()
+        with removed_units(self.s.model, removed, self.granularity) if not skipped else nullcontext():
+            for i in range(start, self.s.n_layers):
+                if i not in skipped:
+                    h = self.s.block(i, h, ctx, cache)
+                    self.block_passes += h.shape[0] * h.shape[1]
         return h
 
     @torch.inference_mode()
@@ -219,27 +251,39 @@ class VariantScorer:
         return out
 
     @torch.inference_mode()
-    def score_batch(self, requests: list[TokenRequest], rows: list[_Row], prefix: int, kv: dict | None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def score_batch(self, requests: list[TokenRequest], batch: _Batch, prefix: int, kv: dict | None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """(log-likelihood [variants, requests] float64, is_greedy [variants, requests] bool, request ids)."""
         s = self.s
+        rows = batch.rows
         width = max(len(r.inputs) for r in rows) - prefix
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        for b, row in enumerate(rows):
-            ids[b, : len(row.inputs) - prefix] = torch.tensor(row.inputs[prefix:])
-        # every scored position of the batch, flattened: (row, position, target, request)
+        ids = torch.zeros(len(batch.bins), width, dtype=torch.long)
+        docs = torch.empty(len(batch.bins), width, dtype=torch.long)
+        positions = torch.empty(len(batch.bins), width, dtype=torch.long)
+        where = {}  # row -> (sequence, offset)
+        for b, members in enumerate(batch.bins):
+            offset = 0
+            for d in members:
+                n = len(rows[d].inputs) - prefix
+                ids[b, offset : offset + n] = torch.tensor(rows[d].inputs[prefix:])
+                docs[b, offset : offset + n], positions[b, offset : offset + n] = d, torch.arange(n)
+                where[d] = (b, offset)
+                offset += n
+            docs[b, offset:], positions[b, offset:] = len(rows) + b, torch.arange(width - offset)  # padding: its own document
+        # every scored position of the batch, flattened: (sequence, index, target, request)
         req_ids, b_idx, p_idx, tgt, seg = [], [], [], [], []
-        for b, row in enumerate(rows):
+        for d, row in enumerate(rows):
+            b, offset = where[d]
             for r in row.requests:
                 tr = requests[r]
                 n = len(tr.targets)
                 b_idx += [b] * n
-                p_idx += range(tr.start - prefix, tr.start - prefix + n)
+                p_idx += range(offset + tr.start - prefix, offset + tr.start - prefix + n)
                 tgt += tr.targets
                 seg += [len(req_ids)] * n
                 req_ids.append(r)
         b_idx, p_idx = torch.tensor(b_idx, device=s.device), torch.tensor(p_idx, device=s.device)
         tgt, seg = torch.tensor(tgt, device=s.device), torch.tensor(seg, device=s.device)
-        ctx = s.context(width, prefix)
+        ctx = s.packed_context(docs, positions, prefix) if batch.packed else s.context(width, prefix)
         # Scores stay on the device until the batch is done: one transfer per batch, not two per variant.
         lp = torch.zeros(len(self.variants), len(req_ids), dtype=torch.float64, device=s.device)
         misses = torch.zeros(len(self.variants), len(req_ids), dtype=torch.long, device=s.device)
@@ -307,11 +351,17 @@ def score_requests(
     share_prefixes: bool = True,
     need_greedy: bool = True,
     max_batch_tokens: int | None = None,
+    pack: bool = True,
+    granularity: str = "layer",
     world: World = World(),
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
     """(log-likelihood [variants, requests], is_greedy [variants, requests], stats) for every variant.
 
-    With `need_greedy=False` is_greedy is all False and the head skips its argmax pass.
+    With `need_greedy=False` is_greedy is all False and the head skips its argmax pass. With
+    `pack`, rows of different lengths share sequences (no padding) where the model's attention
+    takes the block-diagonal mask that needs (`Stepper.packing_fails`); `stats["packing"]` says
+    whether it did, or why not. A variant's indices are the blocks it removes, or with
+    `granularity` "attn"/"mlp" the blocks whose attention/MLP branch it removes.
     Batches are cut by the memory budget and by `max_batch_tokens` (default: MAX_BATCH_TOKENS for
     the model's device).
 
@@ -325,11 +375,12 @@ def score_requests(
     scores and returns them, the other ranks return (None, None, stats). A store is shared by
     the ranks and does not depend on their number: a sweep resumes on any number of ranks.
     """
-    scorer = VariantScorer(stepper, variants, max_memory, max_batch_tokens)
+    not_packed = stepper.packing_fails() if pack else "not asked"
+    scorer = VariantScorer(stepper, variants, max_memory, max_batch_tokens, pack=not not_packed, granularity=granularity)
     scorer.need_greedy = need_greedy
     groups = plan(requests, MIN_SHARED_PREFIX if share_prefixes else 10**9)
     batches = scorer.batches(requests, groups)
-    layout = [[list(v) for v in variants], [[(b.group, r.requests) for r in b.rows] for b in batches], [g.prefix for g in groups]]
+    layout = [granularity, [list(v) for v in variants], [[b.group, [r.requests for r in b.rows], b.bins] for b in batches], [g.prefix for g in groups]]
     key = hashlib.sha256(json.dumps([fingerprint, requests_digest(requests), layout]).encode()).hexdigest()[:16]
     if store is not None:
         state = store / "state.json"
@@ -358,7 +409,7 @@ def score_requests(
                 g = groups[batch.group]
                 if g.prefix and kv_group != batch.group:
                     kv, kv_group = scorer.prefix_kv(g.rows[0].inputs[: g.prefix]), batch.group
-                blp, bg, ids = scorer.score_batch(requests, batch.rows, g.prefix, kv if g.prefix else None)
+                blp, bg, ids = scorer.score_batch(requests, batch, g.prefix, kv if g.prefix else None)
                 ids = torch.tensor(ids)
                 if path is not None:
                     finished = {"ids": ids, "lp": blp, "greedy": bg, "seconds": time.perf_counter() - started}
@@ -383,6 +434,10 @@ def score_requests(
         "seconds_resumed": round(sum(g[1]["seconds_resumed"] for g in gathered), 3),
         "prefix_groups": sum(1 for g in groups if g.prefix),
         "rows": sum(len(g.rows) for g in groups),
+        "packing": not_packed or "packed",
+        # tokens the batches hold against those they run, padding included (after shared prefixes)
+        "tokens": sum(len(r.inputs) - groups[b.group].prefix for b in batches for r in b.rows),
+        "batch_tokens": sum(len(b.bins) * (len(b.rows[0].inputs) - groups[b.group].prefix) for b in batches),
         "block_passes": sum(g[1]["block_passes"] for g in gathered),
         "plain_block_passes": plain_block_passes(requests, variants, stepper.n_layers),
         "max_memory": max_memory,

@@ -112,13 +112,37 @@ class Stepper:
             # additive float masks: eager attention adds them, sdpa accepts them as they are
             masks[t] = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill(~allowed, lowest)[None, None]
         position_ids = torch.arange(past, past + length, device=self.device)[None]
+        return _Context(masks, self._rope(position_ids), position_ids)
+
+    def packed_context(self, docs: torch.Tensor, positions: torch.Tensor, past: int) -> _Context:
+        """Masks and rotary embeddings for rows that each hold several documents one after another.
+
+        `docs` [rows, width] gives each token's document (every padding run a document of its own,
+        so that no query row is fully masked), `positions` its position within the document; all
+        documents attend to the same `past` cached positions (a shared prefix) before their own.
+        A document then sees exactly what it would see alone in a row: causality and sliding
+        windows hold per document, and its rotary positions restart after the prefix.
+        """
+        docs, positions = docs.to(self.device), positions.to(self.device)
+        position_ids = past + positions
+        same = (docs[:, :, None] == docs[:, None, :]) & (positions[:, :, None] >= positions[:, None, :])
+        seen = torch.cat([torch.ones(*docs.shape, past, dtype=torch.bool, device=self.device), same], dim=-1)
+        key_pos = torch.cat([torch.arange(past, device=self.device).expand(docs.shape[0], past), position_ids], dim=-1)
+        lowest = torch.finfo(self.dtype).min
+        masks = {}
+        for t in set(self.types):
+            allowed = seen
+            if t == "sliding_attention" and self.window is not None:
+                allowed = seen & (position_ids[:, :, None] - key_pos[:, None, :] < self.window)
+            masks[t] = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill(~allowed, lowest)[:, None]
+        return _Context(masks, self._rope(position_ids), position_ids)
+
+    def _rope(self, position_ids: torch.Tensor) -> dict:
         probe = torch.zeros(1, 1, device=self.device, dtype=self.dtype)
         if self.rope_per_type:
-            rope = {t: self.rotary(probe, position_ids, t) for t in set(self.types)}
-        else:
-            shared = self.rotary(probe, position_ids)
-            rope = {t: shared for t in set(self.types)}
-        return _Context(masks, rope, position_ids)
+            return {t: self.rotary(probe, position_ids, t) for t in set(self.types)}
+        shared = self.rotary(probe, position_ids)
+        return {t: shared for t in set(self.types)}
 
     def block(self, i: int, h: torch.Tensor, ctx: _Context, cache=None) -> torch.Tensor:
         t = self.types[i]
@@ -161,3 +185,34 @@ class Stepper:
             err = (ours - theirs).abs().max().item()
             if not err <= tol * scale:
                 raise Unsupported(f"{type(self.model).__name__}: the {name} differs from the model's own by {err:.2g}")
+
+    @torch.inference_mode()
+    def packing_fails(self) -> str | None:
+        """None when documents packed into one row (after a cached prefix, as `packed_context` runs
+        them) get the model's own logits for each document alone; otherwise why not."""
+        if getattr(self.config, "_attn_implementation", None) not in ("sdpa", "eager"):
+            return f"attention {self.config._attn_implementation!r} does not take an arbitrary mask"
+        gen = torch.Generator().manual_seed(1)
+        vocab = self.head.weight.shape[0]
+        prefix, lengths, width = 8, (13, 9), 24
+        tokens = torch.randint(0, vocab, (prefix + width,), generator=gen).to(self.device)
+        docs = torch.tensor([[0] * lengths[0] + [1] * lengths[1] + [2] * (width - sum(lengths))])
+        positions = torch.cat([torch.arange(n) for n in (*lengths, width - sum(lengths))])[None]
+        rec = _RecordKV()
+        hp, cp = self.embed(tokens[None, :prefix]), self.context(prefix, 0)
+        for i in range(self.n_layers):
+            hp = self.block(i, hp, cp, rec)
+        h, ctx, cache = self.embed(tokens[None, prefix:]), self.packed_context(docs, positions, prefix), _PrefixKV(rec.kv)
+        for i in range(self.n_layers):
+            h = self.block(i, h, ctx, cache)
+        packed = self.logits(h[0])
+        tol = 1e-3 if self.dtype == torch.float32 else 5e-2
+        offset = 0
+        for n in lengths:
+            alone = torch.cat([tokens[:prefix], tokens[prefix + offset : prefix + offset + n]])
+            reference = self.model(input_ids=alone[None], use_cache=False).logits[0, prefix:].float()
+            err = (packed[offset : offset + n] - reference).abs().max().item()
+            if not err <= tol * (reference.abs().max().item() + 1.0):
+                return f"{type(self.model).__name__}: a packed document's logits differ from its own by {err:.2g}"
+            offset += n
+        return None

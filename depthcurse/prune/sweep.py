@@ -18,7 +18,7 @@ from depthcurse.loading import LoadedModel
 from depthcurse.prune import engine
 from depthcurse.prune.results import PARTIAL_DIR, Sweep, VariantResult, read_sweep, removal_key, variant_label, write_sweep
 from depthcurse.runtime import World
-from depthcurse.surgery import num_layers, removed_layers
+from depthcurse.surgery import check_granularity, num_layers, removed_units
 from depthcurse.tasks.base import Task
 
 ENGINES = ("reuse", "lm-eval")
@@ -34,12 +34,14 @@ def run_sweep(
     on_variant: Callable[[str, int, int], None] | None = None,
     engine: str = "reuse",
     max_memory: str | int | None = None,
+    granularity: str = "layer",
     world: World = World(),
 ) -> Sweep | None:
     """Evaluate the baseline and each variant, saving after each one.
 
     A variant is a layer index (that layer removed) or a collection of indices removed together
-    (a block). The unpruned baseline always runs first.
+    (a block). With `granularity` "attn" or "mlp", only that branch of each indexed block is
+    removed (the stream passes it by). The unpruned baseline always runs first.
 
     `on_variant(label, done, total)` is called before each variant is evaluated (for progress
     display). KeyboardInterrupt propagates, with every finished variant already on disk.
@@ -58,8 +60,11 @@ def run_sweep(
         raise DepthcurseError(f"unknown --engine {engine!r}: use {' or '.join(ENGINES)}")
     started = time.perf_counter()
     model = loaded.model
+    check_granularity(model, granularity)
     # Which layers were asked for is not part of the identity: a rerun with more layers extends the sweep.
     run = {**loaded.describe(), **task.describe(), **(run_extra or {})}
+    if granularity != "layer":  # absent for whole layers, so that earlier sweeps still resume
+        run["granularity"] = granularity
     run.pop("device", None)  # a resumed run may move between machines; the dtype is what matters
     run["device_kind"] = loaded.device.type
     out_dir = ensure_out_dir(out_dir)
@@ -76,7 +81,7 @@ def run_sweep(
     total = len(asked)
     engine_info = {"name": "lm-eval" if todo else engine}
     if engine == "reuse" and todo:
-        engine_info = _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, started, previous_wall, world)
+        engine_info = _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, started, previous_wall, world, granularity)
         if engine_info["name"] == "reuse":
             todo = []
     if not world.main:
@@ -85,7 +90,7 @@ def run_sweep(
         if on_variant:
             on_variant(variant_label(removed), total - len(todo) + todo.index(removed), total)
         t0 = time.perf_counter()
-        with removed_layers(model, removed):
+        with removed_units(model, removed, granularity):
             score = task.evaluate(model)
         sweep.variants.append(VariantResult(list(removed), score.metrics, score.examples, round(time.perf_counter() - t0, 3), score.details))
         sweep.variants.sort(key=lambda v: (len(v.removed), v.removed))
@@ -101,7 +106,7 @@ def _save(sweep: Sweep, out_dir: Path, wall: float, engine_info: dict) -> None:
     write_sweep(sweep, out_dir)
 
 
-def _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, started, previous_wall, world) -> dict:
+def _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, started, previous_wall, world, granularity) -> dict:
     """Score `todo` with the reuse engine and add the results to `sweep`; the engine info for prune.json.
 
     Returns {"name": "lm-eval", "fallback": reason} without doing anything when the engine
@@ -114,7 +119,7 @@ def _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, star
     store = out_dir / PARTIAL_DIR
     progress = (lambda done, total: on_variant("batches", done, total)) if on_variant else None
     scores, stats = engine.evaluate_variants(loaded.model, task, todo, max_memory=max_memory, store=store, fingerprint=json.dumps(run, sort_keys=True, default=str),
-                                             on_batch=progress, checked=True, world=world)
+                                             on_batch=progress, checked=True, granularity=granularity, world=world)
     if scores is None:
         return {"name": "reuse"}  # another rank: its share is with rank 0
     # The variants are scored together: each is credited an equal share of the engine's time,

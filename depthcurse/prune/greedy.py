@@ -1,0 +1,219 @@
+"""Greedy depth curves: how much depth can go, and which, measured exactly.
+
+Step k removes, among the units still there (layers, or the attention/MLP branches of layers),
+the one whose removal costs least on the task: every candidate is evaluated, as a prune sweep
+whose variants are "what is gone so far, plus one more". With the reuse engine those variants
+share the stream up to their first removed block, so an exact greedy curve costs a few sweeps.
+
+For comparison, on the same data, the orders cheaper rules give:
+* one-shot: the single-removal sweep's ranking (step 1 of the greedy search), cheapest first;
+* block-influence: ShortGPT's Block Influence, 1 - cos(x_l, x_l+1), lowest first (layers only);
+* angular: Gromov et al.'s contiguous block l*..l*+n-1 with the smallest d(x_l, x_l+n), for each n
+  (layers only);
+* last: the n deepest units before the final layer.
+
+Each step is its own sweep folder (`steps/NNN/`), resumable as any sweep is, so an interrupted
+or extended search recomputes nothing it finished; `greedy.json` sums them up.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from depthcurse.errors import DepthcurseError
+from depthcurse.io import atomic_write, csv_text, ensure_out_dir, json_text
+from depthcurse.loading import LoadedModel
+from depthcurse.prune.results import Sweep, read_sweep, removal_key
+from depthcurse.prune.sweep import run_sweep
+from depthcurse.runtime import World
+from depthcurse.surgery import check_granularity, num_layers
+from depthcurse.tasks.base import Task
+
+GREEDY_JSON = "greedy.json"
+GREEDY_CSV = "greedy.csv"
+STEPS_DIR = "steps"
+ORDERS_DIR = "orders"  # the other strategies' sets, evaluated together
+STRATEGIES = ("greedy", "one-shot", "block-influence", "angular", "last")
+THRESHOLDS = (0.01, 0.05, 0.10)  # relative drops the table counts units within
+
+
+@dataclass
+class CurvePoint:
+    k: int  # units removed
+    removed: list[int]
+    metric: float
+    drop: float  # absolute worsening against the unpruned model (positive: worse)
+    relative_drop: float
+
+
+@dataclass
+class DepthCurves:
+    """Every strategy's metric after removing k units, k = 0..K; what `greedy.json` holds."""
+
+    run: dict
+    granularity: str
+    n_units: int
+    metric: str
+    higher_is_better: bool
+    curves: dict[str, list[CurvePoint]]
+    notes: dict[str, str] = field(default_factory=dict)  # strategies left out, and why
+
+    def units_within(self, strategy: str, threshold: float) -> int:
+        """Units removed before the relative drop first exceeds `threshold`."""
+        within = 0
+        for p in self.curves[strategy][1:]:
+            if not p.relative_drop <= threshold:  # NaN counts as past it
+                break
+            within = p.k
+        return within
+
+    def to_json(self) -> dict:
+        return {
+            "run": self.run, "granularity": self.granularity, "n_units": self.n_units, "metric": self.metric,
+            "higher_is_better": self.higher_is_better, "notes": self.notes,
+            "units_within": {s: {f"{t:.0%}": self.units_within(s, t) for t in THRESHOLDS} for s in self.curves},
+            "curves": {s: [asdict(p) for p in points] for s, points in self.curves.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "DepthCurves":
+        curves = {s: [CurvePoint(**p) for p in points] for s, points in data["curves"].items()}
+        return cls(data["run"], data["granularity"], data["n_units"], data["metric"], data["higher_is_better"], curves, data.get("notes", {}))
+
+
+def read_curves(path: Path) -> DepthCurves:
+    """A greedy result, from its folder or its greedy.json."""
+    path = Path(path)
+    file = path / GREEDY_JSON if path.is_dir() else path
+    try:
+        return DepthCurves.from_json(json.loads(file.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DepthcurseError(f"{path} holds no greedy result ({GREEDY_JSON}): {exc}") from None
+
+
+def max_units(n_layers: int, granularity: str) -> int:
+    """At least one block stays: a model without any is not a model."""
+    return n_layers - 1 if granularity == "layer" else n_layers
+
+
+def _point(sweep: Sweep, removed: tuple[int, ...]) -> CurvePoint:
+    v = next(v for v in sweep.variants if tuple(v.removed) == removed)
+    drop, relative = sweep.drop(v)
+    return CurvePoint(len(removed), list(removed), v.metrics[sweep.metric], drop, relative)
+
+
+def heuristic_orders(n_layers: int, granularity: str, k_max: int, one_shot: Sweep, angular=None, missing: str = "no angular-distance pass") -> tuple[dict[str, list[tuple[int, ...]]], dict[str, str]]:
+    """The sets each cheaper rule removes for k = 1..k_max, and the rules left out with the reason."""
+    singles = sorted(one_shot.single_removals, key=lambda v: (one_shot.drop(v)[0], v.removed[0]))
+    ranked = [v.removed[0] for v in singles]
+    orders = {
+        "one-shot": [removal_key(ranked[:k]) for k in range(1, k_max + 1)],
+        "last": [tuple(range(n_layers - 1 - k, n_layers - 1)) for k in range(1, k_max + 1)],
+    }
+    notes = {}
+    if granularity != "layer":
+        notes["block-influence"] = notes["angular"] = f"measured between whole blocks: not defined for --granularity {granularity}"
+    elif angular is None:
+        notes["block-influence"] = notes["angular"] = missing
+    else:
+        by_influence = sorted(range(n_layers), key=lambda l: (angular.block_influence[l], l))
+        orders["block-influence"] = [removal_key(by_influence[:k]) for k in range(1, k_max + 1)]
+        reach = min(k_max, angular.max_n, n_layers - 1)
+        orders["angular"] = [angular.block_choices(k)[0].layers for k in range(1, reach + 1)]
+        if reach < k_max:
+            notes["angular"] = f"blocks up to n={reach} (the angular pass's max n)"
+    return orders, notes
+
+
+def run_greedy(
+    loaded: LoadedModel,
+    task: Task,
+    out_dir: Path,
+    *,
+    steps: int,
+    granularity: str = "layer",
+    max_drop: float | None = None,
+    compare: bool = True,
+    angular: Callable[[], object] | None = None,
+    run_extra: dict | None = None,
+    engine: str = "reuse",
+    max_memory: str | int | None = None,
+    on_step: Callable[[str, int, int], None] | None = None,
+    on_variant: Callable[[str, int, int], None] | None = None,
+    world: World = World(),
+) -> DepthCurves | None:
+    """The greedy curve for up to `steps` units (stopping after the step whose relative drop
+    passes `max_drop`) and, with `compare`, the heuristic orders measured for as many units.
+
+    `angular()` gives an `AngularResult` for the block-influence and angular orders (None: left
+    out). `on_step(label, done, total)` reports the steps; `on_variant` each step's sweep.
+    Under torchrun every rank calls this; rank 0 writes and returns the result.
+    """
+    check_granularity(loaded.model, granularity)
+    n = num_layers(loaded.model)
+    limit = max_units(n, granularity)
+    if not 1 <= steps <= limit:
+        raise DepthcurseError(f"--greedy {steps} is out of range: {type(loaded.model).__name__} has {n} layers, so 1-{limit} {granularity} units can go")
+    if max_drop is not None and not max_drop > 0:
+        raise DepthcurseError(f"--max-drop must be positive (a relative drop, e.g. 0.05 for 5%), got {max_drop}")
+    out_dir = ensure_out_dir(out_dir)
+    common = dict(engine=engine, max_memory=max_memory, granularity=granularity, world=world, on_variant=on_variant)
+    removed: list[int] = []
+    points: list[CurvePoint] = []
+    first: Sweep | None = None
+    for k in range(1, steps + 1):
+        if on_step:
+            on_step(f"step {k}: which {granularity} goes next", k - 1, steps)
+        step_dir = out_dir / STEPS_DIR / f"{k:03d}"
+        candidates = [tuple(sorted(removed + [u])) for u in range(n) if u not in removed]
+        run_sweep(loaded, task, candidates, step_dir, run_extra={**(run_extra or {}), "greedy_removed": sorted(removed)}, **common)
+        world.barrier()  # every rank reads rank 0's results: all take the same next step
+        sweep = read_sweep(step_dir)
+        if not points:
+            first = sweep
+            points.append(_point(sweep, ()))
+        # cheapest removal; ties go to the lowest unit, so the path never depends on the order of evaluation
+        best = min((sweep.drop(v)[0], [u for u in v.removed if u not in removed][0]) for v in sweep.variants if len(v.removed) == k)[1]
+        removed.append(best)
+        points.append(_point(sweep, tuple(sorted(removed))))
+        if max_drop is not None and not points[-1].relative_drop <= max_drop:
+            break
+    curves = {"greedy": points}
+    notes = {}
+    if compare:
+        pass_, missing = None, "no angular-distance pass"
+        if angular is not None and granularity == "layer":
+            try:
+                pass_ = angular()
+            except DepthcurseError as exc:  # no text to measure on, say: the other strategies still stand
+                missing = f"no angular-distance pass: {exc}"
+        orders, notes = heuristic_orders(n, granularity, len(removed), first, pass_, missing)
+        measured = {tuple(p.removed): p for p in points}
+        todo = sorted({s for sets in orders.values() for s in sets if s not in measured})
+        if todo:
+            if on_step:
+                on_step("the other strategies' orders", steps, steps)
+            run_sweep(loaded, task, todo, out_dir / ORDERS_DIR, run_extra=run_extra, **common)
+            world.barrier()
+            others = read_sweep(out_dir / ORDERS_DIR)
+            measured.update({s: _point(others, s) for s in todo})
+        for name in STRATEGIES[1:]:
+            if name in orders:
+                curves[name] = [points[0]] + [measured[s] for s in orders[name]]
+    if not world.main:
+        return None
+    result = DepthCurves(first.run, granularity, n, first.metric, first.higher_is_better, curves, notes)
+    write_curves(result, out_dir)
+    return result
+
+
+def write_curves(result: DepthCurves, out_dir: Path) -> list[Path]:
+    rows = [
+        {"strategy": s, "k": p.k, "fraction_removed": round(p.k / result.n_units, 6), "removed": " ".join(map(str, p.removed)),
+         result.metric: p.metric, "drop": p.drop, "relative_drop": p.relative_drop}
+        for s, points in result.curves.items() for p in points
+    ]
+    return [atomic_write(out_dir / GREEDY_JSON, json_text(result.to_json())), atomic_write(out_dir / GREEDY_CSV, csv_text(rows))]

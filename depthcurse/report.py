@@ -1,0 +1,155 @@
+"""`depthcurse report DIR...`: several results folders of any kind on one Markdown page.
+
+Each folder is read by the module that wrote it: prune sweeps (the paper's Figure 2 across models
+on relative depth, and how many single layers each model can lose within 1/5/10%), greedy depth
+curves (each strategy's curve, and the units removable within 1/5/10% against the model's depth),
+angular-distance results (the heatmap) and lns-train runs (the paper's Table 1). Figures go to a
+folder beside the page; the page links them by relative path, so the two move together.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from rich.table import Table
+from rich.text import Text
+
+from depthcurse.angular import load_angular
+from depthcurse.angular.report import plot_angular
+from depthcurse.angular.result import ANGULAR_JSON
+from depthcurse.errors import DepthcurseError
+from depthcurse.io import atomic_write, ensure_out_dir, save_figure
+from depthcurse.prune.greedy import GREEDY_JSON, THRESHOLDS, DepthCurves, read_curves
+from depthcurse.prune.report import load_prune, plot_greedy, plot_prune_overlay
+from depthcurse.prune.results import RESULTS_JSON, Sweep
+from depthcurse.train import read_run, table1
+from depthcurse.train.config import CONFIG
+
+KINDS = ("greedy", "prune", "angular", "train")
+
+
+def kind_of(folder: Path) -> str:
+    """Which result a folder holds, or one clear error."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DepthcurseError(f"{folder} is not a folder: give results folders that depthcurse wrote")
+    for kind, marker in (("greedy", GREEDY_JSON), ("prune", RESULTS_JSON), ("angular", ANGULAR_JSON), ("train", CONFIG)):
+        if (folder / marker).is_file():
+            return kind
+    raise DepthcurseError(f"{folder} holds no depthcurse result ({GREEDY_JSON}, {RESULTS_JSON}, {ANGULAR_JSON}, or an lns-train run's {CONFIG})")
+
+
+def markdown_table(table: Table) -> str:
+    """A rich table as a Markdown table (markup dropped)."""
+    def plain(cell) -> str:
+        return (Text.from_markup(cell).plain if isinstance(cell, str) else str(cell)).replace("|", "\\|").replace("\n", " ")
+
+    headers = [plain(c.header) for c in table.columns]
+    columns = [[plain(cell) for cell in c._cells] for c in table.columns]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in zip(*columns)]
+    title = f"*{plain(table.title)}*\n\n" if table.title else ""
+    return title + "\n".join(lines)
+
+
+def _rows(headers: list[str], rows: list[list]) -> str:
+    table = Table(*headers)
+    for row in rows:
+        table.add_row(*map(str, row))
+    return markdown_table(table)
+
+
+def _singles_within(sweep: Sweep, threshold: float) -> int:
+    return sum(1 for v in sweep.single_removals if sweep.drop(v)[1] <= threshold)
+
+
+def _prune_section(folders: list[Path], figures: Path) -> str:
+    sweeps = [load_prune(f) for f in folders]
+    overlay = plot_prune_overlay(folders, figures / "prune_relative_depth.png")
+    rows = []
+    for folder, s in zip(folders, sweeps):
+        base = s.baseline
+        rows.append([s.run.get("model"), s.n_layers, s.run.get("task"), s.run.get("granularity", "layer"), s.metric,
+                     f"{base.metrics[s.metric]:.4g}" if base else "-", *(_singles_within(s, t) for t in THRESHOLDS), folder])
+    headers = ["model", "layers", "task", "unit", "metric", "unpruned", *(f"single units within {t:.0%}" for t in THRESHOLDS), "folder"]
+    return "\n\n".join([
+        "## Prune sweeps: one unit removed at a time",
+        f"![relative drop against relative depth]({figures.name}/{overlay.name})",
+        "Each curve: the relative drop (up is worse for every metric) when the unit at that relative depth is removed, against each model's own unpruned score.",
+        _rows(headers, rows),
+    ])
+
+
+def _greedy_section(folders: list[Path], figures: Path) -> str:
+    results = [read_curves(f) for f in folders]
+    parts = ["## Greedy depth curves: how much depth can go"]
+    rows = []
+    for i, (folder, r) in enumerate(zip(folders, results)):
+        figure = plot_greedy(r, figures / f"greedy_{i}.png")
+        parts.append(f"### {r.run.get('model')} · {r.run.get('task')} · {r.granularity}\n\n![greedy curves]({figures.name}/{figure.name})")
+        for name in r.curves:
+            rows.append([r.run.get("model"), r.n_units, r.run.get("task"), r.granularity, name, *(r.units_within(name, t) for t in THRESHOLDS), folder])
+    parts.append(_rows(["model", "units", "task", "unit", "strategy", *(f"removable within {t:.0%}" for t in THRESHOLDS), "folder"], rows))
+    parts.append(f"![removable depth against model depth]({figures.name}/{_plot_removable(results, figures / 'removable_by_depth.png').name})")
+    return "\n\n".join(parts)
+
+
+def _plot_removable(results: list[DepthCurves], path: Path) -> Path:
+    """Per model (x: its number of units), the fraction of units the greedy search removes within 1/5/10%."""
+    import matplotlib  # lazy: only figures need matplotlib (1 s to import)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    for t, marker in zip(THRESHOLDS, "os^"):
+        ax.scatter([r.n_units for r in results], [r.units_within("greedy", t) / r.n_units for r in results], marker=marker, label=f"within {t:.0%}")
+    for r in results:
+        ax.annotate(f"{r.run.get('model')} ({r.granularity})", (r.n_units, r.units_within("greedy", THRESHOLDS[-1]) / r.n_units), fontsize=7)
+    ax.set_xlabel("units in the model")
+    ax.set_ylabel("fraction removable (greedy)")
+    ax.set_title("depth the greedy search removes before the drop passes each threshold", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def _angular_section(folders: list[Path], figures: Path) -> str:
+    parts = ["## Angular distance between layer representations"]
+    for i, folder in enumerate(folders):
+        result = load_angular(folder)
+        figure = plot_angular(result, figures / f"angular_{i}.png", title=f"{result.run.get('model')}: angular distance")
+        parts.append(f"### {result.run.get('model')} ({folder})\n\n![angular distance]({figures.name}/{figure.name})")
+    return "\n\n".join(parts)
+
+
+def _train_section(folders: list[Path]) -> str:
+    return "\n\n".join(["## Training runs: the paper's Table 1 layout", markdown_table(table1([read_run(f) for f in folders]))])
+
+
+def write_report(folders: list[Path], out: Path) -> Path:
+    """The page for `folders` at `out` (Markdown), its figures in `<out stem>_figures/`."""
+    if not folders:
+        raise DepthcurseError("give at least one results folder")
+    by_kind: dict[str, list[Path]] = {k: [] for k in KINDS}
+    for folder in map(Path, folders):
+        by_kind[kind_of(folder)].append(folder)
+    out = Path(out)
+    if out.suffix.lower() != ".md":
+        raise DepthcurseError(f"--out {out}: the report is a Markdown page, give a .md path")
+    ensure_out_dir(out.parent, what="the folder of --out")
+    figures = out.parent / f"{out.stem}_figures"
+    shutil.rmtree(figures, ignore_errors=True)  # figures of an earlier page: replaced, never mixed
+    figures.mkdir()
+    sections = ["# depthcurse report", "Folders: " + ", ".join(f"`{f}` ({kind_of(f)})" for f in map(Path, folders))]
+    if by_kind["prune"]:
+        sections.append(_prune_section(by_kind["prune"], figures))
+    if by_kind["greedy"]:
+        sections.append(_greedy_section(by_kind["greedy"], figures))
+    if by_kind["angular"]:
+        sections.append(_angular_section(by_kind["angular"], figures))
+    if by_kind["train"]:
+        sections.append(_train_section(by_kind["train"]))
+    return atomic_write(out, "\n\n".join(sections) + "\n")

@@ -1,0 +1,194 @@
+"""Attention/MLP granularity and greedy depth curves.
+
+References are independent of the code under test: a branch "removed" must equal the same model
+with that branch's output projection zeroed (a weight edit, no hooks), through both engines; each
+greedy step must pick the unit whose removal the plain path, evaluating every candidate on its
+own, finds cheapest.
+"""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from helpers import CORPUS, assert_one_line_error, tiny_bert, tiny_llama
+from depthcurse.errors import DepthcurseError
+from depthcurse.loading import LoadedModel
+from depthcurse.prune import read_curves, run_greedy
+from depthcurse.prune.scoring import TokenRequest, score_requests
+from depthcurse.prune.stepping import Stepper
+from depthcurse.surgery import find_blocks, removed_units
+from depthcurse.tasks import PerplexityTask
+
+# The last projection of each branch: zeroed, the branch adds nothing to the stream.
+OUTPUT_PROJECTIONS = {"attn": ("o_proj",), "mlp": ("down_proj", "w2")}
+
+
+def _model(kind: str, vocab: int = 300):
+    import transformers as tf
+
+    torch.manual_seed(2)
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=1, pad_token_id=2, bos_token_id=None)
+    if kind == "llama":
+        return tiny_llama(vocab)
+    if kind == "qwen2-sliding":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, use_sliding_window=True, sliding_window=16, max_window_layers=2)).eval()
+    if kind == "gemma2":  # post-branch norms: norm(0) must stay 0
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(**common, head_dim=8, sliding_window=16)).eval()
+    if kind == "mixtral":  # MoE MLP: router and experts
+        return tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)).eval()
+    raise ValueError(kind)
+
+
+def _zeroed(model, part: str, layers) -> torch.nn.Module:
+    ref = copy.deepcopy(model)
+    blocks = find_blocks(ref).layers
+    for i in layers:
+        for name, param in blocks[i].named_parameters():
+            if any(p in name.split(".") for p in OUTPUT_PROJECTIONS[part]) and (".self_attn." in f".{name}") == (part == "attn"):
+                param.data.zero_()
+    return ref
+
+
+def _log_likelihoods(model, requests):
+    out = []
+    with torch.no_grad():
+        for r in requests:
+            logp = model(torch.tensor([r.inputs])).logits[0].float().log_softmax(-1)
+            out.append(logp[torch.arange(r.start, r.start + len(r.targets)), torch.tensor(r.targets)].sum().item())
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2-sliding", "gemma2", "mixtral"])
+@pytest.mark.parametrize("part", ["attn", "mlp"])
+def test_a_removed_branch_equals_its_output_zeroed_in_both_engines(kind, part, one_torch_thread):
+    model = _model(kind)
+    gen = torch.Generator().manual_seed(0)
+    requests = [TokenRequest(tuple(torch.randint(0, 300, (n,), generator=gen).tolist()), n - 4, tuple(torch.randint(0, 300, (4,), generator=gen).tolist())) for n in (30, 12, 21)]
+    variants = [(), (0,), (2,), (3,), (1, 3)]
+    engine, _, _ = score_requests(Stepper(model), requests, variants, max_memory=2**30, granularity=part)
+    for vi, removed in enumerate(variants):
+        want = _log_likelihoods(_zeroed(model, part, removed), requests)
+        with removed_units(model, removed, part):
+            plain = _log_likelihoods(model, requests)
+        torch.testing.assert_close(plain, want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(engine[vi], want, rtol=0, atol=1e-4)
+    if variants[1]:  # the zeroing is real: removing a branch changes the scores
+        assert not torch.allclose(engine[1], engine[0])
+    assert not any(b._forward_hooks for b in model.modules())  # everything put back
+
+
+def test_granularity_errors_are_one_clear_line():
+    bert = tiny_bert(300, qa=False)
+    with pytest.raises(DepthcurseError, match="--granularity attn is not defined for BertLayer"):
+        with removed_units(bert, [0], "attn"):
+            pass
+    with pytest.raises(DepthcurseError, match="unknown --granularity 'heads'"):
+        with removed_units(tiny_llama(300), [0], "heads"):
+            pass
+
+
+def _loaded(model, tokenizer):
+    return LoadedModel(model=model, tokenizer=tokenizer, name="tiny", source="tiny", dtype=torch.float32, device=torch.device("cpu"))
+
+
+def _ppl_task(tokenizer):
+    return PerplexityTask(tokenizer, CORPUS * 8, source="corpus", seq_len=32, limit=4, batch_size=4)
+
+
+@pytest.mark.parametrize("granularity", ["layer", "mlp"])
+def test_each_greedy_step_removes_the_cheapest_unit(granularity, tiny_tokenizer, tmp_path, one_torch_thread):
+    model = tiny_llama(len(tiny_tokenizer), layers=5, seed=3)
+    task = _ppl_task(tiny_tokenizer)
+    result = run_greedy(_loaded(model, tiny_tokenizer), task, tmp_path, steps=3, granularity=granularity)
+    greedy = result.curves["greedy"]
+    assert [p.k for p in greedy] == [0, 1, 2, 3]
+    removed = []
+    for point in greedy[1:]:
+        losses = {}
+        for u in range(5):  # every remaining candidate, evaluated on its own by the plain path
+            if u not in removed:
+                with removed_units(model, removed + [u], granularity):
+                    losses[u] = task.evaluate(model).metrics["loss"]
+        cheapest = min(losses, key=lambda u: (losses[u], u))
+        removed.append(cheapest)
+        assert point.removed == sorted(removed)
+        assert point.metric == pytest.approx(losses[cheapest], abs=1e-5)
+    on_disk = json.loads((tmp_path / "greedy.json").read_text())
+    assert on_disk["granularity"] == granularity and read_curves(tmp_path).curves["greedy"][-1].removed == sorted(removed)
+    # the one-shot order is step 1's ranking; "last" is the deepest units before the final one
+    assert result.curves["last"][2].removed == [2, 3]
+    assert result.curves["one-shot"][1].removed == greedy[1].removed
+    if granularity == "mlp":
+        assert "not defined for --granularity mlp" in result.notes["angular"]
+
+
+def test_an_interrupted_greedy_search_ends_where_an_uninterrupted_one_does(tiny_tokenizer, tmp_path, one_torch_thread):
+    model = tiny_llama(len(tiny_tokenizer), layers=5, seed=4)
+    task = _ppl_task(tiny_tokenizer)
+    loaded = _loaded(model, tiny_tokenizer)
+    whole = run_greedy(loaded, task, tmp_path / "whole", steps=3, compare=False)
+
+    def stop_in_step_two(label, done, total):
+        if label.startswith("step 2"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_greedy(loaded, task, tmp_path / "cut", steps=3, compare=False, on_step=stop_in_step_two)
+    assert (tmp_path / "cut" / "steps" / "001" / "prune.json").exists()
+    seen = []
+    resumed = run_greedy(loaded, task, tmp_path / "cut", steps=3, compare=False, on_variant=lambda label, done, total: seen.append(label))
+    assert [p.removed for p in resumed.curves["greedy"]] == [p.removed for p in whole.curves["greedy"]]
+    assert [p.metric for p in resumed.curves["greedy"]] == [p.metric for p in whole.curves["greedy"]]
+    # step 1 was not recomputed: its sweep was complete on disk
+    step1 = json.loads((tmp_path / "cut" / "steps" / "001" / "prune.json").read_text())
+    assert len(step1["variants"]) == 6
+
+
+def test_greedy_refuses_bad_input(tiny_tokenizer, tmp_path):
+    loaded = _loaded(tiny_llama(len(tiny_tokenizer)), tiny_tokenizer)
+    task = _ppl_task(tiny_tokenizer)
+    with pytest.raises(DepthcurseError, match="--greedy 4 is out of range: LlamaForCausalLM has 4 layers, so 1-3 layer units"):
+        run_greedy(loaded, task, tmp_path, steps=4)
+    with pytest.raises(DepthcurseError, match="--max-drop must be positive"):
+        run_greedy(loaded, task, tmp_path, steps=2, max_drop=0)
+
+
+def test_cli_greedy_and_granularity(run_cli, tiny_model_dir, text_file, tmp_path):
+    base = ["prune", str(tiny_model_dir), "--data", str(text_file), "--seq-len", "32", "--limit", "3"]
+    assert_one_line_error(*run_cli(*base, "--granularity", "heads"), "unknown --granularity 'heads'")
+    assert_one_line_error(*run_cli(*base, "--greedy", "9"), "--greedy 9 is out of range")
+    assert_one_line_error(*run_cli(*base, "--max-drop", "0.1"), "--max-drop only applies with --greedy")
+    out = tmp_path / "greedy"
+    code, stdout, err = run_cli(*base, "--greedy", "2", "--granularity", "attn", "--out", str(out))
+    assert code == 0, err
+    assert "attention branches removable" in stdout and (out / "greedy.png").exists() and (out / "greedy.csv").exists()
+    data = json.loads((out / "greedy.json").read_text())
+    assert data["granularity"] == "attn" and [len(p["removed"]) for p in data["curves"]["greedy"]] == [0, 1, 2]
+    sweep = tmp_path / "mlp"
+    code, _, err = run_cli(*base, "--granularity", "mlp", "--layers", "1", "--out", str(sweep))
+    assert code == 0, err
+    assert json.loads((sweep / "prune.json").read_text())["run"]["granularity"] == "mlp"
+
+
+def test_report_renders_one_page_from_folders_of_three_kinds(run_cli, tiny_model_dir, text_file, tmp_path):
+    base = ["prune", str(tiny_model_dir), "--data", str(text_file), "--seq-len", "32", "--limit", "3"]
+    # --greedy also measures the angular pass its block-influence and angular orders need, on --angular-data
+    assert run_cli(*base, "--greedy", "2", "--angular-data", str(text_file), "--angular-tokens", "300", "--out", str(tmp_path / "greedy"))[0] == 0
+    assert run_cli(*base, "--out", str(tmp_path / "sweep"))[0] == 0
+    assert run_cli("angular-distance", tiny_model_dir, "--data", text_file, "--tokens", "300", "--seq-len", "16", "--out", tmp_path / "ang")[0] == 0
+    curves = read_curves(tmp_path / "greedy")
+    assert set(curves.curves) == {"greedy", "one-shot", "block-influence", "angular", "last"} and not curves.notes
+    page = tmp_path / "site" / "page.md"
+    code, stdout, err = run_cli("report", tmp_path / "sweep", tmp_path / "greedy", tmp_path / "ang", "--out", page)
+    assert code == 0, err
+    text = page.read_text()
+    for heading in ("## Prune sweeps", "## Greedy depth curves", "## Angular distance"):
+        assert heading in text
+    linked = [line.split("](")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
+    assert len(linked) == 4 and all((page.parent / link).is_file() for link in linked)
+    assert "| block-influence |" in text
+    assert_one_line_error(*run_cli("report", tmp_path / "sweep" / "prune.png"), "is not a folder")
+    assert_one_line_error(*run_cli("report", tmp_path / "greedy" / "steps"), "holds no depthcurse result")
+    assert_one_line_error(*run_cli("report", tmp_path / "sweep", "--out", tmp_path / "page.html"), "give a .md path")
