@@ -136,7 +136,7 @@ def prune(
 
     from depthcurse import prune as sweeps
     from depthcurse.runtime import rank_gpus
-    from depthcurse.surgery import num_layers, parse_layers
+    from depthcurse.surgery import check_granularity, num_layers, parse_layers
     from depthcurse.tasks import build_task, head_for_task
 
     torch.manual_seed(seed)
@@ -150,8 +150,7 @@ def prune(
         raise DepthcurseError("--greedy searches every layer itself: it takes neither --block nor --layers")
     if max_drop is not None and greedy is None:
         raise DepthcurseError("--max-drop only applies with --greedy K")
-    if granularity not in ("layer", "attn", "mlp"):
-        raise DepthcurseError(f"unknown --granularity {granularity!r}: use layer, attn or mlp")
+    check_granularity(None, granularity)
     if block is not None and granularity != "layer":
         raise DepthcurseError("--block removes whole layers: it takes no --granularity")
     if angular_tokens < 1:

@@ -369,10 +369,11 @@ def branch_of(block: nn.Module, part: str) -> nn.Module:
                           f"(looked for {', '.join(BRANCH_NAMES[part])}; Post-LN blocks such as BERT's normalise the stream itself)")
 
 
-def check_granularity(model: nn.Module, granularity: str) -> None:
+def check_granularity(model: nn.Module | None, granularity: str) -> None:
+    """A clear error for an unknown granularity, or (given a model) one its blocks do not have."""
     if granularity not in GRANULARITIES:
         raise DepthcurseError(f"unknown --granularity {granularity!r}: use {', '.join(GRANULARITIES)}")
-    if granularity != "layer":
+    if model is not None and granularity != "layer":
         branch_of(find_blocks(model).layers[0], granularity)
 
 

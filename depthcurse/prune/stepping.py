@@ -101,7 +101,6 @@ class Stepper:
         """Masks and rotary embeddings for `length` new positions after `past` cached ones."""
         q = torch.arange(past, past + length, device=self.device)[:, None]
         k = torch.arange(past + length, device=self.device)[None]
-        lowest = torch.finfo(self.dtype).min
         masks = {}
         for t in set(self.types):
             window = self.window if t == "sliding_attention" else None
@@ -109,8 +108,7 @@ class Stepper:
                 masks[t] = None  # no cached prefix and no window cut: plain causality
                 continue
             allowed = (k <= q) if window is None else (k <= q) & (q - k < window)
-            # additive float masks: eager attention adds them, sdpa accepts them as they are
-            masks[t] = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill(~allowed, lowest)[None, None]
+            masks[t] = self._additive(allowed)[None, None]
         position_ids = torch.arange(past, past + length, device=self.device)[None]
         return _Context(masks, self._rope(position_ids), position_ids)
 
@@ -128,14 +126,17 @@ class Stepper:
         same = (docs[:, :, None] == docs[:, None, :]) & (positions[:, :, None] >= positions[:, None, :])
         seen = torch.cat([torch.ones(*docs.shape, past, dtype=torch.bool, device=self.device), same], dim=-1)
         key_pos = torch.cat([torch.arange(past, device=self.device).expand(docs.shape[0], past), position_ids], dim=-1)
-        lowest = torch.finfo(self.dtype).min
         masks = {}
         for t in set(self.types):
             allowed = seen
             if t == "sliding_attention" and self.window is not None:
                 allowed = seen & (position_ids[:, :, None] - key_pos[:, None, :] < self.window)
-            masks[t] = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill(~allowed, lowest)[:, None]
+            masks[t] = self._additive(allowed)[:, None]
         return _Context(masks, self._rope(position_ids), position_ids)
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        # additive float masks: eager attention adds them, sdpa accepts them as they are
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill(~allowed, torch.finfo(self.dtype).min)
 
     def _rope(self, position_ids: torch.Tensor) -> dict:
         probe = torch.zeros(1, 1, device=self.device, dtype=self.dtype)
