@@ -47,6 +47,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     parser.add_argument("--weights", choices=["random", "smollm2-135m"], default="random")
+    parser.add_argument("--tokenizer", default="smollm2-135m", help="with random weights: the tokenizer (a name or a folder)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--limit", type=int, default=1, help="questions per subject (0: all 14,042)")
@@ -54,6 +55,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=1, help="remove every n-th layer (1: all of them)")
     parser.add_argument("--batch-size", type=int, default=32, help="(b)'s lm-eval batch size")
     parser.add_argument("--max-memory", default="auto", help="(c)'s budget")
+    parser.add_argument("--min-prefix-saving", type=int, default=None, help="(c) shares a prefix only where it saves this many token passes (default: the device's rule; 0: wherever 16 tokens are shared)")
     parser.add_argument("--skip-b", action="store_true", help="time the reuse engine only (full MMLU on lm-eval takes hours)")
     parser.add_argument("--skip-unpacked", action="store_true", help="do not also time (c) with one row per sequence (padded)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense peak, for the MFU (H100 SXM bf16: 989)")
@@ -75,7 +77,7 @@ def main() -> None:
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     started = time.perf_counter()
     if args.weights == "random":
-        tokenizer = AutoTokenizer.from_pretrained(assets.resolve_model("smollm2-135m"))
+        tokenizer = AutoTokenizer.from_pretrained(assets.resolve_model(args.tokenizer))
         shape = {**SHAPES[args.shape], "vocab_size": len(tokenizer)}
         torch.manual_seed(0)
         with device:
@@ -100,13 +102,14 @@ def main() -> None:
     score_requests(Stepper(model), requests.requests[:64], variants[:2], max_memory=budget)
     sync()
     t0 = time.perf_counter()
-    lp, greedy, stats = score_requests(Stepper(model), requests.requests, variants, max_memory=budget)
+    lp, greedy, stats = score_requests(Stepper(model), requests.requests, variants, max_memory=budget, min_prefix_saving=args.min_prefix_saving)
     sync()
     score_s = time.perf_counter() - t0
     unpacked = {}
     if not args.skip_unpacked:  # the same engine, one row per sequence: what packing saves
         t0 = time.perf_counter()
-        lp_u, greedy_u, stats_u = score_requests(Stepper(model), requests.requests, variants, max_memory=budget, pack=False)
+        lp_u, greedy_u, stats_u = score_requests(Stepper(model), requests.requests, variants, max_memory=budget, pack=False,
+                                                  min_prefix_saving=args.min_prefix_saving)
         sync()
         unpacked = {"c_unpacked_score_s": round(time.perf_counter() - t0, 2), "c_unpacked_batches": stats_u["batches"],
                     "c_unpacked_padding": round(1 - stats_u["tokens"] / stats_u["batch_tokens"], 3),
@@ -128,7 +131,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine(),
         "dtype": args.dtype, "torch": torch.__version__, "threads": torch.get_num_threads(), "shots": args.shots,
         "questions": len(answers(reuse[()])), "requests": len(requests.requests), "mean_input_tokens": round(mean_len, 1),
-        "variants": len(variants), "batches": stats["batches"], "prefix_groups": stats["prefix_groups"], "max_memory": budget,
+        "variants": len(variants), "batches": stats["batches"], "prefix_groups": stats["prefix_groups"], "min_prefix_saving": stats["min_prefix_saving"], "max_memory": budget,
         "packing": stats["packing"], "c_padding": round(1 - stats["tokens"] / stats["batch_tokens"], 3),
         "start_s": round(start_s, 2), "c_build_requests_s": round(build_s, 2), "c_score_s": round(score_s, 2), "c_metrics_s": round(metrics_s, 2), "c_reuse_s": round(c_s, 2),
         "c_tflops": round(engine_flops / score_s / 1e12, 2), "floor_c_over_b": round(engine_flops / plain_flops, 3),

@@ -5,6 +5,8 @@ lm-eval's own filters, metrics and aggregation score every variant."""
 from __future__ import annotations
 
 import contextlib
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -29,6 +31,19 @@ def ppl_requests(task: PerplexityTask) -> list[TokenRequest]:
     return [TokenRequest(tuple(w[:-1]), 0, tuple(w[1:])) for w in task.windows.tolist()]
 
 
+PRETOKENISED = 4096  # requests whose strings are tokenised together ahead of lm-eval's own loop
+
+
+def _encoded_strings(context: str, continuation: str) -> list[str]:
+    """The strings lm-eval's `_encode_pair` tokenises for a request (its trailing-whitespace move)."""
+    if context == "":
+        return []
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    return [context + continuation, context]
+
+
 def _request_lm_class():
     class RequestLM(quiet_hflm()):
         """HFLM that records the token requests lm-eval would run, or answers them from a table.
@@ -40,11 +55,29 @@ def _request_lm_class():
 
         answers: dict | None = None
         recorded: dict
+        ready: dict = {}  # string -> its tokens, from tok_encode itself, run ahead on threads
 
         def loglikelihood(self, requests, disable_tqdm: bool = False):
             if self.answers is not None:
                 return [self.answers[("ll", *req.args)] for req in requests]
-            return super().loglikelihood(requests, disable_tqdm=True)
+            # lm-eval tokenises each request's context and context+continuation one call at a time
+            # (a 5-shot MMLU context once per choice). Its own tok_encode runs first on threads (the
+            # tokenizer releases the GIL), each string once; its loop then finds them ready. A
+            # string this guesses wrong is only a miss, tokenised in the loop as before.
+            out = []
+            with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+                for lo in range(0, len(requests), PRETOKENISED):
+                    chunk = requests[lo : lo + PRETOKENISED]
+                    strings = list(dict.fromkeys(s for req in chunk for s in _encoded_strings(*req.args)))
+                    self.ready = dict(zip(strings, pool.map(super().tok_encode, strings)))
+                    out += super().loglikelihood(chunk, disable_tqdm=True)
+            self.ready = {}
+            return out
+
+        def tok_encode(self, string: str, add_special_tokens=None, left_truncate_len=None, **kwargs):
+            if add_special_tokens is None and left_truncate_len is None and not kwargs and string in self.ready:
+                return list(self.ready[string])
+            return super().tok_encode(string, add_special_tokens=add_special_tokens, left_truncate_len=left_truncate_len, **kwargs)
 
         def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
             for key, context, continuation in requests:
@@ -66,8 +99,9 @@ def _request_lm_class():
 
 
 @contextlib.contextmanager
-def _requests_built_once(tasks: dict, built: set):
-    """lm-eval rebuilds every request (prompts, few-shot sampling) on each evaluate(); build them once.
+def _requests_built_once(tasks: dict, built: set, docs: dict):
+    """lm-eval rebuilds every request (prompts, few-shot sampling) on each evaluate(), and reads
+    every document out of its Arrow table again; build the requests once and keep the documents.
 
     The instances stay on the task objects; each later evaluate only clears their responses.
     """
@@ -82,12 +116,19 @@ def _requests_built_once(tasks: dict, built: set):
             built.add(_name)
             return type(_t).build_all_requests(_t, *args, **kwargs)
 
-        t.build_all_requests = build
+        def doc_iterator(*args, _t=t, _name=name, **kwargs):
+            key = (_name, args, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+            if key not in docs:
+                docs[key] = list(type(_t).doc_iterator(_t, *args, **kwargs))
+            return iter(docs[key])
+
+        t.build_all_requests, t.doc_iterator = build, doc_iterator
     try:
         yield
     finally:
         for t in tasks.values():
             vars(t).pop("build_all_requests", None)
+            vars(t).pop("doc_iterator", None)
 
 
 class LmEvalRequests:
@@ -100,7 +141,8 @@ class LmEvalRequests:
         self.lm = _request_lm_class()(pretrained=model, tokenizer=task.tokenizer, batch_size=task.batch_size)
         self.lm.recorded = {}
         self.built: set = set()
-        with _requests_built_once(task.loaded["tasks"], self.built):
+        self.docs: dict = {}  # (task, doc_iterator's arguments) -> its documents, read once
+        with _requests_built_once(task.loaded["tasks"], self.built, self.docs):
             evaluator.evaluate(self.lm, task.loaded, limit=task.limit, bootstrap_iters=0)
         max_length = self.lm.max_length
         self.keys = list(self.lm.recorded)
@@ -120,14 +162,15 @@ class LmEvalRequests:
         from lm_eval import evaluator  # lazy: as in RequestLM
 
         answers = {}
+        lps, greedies = lp.tolist(), greedy.tolist()  # one conversion, not one per request
         for key, (a, b) in zip(self.keys, self.spans):
             if key[0] == "ll":
-                answers[key] = (float(lp[a]), bool(greedy[a]))
+                answers[key] = (lps[a], bool(greedies[a]))
             else:
                 answers[key] = (float(lp[a:b].sum()),)
         self.lm.answers = answers
         try:
-            with _requests_built_once(self.task.loaded["tasks"], self.built):
+            with _requests_built_once(self.task.loaded["tasks"], self.built, self.docs):
                 results = evaluator.evaluate(self.lm, self.task.loaded, limit=self.task.limit, bootstrap_iters=0, log_samples=log_samples)
         finally:
             self.lm.answers = None

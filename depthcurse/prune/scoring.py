@@ -35,6 +35,10 @@ HEAD_CHUNK_BYTES = 256 * 2**20  # fp32 logits computed at once by the head (cros
 # beyond this a bigger batch only delays the next saved checkpoint. A CPU gains little from big
 # batches and takes minutes per batch of all variants, so there the cap is lower.
 MAX_BATCH_TOKENS = {"cuda": 16384, "cpu": 2048}
+# A block call on a GPU costs at least its kernel launches from Python (about 0.2 ms for an eager
+# decoder layer), whatever the batch: as many FLOPs as this at the ~400 TFLOP/s a layer reaches.
+# A CPU computes so slowly that its call overhead is noise.
+CALL_FLOPS = {"cuda": 8e10, "cpu": 0.0}
 
 
 def parse_memory(text: str | int | None, device=None) -> int:
@@ -107,11 +111,22 @@ def _common(a: tuple, b: tuple, limit: int) -> int:
     return i
 
 
-def plan(requests: list[TokenRequest], min_prefix: int = MIN_SHARED_PREFIX) -> list[_Group]:
+def small_batch_tokens(stepper: Stepper) -> int:
+    """Tokens below which a batch costs the device about as much as a batch of this many: where a
+    block call is bound by its launches, not its FLOPs (0 on a CPU)."""
+    per_token = 2 * sum(p.numel() for p in stepper.layers[0].parameters())
+    return int(CALL_FLOPS.get(torch.device(stepper.device).type, CALL_FLOPS["cuda"]) / max(per_token, 1))
+
+
+def plan(requests: list[TokenRequest], min_prefix: int = MIN_SHARED_PREFIX, min_saving: int = 0) -> list[_Group]:
     """Rows (one per distinct input: the choices of a question share one) grouped by shared token prefix.
 
     Prefixes are found on tokens, not strings (BPE may merge across a string boundary), and end
     before the first scored position of every row, so prefix positions never need the head.
+    A group of k rows sharing p tokens is kept only if the (k-1)*p token passes it saves reach
+    `min_saving`: a group runs its prefix alone and its rows in batches of their own, and on a
+    GPU a small batch costs as much as a full one (see `small_batch_tokens`). The 0-shot MMLU
+    header shared by a handful of questions does not pay for that; a 5-shot block does.
     """
     rows: dict[tuple, _Row] = {}
     for i, r in enumerate(requests):
@@ -123,7 +138,7 @@ def plan(requests: list[TokenRequest], min_prefix: int = MIN_SHARED_PREFIX) -> l
     prefix = 0
 
     def close():
-        if len(current) >= 2 and prefix >= min_prefix:
+        if len(current) >= 2 and prefix >= min_prefix and (len(current) - 1) * prefix >= min_saving:
             groups.append(_Group(prefix, list(current)))
         else:
             loose.extend(current)
@@ -349,6 +364,7 @@ def score_requests(
     fingerprint: str = "",
     on_batch: Callable[[int, int], None] | None = None,
     share_prefixes: bool = True,
+    min_prefix_saving: int | None = None,
     need_greedy: bool = True,
     max_batch_tokens: int | None = None,
     pack: bool = True,
@@ -357,7 +373,9 @@ def score_requests(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
     """(log-likelihood [variants, requests], is_greedy [variants, requests], stats) for every variant.
 
-    With `need_greedy=False` is_greedy is all False and the head skips its argmax pass. With
+    With `share_prefixes`, rows that share a token prefix run it once per variant where that saves
+    at least `min_prefix_saving` token passes (default: twice `small_batch_tokens`, for the
+    group's prefix pass and its last, partly filled batch). With `need_greedy=False` is_greedy is all False and the head skips its argmax pass. With
     `pack`, rows of different lengths share sequences (no padding) where the model's attention
     takes the block-diagonal mask that needs (`Stepper.packing_fails`); `stats["packing"]` says
     whether it did, or why not. A variant's indices are the blocks it removes, or with
@@ -378,7 +396,9 @@ def score_requests(
     not_packed = stepper.packing_fails() if pack else "not asked"
     scorer = VariantScorer(stepper, variants, max_memory, max_batch_tokens, pack=not not_packed, granularity=granularity)
     scorer.need_greedy = need_greedy
-    groups = plan(requests, MIN_SHARED_PREFIX if share_prefixes else 10**9)
+    if min_prefix_saving is None:
+        min_prefix_saving = 2 * small_batch_tokens(stepper)
+    groups = plan(requests, MIN_SHARED_PREFIX if share_prefixes else 10**9, min_prefix_saving)
     batches = scorer.batches(requests, groups)
     layout = [granularity, [list(v) for v in variants], [[b.group, [r.requests for r in b.rows], b.bins] for b in batches], [g.prefix for g in groups]]
     key = hashlib.sha256(json.dumps([fingerprint, requests_digest(requests), layout]).encode()).hexdigest()[:16]
@@ -433,6 +453,7 @@ def score_requests(
         "batches_resumed": sum(g[1]["batches_resumed"] for g in gathered),
         "seconds_resumed": round(sum(g[1]["seconds_resumed"] for g in gathered), 3),
         "prefix_groups": sum(1 for g in groups if g.prefix),
+        "min_prefix_saving": min_prefix_saving,
         "rows": sum(len(g.rows) for g in groups),
         "packing": not_packed or "packed",
         # tokens the batches hold against those they run, padding included (after shared prefixes)
