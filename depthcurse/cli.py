@@ -122,6 +122,7 @@ def prune(
     granularity: str = typer.Option("layer", "--granularity", help="What a removal takes out: layer (the whole block), attn or mlp (only that branch of the block; the residual stream passes it by)."),
     greedy: Optional[int] = typer.Option(None, "--greedy", help="Instead of one at a time: remove K units greedily, each step the one whose removal costs least (measured exactly), and compare with the orders one-shot ranking, Block Influence, angular distance and the last layers give."),
     max_drop: Optional[float] = typer.Option(None, "--max-drop", help="With --greedy: stop after the step whose relative drop exceeds this (e.g. 0.05)."),
+    orders: Optional[Path] = typer.Option(None, "--orders", help="Instead of choosing: measure every strategy's order from an earlier --greedy result (its folder) on this task and data, e.g. held-out text."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     trust_remote_code: bool = TrustOpt,
@@ -131,6 +132,7 @@ def prune(
 
     With --block N: remove the N-layer block that angular distance picks and the N deepest layers, and compare.
     With --greedy K: the depth curve, K units removed one greedy step at a time, against cheaper orders.
+    With --orders DIR: those orders, chosen on other data, measured on this task and data.
     """
     import torch  # lazy: start-up
 
@@ -150,6 +152,14 @@ def prune(
         raise DepthcurseError("--greedy searches every layer itself: it takes neither --block nor --layers")
     if max_drop is not None and greedy is None:
         raise DepthcurseError("--max-drop only applies with --greedy K")
+    chosen = None
+    if orders is not None:
+        if greedy is not None or block is not None or layers is not None:
+            raise DepthcurseError("--orders measures the sets of an earlier --greedy result: it takes no --greedy, --block or --layers")
+        chosen = sweeps.read_curves(orders)
+        if granularity not in ("layer", chosen.granularity):
+            raise DepthcurseError(f"the orders in {orders} remove {chosen.granularity} units, not {granularity}")
+        granularity = chosen.granularity
     check_granularity(None, granularity)
     if block is not None and granularity != "layer":
         raise DepthcurseError("--block removes whole layers: it takes no --granularity")
@@ -159,7 +169,7 @@ def prune(
         raise DepthcurseError(f"unknown --engine {engine!r}: use {' or '.join(sweeps.ENGINES)}")
     sweeps.parse_memory(max_memory)
     shot_tag = f"-{num_fewshot}shot" if task not in ("ppl", "squad", "repr") else ""
-    block_tag = f"-block{block}" if block is not None else (f"-greedy{greedy}" if greedy is not None else "")
+    block_tag = f"-block{block}" if block is not None else (f"-greedy{greedy}" if greedy is not None else ("-orders" if orders is not None else ""))
     unit_tag = f"-{granularity}" if granularity != "layer" else ""
     out_dir = out or Path("runs") / "prune" / _slug(model) / f"{task}{shot_tag}{unit_tag}{block_tag}"
     ensure_out_dir(out_dir)
@@ -180,12 +190,15 @@ def prune(
             choices = choices or pick()
             variants = [c.layers for c in choices]
             run_extra["block"] = {"n": block, **{c.rule: list(c.layers) for c in choices}}
-        elif greedy is None:
+        elif greedy is None and chosen is None:
             variants = parse_layers(layers, num_layers(loaded.model))
         with console.status(f"building task {task}..."):
             the_task = build_task(task, loaded.tokenizer, data=data, seq_len=seq_len, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size, seed=seed, model=loaded.model, model_source=loaded.source)
         console.print(f"{_model_line(loaded)} · task [bold]{task}[/] · results in {out_dir}")
 
+        if chosen is not None:
+            _replay_orders(loaded, the_task, chosen, str(orders), out_dir, run_extra, engine, max_memory, world)
+            return
         if greedy is not None:
             _prune_greedy(loaded, the_task, out_dir, greedy, granularity, max_drop, run_extra, engine, max_memory, world,
                           angular=lambda: sweeps.block_pass(loaded, out_dir, angular=angular, data=angular_data, tokens=angular_tokens,
@@ -241,7 +254,29 @@ def _prune_greedy(loaded, task, out_dir, steps, granularity, max_drop, run_extra
         if world.main:
             err_console.print(Text(f"interrupted: finished greedy steps are kept in {out_dir}; rerun the same command to continue"), soft_wrap=True)
         raise typer.Exit(130)
-    if result is None:
+    _show_curves(result, out_dir)
+
+
+def _replay_orders(loaded, task, chosen, source, out_dir, run_extra, engine, max_memory, world) -> None:
+    from depthcurse import prune as sweeps  # lazy: start-up
+
+    progress = _progress_bar()
+    bar = progress.add_task("the chosen orders", total=None)
+    try:
+        with _showing(progress):
+            result = sweeps.replay_orders(loaded, task, chosen, out_dir, source=source, run_extra=run_extra, engine=engine, max_memory=max_memory, world=world,
+                                          on_variant=lambda label, done, total: progress.update(bar, completed=done, total=total, description="batches" if label == "batches" else label))
+    except KeyboardInterrupt:
+        if world.main:
+            err_console.print(Text(f"interrupted: finished work is kept in {out_dir}; rerun the same command to continue"), soft_wrap=True)
+        raise typer.Exit(130)
+    _show_curves(result, out_dir)
+
+
+def _show_curves(result, out_dir: Path) -> None:
+    from depthcurse import prune as sweeps  # lazy: start-up
+
+    if result is None:  # another rank: rank 0 writes and shows the results
         return
     sweeps.plot_greedy(result, out_dir / "greedy.png")
     console.print(sweeps.greedy_table(result))

@@ -15,7 +15,7 @@ import torch
 from helpers import CORPUS, assert_one_line_error, tiny_bert, tiny_llama
 from depthcurse.errors import DepthcurseError
 from depthcurse.loading import LoadedModel
-from depthcurse.prune import read_curves, run_greedy
+from depthcurse.prune import read_curves, replay_orders, run_greedy
 from depthcurse.prune.scoring import TokenRequest, score_requests
 from depthcurse.prune.stepping import Stepper
 from depthcurse.surgery import find_blocks, removed_units
@@ -146,6 +146,30 @@ def test_an_interrupted_greedy_search_ends_where_an_uninterrupted_one_does(tiny_
     assert len(step1["variants"]) == 6
 
 
+def test_orders_replayed_on_held_out_text_are_those_sets_measured_there(tiny_tokenizer, tmp_path, one_torch_thread):
+    """--orders: every strategy's sets, chosen on one text, measured on another; each point equals
+    the plain path evaluating that set on its own there, and on the text they were chosen on the
+    replay gives back the chosen numbers."""
+    model = tiny_llama(len(tiny_tokenizer), layers=5, seed=3)
+    loaded = _loaded(model, tiny_tokenizer)
+    chosen_on = _ppl_task(tiny_tokenizer)
+    held_out = PerplexityTask(tiny_tokenizer, list(reversed(CORPUS)) * 8, source="held-out", seq_len=24, limit=3, batch_size=4)
+    chosen = run_greedy(loaded, chosen_on, tmp_path / "chosen", steps=2)
+    same = replay_orders(loaded, chosen_on, read_curves(tmp_path / "chosen"), tmp_path / "same", source="chosen")
+    other = replay_orders(loaded, held_out, read_curves(tmp_path / "chosen"), tmp_path / "other", source="chosen")
+    assert set(other.curves) == set(chosen.curves) == {"greedy", "one-shot", "last"}
+    for name, points in chosen.curves.items():
+        assert [p.removed for p in other.curves[name]] == [p.removed for p in same.curves[name]] == [p.removed for p in points]
+        assert [p.metric for p in same.curves[name]] == pytest.approx([p.metric for p in points], abs=1e-6)
+        for p in other.curves[name]:
+            with removed_units(model, p.removed, "layer"):
+                assert p.metric == pytest.approx(held_out.evaluate(model).metrics["loss"], abs=1e-5)
+    assert other.curves["greedy"][2].metric != pytest.approx(chosen.curves["greedy"][2].metric, abs=1e-3)  # other text, other losses
+    assert read_curves(tmp_path / "other").run["orders_from"] == "chosen (ppl on corpus)" and other.run["data"] == "held-out"
+    with pytest.raises(DepthcurseError, match="chosen on a model with 5 layers; LlamaForCausalLM has 4"):
+        replay_orders(_loaded(tiny_llama(len(tiny_tokenizer)), tiny_tokenizer), held_out, chosen, tmp_path / "bad")
+
+
 def test_greedy_refuses_bad_input(tiny_tokenizer, tmp_path):
     loaded = _loaded(tiny_llama(len(tiny_tokenizer)), tiny_tokenizer)
     task = _ppl_task(tiny_tokenizer)
@@ -170,6 +194,16 @@ def test_cli_greedy_and_granularity(run_cli, tiny_model_dir, text_file, tmp_path
     code, _, err = run_cli(*base, "--granularity", "mlp", "--layers", "1", "--out", str(sweep))
     assert code == 0, err
     assert json.loads((sweep / "prune.json").read_text())["run"]["granularity"] == "mlp"
+    # the greedy result's orders on other windows of the text: held out
+    other = ["prune", str(tiny_model_dir), "--data", str(text_file), "--seq-len", "24", "--limit", "3"]
+    assert_one_line_error(*run_cli(*other, "--orders", str(sweep)), "holds no greedy result")
+    assert_one_line_error(*run_cli(*other, "--orders", str(out), "--granularity", "mlp"), "remove attn units, not mlp")
+    assert_one_line_error(*run_cli(*other, "--orders", str(out), "--greedy", "2"), "--orders measures the sets of an earlier --greedy result")
+    code, stdout, err = run_cli(*other, "--orders", str(out), "--out", str(tmp_path / "held-out"))
+    assert code == 0, err
+    replayed = json.loads((tmp_path / "held-out" / "greedy.json").read_text())
+    assert replayed["granularity"] == "attn" and [p["removed"] for p in replayed["curves"]["greedy"]] == [p["removed"] for p in data["curves"]["greedy"]]
+    assert replayed["run"]["seq_len"] == 24 and "attention branches removable" in stdout and "orders chosen on" in stdout
 
 
 def test_report_renders_one_page_from_folders_of_three_kinds(run_cli, tiny_model_dir, text_file, tmp_path):

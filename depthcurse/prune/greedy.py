@@ -14,6 +14,9 @@ For comparison, on the same data, the orders cheaper rules give:
 
 Each step is its own sweep folder (`steps/NNN/`), resumable as any sweep is, so an interrupted
 or extended search recomputes nothing it finished; `greedy.json` sums them up.
+
+`replay_orders` measures the orders of an earlier result on other data (held-out text, another
+task): whether the units a strategy chose on one text are also the cheap ones on another.
 """
 
 from __future__ import annotations
@@ -206,6 +209,40 @@ def run_greedy(
     if not world.main:
         return None
     result = DepthCurves(first.run, granularity, n, first.metric, first.higher_is_better, curves, notes)
+    write_curves(result, out_dir)
+    return result
+
+
+def replay_orders(
+    loaded: LoadedModel,
+    task: Task,
+    chosen: DepthCurves,
+    out_dir: Path,
+    *,
+    source: str = "",
+    run_extra: dict | None = None,
+    engine: str = "reuse",
+    max_memory: str | int | None = None,
+    on_variant: Callable[[str, int, int], None] | None = None,
+    world: World = World(),
+) -> DepthCurves | None:
+    """Every strategy's sets from `chosen` (an earlier greedy result, from `source`), measured on
+    this task and data: one sweep of all of them, the curves in the same form as `run_greedy`'s."""
+    check_granularity(loaded.model, chosen.granularity)
+    n = num_layers(loaded.model)
+    if n != chosen.n_units:
+        raise DepthcurseError(f"the orders in {source or 'that result'} were chosen on a model with {chosen.n_units} layers; {type(loaded.model).__name__} has {n}")
+    sets = {name: [tuple(p.removed) for p in points[1:]] for name, points in chosen.curves.items()}
+    todo = sorted({s for chosen_sets in sets.values() for s in chosen_sets})
+    extra = {**(run_extra or {}), "orders_from": source}
+    run_sweep(loaded, task, todo, out_dir / ORDERS_DIR, run_extra=extra, engine=engine, max_memory=max_memory, granularity=chosen.granularity, world=world, on_variant=on_variant)
+    world.barrier()
+    if not world.main:
+        return None
+    sweep = read_sweep(out_dir / ORDERS_DIR)
+    curves = {name: [_point(sweep, ())] + [_point(sweep, s) for s in chosen_sets] for name, chosen_sets in sets.items()}
+    run = {**sweep.run, "orders_from": f"{source or 'another result'} ({chosen.run.get('task')} on {chosen.run.get('data', '?')})"}
+    result = DepthCurves(run, chosen.granularity, n, sweep.metric, sweep.higher_is_better, curves, dict(chosen.notes))
     write_curves(result, out_dir)
     return result
 

@@ -191,6 +191,8 @@ def greedy_table(result: DepthCurves) -> Table:
         table.add_row(name, *(str(result.units_within(name, t)) for t in THRESHOLDS), f"{last.metric:.4g} (k={last.k})", " ".join(map(str, steps)))
     for name, why in result.notes.items():
         table.add_row(f"[dim]{name}[/]", *["-"] * len(THRESHOLDS), "-", f"[dim]{why}[/]")
+    if result.run.get("orders_from"):
+        table.caption = f"orders chosen on {result.run['orders_from']}, measured on {result.run.get('data', 'this data')}"
     return table
 
 
