@@ -101,6 +101,22 @@ def test_packed_batches_equal_unpacked_ones(kind, one_torch_thread):
         assert torch.equal(p_greedy, u_greedy)
 
 
+def test_a_full_batch_still_takes_the_rows_that_fit_its_gaps(one_torch_thread):
+    """Rows of 100, 90, 60, 40, 30 and 10 tokens, 200 tokens a batch: the first batch is full after
+    two sequences of 100, yet the 10-token row after the others fits the 90's gap; the scores are
+    those of one row per sequence."""
+    stepper = Stepper(_model("llama-tied", 300))
+    gen = torch.Generator().manual_seed(6)
+    requests = [TokenRequest(tuple(torch.randint(3, 300, (n,), generator=gen).tolist()), n - 2, (5, 6)) for n in (40, 100, 10, 60, 90, 30)]
+    scorer = VariantScorer(stepper, VARIANTS, 2**30, max_batch_tokens=200, pack=True)
+    batches = scorer.batches(requests, plan(requests))
+    assert [[[len(b.rows[i].inputs) for i in seq] for seq in b.bins] for b in batches] == [[[100], [90, 10]], [[60], [40], [30]]]
+    packed, p_greedy, p_stats = score_requests(stepper, requests, VARIANTS, max_memory=2**30, max_batch_tokens=200)
+    plain, u_greedy, u_stats = score_requests(stepper, requests, VARIANTS, max_memory=2**30, max_batch_tokens=200, pack=False)
+    assert (p_stats["batches"], u_stats["batches"]) == (2, 3) and p_stats["batch_tokens"] < u_stats["batch_tokens"]
+    assert torch.allclose(packed, plain, atol=1e-4) and torch.equal(p_greedy, u_greedy)
+
+
 def test_attention_without_masks_is_not_packed(one_torch_thread):
     model = _model("llama-tied", 300)
     model.config._attn_implementation = "flash_attention_2"  # never run: only asked whether it takes masks

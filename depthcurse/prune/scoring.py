@@ -8,6 +8,7 @@ batch on disk, so an interrupted sweep recomputes nothing it finished.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import re
@@ -201,7 +202,8 @@ class VariantScorer:
         """Rows cut into batches whose kept streams fit the memory budget; longest rows first, as lm-eval sorts.
 
         Packed, a batch's sequences are as long as its longest row and the shorter rows fill them
-        first-fit, so a batch of mixed lengths runs on (nearly) no padding.
+        first-fit: once a batch can take no more sequences, the rows after it that fit its gaps
+        still go in, so a batch of mixed lengths runs on (nearly) no padding.
         """
         out = []
         for gi, g in enumerate(groups):
@@ -211,28 +213,54 @@ class VariantScorer:
                 if kv > self.budget // 2:
                     raise DepthcurseError(f"--max-memory {self.budget / 2**20:.0f}MB cannot hold the shared prefix of {g.prefix} tokens for every variant; give more")
                 budget -= kv
-            rows = sorted(g.rows, key=lambda r: (-len(r.inputs), r.inputs))
-            batch: list[_Row] = []
-            bins: list[list[int]] = []
-            free: list[int] = []  # room left in each sequence of the batch
-            for row in rows:
-                width = len(row.inputs) - g.prefix
-                longest = len(batch[0].inputs) - g.prefix if batch else width
-                j = _place(free, width) if self.pack else len(free)
-                tokens = (len(free) + (j == len(free))) * longest
-                if batch and (tokens * self._bytes_per_token(g.prefix + longest) > budget or tokens > self.max_batch_tokens):
-                    out.append(_Batch(gi, batch, bins))
-                    batch, bins, free, j = [], [], [], 0
-                    longest = width
-                if j == len(free):
-                    bins.append([])
-                    free.append(longest)
-                bins[j].append(len(batch))
-                free[j] -= width
-                batch.append(row)
-            if batch:
+            pending = sorted(g.rows, key=lambda r: (-len(r.inputs), r.inputs))
+            while pending:
+                batch, bins, later = self._fill(pending, g.prefix, budget)
                 out.append(_Batch(gi, batch, bins))
+                pending = later
         return out
+
+    def _fill(self, rows: list[_Row], prefix: int, budget: int) -> tuple[list[_Row], list[list[int]], list[_Row]]:
+        """One batch from `rows` (longest first): (its rows, its sequences, the rows left, in order)."""
+        widths = [len(r.inputs) - prefix for r in rows]
+        descending = [-w for w in widths]  # for bisect: the first row at most a gap long
+        longest = widths[0]
+        batch: list[_Row] = []
+        bins: list[list[int]] = []
+        free: list[int] = []  # room left in each sequence of the batch
+        later: list[_Row] = []
+        full = False  # no room for another sequence: only the gaps are left to fill
+        i = 0
+        while i < len(rows):
+            width = widths[i]
+            if full:
+                gap = max(free)
+                if gap < widths[-1]:
+                    later += rows[i:]
+                    break
+                if width > gap:
+                    k = bisect.bisect_left(descending, -gap, lo=i)
+                    later += rows[i:k]
+                    i = k
+                    continue
+            j = _place(free, width) if self.pack else len(free)
+            if j == len(free):
+                tokens = (len(free) + 1) * longest
+                if batch and (tokens * self._bytes_per_token(prefix + longest) > budget or tokens > self.max_batch_tokens):
+                    if not self.pack:
+                        later += rows[i:]
+                        break
+                    full = True
+                    later.append(rows[i])
+                    i += 1
+                    continue
+                bins.append([])
+                free.append(longest)
+            bins[j].append(len(batch))
+            free[j] -= width
+            batch.append(rows[i])
+            i += 1
+        return batch, bins, later
 
     def _run(self, h, ctx, start: int, removed: tuple, cache) -> torch.Tensor:
         """The stream at block `start` through the rest of the variant: removed blocks skipped, or
