@@ -584,7 +584,7 @@ def main() -> None:
         if debug:
             raise
         _say("error", str(exc), "bold red")
-        sys.exit(1)
+        _exit_failed()
     except KeyboardInterrupt:
         err_console.print("interrupted")
         sys.exit(130)
@@ -592,7 +592,20 @@ def main() -> None:
         if debug:
             raise
         _say("error", f"{one_line(exc)} (rerun with --debug for the traceback)", "bold red")
-        sys.exit(1)
+        _exit_failed()
+
+
+RANK_0_GRACE_S = 5.0
+
+
+def _exit_failed() -> None:
+    # Another rank of a torchrun launch fails quietly: rank 0 says why. Bad input fails every rank
+    # at once, and torchrun stops the others when the first one exits, so wait for rank 0 to say it.
+    if err_console.quiet:
+        import time  # lazy: only this path sleeps
+
+        time.sleep(RANK_0_GRACE_S)
+    sys.exit(1)
 
 
 if __name__ == "__main__":
