@@ -543,7 +543,7 @@ def lns_train(
     except DepthcurseError:
         if main_rank:
             raise
-        raise typer.Exit(1)
+        _exit_failed()
     if not main_rank:
         return
     console.print(f"validation loss {summary['val_loss']:.4f} · perplexity {summary['val_ppl']:.2f} · {summary['step']} steps, {summary['tokens']:,} tokens")
@@ -601,7 +601,7 @@ RANK_0_GRACE_S = 5.0
 def _exit_failed() -> None:
     # Another rank of a torchrun launch fails quietly: rank 0 says why. Bad input fails every rank
     # at once, and torchrun stops the others when the first one exits, so wait for rank 0 to say it.
-    if err_console.quiet:
+    if int(os.environ.get("RANK", "0")) != 0:
         import time  # lazy: only this path sleeps
 
         time.sleep(RANK_0_GRACE_S)
