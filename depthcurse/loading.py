@@ -17,6 +17,7 @@ import transformers
 from safetensors import SafetensorError
 
 from depthcurse import assets
+from depthcurse.assets import meta_llama
 from depthcurse.errors import DepthcurseError, first_line, one_line
 from depthcurse.runtime import pick_device, pick_dtype
 from depthcurse.train.export import register_with_transformers
@@ -104,13 +105,16 @@ def resolve_source(name: str) -> tuple[str, dict]:
             raise DepthcurseError(f"no such GGUF file: {path}")
         return str(path.parent), {"gguf_file": path.name}
     if path.exists():
+        if meta_llama.is_meta_layout(path):  # Meta's original download: converted once, into the cache
+            return str(meta_llama.convert(path)), {}
         if not (path / "config.json").is_file():
             raise DepthcurseError(f"{path} is not a model folder (no config.json in it)")
         return str(path), {}
     # Looks like a filesystem path, not a hub id: don't send it to the hub.
     if resolved.startswith((".", "/", "~")) or resolved.count("/") > 1 or os.sep + os.sep in resolved:
         raise DepthcurseError(f"no such model path: {resolved}")
-    return resolved, {}
+    converted = meta_llama.converted_hub_copy(resolved)  # a hub repository in Meta's layout, converted earlier
+    return (str(converted), {}) if converted else (resolved, {})
 
 
 def load_model(
@@ -148,7 +152,13 @@ def load_model(
         with _damaged_files_named(source, kwargs):
             config = transformers.AutoConfig.from_pretrained(source, **common)
     except (OSError, ValueError) as exc:
-        raise DepthcurseError(_explain_load_failure(name, source, offline, exc)) from exc
+        # A hub repository without config.json may hold Meta's original layout (meta-llama/Llama-2-7b).
+        converted = None if local or offline else meta_llama.from_hub(source, revision)
+        if converted is None:
+            raise DepthcurseError(_explain_load_failure(name, source, offline, exc)) from exc
+        source, local = str(converted), True
+        common = dict(common, revision=None, local_files_only=False)
+        config = transformers.AutoConfig.from_pretrained(source, **common)
 
     auto_cls = _auto_class(head, config, new_head)
     load_kwargs = dict(common, dtype=torch_dtype)

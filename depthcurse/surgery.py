@@ -71,7 +71,12 @@ PER_LAYER_CONFIG_LISTS = (
 
 # Config lists of layer *indices* (not one entry per layer): kept entries are renumbered, removed
 # ones dropped. `mlp_only_layers` (Qwen2-MoE/Qwen3-MoE) names the layers with a dense MLP.
-LAYER_INDEX_CONFIG_LISTS = ("mlp_only_layers",)
+LAYER_INDEX_CONFIG_LISTS = ("mlp_only_layers", "moe_layers")  # moe_layers: Llama-4's MoE layers
+
+# Config integers that say "the first k layers are different": DeepSeek-V2/V3's and GLM-4-MoE's
+# dense layers before the MoE ones, Qwen2's full-attention layers before the sliding ones. After a
+# removal, k becomes the number of kept layers that were among the first k.
+LAYER_PREFIX_CONFIG_COUNTS = ("first_k_dense_replace", "max_window_layers")
 
 # Integer attributes some block-list owners cache at init (DistilBERT's Transformer.n_layers).
 MODULE_COUNT_ATTRS = ("n_layers", "num_layers", "num_hidden_layers")
@@ -312,6 +317,11 @@ def _remove(model: nn.Module, layers: Iterable[int]) -> Callable[[], None]:
                     undo.append(lambda c=config, k=name, v=value: setattr(c, k, v))
                     renumbered = (new_index[i] for i in value if i in new_index)
                     setattr(config, name, type(value)(renumbered))
+            for name in LAYER_PREFIX_CONFIG_COUNTS:
+                value = vars(config).get(name)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    undo.append(lambda c=config, k=name, v=value: setattr(c, k, v))
+                    setattr(config, name, sum(1 for i in kept if i < value))
 
         for name in MODULE_COUNT_ATTRS:
             value = vars(blocks.parent).get(name)

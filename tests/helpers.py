@@ -102,8 +102,15 @@ def built_without(model, path, removed):
     new_of = {old: new for new, old in enumerate(kept)}
     config = copy.deepcopy(model.config)
     config.num_hidden_layers = len(kept)
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = [config.layer_types[i] for i in kept]
+    for name in ("layer_types", "mlp_layer_types", "no_rope_layers"):  # one entry per layer
+        if getattr(config, name, None) is not None:
+            setattr(config, name, [getattr(config, name)[i] for i in kept])
+    for name in ("mlp_only_layers", "moe_layers"):  # lists of layer indices
+        if getattr(config, name, None) is not None:
+            setattr(config, name, [new_of[i] for i in getattr(config, name) if i in new_of])
+    for name in ("first_k_dense_replace", "max_window_layers"):  # "the first k layers are special"
+        if isinstance(getattr(config, name, None), int):
+            setattr(config, name, len([i for i in kept if i < getattr(config, name)]))
     ref = type(model)(config).eval()
 
     block_key = re.compile(rf"^{re.escape(path)}\.(\d+)\.(.*)$")

@@ -272,6 +272,30 @@ def test_unsupported_model_falls_back_and_says_so(tiny_tokenizer, tmp_path, one_
     assert sweep.variants[1].metrics["loss"] != sweep.variants[0].metrics["loss"]
 
 
+@pytest.mark.parametrize("where", ["check", "scoring"])
+def test_a_crash_in_the_engine_falls_back_with_its_reason(where, tiny_tokenizer, tmp_path, monkeypatch, one_torch_thread):
+    """An architecture the stepper gets wrong in a way it did not foresee (an exception in its
+    check, or part-way through scoring) costs speed, never the sweep."""
+    from depthcurse.prune import engine
+
+    model = _model("llama-gqa", len(tiny_tokenizer))
+    task = PerplexityTask(tiny_tokenizer, CORPUS * 8, source="corpus", seq_len=32, limit=3, batch_size=4)
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("The size of tensor a (4) must match the size of tensor b (8)")
+
+    if where == "check":
+        monkeypatch.setattr(Stepper, "check", crash)
+    else:
+        monkeypatch.setattr(engine, "score_requests", crash)
+    sweep = run_sweep(_loaded(model, tiny_tokenizer), task, [1], tmp_path)
+    info = sweep.meta["engine"]
+    assert info["name"] == "lm-eval" and "RuntimeError: The size of tensor a (4)" in info["fallback"]
+    assert ("LlamaForCausalLM" if where == "check" else "part-way") in info["fallback"]
+    with removed_layers(model, [1]):
+        assert sweep.variants[1].metrics == task.evaluate(model).metrics
+
+
 def test_parse_memory():
     assert parse_memory("auto") == parse_memory(None) == parse_memory("auto", "cpu") == 2 * 2**30  # a GPU: 80% of its free memory
     assert parse_memory("2GB") == 2 * 2**30

@@ -47,6 +47,8 @@ def why_unsupported(model, task) -> str | None:
         Stepper(model).check()
     except Unsupported as exc:
         return str(exc)
+    except Exception as exc:  # an architecture whose blocks want something the stepper does not give them
+        return f"{type(model).__name__}: stepping through its blocks failed ({type(exc).__name__}: {exc})"
     return None
 
 

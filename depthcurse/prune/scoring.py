@@ -189,12 +189,12 @@ class VariantScorer:
         c = self.s.config
         width = c.hidden_size * (len(self.starts) + 4) + 2 * getattr(c, "intermediate_size", 4 * c.hidden_size)
         attn = (getattr(c, "num_attention_heads", 1) + (len(set(self.s.types)) if self.pack else 0)) * keys
-        return (width + attn) * self.s.embed.weight.element_size()
+        return (width + attn) * self.s.embed_tokens.weight.element_size()
 
     def _prefix_kv_bytes(self, length: int) -> int:
         c = self.s.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        per_layer = 2 * length * getattr(c, "num_key_value_heads", c.num_attention_heads) * head_dim * self.s.embed.weight.element_size()
+        per_layer = 2 * length * getattr(c, "num_key_value_heads", c.num_attention_heads) * head_dim * self.s.embed_tokens.weight.element_size()
         layers = sum(self.s.n_layers - min(v, default=0) - len(v) for v in self.variants)
         return per_layer * layers
 

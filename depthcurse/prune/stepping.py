@@ -30,6 +30,9 @@ class _RecordKV:
         self.kv[layer_idx] = (key, value)
         return key, value
 
+    def get_seq_length(self, layer_idx=0):
+        return 0  # nothing cached before the prefix itself (Llama-4's temperature tuning asks)
+
 
 class _PrefixKV:
     """A stand-in for a transformers Cache holding a prefix: new keys/values are appended to it."""
@@ -41,6 +44,9 @@ class _PrefixKV:
         pk, pv = self.kv[layer_idx]
         b = key.shape[0]
         return torch.cat([pk.expand(b, *pk.shape[1:]), key], dim=-2), torch.cat([pv.expand(b, *pv.shape[1:]), value], dim=-2)
+
+    def get_seq_length(self, layer_idx=0):
+        return self.kv[layer_idx][0].shape[-2]
 
 
 @dataclass
@@ -71,7 +77,7 @@ class Stepper:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if missing or head is None:
             raise Unsupported(f"{type(model).__name__}: no {', '.join(missing) or 'language-model head'} where Llama-like models keep it")
-        self.model, self.layers, self.embed, self.norm, self.rotary, self.head = model, blocks.layers, base.embed_tokens, base.norm, base.rotary_emb, head
+        self.model, self.layers, self.embed_tokens, self.norm, self.rotary, self.head = model, blocks.layers, base.embed_tokens, base.norm, base.rotary_emb, head
         self.config = config = base.config
         n = len(self.layers)
         types = getattr(config, "layer_types", None)
@@ -81,21 +87,45 @@ class Stepper:
             self.types = ["sliding_attention"] * n  # Mistral-style: one window for every layer
         else:
             self.types = ["full_attention"] * n
-        unknown = set(self.types) - {"full_attention", "sliding_attention"}
+        unknown = set(self.types) - {"full_attention", "sliding_attention", "chunked_attention"}
         if unknown:
             raise Unsupported(f"{type(model).__name__}: layer types {sorted(unknown)} are not supported")
         self.window = getattr(config, "sliding_window", None)
+        self.chunk = getattr(config, "attention_chunk_size", None)  # Llama-4: attention within fixed chunks of positions
+        if "chunked_attention" in self.types and not self.chunk:
+            raise Unsupported(f"{type(model).__name__}: chunked attention layers without an attention_chunk_size")
         # sdpa given no mask applies causality itself (is_causal: the fused kernels, no [T, T]
         # mask in memory), as the model's own forward does; eager attention needs the mask.
         self.implicit_causal = getattr(config, "_attn_implementation", None) == "sdpa"
         self.rope_per_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        # Scalars some families apply outside their blocks: Granite scales the embeddings up and the
+        # logits down, Cohere scales the logits, Gemma 2/3 soft-cap them.
+        self.embedding_multiplier = float(getattr(config, "embedding_multiplier", None) or 1.0)
+        logit_scale = getattr(model, "logit_scale", None)
+        self.logit_multiplier = (logit_scale if isinstance(logit_scale, (int, float)) else 1.0) / float(getattr(config, "logits_scaling", None) or 1.0)
         self.softcap = getattr(config, "final_logit_softcapping", None)
-        self.device = self.embed.weight.device
-        self.dtype = self.embed.weight.dtype
+        self.device = self.embed_tokens.weight.device
+        self.dtype = self.embed_tokens.weight.dtype
 
     @property
     def n_layers(self) -> int:
         return len(self.layers)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(ids)
+        return h * self.embedding_multiplier if self.embedding_multiplier != 1.0 else h
+
+    def _reach(self, t: str) -> int | None:
+        """How far back a layer of type `t` attends at most (None: to the start)."""
+        return {"sliding_attention": self.window, "chunked_attention": self.chunk}.get(t)
+
+    def _restrict(self, t: str, allowed: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """`allowed` narrowed to what a layer of type `t` sees: query positions `q`, key positions `k` (broadcast)."""
+        if t == "sliding_attention" and self.window is not None:
+            return allowed & (q - k < self.window)
+        if t == "chunked_attention":
+            return allowed & (torch.div(q, self.chunk, rounding_mode="floor") == torch.div(k, self.chunk, rounding_mode="floor"))
+        return allowed
 
     def context(self, length: int, past: int) -> _Context:
         """Masks and rotary embeddings for `length` new positions after `past` cached ones."""
@@ -103,12 +133,11 @@ class Stepper:
         k = torch.arange(past + length, device=self.device)[None]
         masks = {}
         for t in set(self.types):
-            window = self.window if t == "sliding_attention" else None
-            if self.implicit_causal and past == 0 and (window is None or length <= window):
-                masks[t] = None  # no cached prefix and no window cut: plain causality
+            reach = self._reach(t)
+            if self.implicit_causal and past == 0 and (reach is None or length <= reach):
+                masks[t] = None  # no cached prefix and no window or chunk cut: plain causality
                 continue
-            allowed = (k <= q) if window is None else (k <= q) & (q - k < window)
-            masks[t] = self._additive(allowed)[None, None]
+            masks[t] = self._additive(self._restrict(t, k <= q, q, k))[None, None]
         position_ids = torch.arange(past, past + length, device=self.device)[None]
         return _Context(masks, self._rope(position_ids), position_ids)
 
@@ -126,12 +155,7 @@ class Stepper:
         same = (docs[:, :, None] == docs[:, None, :]) & (positions[:, :, None] >= positions[:, None, :])
         seen = torch.cat([torch.ones(*docs.shape, past, dtype=torch.bool, device=self.device), same], dim=-1)
         key_pos = torch.cat([torch.arange(past, device=self.device).expand(docs.shape[0], past), position_ids], dim=-1)
-        masks = {}
-        for t in set(self.types):
-            allowed = seen
-            if t == "sliding_attention" and self.window is not None:
-                allowed = seen & (position_ids[:, :, None] - key_pos[:, None, :] < self.window)
-            masks[t] = self._additive(allowed)[:, None]
+        masks = {t: self._additive(self._restrict(t, seen, position_ids[:, :, None], key_pos[:, None, :]))[:, None] for t in set(self.types)}
         return _Context(masks, self._rope(position_ids), position_ids)
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
@@ -153,6 +177,8 @@ class Stepper:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and head for the given positions only, in fp32."""
         logits = self.head(self.norm(h)).float()
+        if self.logit_multiplier != 1.0:
+            logits = logits * self.logit_multiplier
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
@@ -193,6 +219,10 @@ class Stepper:
         them) get the model's own logits for each document alone; otherwise why not."""
         if getattr(self.config, "_attn_implementation", None) not in ("sdpa", "eager"):
             return f"attention {self.config._attn_implementation!r} does not take an arbitrary mask"
+        if getattr(self.config, "attn_temperature_tuning", False) and not all(getattr(self.config, "no_rope_layers", None) or [1]):
+            # Llama-4 scales a NoPE layer's queries by the position in the row, not in the document:
+            # the same (1) for every row shorter than floor_scale, which a short check cannot tell apart
+            return f"{type(self.model).__name__}: attention temperature tuning scales queries by their position in the row"
         gen = torch.Generator().manual_seed(1)
         vocab = self.head.weight.shape[0]
         prefix, lengths, width = 8, (13, 9), 24

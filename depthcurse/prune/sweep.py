@@ -109,8 +109,9 @@ def _save(sweep: Sweep, out_dir: Path, wall: float, engine_info: dict) -> None:
 def _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, started, previous_wall, world, granularity) -> dict:
     """Score `todo` with the reuse engine and add the results to `sweep`; the engine info for prune.json.
 
-    Returns {"name": "lm-eval", "fallback": reason} without doing anything when the engine
-    cannot run this model or task.
+    Returns {"name": "lm-eval", "fallback": reason} when the engine cannot run this model or
+    task, or fails on it part-way (alone: under torchrun the failure ends every rank, since the
+    others wait for its scores). Bad input (DepthcurseError) stays an error.
     """
     reason = engine.why_unsupported(loaded.model, task)
     if reason:
@@ -118,8 +119,15 @@ def _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, star
     t0 = time.perf_counter()
     store = out_dir / PARTIAL_DIR
     progress = (lambda done, total: on_variant("batches", done, total)) if on_variant else None
-    scores, stats = engine.evaluate_variants(loaded.model, task, todo, max_memory=max_memory, store=store, fingerprint=json.dumps(run, sort_keys=True, default=str),
-                                             on_batch=progress, checked=True, granularity=granularity, world=world)
+    try:
+        scores, stats = engine.evaluate_variants(loaded.model, task, todo, max_memory=max_memory, store=store, fingerprint=json.dumps(run, sort_keys=True, default=str),
+                                                 on_batch=progress, checked=True, granularity=granularity, world=world)
+    except DepthcurseError:
+        raise
+    except Exception as exc:
+        if world.size > 1:
+            raise
+        return {"name": "lm-eval", "fallback": f"the reuse engine failed part-way ({type(exc).__name__}: {exc})"}
     if scores is None:
         return {"name": "reuse"}  # another rank: its share is with rank 0
     # The variants are scored together: each is credited an equal share of the engine's time,
