@@ -104,10 +104,11 @@ def _model_line(loaded) -> str:
 @app.command()
 def prune(
     model: str = ModelArg,
-    task: str = typer.Option("ppl", "--task", "-t", help="ppl, mmlu, any lm-eval log-likelihood task (arc_easy, hellaswag, piqa, sciq...), squad (extractive QA encoders) or repr (any model, made for encoders: mean-pooled embedding kept)."),
+    task: str = typer.Option("ppl", "--task", "-t", help="ppl, mmlu, any lm-eval task: log-likelihood (arc_easy, hellaswag, piqa, sciq...) or generative (gsm8k, nq_open: each variant generates on its own), squad (extractive QA encoders) or repr (any model, made for encoders: mean-pooled embedding kept)."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Layers to remove one at a time, e.g. 0,3,5-8 (default: all)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="ppl: number of text windows (default 32); squad: questions (default all); repr: passages (default 256); lm-eval tasks: examples per subtask (default all)."),
     num_fewshot: int = typer.Option(0, "--num-fewshot", help="Few-shot examples in each prompt (lm-eval tasks)."),
+    max_gen_toks: Optional[int] = typer.Option(None, "--max-gen-toks", help="Longest generation of a generative lm-eval task (gsm8k, nq_open, ...); default: the task's own (lm-eval: 256)."),
     batch_size: int = typer.Option(8, "--batch-size", help="Sequences per forward pass."),
     data: str = typer.Option("auto", "--data", help="ppl/repr text: auto (C4 validation, or wiki offline), c4, wiki, or a .txt/.jsonl/.parquet file; squad: auto (hub validation, or offline), hub, offline, or a SQuAD .json/.jsonl file."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="ppl window length in tokens (default 512, or the model's maximum if less); repr passage length (default 128)."),
@@ -193,7 +194,8 @@ def prune(
         elif greedy is None and chosen is None:
             variants = parse_layers(layers, num_layers(loaded.model))
         with console.status(f"building task {task}..."):
-            the_task = build_task(task, loaded.tokenizer, data=data, seq_len=seq_len, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size, seed=seed, model=loaded.model, model_source=loaded.source)
+            the_task = build_task(task, loaded.tokenizer, data=data, seq_len=seq_len, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size, seed=seed, model=loaded.model, model_source=loaded.source,
+                                  max_gen_toks=max_gen_toks)
         console.print(f"{_model_line(loaded)} · task [bold]{task}[/] · results in {out_dir}")
 
         if chosen is not None:

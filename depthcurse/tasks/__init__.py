@@ -58,8 +58,8 @@ TASKS: dict[str, TaskEntry] = {
     "squad": TaskEntry("qa", _squad, frozenset({"data"})),
     "repr": TaskEntry("base", _representation, frozenset({"data", "seq_len"})),
 }
-LM_EVAL_TAKES = frozenset({"num_fewshot"})
-_FLAGS = {"data": "--data", "seq_len": "--seq-len", "num_fewshot": "--num-fewshot"}
+LM_EVAL_TAKES = frozenset({"num_fewshot", "max_gen_toks"})
+_FLAGS = {"data": "--data", "seq_len": "--seq-len", "num_fewshot": "--num-fewshot", "max_gen_toks": "--max-gen-toks"}
 
 
 def head_for_task(name: str) -> str:
@@ -68,7 +68,8 @@ def head_for_task(name: str) -> str:
     return entry.head if entry else "causal-lm"
 
 
-def build_task(name: str, tokenizer, *, data: str = "auto", seq_len: int | None = None, limit: int | None = None, num_fewshot: int | None = 0, batch_size: int = 8, seed: int = 1234, model=None, model_source: str | None = None) -> Task:
+def build_task(name: str, tokenizer, *, data: str = "auto", seq_len: int | None = None, limit: int | None = None, num_fewshot: int | None = 0, batch_size: int = 8, seed: int = 1234, model=None, model_source: str | None = None,
+               max_gen_toks: int | None = None) -> Task:
     """The task called `name`: `ppl`, `squad`, `repr`, or any lm-eval task/group name (mmlu, arc_easy, ...).
 
     `seq_len` is the ppl window (default 512, or the model's maximum if less) or the repr passage
@@ -87,11 +88,11 @@ def build_task(name: str, tokenizer, *, data: str = "auto", seq_len: int | None 
     entry = TASKS.get(name)
     if entry is None:
         check_task_name(name)  # an unknown name is the first thing to say, before what it cannot take
-    given = {"data": data != "auto", "seq_len": seq_len is not None, "num_fewshot": num_fewshot not in (None, 0)}
+    given = {"data": data != "auto", "seq_len": seq_len is not None, "num_fewshot": num_fewshot not in (None, 0), "max_gen_toks": max_gen_toks is not None}
     takes = entry.takes if entry is not None else LM_EVAL_TAKES
     for option in (o for o, set_ in given.items() if set_ and o not in takes):
         users = [t for t, e in TASKS.items() if option in e.takes] + (["lm-eval tasks"] if option in LM_EVAL_TAKES else [])
         raise DepthcurseError(f"{_FLAGS[option]} does not apply to --task {name}: it is for {', '.join(users)}")
     if entry is not None:
         return entry.build(tokenizer, data=data, seq_len=seq_len, limit=limit, batch_size=batch_size, model=model, model_source=model_source)
-    return LmEvalTask(name, tokenizer, num_fewshot=num_fewshot, limit=limit, batch_size=batch_size, seed=seed)
+    return LmEvalTask(name, tokenizer, num_fewshot=num_fewshot, limit=limit, batch_size=batch_size, seed=seed, max_gen_toks=max_gen_toks)

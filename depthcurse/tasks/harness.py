@@ -111,6 +111,12 @@ def offline_task_data(notes: list[str]):
                 notes.append(f"{self.config.task}: offline copy has no {split!r} split ({attr} unset; lm-eval falls back)")
         if self.config.test_split is None and self.config.validation_split is None:
             raise DepthcurseError(f"{self.config.task}: the offline copy has none of the splits this task evaluates on")
+        shots = getattr(self, "fewshot_cfg", None)
+        if shots is not None and getattr(shots, "split", None) is not None and shots.split not in have:
+            # few-shot examples from the evaluated split itself; lm-eval then leaves each question out of its own prompt
+            fallback = self.config.test_split or self.config.validation_split
+            notes.append(f"{self.config.task}: offline copy has no {shots.split!r} split for few-shot examples; they come from {fallback!r}")
+            shots.split = fallback
 
     datasets.load_dataset, ConfigurableTask.download = load_dataset, download
     try:
@@ -119,17 +125,29 @@ def offline_task_data(notes: list[str]):
         datasets.load_dataset, ConfigurableTask.download = real_load, real_download
 
 
+def metric_name(key: str) -> str:
+    """lm-eval's "metric,filter" result key as one name: the metric alone for the unfiltered
+    responses ("acc,none" -> "acc"), else with its filter ("exact_match,strict-match" ->
+    "exact_match_strict-match"), so that every filter of a generative task keeps its own score."""
+    metric, _, filt = key.partition(",")
+    return metric if filt in ("", "none") else f"{metric}_{filt}"
+
+
 class LmEvalTask:
-    """An lm-eval task or group (mmlu, arc_easy, hellaswag, ...) evaluated on an in-memory model.
+    """An lm-eval task or group (mmlu, arc_easy, hellaswag, gsm8k, ...) evaluated on an in-memory model.
 
     Tasks are built once; each `evaluate` runs lm-eval's own request building, model calls
-    and metrics, so the numbers are lm-eval's. Groups report lm-eval's aggregate (for MMLU the
-    micro-average over questions) and keep every subtask's score in `details`.
+    (log-likelihoods, or greedy generation for `generate_until` tasks) and metrics, so the
+    numbers are lm-eval's. Groups report lm-eval's aggregate (for MMLU the micro-average over
+    questions) and keep every subtask's score in `details`. The headline metric is the task's
+    first, on its first filter (GSM8K: exact_match on strict-match); every filter's are kept.
     """
 
     LOGLIKELIHOOD_TYPES = {"multiple_choice", "loglikelihood", "loglikelihood_rolling"}
+    OUTPUT_TYPES = LOGLIKELIHOOD_TYPES | {"generate_until"}
 
-    def __init__(self, task: str, tokenizer, *, num_fewshot: int | None = 0, limit: int | None = None, batch_size: int = 8, seed: int = 1234):
+    def __init__(self, task: str, tokenizer, *, num_fewshot: int | None = 0, limit: int | None = None, batch_size: int = 8, seed: int = 1234,
+                 max_gen_toks: int | None = None):
         quiet_lm_eval()
         self.name, self.tokenizer, self.limit, self.batch_size, self.seed = task, tokenizer, limit, batch_size, seed
         self.offline = not assets.hub_reachable()
@@ -142,9 +160,16 @@ class LmEvalTask:
         with offline_task_data(self.notes) if self.offline else contextlib.nullcontext():
             loaded = tm.load([task])
         self.loaded = loaded
-        bad = sorted(n for n, t in loaded["tasks"].items() if t.get_config("output_type") not in self.LOGLIKELIHOOD_TYPES)
+        types = {n: t.get_config("output_type") for n, t in loaded["tasks"].items()}
+        bad = sorted(n for n, kind in types.items() if kind not in self.OUTPUT_TYPES)
         if bad:
-            raise DepthcurseError(f"task {task!r} generates text ({', '.join(bad[:3])}...): prune supports log-likelihood and multiple-choice tasks")
+            raise DepthcurseError(f"task {task!r} has requests of a kind prune cannot score ({', '.join(f'{n}: {types[n]}' for n in bad[:3])})")
+        self.generative = any(kind == "generate_until" for kind in types.values())
+        if max_gen_toks is not None and not self.generative:
+            raise DepthcurseError(f"--max-gen-toks applies to generative tasks (gsm8k, nq_open, ...); {task} scores log-likelihoods")
+        if max_gen_toks is not None and max_gen_toks <= 0:
+            raise DepthcurseError(f"--max-gen-toks must be a positive number, got {max_gen_toks}")
+        self.max_gen_toks = max_gen_toks
         self.num_fewshot = num_fewshot
         for t in loaded["tasks"].values():
             if num_fewshot is not None:
@@ -152,9 +177,13 @@ class LmEvalTask:
             elif t.get_config("num_fewshot") is None:
                 t.set_config(key="num_fewshot", value=0)
             t.set_fewshot_seed(seed=seed)
+            if max_gen_toks is not None and t.get_config("output_type") == "generate_until":
+                t.config.generation_kwargs = {**(t.config.generation_kwargs or {}), "max_gen_toks": max_gen_toks}
         first = next(iter(loaded["tasks"].values()))
-        self.metric = next(iter(first._metric_fn_list))
-        self.higher_is_better = bool(first.higher_is_better().get(self.metric, True))
+        metric = next(iter(first._metric_fn_list))
+        filters = [f.get("name", "none") for f in (first.get_config("filter_list") or [])] or ["none"]
+        self.metric = metric_name(f"{metric},{filters[0]}")
+        self.higher_is_better = bool(first.higher_is_better().get(metric, True))
         self._lm = None
 
     def describe(self) -> dict:
@@ -167,6 +196,7 @@ class LmEvalTask:
             "fewshot_seed": self.seed,
             "offline_data": self.offline,
             "notes": self.notes,
+            **({"max_gen_toks": self.max_gen_toks} if self.max_gen_toks is not None else {}),
         }
 
     def _wrapper(self, model):
@@ -191,13 +221,13 @@ class LmEvalTask:
     def score(self, results: dict) -> Score:
         table = results["results"]
         top = table[self.name]
-        metrics = {key.split(",")[0]: float(value) for key, value in top.items() if "," in key and "_stderr" not in key and isinstance(value, (int, float))}
+        metrics = {metric_name(key): float(value) for key, value in top.items() if "," in key and "_stderr" not in key and isinstance(value, (int, float))}
         n_samples = results.get("n-samples", {})
         examples = sum(int(v.get("effective", 0)) for k, v in n_samples.items() if k in self.loaded["tasks"])
         details = {}
         if len(table) > 1:
             details = {
-                name: {key.split(",")[0]: float(v) for key, v in row.items() if "," in key and "_stderr" not in key and isinstance(v, (int, float))}
+                name: {metric_name(key): float(v) for key, v in row.items() if "," in key and "_stderr" not in key and isinstance(v, (int, float))}
                 for name, row in table.items()
                 if name != self.name
             }
@@ -214,5 +244,8 @@ def quiet_hflm():
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
             return super().loglikelihood_rolling(requests, disable_tqdm=True)
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            return super().generate_until(requests, disable_tqdm=True)
 
     return QuietHFLM
