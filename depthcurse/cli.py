@@ -438,6 +438,8 @@ def angular_distance(
     token_position: str = typer.Option("last", "--token-position", help="last (last non-pad token of each row, as Gromov et al.) or all (every non-pad token)."),
     max_n: Optional[int] = typer.Option(None, "--max-n", help="Largest block size n (default: the number of layers)."),
     normalize: bool = typer.Option(True, "--normalize/--no-normalize", help="Min-max normalise each row (n) of the heatmap."),
+    identity_tokens: int = typer.Option(1024, "--identity-tokens", help="Tokens over which each block's identity distance E||Jv - v||/||v|| and its branches' gains are estimated (0: skip). Costs about 3 block forwards per probe per token."),
+    probes: int = typer.Option(4, "--probes", help="Random probes v per sequence for the identity distance."),
     out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default runs/angular/<model>)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
@@ -449,11 +451,14 @@ def angular_distance(
     from depthcurse.surgery import num_layers
 
     angular.check_options(tokens=tokens, seq_len=seq_len, batch_size=batch_size, position=token_position)
+    if identity_tokens < 0 or probes < 1:
+        raise DepthcurseError("--identity-tokens must be 0 or more and --probes at least 1")
     out_dir = out or Path("runs") / "angular" / _slug(model)
     ensure_out_dir(out_dir)
     loaded = _load(model, head="base", dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
     max_n = angular.check_max_n(max_n, num_layers(loaded.model))
-    result = _measure_angular(loaded, out_dir, data=data, tokens=tokens, seq_len=seq_len, batch_size=batch_size, position=token_position, max_n=max_n)
+    result = _measure_angular(loaded, out_dir, data=data, tokens=tokens, seq_len=seq_len, batch_size=batch_size, position=token_position, max_n=max_n,
+                              identity_tokens=identity_tokens, probes=probes)
     result.run["normalize"] = normalize
     paths = angular.write_angular(result, out_dir)
     paths.append(angular.plot_angular(result, out_dir / "angular.png", normalize=normalize))

@@ -61,6 +61,7 @@ def _naive(model, sequences, position: str):
     d = [[0.0] * (L + 1) for _ in range(L + 1)]
     count = 0
     bi, upd, norm, var, tokens = [0.0] * L, [0.0] * L, [0.0] * (L + 1), [0.0] * (L + 1), 0
+    bulk, peak, channel = [0.0] * (L + 1), [0.0] * (L + 1), [-1] * (L + 1)
     for ids in sequences:
         xs = _reference_streams(model, ids)
         positions = [len(ids) - 1] if position == "last" else range(len(ids))
@@ -75,6 +76,10 @@ def _naive(model, sequences, position: str):
             for l in range(L + 1):
                 norm[l] += xs[l][t].norm().item()
                 var[l] += xs[l][t].var(unbiased=False).item()
+                order = xs[l][t].abs().argsort(descending=True)
+                bulk[l] += xs[l][t][order[4:]].var(unbiased=False).item()  # without the token's 4 largest channels
+                if xs[l][t].abs().max().item() > peak[l]:
+                    peak[l], channel[l] = xs[l][t].abs().max().item(), int(order[0])
             for l in range(L):
                 a, b = xs[l][t], xs[l + 1][t]
                 bi[l] += (torch.dot(a, b) / (a.norm() * b.norm())).item()
@@ -86,6 +91,9 @@ def _naive(model, sequences, position: str):
         "relative_update": [v / tokens for v in upd],
         "norm": [v / tokens for v in norm],
         "variance": [v / tokens for v in var],
+        "variance_bulk": [v / tokens for v in bulk],
+        "max_activation": peak,
+        "max_channel": channel,
     }
 
 
@@ -100,8 +108,9 @@ def test_matches_a_naive_per_sequence_reference(llama, sequences, tiny_tokenizer
     ref = _naive(llama, sequences, position)
     assert result.samples == ref["count"] == (len(sequences) if position == "last" else sum(map(len, sequences)))
     assert _close(result.pairwise, ref["pairwise"])
-    for key in ("block_influence", "relative_update", "norm", "variance"):
+    for key in ("block_influence", "relative_update", "norm", "variance", "variance_bulk", "max_activation"):
         assert _close(getattr(result, key), ref[key]), key
+    assert result.max_channel == ref["max_channel"]
     assert result.distance(1, 3) == result.pairwise[1][4]
     best = result.best_blocks()
     assert [b["n"] for b in best] == [1, 2, 3, 4, 5] and best[-1]["l"] == 0
@@ -168,7 +177,9 @@ def test_cli_writes_all_files(run_cli, tiny_model_dir, text_file, tmp_path):
     assert [b["n"] for b in data["best_blocks"]] == [1, 2, 3, 4]
     lines = (out / "angular.csv").read_text().splitlines()
     assert lines[0] == "l,n,distance,count" and len(lines) == 1 + 4 + 3 + 2 + 1
-    assert (out / "layers.csv").read_text().splitlines()[0] == "l,block_influence,relative_update,norm,variance,count"
+    assert (out / "layers.csv").read_text().splitlines()[0] == (
+        "l,block_influence,relative_update,norm,variance,variance_bulk,max_activation,max_channel,identity_distance,attn_gain,mlp_gain,count")
+    assert len(data["identity"]["identity_distance"]) == 4 and data["identity"]["tokens"] == 300  # fewer than --identity-tokens 1024
     assert "l*" in stdout and "warning" not in err
 
     code, _, err = run_cli("angular-distance", tiny_model_dir, "--data", text_file, "--tokens", "100000", "--seq-len", "8", "--max-n", "2", "--token-position", "all", "--no-normalize", "--out", out)

@@ -189,3 +189,34 @@ def test_a_llama3_tokenizer_model_is_tiktoken_with_its_special_tokens(tmp_path):
     text = "the capital of Italy is Rome, they say.\n  The 1234 caps"
     assert tok(text).input_ids == [len(ranks), *enc.encode(text)]
     assert tok.convert_tokens_to_ids("<|eot_id|>") == enc.encode("<|eot_id|>", allowed_special="all")[0]
+
+
+def test_a_hub_repository_in_meta_layout_is_downloaded_converted_and_then_loads_offline(meta_folder, tmp_path, monkeypatch):
+    """`depthcurse prune meta-llama/Llama-2-7b`: the repository has no config.json, so its Meta
+    files are downloaded (here: served from a local folder) and converted; later, offline, the
+    conversion in the cache is what the name resolves to."""
+    import huggingface_hub
+
+    from depthcurse import assets
+
+    folder, hf, _ = meta_folder
+    monkeypatch.setenv("DEPTHCURSE_CACHE", str(tmp_path / "cache"))
+    asked = []
+    monkeypatch.setattr(assets, "hub_reachable", lambda: True)
+    monkeypatch.setattr(huggingface_hub, "file_exists", lambda repo, name, revision=None: asked.append((repo, name)) or name == "params.json")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, revision=None, allow_patterns=None: str(folder))
+
+    def no_config(*args, **kwargs):  # the hub's answer for a repository without config.json
+        raise OSError("meta-llama/Llama-2-7b does not appear to have a file named config.json")
+
+    real_config = __import__("transformers").AutoConfig.from_pretrained
+    monkeypatch.setattr("transformers.AutoConfig.from_pretrained", lambda src, **kw: no_config() if src == "meta-llama/Llama-2-7b" else real_config(src, **kw))
+    loaded = load_model("meta-llama/Llama-2-7b", dtype="fp32", device="cpu")
+    assert ("meta-llama/Llama-2-7b", "params.json") in asked
+    assert loaded.source == str(meta_llama.converted_path("meta-llama/Llama-2-7b"))
+    ids = torch.randint(3, 400, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(ids).logits, hf(ids).logits, rtol=0, atol=0)
+
+    monkeypatch.setattr(assets, "hub_reachable", lambda: False)  # offline now: the cache answers
+    assert load_model("meta-llama/Llama-2-7b", dtype="fp32", device="cpu").source == loaded.source

@@ -20,6 +20,10 @@ import torch
 
 from depthcurse.errors import DepthcurseError
 
+# Massive activations (Sun et al., 2024) sit in a handful of channels: a token's variance without
+# its few largest entries is the bulk's, which the paper's gradual growth is about.
+OUTLIER_CHANNELS = 4
+
 
 def _hidden_from_inputs(args: tuple, kwargs: dict) -> torch.Tensor:
     value = kwargs.get("hidden_states")
@@ -62,10 +66,16 @@ class _Sums:
     var_sum: list[float] = field(default_factory=list)
     cos_sum: list[float] = field(default_factory=list)
     update_sum: list[float] = field(default_factory=list)
+    bulk_var_sum: list[float] = field(default_factory=list)
+    max_abs: list[float] = field(default_factory=list)  # the largest |activation| seen at each depth
+    max_channel: list[int] = field(default_factory=list)  # and its channel
 
     def __post_init__(self):
         self.norm_sum = [0.0] * self.n_streams
         self.var_sum = [0.0] * self.n_streams
+        self.bulk_var_sum = [0.0] * self.n_streams
+        self.max_abs = [0.0] * self.n_streams
+        self.max_channel = [-1] * self.n_streams
         self.cos_sum = [0.0] * (self.n_streams - 1)
         self.update_sum = [0.0] * (self.n_streams - 1)
 
@@ -121,7 +131,7 @@ class StreamCapture:
         self._seen = [False] * self.n_streams
         self._all_real = bool(mask.all())
         n = self.n_streams
-        self._batch_stats = {"norm": [None] * n, "var": [None] * n, "cos": [None] * (n - 1), "update": [None] * (n - 1)}
+        self._batch_stats = {"norm": [None] * n, "var": [None] * n, "bulk_var": [None] * n, "max": [None] * n, "cos": [None] * (n - 1), "update": [None] * (n - 1)}
 
     def _take(self, k: int, hidden: torch.Tensor) -> None:
         if self._mask is None:
@@ -143,6 +153,13 @@ class StreamCapture:
         stats = self._batch_stats
         stats["norm"][k] = norm.sum(dtype=torch.float64)
         stats["var"][k] = x.var(dim=-1, unbiased=False).sum(dtype=torch.float64)
+        c = min(OUTLIER_CHANNELS, x.shape[-1] - 2)
+        top = x.abs().topk(c, dim=-1)
+        keep = torch.ones_like(x).scatter_(-1, top.indices, 0.0)  # masked, not subtracted: no cancellation
+        mean = (x * keep).sum(-1, keepdim=True) / (x.shape[-1] - c)
+        stats["bulk_var"][k] = (((x - mean) * keep) ** 2).sum(-1).div(x.shape[-1] - c).sum(dtype=torch.float64)
+        token = top.values[:, 0].argmax()
+        stats["max"][k] = torch.stack([top.values[token, 0].double(), top.indices[token, 0].double()])
         if k > 0:
             if self._prev is None:
                 raise DepthcurseError(f"block {k - 1} was skipped in the forward pass: cannot measure this model")
@@ -168,10 +185,13 @@ class StreamCapture:
         s.angle_sum = angles if s.angle_sum is None else s.angle_sum + angles
         s.samples += stacked.shape[0]
         # One host sync per batch, not one per layer.
-        for name, total in (("norm", s.norm_sum), ("var", s.var_sum), ("cos", s.cos_sum), ("update", s.update_sum)):
+        for name, total in (("norm", s.norm_sum), ("var", s.var_sum), ("bulk_var", s.bulk_var_sum), ("cos", s.cos_sum), ("update", s.update_sum)):
             values = torch.stack(self._batch_stats[name]).cpu().tolist()
             for i, v in enumerate(values):
                 total[i] += v
+        for i, (value, channel) in enumerate(torch.stack(self._batch_stats["max"]).cpu().tolist()):
+            if value > s.max_abs[i]:
+                s.max_abs[i], s.max_channel[i] = value, int(channel)
         s.stat_tokens += int(self._flat_idx.numel())
         self._streams = [None] * self.n_streams
         self._prev = None

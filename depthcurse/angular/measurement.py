@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from depthcurse.angular.capture import StreamCapture
+from depthcurse.angular.jacobian import identity_distances
 from depthcurse.angular.result import AngularResult
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import environment
@@ -129,6 +130,8 @@ def measure_text(
     device=None,
     on_batch: Callable[[int, int], None] | None = None,
     on_start: Callable[[], None] | None = None,
+    identity_tokens: int = 1024,
+    probes: int = 4,
 ) -> tuple[AngularResult, TokenisedData, str]:
     """`measure` on text read by `load_texts(data)`: one document per row, up to `tokens` tokens.
 
@@ -141,7 +144,7 @@ def measure_text(
     batches = make_batches(tokenised.sequences, batch_size, pad_id_of(tokenizer))
     if on_start is not None:
         on_start()
-    result = measure(model, batches, position=position, max_n=max_n, device=device, on_batch=on_batch)
+    result = measure(model, batches, position=position, max_n=max_n, device=device, on_batch=on_batch, identity_tokens=identity_tokens, probes=probes)
     result.run = {"data": label, "tokens_requested": tokens, "tokens_seen": tokenised.tokens, "data_exhausted": tokenised.exhausted,
                   "seq_len": seq_len, "batch_size": batch_size, "token_position": position}
     return result, tokenised, label
@@ -165,8 +168,12 @@ def measure(
     max_n: int | None = None,
     device=None,
     on_batch: Callable[[int, int], None] | None = None,
+    identity_tokens: int = 1024,
+    probes: int = 4,
 ) -> AngularResult:
-    """Angular distances and per-layer statistics of `model` over `batches` (ids, mask)."""
+    """Angular distances and per-layer statistics of `model` over `batches` (ids, mask); with
+    `identity_tokens` > 0, each block's identity distance and branch gains (`jacobian`) over the
+    first that many tokens, with `probes` random probes each."""
     if position not in POSITIONS:
         raise DepthcurseError(f"unknown --token-position {position!r}: use last or all")
     if not batches:
@@ -189,6 +196,9 @@ def measure(
             if on_batch is not None:
                 on_batch(done, total)
     seconds = time.perf_counter() - started
+    identity = None
+    if identity_tokens > 0:
+        identity = identity_distances(blocks, batches, lambda i, m: run_forward(module, i, m, device), tokens=identity_tokens, probes=probes).to_json()
     s = cap.sums
     pairwise = (s.angle_sum / s.samples).cpu().tolist()
     t = s.stat_tokens
@@ -205,4 +215,8 @@ def measure(
         variance=[v / t for v in s.var_sum],
         sequences=sum(int(m.shape[0]) for _, m in batches),
         seconds=seconds,
+        variance_bulk=[v / t for v in s.bulk_var_sum],
+        max_activation=s.max_abs,
+        max_channel=s.max_channel,
+        identity=identity,
     )

@@ -46,7 +46,9 @@ def plot_angular(result: AngularResult, path: Path, *, normalize: bool = True, t
 
 
 def plot_layers(result: AngularResult, path: Path, *, title: str | None = None) -> Path:
-    """Four panels: Block Influence, relative update size, residual norm and variance by depth."""
+    """Six panels by depth: Block Influence, relative update size, residual norm, variance (all
+    channels, and the bulk without each token's largest few), the largest activation with its
+    channel, and each block's identity distance with its branches' gains."""
     import matplotlib  # lazy: only figures need matplotlib (1 s to import)
 
     matplotlib.use("Agg")
@@ -54,20 +56,39 @@ def plot_layers(result: AngularResult, path: Path, *, title: str | None = None) 
 
     L = result.num_layers
     blocks, depths = list(range(L)), list(range(L + 1))
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), dpi=110)
+    depth_label = "depth l (L = after last block, before final norm)"
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), dpi=110)
     panels = [
-        (axes[0, 0], blocks, result.block_influence, "Block Influence 1 - cos(x_l, x_l+1)", "block l", False),
-        (axes[0, 1], blocks, result.relative_update, "relative update |x_l+1 - x_l| / |x_l|", "block l", False),
-        (axes[1, 0], depths, result.norm, "mean L2 norm of x_l", "depth l (L = after last block, before final norm)", True),
-        (axes[1, 1], depths, result.variance, "mean per-token variance of x_l", "depth l (L = after last block, before final norm)", True),
+        (axes[0, 0], [(blocks, result.block_influence, None)], "Block Influence 1 - cos(x_l, x_l+1)", "block l", False),
+        (axes[0, 1], [(blocks, result.relative_update, None)], "relative update |x_l+1 - x_l| / |x_l|", "block l", False),
+        (axes[0, 2], [(depths, result.norm, None)], "mean L2 norm of x_l", depth_label, True),
+        (axes[1, 0], [(depths, result.variance, "all channels"), (depths, result.variance_bulk, "without each token's 4 largest")],
+         "mean per-token variance of x_l", depth_label, True),
+        (axes[1, 1], [(depths, result.max_activation, None)], "largest |activation| in x_l (its channel)", depth_label, True),
     ]
-    for ax, xs, ys, label, xlabel, log in panels:
-        ax.plot(xs, ys, marker="o", ms=3, lw=1.3)
+    ident = result.identity or {}
+    gains = [(blocks, ident.get(k), label) for k, label in
+             (("identity_distance", "block: E|Jv - v| / |v|"), ("attn_gain", "attention: E|J_attn v| / |v|"), ("mlp_gain", "MLP: E|J_mlp v| / |v|"))]
+    panels.append((axes[1, 2], gains, f"distance from the identity ({ident.get('probes', 0)} probes, {ident.get('tokens', 0)} tokens)", "block l", True))
+    for ax, lines, label, xlabel, log in panels:
+        drawn = [(xs, ys, name) for xs, ys, name in lines if ys]
+        for xs, ys, name in drawn:
+            ax.plot(xs[: len(ys)], ys, marker="o", ms=3, lw=1.3, label=name)
+        if not drawn:
+            ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes, color="gray")
         ax.set_title(label, fontsize=10)
         ax.set_xlabel(xlabel, fontsize=9)
-        if log and min(ys) > 0:
+        if log and drawn and all(min(ys) > 0 for _, ys, _ in drawn):
             ax.set_yscale("log")
+        if any(name for _, _, name in drawn):
+            ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
+    if result.max_activation and result.max_channel:  # say where the channel of the largest activation changes
+        previous = None
+        for l, (value, channel) in enumerate(zip(result.max_activation, result.max_channel)):
+            if channel != previous:
+                axes[1, 1].annotate(str(channel), (l, value), fontsize=7, xytext=(2, 4), textcoords="offset points")
+            previous = channel
     run = result.run or {}
     fig.suptitle(title or f"{run.get('model', 'model')}: per-layer statistics over {result.stat_tokens} tokens ({run.get('data', '?')})", fontsize=11)
     fig.tight_layout()

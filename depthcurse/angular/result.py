@@ -28,6 +28,10 @@ class AngularResult:
     sequences: int = 0
     seconds: float = 0.0
     run: dict = field(default_factory=dict)
+    variance_bulk: list[float] = field(default_factory=list)  # [L+1]: per-token variance without its largest channels
+    max_activation: list[float] = field(default_factory=list)  # [L+1]: the largest |activation| at each depth
+    max_channel: list[int] = field(default_factory=list)  # [L+1]: its channel
+    identity: dict | None = None  # jacobian.IdentityDistances.to_json(): identity distance and branch gains per block
 
     def distance(self, l: int, n: int) -> float:
         return self.pairwise[l][l + n]
@@ -71,6 +75,11 @@ class AngularResult:
 
     def layer_rows(self) -> list[dict]:
         rows = []
+        ident = self.identity or {}
+
+        def per_block(values, l):
+            return None if values is None or l >= len(values) else values[l]
+
         for l in range(self.num_layers + 1):
             last = l == self.num_layers
             rows.append({
@@ -79,6 +88,12 @@ class AngularResult:
                 "relative_update": None if last else self.relative_update[l],
                 "norm": self.norm[l],
                 "variance": self.variance[l],
+                "variance_bulk": per_block(self.variance_bulk, l),
+                "max_activation": per_block(self.max_activation, l),
+                "max_channel": per_block(self.max_channel, l),
+                "identity_distance": per_block(ident.get("identity_distance"), l),
+                "attn_gain": per_block(ident.get("attn_gain"), l),
+                "mlp_gain": per_block(ident.get("mlp_gain"), l),
                 "count": self.stat_tokens,
             })
         return rows
@@ -102,8 +117,12 @@ class AngularResult:
                 "relative_update": self.relative_update,
                 "norm": self.norm,
                 "variance": self.variance,
+                "variance_bulk": self.variance_bulk,
+                "max_activation": self.max_activation,
+                "max_channel": self.max_channel,
                 "tokens": self.stat_tokens,
             },
+            "identity": self.identity,
         }
 
 
@@ -132,6 +151,8 @@ def load_angular(path) -> AngularResult:
             block_influence=layers["block_influence"], relative_update=layers["relative_update"],
             norm=layers["norm"], variance=layers["variance"], sequences=data.get("sequences", 0),
             seconds=data.get("seconds", 0.0), run=data.get("run", {}),
+            variance_bulk=layers.get("variance_bulk", []), max_activation=layers.get("max_activation", []),
+            max_channel=layers.get("max_channel", []), identity=data.get("identity"),
         )
     except FileNotFoundError as exc:
         raise DepthcurseError(f"no angular-distance result at {path}: run `depthcurse angular-distance` first") from exc

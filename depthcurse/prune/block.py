@@ -13,7 +13,7 @@ from depthcurse.surgery import num_layers
 
 # The angular pass `--block` makes when it has none to reuse: Gromov et al.'s last-token distance
 # (rows of 512 tokens, or the model's maximum if less).
-BLOCK_PASS = {"seq_len": None, "batch_size": 4, "position": "last"}
+BLOCK_PASS = {"seq_len": None, "batch_size": 4, "position": "last", "identity_tokens": 0}  # the blocks' Jacobians are not needed to pick one
 
 
 def block_choices(loaded, n: int, out_dir: Path, *, angular: Path | None = None, data: str = "auto", tokens: int = 65536,

@@ -1,0 +1,134 @@
+"""The identity distance of a block, E ||J v - v|| / ||v||, against the exact Jacobian; and the
+outlier statistics that tell massive activations apart from the bulk of the stream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from families import family_model
+from helpers import tiny_bert
+from depthcurse.angular import measurement
+from depthcurse.angular.jacobian import _Recorder, _split_hidden, block_probes, first_tokens, identity_distances
+from depthcurse.surgery import removed_units
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _recorded(model, ids, mask):
+    blocks = model.model.layers if hasattr(model, "model") else model.encoder.layer
+    with _Recorder(blocks) as rec, torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, use_cache=False) if hasattr(model, "model") else model(input_ids=ids, attention_mask=mask)
+    return blocks, rec.calls
+
+
+def _exact(block, call, part=None):
+    """The exact Jacobian (reverse mode, all of it) of the block's output, or of a branch's output, in its input stream."""
+    x, call_with = _split_hidden(*call)
+    seen = {}
+    handle = None
+    if part is not None:
+        module = getattr(block, {"attn": "self_attn", "mlp": "mlp"}[part])
+        handle = module.register_forward_hook(lambda m, a, out: seen.__setitem__("out", out[0] if isinstance(out, tuple) else out))
+
+    def f(h):
+        a, kw = call_with(h)
+        out = block(*a, **kw)
+        return seen["out"] if part else (out[0] if isinstance(out, tuple) else out)
+
+    try:
+        return torch.autograd.functional.jacobian(f, x)  # [B, T, d, B, T, d]
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_each_probe_is_the_exact_jacobian_times_the_probe(name):
+    model = family_model(name, attn="eager").double()
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0  # right padding: probes are zero there and norms skip it
+    blocks, calls = _recorded(model, ids, mask)
+    probes = torch.randn((3, 2, 7, 32), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for i in (0, 3):
+        got = block_probes(blocks[i], *calls[i], mask, probes)
+        real = mask.double()[..., None]
+        J = _exact(blocks[i], calls[i])
+        branches = {part: _exact(blocks[i], calls[i], part) for part in ("attn", "mlp")}
+        for p, v in enumerate(probes):
+            v = v * real
+            jv = torch.einsum("abcxyz,xyz->abc", J, v)
+            want = torch.linalg.vector_norm((jv - v) * real, dim=(-2, -1))
+            torch.testing.assert_close(got["identity"][p].double(), want, rtol=1e-5, atol=1e-8)
+            torch.testing.assert_close(got["v"][p].double(), torch.linalg.vector_norm(v, dim=(-2, -1)), rtol=1e-6, atol=0)
+            for part, Jb in branches.items():
+                want_b = torch.linalg.vector_norm(torch.einsum("abcxyz,xyz->abc", Jb, v) * real, dim=(-2, -1))
+                torch.testing.assert_close(got[part][p].double(), want_b, rtol=1e-5, atol=1e-8)
+
+
+def test_a_pre_norm_block_without_its_mlp_is_its_attention_branch():
+    """f(x) = x + A(x) once the MLP is removed: J - I is the attention branch's Jacobian, so the
+    identity distance and the attention gain are the same number and the MLP gain is 0."""
+    model = family_model("llama", attn="eager")
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    batches = [(ids, torch.ones_like(ids))]
+    blocks = model.model.layers
+    with removed_units(model, [1], "mlp"):
+        got = identity_distances(blocks, batches, lambda i, m: model(input_ids=i, attention_mask=m, use_cache=False), probes=3)
+    assert got.mlp_gain[1] == 0.0 and got.mlp_gain[0] > 0
+    assert got.identity[1] == pytest.approx(got.attn_gain[1], rel=1e-5)
+    assert got.identity[0] != pytest.approx(got.attn_gain[0], rel=1e-2)  # with its MLP, a block is more than its attention
+    assert got.tokens == 18 and got.probes == 3
+
+
+def test_the_estimate_is_the_jacobians_frobenius_distance_per_dimension():
+    """E ||A v|| / ||v|| over normal probes concentrates at ||A||_F / sqrt(n) in n dimensions."""
+    model = family_model("llama", attn="eager").double()
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    blocks, calls = _recorded(model, ids, mask)
+    J = _exact(blocks[2], calls[2]).reshape(6 * 32, 6 * 32)
+    frobenius = torch.linalg.matrix_norm(J - torch.eye(6 * 32, dtype=J.dtype)).item() / (6 * 32) ** 0.5
+    got = identity_distances(blocks, [(ids, mask)], lambda i, m: model(input_ids=i, attention_mask=m, use_cache=False), probes=400, seed=5)
+    assert got.identity[2] == pytest.approx(frobenius, rel=0.03)
+
+
+def test_encoders_get_the_identity_distance_without_branch_gains(tiny_tokenizer):
+    model = tiny_bert(len(tiny_tokenizer), qa=False)
+    ids = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    got = identity_distances(model.encoder.layer, [(ids, torch.ones_like(ids))], lambda i, m: model(input_ids=i, attention_mask=m), probes=2)
+    assert len(got.identity) == 4 and all(d > 0 for d in got.identity)
+    assert got.attn_gain is None and got.mlp_gain is None  # Post-LN: no branch on the stream
+
+
+def test_first_tokens_cuts_the_last_row():
+    ids = torch.arange(24).reshape(3, 8)
+    mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3, [1] * 8])
+    (cut_ids, cut_mask), = first_tokens([(ids, mask)], 10)
+    assert int(cut_mask.sum()) == 10 and cut_mask[1].tolist() == [1, 1, 0, 0, 0, 0, 0, 0] and cut_ids.shape == (2, 8)
+    assert first_tokens([(ids, mask), (ids, mask)], 100)[1][1].sum() == 21
+
+
+def test_a_massive_activation_is_found_with_its_channel_and_left_out_of_the_bulk(tiny_tokenizer):
+    """One block writes a huge value into channel 7 of every token: from its output on, the raw
+    variance jumps, the bulk variance does not, and the largest activation names channel 7."""
+    model = family_model("llama", attn="eager")
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    batches = [(ids, torch.ones_like(ids))]
+    plain = measurement.measure(model, batches, identity_tokens=0)
+
+    def massive(module, args, output):
+        output[..., 7] += 500.0
+        return output
+
+    handle = model.model.layers[2].register_forward_hook(massive)
+    try:
+        spiked = measurement.measure(model, batches, identity_tokens=0)
+    finally:
+        handle.remove()
+    assert spiked.max_channel[3:] == [7, 7, 7] and spiked.max_activation[3] > 400
+    assert spiked.max_channel[3] != plain.max_channel[3] or plain.max_activation[3] < 50
+    assert spiked.variance[3] > 100 * plain.variance[3]
+    assert spiked.variance_bulk[:3] == plain.variance_bulk[:3]
+    assert spiked.variance_bulk[3] < 10 * plain.variance_bulk[3]
