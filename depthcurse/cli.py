@@ -554,7 +554,8 @@ def lns_train(
     if not main_rank:
         return
     console.print(f"validation loss {summary['val_loss']:.4f} · perplexity {summary['val_ppl']:.2f} · {summary['step']} steps, {summary['tokens']:,} tokens")
-    console.print(f"wrote {out_dir / 'metrics.jsonl'}, {out_dir / 'summary.json'}, {out_dir / 'loss.png'}, {', '.join(summary['exports'].values())}")
+    figures = [out_dir / name for name in ("loss.png", "layers.png") if (out_dir / name).is_file()]  # layers.png: with --layer-metrics-tokens
+    console.print(f"wrote {out_dir / 'metrics.jsonl'}, {out_dir / 'summary.json'}, {', '.join(map(str, figures))}, {', '.join(summary['exports'].values())}")
 
 
 @app.command("lns-report")

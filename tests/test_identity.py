@@ -9,7 +9,7 @@ import torch
 from families import family_model
 from helpers import tiny_bert
 from depthcurse.angular import measurement
-from depthcurse.angular.jacobian import _Recorder, _split_hidden, block_probes, first_tokens, identity_distances
+from depthcurse.identity import _Recorder, _split_hidden, block_probes, first_tokens, identity_distances
 from depthcurse.surgery import removed_units
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

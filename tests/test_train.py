@@ -76,7 +76,7 @@ def test_metrics_and_outputs(cfg, tmp_path):
     assert logged[-1]["tokens"] == 8 * 4 * 16
     assert [r["step"] for r in rows if "val_loss" in r] == [4, 8]
     assert math.exp(summary["val_loss"]) == pytest.approx(summary["val_ppl"])
-    for name in ("loss.png", "summary.json", "config.json", "hf/config.json", "hf-llama/config.json"):
+    for name in ("loss.png", "layers.png", "summary.json", "config.json", "hf/config.json", "hf-llama/config.json"):
         assert (tmp_path / "run" / name).is_file()
     # both exports are the trained model: our class with LNS, and stock Llama with it folded in
     from depthcurse.loading import load_model
@@ -91,6 +91,42 @@ def test_metrics_and_outputs(cfg, tmp_path):
     assert lrs[:2] == pytest.approx([cfg.resolved().lr * 0.5, cfg.resolved().lr])
     assert train.lr_factor(8, 2, 8, 0.1) == pytest.approx(0.1)
     assert train.lr_factor(5, 2, 8, 0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 3 / 6)))
+
+
+def test_every_evaluation_logs_the_layers(cfg, tmp_path, monkeypatch):
+    """Per layer at each evaluation: the gradient norms of the step just taken (they make up the
+    step's gradient norm with the rest of the model's), the residual variance and the identity
+    distance of the model as it is then (checked against `identity_distances` on the same model)."""
+    from depthcurse.identity import identity_distances
+
+    seen = {}
+    real_step = train.train_step
+
+    def spy(model, *args, **kwargs):
+        out = real_step(model, *args, **kwargs)
+        if kwargs.get("per_layer") is not None:  # the gradients of the step, as train_step measured them
+            rest = sum(p.grad.double().pow(2).sum().item() for n, p in model.named_parameters() if ".layers." not in n and p.grad is not None)
+            seen[len(seen)] = (out[1], out[2], rest)
+        return out
+
+    monkeypatch.setattr(train, "train_step", spy)
+    train.run(cfg, tmp_path / "run")
+    evals = [r for r in MetricsLog(tmp_path / "run" / METRICS).rows() if "val_loss" in r]
+    assert [r["step"] for r in evals] == [4, 8]
+    for (total, layers, rest), row in zip(seen.values(), evals):
+        assert row["layer_grad_norm"] == layers and len(layers) == 3
+        assert math.sqrt(sum(g * g for g in layers) + rest) == pytest.approx(total, rel=1e-5)  # no clipping in this run
+        assert len(row["layer_variance"]) == len(row["identity_distance"]) == len(row["attn_gain"]) == len(row["mlp_gain"]) == 3
+        assert row["layer_metrics_tokens"] == 64 and all(d > 0 for d in row["identity_distance"])
+    # the last row is the trained model's: the same numbers as measuring the exported weights directly
+    model = train.build_model(cfg.resolved(), 400, torch.device("cpu"), "fp32")
+    model.load_state_dict(load_checkpoint(tmp_path / "run" / CHECKPOINT)["model"])
+    data = D.build_data(str(cfg.data), D.run_tokenizer(str(cfg.tokenizer), str(cfg.data), tmp_path / "run" / "tokenizer"), seq_len=16, pack=True, seed=42, val_tokens=64)
+    ids, lengths = data.val_rows, data.val_lengths
+    mask = (torch.arange(16)[None] < lengths[:, None]).long()
+    want = identity_distances(model.model.layers, [(ids, mask)], lambda i, m: model.model(i), tokens=512, probes=2)
+    assert evals[-1]["identity_distance"] == pytest.approx(want.identity, rel=1e-6)
+    assert evals[-1]["layer_variance"] == pytest.approx(want.variance, rel=1e-6)
 
 
 def test_validation_loss_matches_a_direct_computation(cfg, tmp_path):
@@ -241,6 +277,7 @@ def test_cli_train_report_and_prune_the_export(run_cli, text_file, tok_dir, tmp_
     assert "Pre-LN" in out and "Mix-LN" in out
     rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     assert {r["norm"] for r in rows} == {"pre", "mix"}
+    assert (tmp_path / "cmp" / "layers.png").is_file() and "layers.png" in out  # the runs' per-layer metrics side by side
     # the Mix-LN export is our own class: prune loads it without --trust-remote-code
     code, out, err = run_cli("prune", tmp_path / "mix" / "hf", "--task", "ppl", "--data", text_file, "--seq-len", "16", "--limit", "2", "--out", tmp_path / "prune")
     assert code == 0, err
@@ -253,6 +290,7 @@ def test_cli_train_report_and_prune_the_export(run_cli, text_file, tok_dir, tmp_
         (["--data", tmp_path / "missing.txt"], "no such data file"),
         (["--mix-ratio", "2"], "--mix-ratio must be between 0 and 1"),
         (["--hidden-size", "30"], "--hidden-size 30 must split into --heads 4 heads of even size"),
+        (["--layer-metrics-probes", "0"], "--layer-metrics-probes at least 1"),
     ]
     for extra, message in cases:
         code, out, err = run_cli("lns-train", *common, *extra, "--out", tmp_path / "bad")

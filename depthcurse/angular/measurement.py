@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from depthcurse.angular.capture import StreamCapture
-from depthcurse.angular.jacobian import identity_distances
+from depthcurse.identity import identity_distances
 from depthcurse.angular.result import AngularResult
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import environment
@@ -172,7 +172,7 @@ def measure(
     probes: int = 4,
 ) -> AngularResult:
     """Angular distances and per-layer statistics of `model` over `batches` (ids, mask); with
-    `identity_tokens` > 0, each block's identity distance and branch gains (`jacobian`) over the
+    `identity_tokens` > 0, each block's identity distance and branch gains (`depthcurse.identity`) over the
     first that many tokens, with `probes` random probes each."""
     if position not in POSITIONS:
         raise DepthcurseError(f"unknown --token-position {position!r}: use last or all")

@@ -31,7 +31,7 @@ class AngularResult:
     variance_bulk: list[float] = field(default_factory=list)  # [L+1]: per-token variance without its largest channels
     max_activation: list[float] = field(default_factory=list)  # [L+1]: the largest |activation| at each depth
     max_channel: list[int] = field(default_factory=list)  # [L+1]: its channel
-    identity: dict | None = None  # jacobian.IdentityDistances.to_json(): identity distance and branch gains per block
+    identity: dict | None = None  # depthcurse.identity.IdentityDistances.to_json(): identity distance and branch gains per block
 
     def distance(self, l: int, n: int) -> float:
         return self.pairwise[l][l + n]

@@ -49,7 +49,7 @@ COMMON_DEFAULTS = dict(seq_len=256, max_seq_len=256, data="c4", pack=False, val_
 
 # Fields that may change between a run and its resume: they change nothing that is computed.
 RESUMABLE_CHANGES = {"eval_every", "save_every", "log_every", "device", "kernels", "compile",
-                     "activation_checkpointing", "parallel"}
+                     "activation_checkpointing", "parallel", "layer_metrics_tokens", "layer_metrics_probes"}
 
 
 def _setting(default, help: str, flag: str | None = None):
@@ -91,6 +91,8 @@ class TrainConfig:
     eval_every: int | None = _setting(None, "Steps between validation losses.")
     save_every: int | None = _setting(None, "Checkpoint every this many steps.")
     log_every: int | None = _setting(None, "Steps between logged training losses.")
+    layer_metrics_tokens: int = _setting(512, "At every evaluation, per layer: gradient norm, residual variance and identity distance, over this many validation tokens (0: off).")
+    layer_metrics_probes: int = _setting(2, "Random probes per sequence for the identity distance at each evaluation.")
     device: str = _setting("auto", "auto, cpu or cuda.")
     kernels: str = _setting("auto", "auto (Triton on CUDA without --compile, the plain model otherwise), triton, torch (the fused kernels' PyTorch path) or off (the plain model).")
     compile: bool = _setting(False, "torch.compile each block.", "--compile")
@@ -163,6 +165,8 @@ def _check(cfg: TrainConfig) -> None:
         raise DepthcurseError(f"unknown optimizer {cfg.optimizer!r}: use adam or adamw")
     if cfg.precision not in PRECISIONS:
         raise DepthcurseError(f"unknown precision {cfg.precision!r}: use one of {', '.join(PRECISIONS)}")
+    if cfg.layer_metrics_tokens < 0 or cfg.layer_metrics_probes < 1:
+        raise DepthcurseError("--layer-metrics-tokens must be 0 or more and --layer-metrics-probes at least 1")
     if cfg.weight_decay < 0 or cfg.grad_clip < 0:
         raise DepthcurseError("--weight-decay and --grad-clip must not be negative")
     if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.identity import identity_distances
 from depthcurse.io import atomic_write, environment, json_text
 from depthcurse.train.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState, TrainState, prepare_out_dir
 from depthcurse.train.config import CONFIG, TrainConfig
@@ -38,7 +39,7 @@ from depthcurse.train.distributed import gradient_sync, parallelize, setup_world
 from depthcurse.train.export import export_run
 from depthcurse.train.metrics import METRICS, SUMMARY, MetricsLog, Progress
 from depthcurse.train.model import ModelConfig, Transformer, resolve_kernels
-from depthcurse.train.report import plot_loss
+from depthcurse.train.report import plot_layers, plot_loss
 
 
 def precision_of(cfg: TrainConfig, device: torch.device) -> str:
@@ -93,10 +94,12 @@ class Diverged(DepthcurseError):
     pass
 
 
-def train_step(model, optimizer, scheduler, batch, micro_batch: int, amp, grad_clip: float, device, world: World = World()) -> tuple[float, float]:
+def train_step(model, optimizer, scheduler, batch, micro_batch: int, amp, grad_clip: float, device, world: World = World(),
+               per_layer: torch.nn.ModuleList | None = None) -> tuple[float, float] | tuple[float, float, list[float]]:
     """One optimizer step over the global `batch`: this rank's slice of it, split into
     micro-batches. The loss is the mean over the global batch's real target tokens, whatever the
-    split over ranks and micro-batches, so neither changes anything."""
+    split over ranks and micro-batches, so neither changes anything. With `per_layer` (the
+    blocks), also each block's gradient norm, before clipping."""
     n_tokens = batch.tokens  # every rank holds the whole global batch: no all-reduce needed
     ids, targets = world.shard(batch.input_ids), world.shard(batch.targets)
     micro = list(zip(ids.split(micro_batch), targets.split(micro_batch)))
@@ -110,6 +113,7 @@ def train_step(model, optimizer, scheduler, batch, micro_batch: int, amp, grad_c
             (loss * world.size if world.size > 1 else loss).backward()
         total += loss.detach().float()
     total = world.sum(total)
+    layer_norms = _layer_grad_norms(per_layer, world) if per_layer is not None else None
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor over the shards
@@ -120,7 +124,55 @@ def train_step(model, optimizer, scheduler, batch, micro_batch: int, amp, grad_c
         raise Diverged(f"loss {loss_value} / gradient norm {norm_value}")
     optimizer.step()
     scheduler.step()
-    return loss_value, norm_value
+    return (loss_value, norm_value) if layer_norms is None else (loss_value, norm_value, layer_norms)
+
+
+def _layer_grad_norms(blocks: torch.nn.ModuleList, world: World) -> list[float]:
+    """Each block's gradient norm. FSDP's gradients are shards: their squares are summed over the ranks."""
+    squares = []
+    for block in blocks:
+        total = torch.zeros((), dtype=torch.float64)
+        for p in block.parameters():
+            if p.grad is not None:
+                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                total = total + g.detach().double().pow(2).sum().cpu()
+        squares.append(total)
+    stacked = torch.stack(squares)
+    if world.parallel == "fsdp":
+        stacked = world.sum(stacked.to(next(blocks.parameters()).device)).cpu()
+    return stacked.sqrt().tolist()
+
+
+def layer_profile(raw, data, tokens: int, probes: int, device) -> dict:
+    """Each block's residual variance (its input's) and identity distance and branch gains over
+    the first `tokens` validation tokens, on the unwrapped model in fp32, kernels off."""
+    ids, lengths = data.val_rows, data.val_lengths
+    mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
+    rows = [(ids[i : i + 8], mask[i : i + 8]) for i in range(0, len(ids), 8)]  # identity_distances reads only the first `tokens`
+    was_training, kernels = raw.training, raw.model.kernels
+    raw.eval()
+    raw.model.kernels = "off"  # the fused path hands a block's last branch to the next one: J would not be the block's
+    try:
+        got = identity_distances(raw.model.layers, rows, lambda ids, mask: raw.model(ids.to(device)), tokens=tokens, probes=probes)
+    finally:
+        raw.model.kernels = kernels
+        raw.train(was_training)
+    return {"layer_variance": got.variance, "identity_distance": got.identity, "attn_gain": got.attn_gain, "mlp_gain": got.mlp_gain,
+            "layer_metrics_tokens": got.tokens}
+
+
+def _layer_metrics(cfg, raw, data, device, world, layer_grad_norms) -> dict:
+    """What an evaluation adds per layer: the gradient norms of the step just taken, and (alone or
+    under DDP, on rank 0) the residual variance and identity distances on validation tokens. A
+    failure there is noted in the row and never stops the run."""
+    out = {"layer_grad_norm": layer_grad_norms}
+    if world.parallel == "fsdp" or not world.main:  # FSDP's blocks hold shards: no single-rank forward
+        return out
+    try:
+        out.update(layer_profile(raw, data, cfg.layer_metrics_tokens, cfg.layer_metrics_probes, device))
+    except Exception as exc:  # e.g. a compiled block without forward-mode derivatives
+        out["layer_metrics_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return out
 
 
 @torch.no_grad()
@@ -203,14 +255,19 @@ def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, st
     if on_start and world.main:
         on_start(info)
     model.train()
+    start_step, layer_grad_norms = progress.step, None
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     tick, tick_tokens = time.perf_counter(), 0
     while progress.step < end:
         batch = data.train.next_batch(cfg.batch_size)
         lr = optimizer.param_groups[0]["lr"]
         t0 = time.perf_counter()
+        profile_now = cfg.layer_metrics_tokens > 0 and ((progress.step + 1) % cfg.eval_every == 0 or progress.step + 1 == cfg.steps)
         try:
-            loss, grad_norm = train_step(model, optimizer, scheduler, batch, micro_batch, amp, cfg.grad_clip, device, world)
+            out = train_step(model, optimizer, scheduler, batch, micro_batch, amp, cfg.grad_clip, device, world,
+                             per_layer=raw.model.layers if profile_now else None)
+            loss, grad_norm = out[:2]
+            layer_grad_norms = out[2] if profile_now else None
         except Diverged as exc:
             raise _diverged(exc, progress.step + 1, out_dir, last_saved) from exc
         if loss > 2 * math.log(len(tokenizer)):
@@ -230,6 +287,8 @@ def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, st
                 on_progress(Progress(step, cfg.steps, loss, lr, progress.tokens, rate))
         if step % cfg.eval_every == 0 and step < cfg.steps:
             result = evaluate(model, data, cfg.micro_batch, amp, device)
+            if profile_now:
+                result.update(_layer_metrics(cfg, raw, data, device, world, layer_grad_norms))
             if world.main:
                 metrics.append({"step": step, "tokens": progress.tokens, **result})
             if on_eval and world.main:
@@ -241,6 +300,8 @@ def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, st
     if progress.step < cfg.steps:
         return {"finished": False, "step": progress.step}
     final = evaluate(model, data, cfg.micro_batch, amp, device)
+    if cfg.layer_metrics_tokens > 0 and progress.step > start_step:  # the last step's gradients are at hand
+        final.update(_layer_metrics(cfg, raw, data, device, world, layer_grad_norms))
     model_state = ModelState(model).state_dict()  # every rank takes part
     summary = {
         "finished": True, "norm": cfg.norm, "preset": cfg.preset, "step": progress.step, "tokens": progress.tokens,
@@ -259,6 +320,7 @@ def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, st
     summary["environment"] = environment()
     atomic_write(out_dir / SUMMARY, json_text(summary))
     plot_loss(metrics.rows(), out_dir / "loss.png", title=f"{cfg.preset} · {cfg.norm} · {data.label}")
+    plot_layers({"": metrics.rows()}, out_dir / "layers.png", title=f"{cfg.preset} · {cfg.norm}: per layer at each evaluation")
     return summary
 
 

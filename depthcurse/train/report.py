@@ -59,6 +59,55 @@ def plot_runs(runs: dict[str, list[dict]], path: Path, title: str = "") -> Path:
     return save_figure(fig, path)
 
 
+LAYER_PANELS = (("layer_grad_norm", "gradient norm of block l", True), ("layer_variance", "residual variance at the input of block l", True),
+                ("identity_distance", "identity distance E|Jv - v| / |v| of block l", True))
+
+
+def _layer_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if any(r.get(key) for key, _, _ in LAYER_PANELS)]
+
+
+def plot_layers(runs: dict[str, list[dict]], path: Path, title: str = "") -> Path | None:
+    """Per-layer metrics against depth. One run: a line per evaluation step, coloured from early
+    (light) to late (dark). Several runs: each run's last evaluation, one colour per run.
+    None when no run logged any (runs made before these metrics, or with them off)."""
+    runs = {label: _layer_rows(rows) for label, rows in runs.items()}
+    runs = {label: rows for label, rows in runs.items() if rows}
+    if not runs:
+        return None
+    import matplotlib  # lazy: only figures need matplotlib (1 s to import)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(LAYER_PANELS), figsize=(5 * len(LAYER_PANELS), 4.2), dpi=110)
+    over_time = len(runs) == 1
+    for ax, (key, label, log) in zip(axes, LAYER_PANELS):
+        for i, (name, rows) in enumerate(runs.items()):
+            shown = rows if over_time else rows[-1:]
+            for j, row in enumerate(shown):
+                values = row.get(key)
+                if not values:
+                    continue
+                if over_time:
+                    colour = plt.get_cmap("viridis")(0.9 - 0.8 * j / max(1, len(shown) - 1))
+                    ax.plot(range(len(values)), values, color=colour, marker="o", ms=2.5, lw=1, label=f"step {row['step']}")
+                else:
+                    ax.plot(range(len(values)), values, color=f"C{i}", marker="o", ms=3, lw=1.3, label=f"{name} (step {row['step']})".strip())
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("block l")
+        if log and all(v > 0 for line in ax.get_lines() for v in line.get_ydata()) and ax.get_lines():
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:
+        keep = range(len(handles)) if len(handles) <= 8 else sorted({0, len(handles) - 1, *range(0, len(handles), max(1, len(handles) // 6))})
+        axes[0].legend([handles[k] for k in keep], [labels[k] for k in keep], fontsize=7)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
 def read_run(folder: Path) -> dict:
     """A run folder's configuration, metrics and (if finished) summary."""
     folder = Path(folder)
@@ -138,4 +187,5 @@ def write_compare(runs: list[dict], out_dir: Path) -> list[Path]:
         label = f"{r['preset']} {r['norm']}"
         labels[label if label not in labels else f"{label} ({Path(r['folder']).name})"] = r["metrics"]
     png = plot_runs(labels, out_dir / "compare.png", title="training runs compared")
-    return [out_dir / "compare.csv", out_dir / "compare.json", png]
+    layers = plot_layers(labels, out_dir / "layers.png", title="per-layer metrics at each run's last evaluation")
+    return [out_dir / "compare.csv", out_dir / "compare.json", png, *([layers] if layers else [])]

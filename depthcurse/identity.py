@@ -37,10 +37,11 @@ class IdentityDistances:
     tokens: int  # real tokens the probes covered
     probes: int
     seconds: float
+    variance: list[float] | None = None  # [L]: mean per-token variance of each block's input over those tokens
 
     def to_json(self) -> dict:
         return {"identity_distance": self.identity, "attn_gain": self.attn_gain, "mlp_gain": self.mlp_gain,
-                "tokens": self.tokens, "probes": self.probes, "seconds": self.seconds,
+                "input_variance": self.variance, "tokens": self.tokens, "probes": self.probes, "seconds": self.seconds,
                 "definition": "E_v ||J v - v|| / ||v|| over random normal probes v of the real tokens of each sequence, J = d block(x) / dx; "
                               "a branch's gain: E_v ||J_branch v|| / ||v||"}
 
@@ -159,6 +160,8 @@ def identity_distances(blocks, batches: list[tuple[torch.Tensor, torch.Tensor]],
             if call is None:
                 raise DepthcurseError(f"block {i} was not called in the forward pass: cannot measure its Jacobian")
             x, _ = _split_hidden(*call)
+            real_rows = x.detach().float()[mask.to(x.device).bool()]
+            sums.setdefault("variance", [0.0] * len(blocks))[i] += float(real_rows.var(dim=-1, unbiased=False).sum())
             v = torch.randn((probes, *x.shape), generator=gen)
             got = block_probes(blocks[i], *call, mask, v)
             ratio = {k: (got[k] / got["v"].clamp_min(1e-30))[:, mask.sum(1) > 0] for k in got if k != "v"}
@@ -168,5 +171,6 @@ def identity_distances(blocks, batches: list[tuple[torch.Tensor, torch.Tensor]],
         seen += int(mask.sum())
     if counts == 0:
         raise DepthcurseError("no tokens to probe the blocks' Jacobians with")
+    variance = [v / seen for v in sums.pop("variance")]
     mean = {k: [s / counts for s in v] for k, v in sums.items()}
-    return IdentityDistances(mean["identity"], mean.get("attn"), mean.get("mlp"), seen, probes, round(time.perf_counter() - started, 3))
+    return IdentityDistances(mean["identity"], mean.get("attn"), mean.get("mlp"), seen, probes, round(time.perf_counter() - started, 3), variance)
