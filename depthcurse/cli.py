@@ -25,7 +25,7 @@ from rich.text import Text
 
 from depthcurse.errors import DepthcurseError, one_line
 from depthcurse.io import ensure_out_dir
-from depthcurse.train import incomparable, read_run, table1, write_compare
+from depthcurse.train import incomparable, read_run, seed_groups, seeds_table, table1, write_compare
 from depthcurse.train.config import TrainConfig
 from depthcurse.train.config import options as train_options
 
@@ -568,6 +568,8 @@ def lns_report(
     ensure_out_dir(out)
     paths = write_compare(read, out)
     console.print(table1(read))
+    if seed_groups(read):
+        console.print(seeds_table(seed_groups(read)))
     for line in incomparable(read):
         _say("warning", line)
     console.print(f"wrote {', '.join(str(p) for p in paths)}")

@@ -322,3 +322,31 @@ def test_lns_report_shows_every_run_and_warns_when_they_cannot_be_compared(run_c
     assert "Pre-LN · pre-smollm" in out and "Pre-LN · pre-bpe" in out and "40.00" in out and "25.00" in out
     assert "Pre-LN + LNS" in out and "24.00" in out
     assert "the tiny runs differ in tokenizer (None / bpe:4096): their perplexities cannot be compared" in err
+    assert "over seeds" not in out  # no two runs differ only in their seed
+
+
+def test_lns_report_gives_the_mean_and_spread_over_seeds(run_cli, tmp_path):
+    from depthcurse.train import TrainConfig as Config
+
+    losses = {1: 5.0, 2: 5.2, 3: 5.3}
+    for seed, loss in losses.items():
+        folder = tmp_path / f"lns-s{seed}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(Config(norm="lns", seed=seed, eval_every=10 * seed).resolved().to_dict()))
+        (folder / "summary.json").write_text(json.dumps({"finished": True, "step": 2000, "val_loss": loss, "val_ppl": math.exp(loss)}))
+    other = tmp_path / "lns-wide"  # another width: not one of the seeds
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps(Config(norm="lns", seed=4, hidden_size=256).resolved().to_dict()))
+    (other / "summary.json").write_text(json.dumps({"finished": True, "step": 2000, "val_loss": 4.0, "val_ppl": math.exp(4.0)}))
+    code, out, err = run_cli("lns-report", *sorted(tmp_path.glob("lns-*")), "--out", tmp_path / "cmp")
+    assert code == 0, err
+    rows = (tmp_path / "cmp" / "seeds.csv").read_text().splitlines()
+    assert len(rows) == 2 and rows[1].startswith("Pre-LN + LNS,lns,tiny,1 2 3,3,")
+    import csv
+
+    row = next(csv.DictReader((tmp_path / "cmp" / "seeds.csv").open()))
+    mean = sum(losses.values()) / 3
+    assert float(row["val_loss_mean"]) == pytest.approx(mean)
+    assert float(row["val_loss_sd"]) == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in losses.values()) / 2))
+    assert (float(row["val_loss_min"]), float(row["val_loss_max"])) == (5.0, 5.3)
+    assert "over seeds" in out.replace("\n", " ")

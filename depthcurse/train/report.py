@@ -11,7 +11,7 @@ from rich.table import Table
 
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import atomic_write, csv_text, save_figure
-from depthcurse.train.config import CONFIG
+from depthcurse.train.config import CONFIG, RESUMABLE_CHANGES
 from depthcurse.train.metrics import METRICS, SUMMARY, MetricsLog
 
 # Table 1's row order and names.
@@ -161,6 +161,39 @@ def _cell(run: dict | None) -> str:
     return text + ("" if run["finished"] else "*")
 
 
+def seed_groups(runs: list[dict]) -> list[dict]:
+    """Finished runs that differ only in --seed, grouped: their validation loss's mean, sample
+    standard deviation and range, and the perplexity of the mean loss."""
+    groups: dict[str, list[dict]] = {}
+    for r in runs:
+        if r["finished"] and r["val_loss"] is not None:
+            same = {k: v for k, v in r["config"].items() if k != "seed" and k not in RESUMABLE_CHANGES}
+            groups.setdefault(json.dumps(same, sort_keys=True, default=str), []).append(r)
+    out = []
+    for members in groups.values():
+        seeds = sorted({m["config"]["seed"] for m in members})
+        if len(seeds) < 2:
+            continue
+        losses = [m["val_loss"] for m in members]
+        mean = sum(losses) / len(losses)
+        sd = math.sqrt(sum((x - mean) ** 2 for x in losses) / (len(losses) - 1))
+        first = members[0]
+        out.append({"method": METHOD_NAMES.get(first["norm"], first["norm"]), "norm": first["norm"], "preset": first["preset"],
+                    "seeds": seeds, "runs": len(members), "val_loss_mean": mean, "val_loss_sd": sd,
+                    "val_loss_min": min(losses), "val_loss_max": max(losses), "val_ppl_of_mean": math.exp(min(mean, 700.0))})
+    return out
+
+
+def seeds_table(groups: list[dict]) -> Table:
+    table = Table(title="over seeds: validation loss, mean ± sample sd (range)", header_style="bold")
+    for col, justify in (("method", "left"), ("size", "left"), ("seeds", "left"), ("loss", "right"), ("range", "right"), ("ppl of mean", "right")):
+        table.add_column(col, justify=justify)
+    for g in groups:
+        table.add_row(g["method"], g["preset"], ", ".join(map(str, g["seeds"])), f"{g['val_loss_mean']:.4f} ± {g['val_loss_sd']:.4f}",
+                      f"{g['val_loss_min']:.4f}-{g['val_loss_max']:.4f}", f"{g['val_ppl_of_mean']:.2f}")
+    return table
+
+
 # Settings that must agree for two runs' validation perplexities to be comparable at all.
 COMPARABLE_SETTINGS = ("tokenizer", "data", "seq_len", "pack", "val_tokens")
 
@@ -188,4 +221,9 @@ def write_compare(runs: list[dict], out_dir: Path) -> list[Path]:
         labels[label if label not in labels else f"{label} ({Path(r['folder']).name})"] = r["metrics"]
     png = plot_runs(labels, out_dir / "compare.png", title="training runs compared")
     layers = plot_layers(labels, out_dir / "layers.png", title="per-layer metrics at each run's last evaluation")
-    return [out_dir / "compare.csv", out_dir / "compare.json", png, *([layers] if layers else [])]
+    paths = [out_dir / "compare.csv", out_dir / "compare.json", png, *([layers] if layers else [])]
+    groups = seed_groups(runs)
+    if groups:
+        atomic_write(out_dir / "seeds.csv", csv_text([{**g, "seeds": " ".join(map(str, g["seeds"]))} for g in groups], digits=None))
+        paths.append(out_dir / "seeds.csv")
+    return paths
