@@ -134,6 +134,23 @@ def test_small_memory_budget_gives_the_same_scores(one_torch_thread):
     assert torch.allclose(big, small, atol=1e-5)
 
 
+def test_a_prefix_too_large_for_the_memory_budget_runs_whole_with_the_same_scores(one_torch_thread):
+    """Five-shot prompts on a CPU's default budget: every variant's keys and values of the shared
+    prefix would not fit, so its rows run whole (more compute) instead of failing."""
+    model = _model("llama-tied", 300)
+    stepper = Stepper(model)
+    gen = torch.Generator().manual_seed(4)
+    shared = torch.randint(0, 300, (600,), generator=gen).tolist()
+    requests = [TokenRequest(tuple(shared + torch.randint(0, 300, (12,), generator=gen).tolist()), 605, (7, 8, 9)) for _ in range(4)]
+    roomy, _, s_roomy = score_requests(stepper, requests, VARIANTS, max_memory=2**30)
+    tight, _, s_tight = score_requests(stepper, requests, VARIANTS, max_memory=2**20)  # its keys and values for every variant: 0.7 MB
+    alone, _, _ = score_requests(stepper, requests, VARIANTS, max_memory=2**30, share_prefixes=False)
+    assert (s_roomy["prefix_groups"], s_roomy["prefix_groups_too_large"]) == (1, 0)
+    assert (s_tight["prefix_groups"], s_tight["prefix_groups_too_large"]) == (0, 1)
+    torch.testing.assert_close(tight, alone, rtol=0, atol=1e-5)  # smaller batches: float rounding only
+    torch.testing.assert_close(tight, roomy, rtol=0, atol=1e-4)
+
+
 def test_token_cap_cuts_batches_and_changes_no_score(one_torch_thread):
     """A batch (every variant) is the unit of progress and resuming: the token cap makes more of them, same scores."""
     model = _model("llama-tied", 300)

@@ -178,6 +178,7 @@ class VariantScorer:
                 raise DepthcurseError(f"variant {v} removes a layer outside 0-{stepper.n_layers - 1}")
         self.starts = sorted({min(v) for v in self.variants if v})
         self.budget = max_memory
+        self.unshared = 0  # prefix groups whose keys and values for every variant did not fit: run whole
         self.max_batch_tokens = max_batch_tokens or MAX_BATCH_TOKENS.get(torch.device(stepper.device).type, MAX_BATCH_TOKENS["cuda"])
         self.pack = pack  # rows of different lengths share a sequence (see Stepper.packed_context)
         self.block_passes = 0
@@ -211,8 +212,12 @@ class VariantScorer:
             if g.prefix:
                 kv = self._prefix_kv_bytes(g.prefix)
                 if kv > self.budget // 2:
-                    raise DepthcurseError(f"--max-memory {self.budget / 2**20:.0f}MB cannot hold the shared prefix of {g.prefix} tokens for every variant; give more")
-                budget -= kv
+                    # Every variant's keys and values of this prefix would not fit beside a batch: its
+                    # rows run whole instead, with the same scores (more compute, no error).
+                    g.prefix = 0
+                    self.unshared += 1
+                else:
+                    budget -= kv
             pending = sorted(g.rows, key=lambda r: (-len(r.inputs), r.inputs))
             while pending:
                 batch, bins, later = self._fill(pending, g.prefix, budget)
@@ -481,6 +486,7 @@ def score_requests(
         "batches_resumed": sum(g[1]["batches_resumed"] for g in gathered),
         "seconds_resumed": round(sum(g[1]["seconds_resumed"] for g in gathered), 3),
         "prefix_groups": sum(1 for g in groups if g.prefix),
+        "prefix_groups_too_large": scorer.unshared,
         "min_prefix_saving": min_prefix_saving,
         "rows": sum(len(g.rows) for g in groups),
         "packing": not_packed or "packed",
