@@ -438,7 +438,7 @@ def angular_distance(
     token_position: str = typer.Option("last", "--token-position", help="last (last non-pad token of each row, as Gromov et al.) or all (every non-pad token)."),
     max_n: Optional[int] = typer.Option(None, "--max-n", help="Largest block size n (default: the number of layers)."),
     normalize: bool = typer.Option(True, "--normalize/--no-normalize", help="Min-max normalise each row (n) of the heatmap."),
-    identity_tokens: int = typer.Option(1024, "--identity-tokens", help="Tokens over which each block's identity distance E||Jv - v||/||v|| and its branches' gains are estimated (0: skip). Costs about 3 block forwards per probe per token."),
+    identity_tokens: int = typer.Option(1024, "--identity-tokens", help="Tokens over which each block's identity distance E||Jv - v||/||v|| and its branches' gains are estimated (0: skip). Each probe costs about 4 forward passes over those tokens."),
     probes: int = typer.Option(4, "--probes", help="Random probes v per sequence for the identity distance."),
     out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default runs/angular/<model>)."),
     dtype: str = DtypeOpt,

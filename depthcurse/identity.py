@@ -7,7 +7,7 @@ the residual stream, [T, d]) and output f_l(x), the identity distance is
     E_v ||J v - v|| / ||v||,   J = df_l/dx at the real input, v ~ N(0, I) over the real tokens,
 
 estimated with a few random probes, each one Jacobian-vector product (forward-mode AD: one
-block forward with tangents, about 3x a plain forward of the block). The same probe's tangent
+block forward with tangents: about 4x a plain forward of the block, measured on SmolLM2 on a CPU). The same probe's tangent
 at the output of the block's attention and MLP branches gives each branch's gain
 E_v ||J_branch v|| / ||v||: how much of a perturbation of the stream the branch passes on (for a
 pre-norm block x + g(x), the identity distance is the gain of g as a whole).
