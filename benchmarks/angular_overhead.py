@@ -2,7 +2,8 @@
 
 Runs the real command (timed end to end, model loading and plots included), then, in this
 process, the same batches through the same bare transformer with no hooks. Prints both and the
-ratios. Example (offline):
+ratios, and apart from them what the identity-distance probes cost (`--identity-tokens`, 0 to
+leave them out). Example (offline):
 
     DEPTHCURSE_CACHE=/tmp/dc_me .venv/bin/python benchmarks/angular_overhead.py smollm2-135m \
         --data wiki --tokens 65536 --out /tmp/ang
@@ -30,12 +31,13 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/ang")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--identity-tokens", type=int, default=1024)
     args = parser.parse_args()
 
     print(f"load average before: {os.getloadavg()}, cpus: {os.cpu_count()}", flush=True)
     cmd = [sys.executable, "-m", "depthcurse", "angular-distance", args.model, "--data", args.data, "--tokens", str(args.tokens),
            "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--token-position", args.token_position,
-           "--out", args.out, "--device", args.device, "--dtype", args.dtype]
+           "--out", args.out, "--device", args.device, "--dtype", args.dtype, "--identity-tokens", str(args.identity_tokens)]
     print("$ " + " ".join(cmd), flush=True)
     started = time.perf_counter()
     proc = subprocess.run(cmd, env={**os.environ, "TQDM_DISABLE": "1"})
@@ -67,6 +69,10 @@ def main() -> None:
     print(f"one bare forward pass over the same batches, no hooks:               {bare:8.2f} s")
     print(f"ratio hooked measurement / bare forward: {hooked / bare:.3f}")
     print(f"ratio whole command / bare forward:      {cli_wall / bare:.3f}")
+    identity = meta.get("identity") or {}
+    if identity:
+        print(f"identity distances, {identity['probes']} probes over {identity['tokens']} tokens: {identity['seconds']:8.2f} s "
+              f"({identity['seconds'] / bare:.3f} of the bare forward over {data.tokens} tokens)")
 
 
 def bare_forward(model, batches, device=None) -> float:

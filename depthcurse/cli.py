@@ -568,8 +568,9 @@ def lns_report(
     ensure_out_dir(out)
     paths = write_compare(read, out)
     console.print(table1(read))
-    if seed_groups(read):
-        console.print(seeds_table(seed_groups(read)))
+    groups = seed_groups(read)
+    if groups:
+        console.print(seeds_table(groups))
     for line in incomparable(read):
         _say("warning", line)
     console.print(f"wrote {', '.join(str(p) for p in paths)}")

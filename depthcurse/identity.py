@@ -26,7 +26,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.surgery import BRANCH_NAMES
+from depthcurse.surgery import BRANCH_NAMES, find_branch
 
 
 @dataclass
@@ -51,12 +51,7 @@ def _first_tensor(output):
 
 
 def _branches(block: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    found = {}
-    for part, names in BRANCH_NAMES.items():
-        module = next((getattr(block, n) for n in names if isinstance(getattr(block, n, None), torch.nn.Module)), None)
-        if module is not None:
-            found[part] = module
-    return found
+    return {part: m for part in BRANCH_NAMES if (m := find_branch(block, part)) is not None}
 
 
 class _Recorder:

@@ -368,12 +368,16 @@ GRANULARITIES = ("layer", "attn", "mlp")
 BRANCH_NAMES = {"attn": ("self_attn", "attn", "self_attention"), "mlp": ("mlp", "block_sparse_moe", "feed_forward")}
 
 
+def find_branch(block: nn.Module, part: str) -> nn.Module | None:
+    """The module computing `part` ("attn" or "mlp") of a decoder block, or None when it has none."""
+    return next((m for m in (getattr(block, name, None) for name in BRANCH_NAMES[part]) if isinstance(m, nn.Module)), None)
+
+
 def branch_of(block: nn.Module, part: str) -> nn.Module:
     """The module computing `part` ("attn" or "mlp") of a decoder block, whose output the block adds to its stream."""
-    for name in BRANCH_NAMES[part]:
-        module = getattr(block, name, None)
-        if isinstance(module, nn.Module):
-            return module
+    module = find_branch(block, part)
+    if module is not None:
+        return module
     kind = {"attn": "attention", "mlp": "MLP"}[part]
     raise DepthcurseError(f"--granularity {part} is not defined for {type(block).__name__}: it has no {kind} branch on a residual stream "
                           f"(looked for {', '.join(BRANCH_NAMES[part])}; Post-LN blocks such as BERT's normalise the stream itself)")

@@ -197,6 +197,8 @@ def test_cli_writes_all_files(run_cli, tiny_model_dir, text_file, tmp_path):
         (["--max-n", "0"], "--max-n 0 is out of range"),
         (["--token-position", "first"], "unknown --token-position"),
         (["--data", "{tmp}/empty.txt"], "holds no text"),
+        (["--probes", "0"], "--probes at least 1"),
+        (["--identity-tokens", "-1"], "--identity-tokens must be 0 or more"),
     ],
 )
 def test_bad_input_gets_one_clear_line(run_cli, tiny_model_dir, text_file, tmp_path, args, match):

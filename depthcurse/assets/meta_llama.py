@@ -153,9 +153,7 @@ def _convert(folder: Path, out: Path, stamp: list) -> dict:
         return w.view(heads, head_dim // 2, 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
 
     # The embedding is split over its columns in Llama 1/2 (ParallelEmbedding), over the vocabulary in Llama 3.
-    emb = shards[0]["tok_embeddings.weight"] if "tok_embeddings.weight" in shards[0] else None
-    if emb is None:
-        raise DepthcurseError(f"the weights in {folder} have no tok_embeddings.weight: not a Meta Llama checkpoint")
+    emb = _joined(shards[:1], "tok_embeddings.weight", None, folder)
     state = {"model.embed_tokens.weight": _joined(shards, "tok_embeddings.weight", 1 if emb.shape[1] != dim else 0, folder),
              "model.norm.weight": _joined(shards, "norm.weight", None, folder),
              "lm_head.weight": _joined(shards, "output.weight", 0, folder)}

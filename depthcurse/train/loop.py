@@ -129,23 +129,20 @@ def train_step(model, optimizer, scheduler, batch, micro_batch: int, amp, grad_c
 
 def _layer_grad_norms(blocks: torch.nn.ModuleList, world: World) -> list[float]:
     """Each block's gradient norm. FSDP's gradients are shards: their squares are summed over the ranks."""
-    squares = []
-    for block in blocks:
-        total = torch.zeros((), dtype=torch.float64)
-        for p in block.parameters():
-            if p.grad is not None:
-                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                total = total + g.detach().double().pow(2).sum().cpu()
-        squares.append(total)
-    stacked = torch.stack(squares)
+    device = next(blocks.parameters()).device
+    squares = torch.stack([
+        sum(((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).detach().double().pow(2).sum()
+             for p in block.parameters() if p.grad is not None), torch.zeros((), dtype=torch.float64, device=device))
+        for block in blocks
+    ])  # on the device: one transfer below, not one per parameter
     if world.parallel == "fsdp":
-        stacked = world.sum(stacked.to(next(blocks.parameters()).device)).cpu()
-    return stacked.sqrt().tolist()
+        squares = world.sum(squares)
+    return squares.sqrt().cpu().tolist()
 
 
 def layer_profile(raw, data, tokens: int, probes: int, device) -> dict:
     """Each block's residual variance (its input's) and identity distance and branch gains over
-    the first `tokens` validation tokens, on the unwrapped model in fp32, kernels off."""
+    the first `tokens` validation tokens, on the unwrapped model in its own precision (no autocast), kernels off."""
     ids, lengths = data.val_rows, data.val_lengths
     mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
     rows = [(ids[i : i + 8], mask[i : i + 8]) for i in range(0, len(ids), 8)]  # identity_distances reads only the first `tokens`
