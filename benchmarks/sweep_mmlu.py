@@ -4,12 +4,14 @@ The prompts are lm-eval's own (the offline MMLU copy, `depthcurse assets`), toke
 tokenizer (offline). The model is a published shape with random weights (its vocabulary set to
 the tokenizer's), since timings depend on shapes, not values; or, with `--weights smollm2-135m`,
 SmolLM2's real weights from the offline cache. Printed: wall time of each side, (c) again
-with one row per sequence (padded, `pack=False`) and how far its scores are from the packed ones, the reuse
+with one row per sequence (padded, `pack=False`) and how far its scores are from the packed ones,
+with `--compile` (c) through compiled blocks (compiling, then warm) and how far from eager, the reuse
 engine's achieved TFLOP/s (the multiply-adds of the block passes it ran and of the head on
 the scored positions, times 2), the arithmetic floor (c)/(b), and how many questions get another
 answer from (c) than from (b) in any variant (ties in bf16 are where they may differ).
 
     python benchmarks/sweep_mmlu.py --shape smollm2-135m --limit 1 --every 10               # CPU, minutes
+    python benchmarks/sweep_mmlu.py --weights smollm2-135m --limit 2 --every 3 --skip-b --skip-unpacked --compile
     python benchmarks/sweep_mmlu.py --shape llama-2-7b --device cuda --dtype bf16 --limit 10
     python benchmarks/sweep_mmlu.py --shape llama-2-7b --device cuda --dtype bf16 --limit 0 --skip-b   # full MMLU, reuse only
     python benchmarks/sweep_mmlu.py --weights smollm2-135m --device cuda --dtype bf16 --limit 5
@@ -58,6 +60,7 @@ def main() -> None:
     parser.add_argument("--min-prefix-saving", type=int, default=None, help="(c) shares a prefix only where it saves this many token passes (default: the device's rule; 0: wherever 16 tokens are shared)")
     parser.add_argument("--skip-b", action="store_true", help="time the reuse engine only (full MMLU on lm-eval takes hours)")
     parser.add_argument("--skip-unpacked", action="store_true", help="do not also time (c) with one row per sequence (padded)")
+    parser.add_argument("--compile", action="store_true", help="also time (c) through compiled blocks (torch.compile), twice: compiling, then warm")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense peak, for the MFU (H100 SXM bf16: 989)")
     parser.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
     args = parser.parse_args()
@@ -115,6 +118,16 @@ def main() -> None:
                     "c_unpacked_padding": round(1 - stats_u["tokens"] / stats_u["batch_tokens"], 3),
                     "packed_vs_unpacked_max_abs_ll": float((lp - lp_u).abs().max()), "packed_vs_unpacked_greedy_differ": int((greedy != greedy_u).sum())}
         unpacked["c_packed_over_unpacked"] = round(score_s / unpacked["c_unpacked_score_s"], 3)
+    compiled = {}
+    if args.compile:  # the same engine through compiled blocks: the first run compiles, the second is warm
+        stepper = Stepper(model, compile=True)
+        for run in ("first", "warm"):
+            t0 = time.perf_counter()
+            lp_c, greedy_c, _ = score_requests(stepper, requests.requests, variants, max_memory=budget, min_prefix_saving=args.min_prefix_saving)
+            sync()
+            compiled[f"c_compiled_{run}_score_s"] = round(time.perf_counter() - t0, 2)
+        compiled.update(c_compiled_over_eager=round(compiled["c_compiled_warm_score_s"] / score_s, 3),
+                        compiled_vs_eager_max_abs_ll=float((lp - lp_c).abs().max()), compiled_vs_eager_greedy_differ=int((greedy != greedy_c).sum()))
     t0 = time.perf_counter()
     reuse = {v: requests.results(lp[i], greedy[i], log_samples=True) for i, v in enumerate(variants)}
     metrics_s = time.perf_counter() - t0
@@ -135,7 +148,7 @@ def main() -> None:
         "packing": stats["packing"], "c_padding": round(1 - stats["tokens"] / stats["batch_tokens"], 3),
         "start_s": round(start_s, 2), "c_build_requests_s": round(build_s, 2), "c_score_s": round(score_s, 2), "c_metrics_s": round(metrics_s, 2), "c_reuse_s": round(c_s, 2),
         "c_tflops": round(engine_flops / score_s / 1e12, 2), "floor_c_over_b": round(engine_flops / plain_flops, 3),
-        **unpacked,
+        **unpacked, **compiled,
     }
     if args.peak_tflops:
         result["c_mfu"] = round(result["c_tflops"] / args.peak_tflops, 3)

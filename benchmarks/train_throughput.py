@@ -11,7 +11,8 @@ child process of its own (`peak_memory.py`). Peak memory is the rise over the ti
 CPU of the resident set's high-water mark, on CUDA of torch.cuda.max_memory_allocated. Weights
 and Adam state exist before the window opens, so this is activations, gradients and logits. On CUDA it also reports model FLOPs utilisation: (6 N + 12 L d T)
 FLOPs per token (N the parameters outside the input embedding, T the sequence length: PaLM's
-count, attention as if unmasked) times tokens/s, over `--peak-tflops`.
+count, attention as if unmasked) times tokens/s, over `--peak-tflops`. For the 130m and 1b presets it
+also prints how long one Table-1 run (2.2B and 8.9B tokens) takes at each measured speed.
 
     .venv/bin/python benchmarks/train_throughput.py                              # tiny, CPU, kernels' PyTorch path
     .venv/bin/python benchmarks/train_throughput.py --device cuda --preset 130m  # Triton kernels, bf16-mixed
@@ -29,6 +30,8 @@ from pathlib import Path
 from peak_memory import PeakMemory, run_variants, write_json
 
 VARIANTS = ("reference", "trainer")
+# Tokens of one run of the paper's Table 1 (paper-notes: 130M about 2.2B tokens, 1B about 8.9B).
+TABLE1_RUN_TOKENS = {"130m": 2.2e9, "1b": 8.9e9}
 
 
 def run_variant(args) -> dict:
@@ -163,6 +166,11 @@ def main() -> None:
     for r in (ref, ours):
         print(f"{r['variant']:<10} {r['kernels']:>8} {str(r['compile']):>8} {r['tokens_per_s']:>10.0f} {r['median_seconds']:>9.3f} "
               f"{r['peak_bytes'] / 1e6:>9.1f}" + (f"  {r['mfu']:.1%}" if "mfu" in r else ""))
+    if args.preset in TABLE1_RUN_TOKENS:
+        tokens = TABLE1_RUN_TOKENS[args.preset]
+        summary["table1_run_hours"] = {r["variant"]: tokens / r["tokens_per_s"] / 3600 for r in (ref, ours)}
+        print(f"one Table-1 run ({tokens / 1e9:.1f}B tokens) at these speeds: "
+              + ", ".join(f"{name} {hours:.1f} h" for name, hours in summary["table1_run_hours"].items()))
     print(f"trainer / reference: throughput {summary['throughput_ratio_trainer_over_reference']:.2f}x, "
           f"peak memory {summary['peak_memory_ratio_trainer_over_reference']:.2f}x; first-step loss {ref['first_loss']:.4f} vs {ours['first_loss']:.4f}")
     write_json(args.out, summary)

@@ -115,6 +115,7 @@ def prune(
     seed: int = typer.Option(1234, "--seed", help="Seed for few-shot sampling and torch."),
     engine: str = typer.Option("reuse", "--engine", help="reuse (all variants together, reusing the blocks before each removed layer and shared few-shot prefixes) or lm-eval (each variant evaluated on its own). Unsupported models/tasks fall back to lm-eval."),
     max_memory: str = typer.Option("auto", "--max-memory", help="reuse engine: memory for the kept residual streams and prefix keys/values of one batch: auto (2GB on a CPU, 80% of the GPU memory free after loading) or a size, e.g. 24GB."),
+    compile: bool = typer.Option(False, "--compile", help="reuse engine: torch.compile each block (inductor fuses norms, rotary, SwiGLU, residual adds). Measured on a CPU: 0.89x the scoring time of a SmolLM2 MMLU sweep, after about a minute of compiling (cached on disk for later runs)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default runs/prune/<model>/<task>)."),
     block: Optional[int] = typer.Option(None, "--block", help="Instead of one layer at a time: remove the N contiguous layers angular distance picks, and for comparison the N deepest layers before the final one."),
     angular: Optional[Path] = typer.Option(None, "--angular", help="With --block: an angular-distance result (folder or angular.json) to pick the block from, instead of measuring."),
@@ -169,6 +170,8 @@ def prune(
     if engine not in sweeps.ENGINES:
         raise DepthcurseError(f"unknown --engine {engine!r}: use {' or '.join(sweeps.ENGINES)}")
     sweeps.parse_memory(max_memory)
+    if compile and engine != "reuse":
+        raise DepthcurseError("--compile compiles the reuse engine's blocks: it needs --engine reuse")
     shot_tag = f"-{num_fewshot}shot" if task not in ("ppl", "squad", "repr") else ""
     block_tag = f"-block{block}" if block is not None else (f"-greedy{greedy}" if greedy is not None else ("-orders" if orders is not None else ""))
     unit_tag = f"-{granularity}" if granularity != "layer" else ""
@@ -179,6 +182,7 @@ def prune(
         gpus = rank_gpus() if world.parallel and device != "cpu" and torch.cuda.is_available() else None  # this rank's share
         loaded = _load(model, head=head_for_task(task), dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision, gpus=gpus)
         run_extra = {"seed": seed}
+        engine_options = dict(engine=engine, max_memory=max_memory, compile=compile)
         choices = None
         if block is not None:
             def pick():
@@ -199,12 +203,12 @@ def prune(
         console.print(f"{_model_line(loaded)} · task [bold]{task}[/] · results in {out_dir}")
 
         if chosen is not None:
-            _replay_orders(loaded, the_task, chosen, str(orders), out_dir, run_extra, engine, max_memory, world)
+            _replay_orders(loaded, the_task, chosen, str(orders), out_dir, run_extra, world, **engine_options)
             return
         if greedy is not None:
-            _prune_greedy(loaded, the_task, out_dir, greedy, granularity, max_drop, run_extra, engine, max_memory, world,
+            _prune_greedy(loaded, the_task, out_dir, greedy, granularity, max_drop, run_extra, world,
                           angular=lambda: sweeps.block_pass(loaded, out_dir, angular=angular, data=angular_data, tokens=angular_tokens,
-                                                            measure=lambda **options: _measure_angular(loaded, out_dir, **options)))
+                                                            measure=lambda **options: _measure_angular(loaded, out_dir, **options)), **engine_options)
             return
         progress = _progress_bar()
         bar = progress.add_task("baseline", total=len(variants) + 1)
@@ -218,7 +222,7 @@ def prune(
 
         try:
             with _showing(progress):
-                sweep = sweeps.run_sweep(loaded, the_task, variants, out_dir, run_extra=run_extra, on_variant=on_variant, engine=engine, max_memory=max_memory, granularity=granularity, world=world)
+                sweep = sweeps.run_sweep(loaded, the_task, variants, out_dir, run_extra=run_extra, on_variant=on_variant, granularity=granularity, world=world, **engine_options)
         except KeyboardInterrupt:
             if world.main:
                 _finish_interrupted(out_dir)
@@ -240,7 +244,7 @@ def prune(
         world.close()
 
 
-def _prune_greedy(loaded, task, out_dir, steps, granularity, max_drop, run_extra, engine, max_memory, world, angular) -> None:
+def _prune_greedy(loaded, task, out_dir, steps, granularity, max_drop, run_extra, world, angular, **engine_options) -> None:
     from depthcurse import prune as sweeps  # lazy: start-up
 
     progress = _progress_bar()
@@ -248,8 +252,7 @@ def _prune_greedy(loaded, task, out_dir, steps, granularity, max_drop, run_extra
     inner = progress.add_task("", total=None)
     try:
         with _showing(progress):
-            result = sweeps.run_greedy(loaded, task, out_dir, steps=steps, granularity=granularity, max_drop=max_drop, angular=angular, run_extra=run_extra,
-                                       engine=engine, max_memory=max_memory, world=world,
+            result = sweeps.run_greedy(loaded, task, out_dir, steps=steps, granularity=granularity, max_drop=max_drop, angular=angular, run_extra=run_extra, world=world, **engine_options,
                                        on_step=lambda label, done, total: progress.update(outer, completed=done, total=total, description=label),
                                        on_variant=lambda label, done, total: progress.update(inner, completed=done, total=total, description="  batches" if label == "batches" else f"  {label}"))
     except KeyboardInterrupt:
@@ -259,14 +262,14 @@ def _prune_greedy(loaded, task, out_dir, steps, granularity, max_drop, run_extra
     _show_curves(result, out_dir)
 
 
-def _replay_orders(loaded, task, chosen, source, out_dir, run_extra, engine, max_memory, world) -> None:
+def _replay_orders(loaded, task, chosen, source, out_dir, run_extra, world, **engine_options) -> None:
     from depthcurse import prune as sweeps  # lazy: start-up
 
     progress = _progress_bar()
     bar = progress.add_task("the chosen orders", total=None)
     try:
         with _showing(progress):
-            result = sweeps.replay_orders(loaded, task, chosen, out_dir, source=source, run_extra=run_extra, engine=engine, max_memory=max_memory, world=world,
+            result = sweeps.replay_orders(loaded, task, chosen, out_dir, source=source, run_extra=run_extra, world=world, **engine_options,
                                           on_variant=lambda label, done, total: progress.update(bar, completed=done, total=total, description="batches" if label == "batches" else label))
     except KeyboardInterrupt:
         if world.main:

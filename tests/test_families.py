@@ -69,7 +69,7 @@ def test_the_reuse_engine_scores_every_family_as_its_own_forward(name):
     stepper = Stepper(model)
     stepper.check()  # the engine runs it, no fallback
     requests, variants = _requests(), [(), *removals(name)]
-    lp, greedy, stats = score_requests(stepper, requests, variants, max_memory=2**30)
+    lp, greedy, stats = score_requests(stepper, requests, variants, max_memory=2**30, min_prefix_saving=0)  # share whatever saves
     assert stats["prefix_groups"] == 1
     assert (stats["packing"] == "packed") == (name != "llama4"), stats["packing"]  # Llama-4: see Stepper.packing_fails
     for vi, removed in enumerate(variants):

@@ -68,11 +68,13 @@ def evaluate_variants(
     share_prefixes: bool = True,
     pack: bool = True,
     granularity: str = "layer",
+    compile: bool = False,
     checked: bool = False,
     world: World = World(),
 ) -> tuple[dict[tuple, Score] | None, dict]:
     """Scores of every variant (tuples of removed layers, or with `granularity` "attn"/"mlp" of the
-    layers whose branch is removed; () is the unpruned model) and run statistics.
+    layers whose branch is removed; () is the unpruned model) and run statistics. With `compile`,
+    the blocks run through torch.compile (`stepping.compile_blocks`).
 
     Raises Unsupported (with the reason) for a model or task the engine cannot run, unless
     `checked` says `why_unsupported` already found none. Under torchrun every rank calls this
@@ -83,7 +85,7 @@ def evaluate_variants(
     if reason:
         raise Unsupported(reason)
     started = time.perf_counter()
-    stepper = Stepper(model)
+    stepper = Stepper(model, compile=compile)
     asked = list(dict.fromkeys([(), *variants]))
     if isinstance(task, PerplexityTask):
         requests, lm_requests = ppl_requests(task), None
@@ -106,6 +108,7 @@ def evaluate_variants(
             scores[v] = lm_requests.score(lp[vi], greedy[vi])
     stats.update(
         requests=len(requests),
+        compiled=compile,
         seconds_building_requests=round(t_requests, 3),
         seconds=round(time.perf_counter() - started, 3),
     )

@@ -144,6 +144,7 @@ def run_greedy(
     run_extra: dict | None = None,
     engine: str = "reuse",
     max_memory: str | int | None = None,
+    compile: bool = False,
     on_step: Callable[[str, int, int], None] | None = None,
     on_variant: Callable[[str, int, int], None] | None = None,
     world: World = World(),
@@ -163,7 +164,7 @@ def run_greedy(
     if max_drop is not None and not max_drop > 0:
         raise DepthcurseError(f"--max-drop must be positive (a relative drop, e.g. 0.05 for 5%), got {max_drop}")
     out_dir = ensure_out_dir(out_dir)
-    common = dict(engine=engine, max_memory=max_memory, granularity=granularity, world=world, on_variant=on_variant)
+    common = dict(engine=engine, max_memory=max_memory, compile=compile, granularity=granularity, world=world, on_variant=on_variant)
     removed: list[int] = []
     points: list[CurvePoint] = []
     first: Sweep | None = None
@@ -223,6 +224,7 @@ def replay_orders(
     run_extra: dict | None = None,
     engine: str = "reuse",
     max_memory: str | int | None = None,
+    compile: bool = False,
     on_variant: Callable[[str, int, int], None] | None = None,
     world: World = World(),
 ) -> DepthCurves | None:
@@ -235,7 +237,7 @@ def replay_orders(
     sets = {name: [tuple(p.removed) for p in points[1:]] for name, points in chosen.curves.items()}
     todo = sorted({s for chosen_sets in sets.values() for s in chosen_sets})
     extra = {**(run_extra or {}), "orders_from": source}
-    run_sweep(loaded, task, todo, out_dir / ORDERS_DIR, run_extra=extra, engine=engine, max_memory=max_memory, granularity=chosen.granularity, world=world, on_variant=on_variant)
+    run_sweep(loaded, task, todo, out_dir / ORDERS_DIR, run_extra=extra, engine=engine, max_memory=max_memory, compile=compile, granularity=chosen.granularity, world=world, on_variant=on_variant)
     world.barrier()
     if not world.main:
         return None

@@ -36,10 +36,15 @@ HEAD_CHUNK_BYTES = 256 * 2**20  # fp32 logits computed at once by the head (cros
 # beyond this a bigger batch only delays the next saved checkpoint. A CPU gains little from big
 # batches and takes minutes per batch of all variants, so there the cap is lower.
 MAX_BATCH_TOKENS = {"cuda": 16384, "cpu": 2048}
-# A block call on a GPU costs at least its kernel launches from Python (about 0.2 ms for an eager
-# decoder layer), whatever the batch: as many FLOPs as this at the ~400 TFLOP/s a layer reaches.
-# A CPU computes so slowly that its call overhead is noise.
-CALL_FLOPS = {"cuda": 8e10, "cpu": 0.0}
+# What a block call costs beyond its tokens. On a GPU: its kernel launches from Python (about
+# 0.2 ms for an eager decoder layer), whatever the batch, as many FLOPs as CALL_FLOPS_GPU at the
+# ~400 TFLOP/s a layer reaches. On a CPU: reading the block's weights from memory, whatever the
+# batch, which grows with the block as its FLOPs per token do, so a count of tokens: SmolLM2's block
+# took 1.6 ms for 4 tokens against 0.044 ms per token in large batches, and a prefix group's calls
+# (after a cached prefix) more; sharing every prefix made 0-shot ARC-Easy and MMLU sweeps 19-28%
+# slower than sharing none (benchmarks/prefix_sharing.py, docs/benchmarks.md).
+CALL_FLOPS_GPU = 8e10
+CALL_TOKENS_CPU = 100
 
 
 def parse_memory(text: str | int | None, device=None) -> int:
@@ -114,9 +119,11 @@ def _common(a: tuple, b: tuple, limit: int) -> int:
 
 def small_batch_tokens(stepper: Stepper) -> int:
     """Tokens below which a batch costs the device about as much as a batch of this many: where a
-    block call is bound by its launches, not its FLOPs (0 on a CPU)."""
+    block call is bound by its launches (GPU) or its weights' reads (CPU), not its FLOPs."""
+    if torch.device(stepper.device).type == "cpu":
+        return CALL_TOKENS_CPU
     per_token = 2 * sum(p.numel() for p in stepper.layers[0].parameters())
-    return int(CALL_FLOPS.get(torch.device(stepper.device).type, CALL_FLOPS["cuda"]) / max(per_token, 1))
+    return int(CALL_FLOPS_GPU / max(per_token, 1))
 
 
 def plan(requests: list[TokenRequest], min_prefix: int = MIN_SHARED_PREFIX, min_saving: int = 0) -> list[_Group]:
@@ -126,8 +133,9 @@ def plan(requests: list[TokenRequest], min_prefix: int = MIN_SHARED_PREFIX, min_
     before the first scored position of every row, so prefix positions never need the head.
     A group of k rows sharing p tokens is kept only if the (k-1)*p token passes it saves reach
     `min_saving`: a group runs its prefix alone and its rows in batches of their own, and on a
-    GPU a small batch costs as much as a full one (see `small_batch_tokens`). The 0-shot MMLU
-    header shared by a handful of questions does not pay for that; a 5-shot block does.
+    GPU a small batch costs as much as a full one, and on a CPU as much as 100 tokens (see
+    `small_batch_tokens`). The 0-shot MMLU header shared by a handful of questions, or an ARC
+    question shared by its 4 answers, does not pay for that; a 5-shot block does.
     """
     rows: dict[tuple, _Row] = {}
     for i, r in enumerate(requests):

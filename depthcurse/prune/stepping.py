@@ -20,18 +20,40 @@ class Unsupported(Exception):
     """This model or task cannot go through the engine; the message says why."""
 
 
+class _LayerKV:
+    """What transformers' attention calls as its cache, for one block: records the block's keys and
+    values, or puts a prefix's before them. One object per block, so a compiled block sees no dict
+    keyed by layer (which it would guard on, and recompile for, layer by layer)."""
+
+    def __init__(self, prefix: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.prefix, self.recorded = prefix, None
+
+    def update(self, key, value, *args, **kwargs):
+        if self.prefix is None:
+            self.recorded = (key, value)
+            return key, value
+        pk, pv = self.prefix
+        b = key.shape[0]
+        return torch.cat([pk.expand(b, *pk.shape[1:]), key], dim=-2), torch.cat([pv.expand(b, *pv.shape[1:]), value], dim=-2)
+
+    def get_seq_length(self, layer_idx=0):
+        # what is cached before these positions (Llama-4's temperature tuning asks)
+        return 0 if self.prefix is None else self.prefix[0].shape[-2]
+
+
 class _RecordKV:
     """A stand-in for a transformers Cache: remembers each layer's keys/values (the shared prefix)."""
 
     def __init__(self):
-        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.views: dict[int, _LayerKV] = {}
 
-    def update(self, key, value, layer_idx, *args, **kwargs):
-        self.kv[layer_idx] = (key, value)
-        return key, value
+    def layer(self, i: int) -> _LayerKV:
+        self.views[i] = _LayerKV()
+        return self.views[i]
 
-    def get_seq_length(self, layer_idx=0):
-        return 0  # nothing cached before the prefix itself (Llama-4's temperature tuning asks)
+    @property
+    def kv(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        return {i: v.recorded for i, v in self.views.items()}
 
 
 class _PrefixKV:
@@ -40,13 +62,8 @@ class _PrefixKV:
     def __init__(self, kv: dict[int, tuple[torch.Tensor, torch.Tensor]]):
         self.kv = kv
 
-    def update(self, key, value, layer_idx, *args, **kwargs):
-        pk, pv = self.kv[layer_idx]
-        b = key.shape[0]
-        return torch.cat([pk.expand(b, *pk.shape[1:]), key], dim=-2), torch.cat([pv.expand(b, *pv.shape[1:]), value], dim=-2)
-
-    def get_seq_length(self, layer_idx=0):
-        return self.kv[layer_idx][0].shape[-2]
+    def layer(self, i: int) -> _LayerKV:
+        return _LayerKV(self.kv[i])
 
 
 @dataclass
@@ -58,6 +75,22 @@ class _Context:
     position_ids: torch.Tensor
 
 
+def compile_blocks(layers) -> list:
+    """Each block through torch.compile: inductor fuses what eager runs as separate kernels (norms,
+    rotary, SwiGLU, residual adds). Shapes are dynamic, since every batch has its own width; the
+    blocks share one code object, so a graph per kind of call (cache, mask, layer kind) serves all."""
+    # Blocks of a kind share compiled code; calls differ by cache stand-in, mask and attention
+    # type, and each such variant counts towards the limit: more than the default 8.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return [torch.compile(layer, dynamic=True) for layer in layers]
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    # Hooked blocks run eagerly: a branch removed for --granularity, or accelerate's device hooks
+    # (offloaded blocks), would each be another guard and another graph, for one variant.
+    return any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in module.modules())
+
+
 class Stepper:
     """Runs a decoder-only Hugging Face model one block at a time.
 
@@ -67,7 +100,7 @@ class Stepper:
     a real position.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, compile: bool = False):
         config = getattr(model, "config", None)
         if config is None or getattr(config, "is_encoder_decoder", False):
             raise Unsupported(f"{type(model).__name__} is not a decoder-only language model")
@@ -106,6 +139,7 @@ class Stepper:
         self.softcap = getattr(config, "final_logit_softcapping", None)
         self.device = self.embed_tokens.weight.device
         self.dtype = self.embed_tokens.weight.dtype
+        self.compiled = compile_blocks(self.layers) if compile else None
 
     @property
     def n_layers(self) -> int:
@@ -171,7 +205,11 @@ class Stepper:
 
     def block(self, i: int, h: torch.Tensor, ctx: _Context, cache=None) -> torch.Tensor:
         t = self.types[i]
-        out = self.layers[i](h, attention_mask=ctx.masks[t], position_embeddings=ctx.rope[t], position_ids=ctx.position_ids, past_key_values=cache, use_cache=False)
+        layer = self.layers[i]
+        if self.compiled is not None and not _hooked(layer):
+            layer = self.compiled[i]
+        out = layer(h, attention_mask=ctx.masks[t], position_embeddings=ctx.rope[t], position_ids=ctx.position_ids,
+                    past_key_values=cache.layer(i) if cache is not None else None, use_cache=False)
         return out[0] if isinstance(out, tuple) else out
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

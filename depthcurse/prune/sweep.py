@@ -35,6 +35,7 @@ def run_sweep(
     engine: str = "reuse",
     max_memory: str | int | None = None,
     granularity: str = "layer",
+    compile: bool = False,
     world: World = World(),
 ) -> Sweep | None:
     """Evaluate the baseline and each variant, saving after each one.
@@ -47,7 +48,7 @@ def run_sweep(
     display). KeyboardInterrupt propagates, with every finished variant already on disk.
 
     `engine="reuse"` (see `depthcurse.prune.engine`) scores all variants together, batch by batch,
-    reusing what they share; its finished batches are kept in `prune.partial/` until the end, and
+    reusing what they share (with `compile`, through compiled blocks); its finished batches are kept in `prune.partial/` until the end, and
     `on_variant("batches", done, total)` reports them. A model or task it cannot run falls back
     to `engine="lm-eval"`: each variant evaluated on its own, in memory. Which one ran, and why,
     is saved in prune.json under "engine".
@@ -81,7 +82,7 @@ def run_sweep(
     total = len(asked)
     engine_info = {"name": "lm-eval" if todo else engine}
     if engine == "reuse" and todo:
-        engine_info = _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, started, previous_wall, world, granularity)
+        engine_info = _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, started, previous_wall, world, granularity, compile)
         if engine_info["name"] == "reuse":
             todo = []
     if not world.main:
@@ -106,7 +107,7 @@ def _save(sweep: Sweep, out_dir: Path, wall: float, engine_info: dict) -> None:
     write_sweep(sweep, out_dir)
 
 
-def _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, started, previous_wall, world, granularity) -> dict:
+def _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, started, previous_wall, world, granularity, compile) -> dict:
     """Score `todo` with the reuse engine and add the results to `sweep`; the engine info for prune.json.
 
     Returns {"name": "lm-eval", "fallback": reason} when the engine cannot run this model or
@@ -121,7 +122,7 @@ def _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, star
     progress = (lambda done, total: on_variant("batches", done, total)) if on_variant else None
     try:
         scores, stats = engine.evaluate_variants(loaded.model, task, todo, max_memory=max_memory, store=store, fingerprint=json.dumps(run, sort_keys=True, default=str),
-                                                 on_batch=progress, checked=True, granularity=granularity, world=world)
+                                                 on_batch=progress, checked=True, granularity=granularity, compile=compile, world=world)
     except DepthcurseError:
         raise
     except Exception as exc:
