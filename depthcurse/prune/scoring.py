@@ -133,8 +133,8 @@ def plan(requests: list[TokenRequest], min_prefix: int = MIN_SHARED_PREFIX, min_
     before the first scored position of every row, so prefix positions never need the head.
     A group of k rows sharing p tokens is kept only if the (k-1)*p token passes it saves reach
     `min_saving`: a group runs its prefix alone and its rows in batches of their own, and on a
-    GPU a small batch costs as much as a full one, and on a CPU as much as 100 tokens (see
-    `small_batch_tokens`). The 0-shot MMLU header shared by a handful of questions, or an ARC
+    GPU a small batch costs as much as a full one, and on a CPU as much as CALL_TOKENS_CPU
+    tokens (see `small_batch_tokens`). The 0-shot MMLU header shared by a handful of questions, or an ARC
     question shared by its 4 answers, does not pay for that; a 5-shot block does.
     """
     rows: dict[tuple, _Row] = {}

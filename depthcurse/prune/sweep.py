@@ -48,10 +48,10 @@ def run_sweep(
     display). KeyboardInterrupt propagates, with every finished variant already on disk.
 
     `engine="reuse"` (see `depthcurse.prune.engine`) scores all variants together, batch by batch,
-    reusing what they share (with `compile`, through compiled blocks); its finished batches are kept in `prune.partial/` until the end, and
-    `on_variant("batches", done, total)` reports them. A model or task it cannot run falls back
-    to `engine="lm-eval"`: each variant evaluated on its own, in memory. Which one ran, and why,
-    is saved in prune.json under "engine".
+    reusing what they share (with `compile`, through compiled blocks); its finished batches are
+    kept in `prune.partial/` until the end, and `on_variant("batches", done, total)` reports them.
+    A model or task it cannot run falls back to `engine="lm-eval"`: each variant evaluated on its
+    own, in memory. Which one ran, and why, is saved in prune.json under "engine".
 
     Under torchrun (`world`) every rank calls this with its own copy of the model: the reuse
     engine splits the requests over the ranks, and rank 0 computes the metrics, writes the files
