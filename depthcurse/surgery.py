@@ -362,25 +362,51 @@ def removed_layers(model: nn.Module, layers: Iterable[int]) -> Iterator[nn.Modul
 
 # What `--granularity` removes: a whole block, or one residual branch of each chosen block.
 GRANULARITIES = ("layer", "attn", "mlp")
-# Where a pre-norm block keeps each residual branch (h + branch(norm(h))), tried in order. BERT-style
-# Post-LN blocks have none of these: their norm sits on the residual path itself, so "the stream
-# passes the branch by" is not defined there.
-BRANCH_NAMES = {"attn": ("self_attn", "attn", "self_attention"), "mlp": ("mlp", "block_sparse_moe", "feed_forward")}
+# Where a pre-norm block keeps each residual branch (h + branch(norm(h))), tried in order
+# (`attention`: GPT-NeoX, whose BERT namesake is a Post-LN sub-layer, below).
+BRANCH_NAMES = {"attn": ("self_attn", "attn", "self_attention", "attention"), "mlp": ("mlp", "block_sparse_moe", "feed_forward")}
+# Post-LN encoder blocks normalise the sum, norm(h + branch(h)), and keep the branch's last step
+# inside a sub-module with that norm: each entry is (the branch, the norm taking its sum), the
+# norm confirming the layout. Zeroed, the branch leaves norm(h), as in our own Post-LN blocks
+# (`train.model.Block`) with their attention or MLP removed.
+POST_LN_BRANCHES = {
+    "attn": (("attention.output.dense", "attention.output.LayerNorm"),  # BERT, RoBERTa, ELECTRA, DeBERTa
+             ("attention.attn", "attention.LayerNorm"),  # MPNet
+             ("attention", "sa_layer_norm")),  # DistilBERT
+    "mlp": (("output.dense", "output.LayerNorm"), ("ffn", "output_layer_norm")),
+}
+
+
+def _post_ln_branch(block: nn.Module, part: str) -> nn.Module | None:
+    for branch, norm in POST_LN_BRANCHES[part]:
+        try:
+            found, _ = block.get_submodule(branch), block.get_submodule(norm)
+        except AttributeError:
+            continue
+        return found
+    return None
 
 
 def find_branch(block: nn.Module, part: str) -> nn.Module | None:
-    """The module computing `part` ("attn" or "mlp") of a decoder block, or None when it has none."""
+    """The module computing `part` ("attn" or "mlp") of a pre-norm block, whose output the block
+    adds to its stream; None when it has none, as in a Post-LN block."""
+    if _post_ln_branch(block, part) is not None:
+        return None
     return next((m for m in (getattr(block, name, None) for name in BRANCH_NAMES[part]) if isinstance(m, nn.Module)), None)
 
 
 def branch_of(block: nn.Module, part: str) -> nn.Module:
-    """The module computing `part` ("attn" or "mlp") of a decoder block, whose output the block adds to its stream."""
-    module = find_branch(block, part)
+    """The module computing `part` ("attn" or "mlp") of a block, whose output the block adds to
+    its stream (pre-norm) or to the sum it normalises (Post-LN)."""
+    module = _post_ln_branch(block, part)
+    if module is None:
+        module = find_branch(block, part)
     if module is not None:
         return module
     kind = {"attn": "attention", "mlp": "MLP"}[part]
-    raise DepthcurseError(f"--granularity {part} is not defined for {type(block).__name__}: it has no {kind} branch on a residual stream "
-                          f"(looked for {', '.join(BRANCH_NAMES[part])}; Post-LN blocks such as BERT's normalise the stream itself)")
+    looked = list(BRANCH_NAMES[part]) + [b for b, _ in POST_LN_BRANCHES[part]]
+    raise DepthcurseError(f"--granularity {part} is not defined for {type(block).__name__}: it has no {kind} module where one was looked for "
+                          f"({', '.join(dict.fromkeys(looked))})")
 
 
 def check_granularity(model: nn.Module | None, granularity: str) -> None:

@@ -79,10 +79,67 @@ def test_a_removed_branch_equals_its_output_zeroed_in_both_engines(kind, part, o
     assert not any(b._forward_hooks for b in model.modules())  # everything put back
 
 
+# Architectures only the plain path runs (the reuse engine falls back for them): Post-LN encoders,
+# whose branch ends before the add and norm, and GPT-NeoX, whose attention is `attention`. Each
+# with the projection that ends each branch, by parameter-name prefix inside the block.
+PLAIN_ONLY = {
+    "bert": {"attn": "attention.output.dense.", "mlp": "output.dense."},
+    "deberta_v2": {"attn": "attention.output.dense.", "mlp": "output.dense."},
+    "distilbert": {"attn": "attention.out_lin.", "mlp": "ffn.lin2."},
+    "mpnet": {"attn": "attention.attn.o.", "mlp": "output.dense."},
+    "gpt_neox": {"attn": "attention.dense.", "mlp": "mlp.dense_4h_to_h."},
+}
+
+
+def _plain_only_model(kind: str):
+    import transformers as tf
+
+    torch.manual_seed(3)
+    enc = dict(vocab_size=300, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64, max_position_embeddings=128)
+    if kind == "bert":
+        return tiny_bert(300)
+    if kind == "deberta_v2":  # relative attention, its own layer classes
+        return tf.DebertaV2ForQuestionAnswering(tf.DebertaV2Config(**enc, relative_attention=True, pos_att_type=["c2p", "p2c"])).eval()
+    if kind == "distilbert":
+        return tf.DistilBertForQuestionAnswering(tf.DistilBertConfig(vocab_size=300, dim=32, n_layers=4, n_heads=4, hidden_dim=64, max_position_embeddings=128)).eval()
+    if kind == "mpnet":
+        return tf.MPNetForQuestionAnswering(tf.MPNetConfig(**enc)).eval()
+    if kind == "gpt_neox":  # parallel residual: x + attn(norm(x)) + mlp(norm(x))
+        return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**enc, rotary_pct=0.25, use_parallel_residual=True)).eval()
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", list(PLAIN_ONLY))
+@pytest.mark.parametrize("part", ["attn", "mlp"])
+def test_a_removed_branch_equals_its_output_zeroed_in_post_ln_and_gpt_neox_blocks(kind, part, one_torch_thread):
+    model = _plain_only_model(kind)
+    ids = torch.randint(3, 300, (2, 17), generator=torch.Generator().manual_seed(0))
+
+    def outputs(m):
+        with torch.no_grad():
+            out = m(input_ids=ids)
+        return torch.cat([out.start_logits, out.end_logits], -1) if hasattr(out, "start_logits") else out.logits
+
+    for removed in [(0,), (2,), (1, 3)]:
+        ref = copy.deepcopy(model)
+        blocks = find_blocks(ref).layers
+        for i in removed:
+            for name, param in blocks[i].named_parameters():
+                if name.startswith(PLAIN_ONLY[kind][part]):
+                    param.data.zero_()
+        with removed_units(model, removed, part):
+            got = outputs(model)
+        torch.testing.assert_close(got, outputs(ref), rtol=0, atol=1e-5)
+        assert not torch.allclose(got, outputs(model), atol=1e-4)  # the branch did something
+    assert not any(b._forward_hooks for b in model.modules())
+
+
 def test_granularity_errors_are_one_clear_line():
-    bert = tiny_bert(300, qa=False)
-    with pytest.raises(DepthcurseError, match="--granularity attn is not defined for BertLayer"):
-        with removed_units(bert, [0], "attn"):
+    import transformers as tf
+
+    opt = tf.OPTForCausalLM(tf.OPTConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4, word_embed_proj_dim=32)).eval()
+    with pytest.raises(DepthcurseError, match="--granularity mlp is not defined for OPTDecoderLayer: it has no MLP module"):
+        with removed_units(opt, [0], "mlp"):  # its MLP is two bare linears in the block
             pass
     with pytest.raises(DepthcurseError, match="unknown --granularity 'heads'"):
         with removed_units(tiny_llama(300), [0], "heads"):

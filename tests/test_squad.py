@@ -211,6 +211,14 @@ def test_prune_squad_sweep_end_to_end(run_cli, qa_dirs, tmp_path, one_torch_thre
     rows, _ = load_squad(str(data))
     ref = SquadTask(lm.tokenizer, rows, source="ref").evaluate(lm.model).metrics
     assert result["variants"][0]["metrics"] == pytest.approx(ref, abs=1e-9)
+    # A Post-LN branch: layer 1's MLP removed scores as the model with its output projection zeroed.
+    code, _, err = run_cli("prune", with_head, "--task", "squad", "--data", data, "--granularity", "mlp", "--layers", "1", "--out", tmp_path / "mlp")
+    assert code == 0, err
+    branch = json.loads((tmp_path / "mlp" / "prune.json").read_text())
+    assert branch["run"]["granularity"] == "mlp" and [v["removed"] for v in branch["variants"]] == [[], [1]]
+    lm.model.bert.encoder.layer[1].output.dense.weight.data.zero_()
+    lm.model.bert.encoder.layer[1].output.dense.bias.data.zero_()
+    assert branch["variants"][1]["metrics"] == pytest.approx(SquadTask(lm.tokenizer, rows, source="ref").evaluate(lm.model).metrics, abs=1e-9)
 
 
 def test_squad_refuses_decoders_and_encoders_without_a_head(run_cli, qa_dirs, tiny_model_dir, tmp_path):
