@@ -89,7 +89,7 @@ def _greedy_section(folders: list[Path], figures: Path) -> str:
         figure = plot_greedy(r, figures / f"greedy_{i}.png")
         parts.append(f"### {r.run.get('model')} · {r.run.get('task')} · {r.granularity}\n\n![greedy curves]({figures.name}/{figure.name})")
         for name in r.curves:
-            rows.append([r.run.get("model"), r.n_units, r.run.get("task"), r.granularity, name, *(r.units_within(name, t) for t in THRESHOLDS), folder])
+            rows.append([r.run.get("model"), r.n_units, r.run.get("task"), r.granularity, name, *(r.within_text(name, t) for t in THRESHOLDS), folder])
     parts.append(_rows(["model", "units", "task", "unit", "strategy", *(f"removable within {t:.0%}" for t in THRESHOLDS), "folder"], rows))
     parts.append(f"![removable depth against model depth]({figures.name}/{_plot_removable(results, figures / 'removable_by_depth.png').name})")
     return "\n\n".join(parts)
@@ -106,7 +106,8 @@ def _plot_removable(results: list[DepthCurves], path: Path) -> Path:
     for t, marker in zip(THRESHOLDS, "os^"):
         ax.scatter([r.n_units for r in results], [r.units_within("greedy", t) / r.n_units for r in results], marker=marker, label=f"within {t:.0%}")
     for r in results:
-        ax.annotate(f"{r.run.get('model')} ({r.granularity})", (r.n_units, r.units_within("greedy", THRESHOLDS[-1]) / r.n_units), fontsize=7)
+        last = THRESHOLDS[-1]  # "≥": the curve stopped before passing it, so more might go
+        ax.annotate(f"{r.run.get('model')} ({r.granularity}) {r.within_text('greedy', last)}", (r.n_units, r.units_within("greedy", last) / r.n_units), fontsize=7)
     ax.set_xlabel("units in the model")
     ax.set_ylabel("fraction removable (greedy)")
     ax.set_title("depth the greedy search removes before the drop passes each threshold", fontsize=10)

@@ -16,6 +16,7 @@ from helpers import CORPUS, assert_one_line_error, tiny_bert, tiny_llama
 from depthcurse.errors import DepthcurseError
 from depthcurse.loading import LoadedModel
 from depthcurse.prune import read_curves, replay_orders, run_greedy
+from depthcurse.prune.greedy import CurvePoint, DepthCurves
 from depthcurse.prune.scoring import TokenRequest, score_requests
 from depthcurse.prune.stepping import Stepper
 from depthcurse.surgery import find_blocks, removed_units
@@ -234,6 +235,17 @@ def test_greedy_refuses_bad_input(tiny_tokenizer, tmp_path):
         run_greedy(loaded, task, tmp_path, steps=4)
     with pytest.raises(DepthcurseError, match="--max-drop must be positive"):
         run_greedy(loaded, task, tmp_path, steps=2, max_drop=0)
+
+
+def test_units_within_a_drop_count_until_the_curve_passes_it_and_say_when_it_stopped_first():
+    def curve(*rel):
+        return [CurvePoint(k, list(range(k)), 1 + r, r, r) for k, r in enumerate((0.0, *rel))]
+
+    result = DepthCurves({}, "layer", 4, "loss", False, {"greedy": curve(0.005, 0.03, 0.2), "last": curve(0.02), "one-shot": curve(0.001, 0.002, 0.004)})
+    assert [result.units_within("greedy", t) for t in (0.01, 0.05, 0.10)] == [1, 2, 2]
+    assert [result.within_text("greedy", t) for t in (0.01, 0.05, 0.10)] == ["1", "2", "2"]  # passed each
+    assert [result.within_text("last", t) for t in (0.01, 0.05)] == ["0", "≥1"]  # one step only: more might go
+    assert result.within_text("one-shot", 0.01) == "3"  # all 3 layers that can go (4 - 1) are gone
 
 
 def test_cli_greedy_and_granularity(run_cli, tiny_model_dir, text_file, tmp_path):

@@ -73,6 +73,13 @@ class DepthCurves:
             within = p.k
         return within
 
+    def within_text(self, strategy: str, threshold: float) -> str:
+        """`units_within` for a table: "≥k" when the curve ends without passing `threshold` before
+        every unit is gone, so that more might go."""
+        within = self.units_within(strategy, threshold)
+        open_ended = self.curves[strategy][-1].k == within < max_units(self.n_units, self.granularity)
+        return f"≥{within}" if open_ended else str(within)
+
     def to_json(self) -> dict:
         return {
             "run": self.run, "granularity": self.granularity, "n_units": self.n_units, "metric": self.metric,

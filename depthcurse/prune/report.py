@@ -176,7 +176,8 @@ UNIT_NAMES = {"layer": "layers", "attn": "attention branches", "mlp": "MLP branc
 
 
 def greedy_table(result: DepthCurves) -> Table:
-    """Per strategy: units removed before the relative drop first exceeds 1%, 5%, 10%, and the last point."""
+    """Per strategy: units removed before the relative drop first exceeds 1%, 5%, 10% (≥k: the curve
+    stops first), and the last point."""
     unit = UNIT_NAMES[result.granularity]
     table = Table(title=f"{unit} removable ({result.n_units} in all) before {result.metric} drops by more than")
     table.add_column("strategy")
@@ -188,7 +189,7 @@ def greedy_table(result: DepthCurves) -> Table:
         last = points[-1]
         order = [p.removed for p in points]
         steps = [next(iter(set(b) - set(a)), None) for a, b in zip(order, order[1:])] if name == "greedy" else last.removed
-        table.add_row(name, *(str(result.units_within(name, t)) for t in THRESHOLDS), f"{last.metric:.4g} (k={last.k})", " ".join(map(str, steps)))
+        table.add_row(name, *(result.within_text(name, t) for t in THRESHOLDS), f"{last.metric:.4g} (k={last.k})", " ".join(map(str, steps)))
     for name, why in result.notes.items():
         table.add_row(f"[dim]{name}[/]", *["-"] * len(THRESHOLDS), "-", f"[dim]{why}[/]")
     if result.run.get("orders_from"):
