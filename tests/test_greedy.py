@@ -15,8 +15,8 @@ import torch
 from helpers import CORPUS, assert_one_line_error, tiny_bert, tiny_llama
 from depthcurse.errors import DepthcurseError
 from depthcurse.loading import LoadedModel
-from depthcurse.prune import read_curves, replay_orders, run_greedy
-from depthcurse.prune.greedy import CurvePoint, DepthCurves
+from depthcurse.prune import read_curves, replay_orders, run_greedy, run_sweep
+from depthcurse.prune.greedy import CurvePoint, DepthCurves, heuristic_orders
 from depthcurse.prune.scoring import TokenRequest, score_requests
 from depthcurse.prune.stepping import Stepper
 from depthcurse.surgery import find_blocks, removed_units
@@ -235,6 +235,13 @@ def test_greedy_refuses_bad_input(tiny_tokenizer, tmp_path):
         run_greedy(loaded, task, tmp_path, steps=4)
     with pytest.raises(DepthcurseError, match="--max-drop must be positive"):
         run_greedy(loaded, task, tmp_path, steps=2, max_drop=0)
+
+
+def test_the_last_n_order_stays_in_range_when_every_branch_goes(tiny_tokenizer, tmp_path, one_torch_thread):
+    sweep = run_sweep(_loaded(tiny_llama(len(tiny_tokenizer), layers=3), tiny_tokenizer), _ppl_task(tiny_tokenizer), [0, 1, 2], tmp_path, granularity="attn")
+    orders, _ = heuristic_orders(3, "attn", 3, sweep)
+    assert orders["last"] == [(1,), (0, 1), (0, 1, 2)]  # before the final one, then all three
+    assert sorted(orders["one-shot"][-1]) == [0, 1, 2]
 
 
 def test_units_within_a_drop_count_until_the_curve_passes_it_and_say_when_it_stopped_first():

@@ -121,7 +121,8 @@ def heuristic_orders(n_layers: int, granularity: str, k_max: int, one_shot: Swee
     ranked = [v.removed[0] for v in singles]
     orders = {
         "one-shot": [removal_key(ranked[:k]) for k in range(1, k_max + 1)],
-        "last": [tuple(range(n_layers - 1 - k, n_layers - 1)) for k in range(1, k_max + 1)],
+        # the deepest k before the final one; all n branches at k = n (only branches go that far)
+        "last": [tuple(range(n_layers - 1 - k, n_layers - 1)) if k < n_layers else tuple(range(n_layers)) for k in range(1, k_max + 1)],
     }
     notes = {}
     if granularity != "layer":
