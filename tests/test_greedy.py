@@ -178,6 +178,14 @@ def test_each_greedy_step_removes_the_cheapest_unit(granularity, tiny_tokenizer,
     # the one-shot order is step 1's ranking; "last" is the deepest units before the final one
     assert result.curves["last"][2].removed == [2, 3]
     assert result.curves["one-shot"][1].removed == greedy[1].removed
+    # every strategy's point is its set's score, though sets a step measured are not measured again
+    for name, points in result.curves.items():
+        for point in points[1:]:
+            with removed_units(model, point.removed, granularity):
+                assert point.metric == pytest.approx(task.evaluate(model).metrics["loss"], abs=1e-5), (name, point.removed)
+    orders = tmp_path / "orders" / "prune.json"  # absent when the steps measured every set
+    again = [v["removed"] for v in json.loads(orders.read_text())["variants"]] if orders.exists() else []
+    assert not any(len(r) == 1 for r in again)  # the singles come from step 1
     if granularity == "mlp":
         assert "not defined for --granularity mlp" in result.notes["angular"]
 

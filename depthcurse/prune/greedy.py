@@ -176,6 +176,7 @@ def run_greedy(
     removed: list[int] = []
     points: list[CurvePoint] = []
     first: Sweep | None = None
+    step_sweeps: list[Sweep] = []
     for k in range(1, steps + 1):
         if on_step:
             on_step(f"step {k}: which {granularity} goes next", k - 1, steps)
@@ -184,6 +185,7 @@ def run_greedy(
         run_sweep(loaded, task, candidates, step_dir, run_extra={**(run_extra or {}), "greedy_removed": sorted(removed)}, **common)
         world.barrier()  # every rank reads rank 0's results: all take the same next step
         sweep = read_sweep(step_dir)
+        step_sweeps.append(sweep)
         if not points:
             first = sweep
             points.append(_point(sweep, ()))
@@ -203,7 +205,9 @@ def run_greedy(
             except DepthcurseError as exc:  # no text to measure on, say: the other strategies still stand
                 missing = f"no angular-distance pass: {exc}"
         orders, notes = heuristic_orders(n, granularity, len(removed), first, pass_, missing)
-        measured = {tuple(p.removed): p for p in points}
+        # what the steps measured is not measured again (step 1's single removals above all)
+        measured = {tuple(v.removed): _point(s, tuple(v.removed)) for s in step_sweeps for v in s.variants}
+        measured.update({tuple(p.removed): p for p in points})
         todo = sorted({s for sets in orders.values() for s in sets if s not in measured})
         if todo:
             if on_step:
