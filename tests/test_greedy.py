@@ -42,14 +42,19 @@ def _model(kind: str, vocab: int = 300):
     raise ValueError(kind)
 
 
-def _zeroed(model, part: str, layers) -> torch.nn.Module:
+def _zeroed(model, layers, is_projection) -> torch.nn.Module:
+    """A copy of `model` with the parameters `is_projection(name)` picks in the given blocks zeroed."""
     ref = copy.deepcopy(model)
     blocks = find_blocks(ref).layers
     for i in layers:
         for name, param in blocks[i].named_parameters():
-            if any(p in name.split(".") for p in OUTPUT_PROJECTIONS[part]) and (".self_attn." in f".{name}") == (part == "attn"):
+            if is_projection(name):
                 param.data.zero_()
     return ref
+
+
+def _decoder_projection(part: str):
+    return lambda name: any(p in name.split(".") for p in OUTPUT_PROJECTIONS[part]) and (".self_attn." in f".{name}") == (part == "attn")
 
 
 def _log_likelihoods(model, requests):
@@ -70,7 +75,7 @@ def test_a_removed_branch_equals_its_output_zeroed_in_both_engines(kind, part, o
     variants = [(), (0,), (2,), (3,), (1, 3)]
     engine, _, _ = score_requests(Stepper(model), requests, variants, max_memory=2**30, granularity=part)
     for vi, removed in enumerate(variants):
-        want = _log_likelihoods(_zeroed(model, part, removed), requests)
+        want = _log_likelihoods(_zeroed(model, removed, _decoder_projection(part)), requests)
         with removed_units(model, removed, part):
             plain = _log_likelihoods(model, requests)
         torch.testing.assert_close(plain, want, rtol=0, atol=1e-5)
@@ -122,12 +127,7 @@ def test_a_removed_branch_equals_its_output_zeroed_in_post_ln_and_gpt_neox_block
         return torch.cat([out.start_logits, out.end_logits], -1) if hasattr(out, "start_logits") else out.logits
 
     for removed in [(0,), (2,), (1, 3)]:
-        ref = copy.deepcopy(model)
-        blocks = find_blocks(ref).layers
-        for i in removed:
-            for name, param in blocks[i].named_parameters():
-                if name.startswith(PLAIN_ONLY[kind][part]):
-                    param.data.zero_()
+        ref = _zeroed(model, removed, lambda name: name.startswith(PLAIN_ONLY[kind][part]))
         with removed_units(model, removed, part):
             got = outputs(model)
         torch.testing.assert_close(got, outputs(ref), rtol=0, atol=1e-5)

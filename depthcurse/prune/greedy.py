@@ -175,7 +175,6 @@ def run_greedy(
     common = dict(engine=engine, max_memory=max_memory, compile=compile, granularity=granularity, world=world, on_variant=on_variant)
     removed: list[int] = []
     points: list[CurvePoint] = []
-    first: Sweep | None = None
     step_sweeps: list[Sweep] = []
     for k in range(1, steps + 1):
         if on_step:
@@ -187,7 +186,6 @@ def run_greedy(
         sweep = read_sweep(step_dir)
         step_sweeps.append(sweep)
         if not points:
-            first = sweep
             points.append(_point(sweep, ()))
         # cheapest removal; ties go to the lowest unit, so the path never depends on the order of evaluation
         best = min((sweep.drop(v)[0], [u for u in v.removed if u not in removed][0]) for v in sweep.variants if len(v.removed) == k)[1]
@@ -204,10 +202,9 @@ def run_greedy(
                 pass_ = angular()
             except DepthcurseError as exc:  # no text to measure on, say: the other strategies still stand
                 missing = f"no angular-distance pass: {exc}"
-        orders, notes = heuristic_orders(n, granularity, len(removed), first, pass_, missing)
-        # what the steps measured is not measured again (step 1's single removals above all)
+        orders, notes = heuristic_orders(n, granularity, len(removed), step_sweeps[0], pass_, missing)
+        # what the steps measured (the greedy points, step 1's single removals) is not measured again
         measured = {tuple(v.removed): _point(s, tuple(v.removed)) for s in step_sweeps for v in s.variants}
-        measured.update({tuple(p.removed): p for p in points})
         todo = sorted({s for sets in orders.values() for s in sets if s not in measured})
         if todo:
             if on_step:
@@ -221,6 +218,7 @@ def run_greedy(
                 curves[name] = [points[0]] + [measured[s] for s in orders[name]]
     if not world.main:
         return None
+    first = step_sweeps[0]
     result = DepthCurves(first.run, granularity, n, first.metric, first.higher_is_better, curves, notes)
     write_curves(result, out_dir)
     return result
