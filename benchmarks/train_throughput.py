@@ -111,14 +111,39 @@ def run_variant(args) -> dict:
         "variant": args.variant, "kernels": kernels, "compile": cfg.compile, "activation_checkpointing": cfg.activation_checkpointing,
         "precision": precision, "params": raw.num_params(), "tokens_per_step": tokens, "seconds": seconds,
         "median_seconds": median, "tokens_per_s": tokens / median, "peak_bytes": peak,
-        "first_loss": losses[0], "last_loss": losses[-1],
+        "first_loss": float(losses[0]), "last_loss": float(losses[-1]),
     }
+    if args.profile:
+        result["profile"] = profile_step(step, batch(), sync, device)
     if device.type == "cuda":
         result["mfu"] = flops_per_token * tokens / median / (args.peak_tflops * 1e12)
         result["peak_bytes_kind"] = "torch.cuda.max_memory_allocated above the allocated memory before the timed steps"
     else:
         result["peak_bytes_kind"] = "resident set high-water mark above the size before the timed steps"
     return result
+
+
+def profile_step(step, b, sync, device) -> dict:
+    """One more step under torch.profiler: its wall time, how much of it the device was busy
+    (the rest is the host: launches, syncs, the Python between them), and the operators that
+    took most of its time, as a table."""
+    import torch
+
+    cuda = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    sync()
+    with torch.profiler.profile(activities=activities) as prof:
+        started = time.perf_counter()
+        step(b)
+        sync()
+        wall = time.perf_counter() - started
+    averages = prof.key_averages()
+    out = {"wall_seconds": wall, "table": averages.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                                         row_limit=25, max_name_column_width=70)}
+    if cuda:  # the kernels themselves (each also counts under the operator that launched it)
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        out["device_busy_seconds"] = sum(e.self_device_time_total for e in kernels) / 1e6
+    return out
 
 
 def main() -> None:
@@ -138,6 +163,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
     parser.add_argument("--threads", type=int, default=1, help="1: on a busy CPU, idle threads spinning made small steps many times slower")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the accelerator's peak, for MFU (H100 SXM dense bf16: 989)")
+    parser.add_argument("--profile", action="store_true", help="after the timed steps, profile one more step of each variant: the device's busy share and the top operators")
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # set in the child processes
     args = parser.parse_args()
@@ -173,6 +199,10 @@ def main() -> None:
               + ", ".join(f"{name} {hours:.1f} h" for name, hours in summary["table1_run_hours"].items()))
     print(f"trainer / reference: throughput {summary['throughput_ratio_trainer_over_reference']:.2f}x, "
           f"peak memory {summary['peak_memory_ratio_trainer_over_reference']:.2f}x; first-step loss {ref['first_loss']:.4f} vs {ours['first_loss']:.4f}")
+    for r in (ref, ours) if args.profile else ():
+        p = r["profile"]
+        busy = f", device busy {p['device_busy_seconds']:.3f} s ({p['device_busy_seconds'] / p['wall_seconds']:.0%})" if "device_busy_seconds" in p else ""
+        print(f"\n{r['variant']}: one step under the profiler, {p['wall_seconds']:.3f} s{busy}\n{p['table']}")
     write_json(args.out, summary)
 
 

@@ -3,6 +3,7 @@ and the CLI end to end on a tiny model (a few seconds each on one thread)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -106,7 +107,7 @@ def test_every_evaluation_logs_the_layers(cfg, tmp_path, monkeypatch):
         out = real_step(model, *args, **kwargs)
         if kwargs.get("per_layer") is not None:  # the gradients of the step, as train_step measured them
             rest = sum(p.grad.double().pow(2).sum().item() for n, p in model.named_parameters() if ".layers." not in n and p.grad is not None)
-            seen[len(seen)] = (out[1], out[2], rest)
+            seen[len(seen)] = (out[1].item(), out[2], rest)
         return out
 
     monkeypatch.setattr(train, "train_step", spy)
@@ -208,6 +209,108 @@ def test_nan_stops_and_keeps_last_good_checkpoint(cfg, tmp_path, monkeypatch):
     assert ckpt["train_state"]["step"] == 4
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
     assert not (tmp_path / "run" / SUMMARY).exists()
+
+
+def test_a_divergence_between_log_steps_names_its_step_and_keeps_the_checkpoint_before_it(cfg, tmp_path, monkeypatch):
+    """The losses are read every few steps, not after each: the first bad step is still the one
+    named, and no checkpoint is written after it (the read before each save finds it)."""
+    cfg.log_every, cfg.save_every, cfg.eval_every = 3, 4, 100
+    build = train.build_model
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        model = build(*args, **kwargs)
+        good = model.loss_fn
+
+        def loss_fn(hidden, weight, targets):
+            calls["n"] += torch.is_grad_enabled()
+            loss = good(hidden, weight, targets)
+            return loss * float("inf") if calls["n"] in (9, 10) else loss  # step 5's micro-batches: read at step 6
+
+        model.loss_fn = loss_fn
+        return model
+
+    monkeypatch.setattr(train, "build_model", poisoned)
+    with pytest.raises(DepthcurseError, match=r"diverged at step 5 .*last good checkpoint \(step 4\)"):
+        train.run(cfg, tmp_path / "run")
+    assert load_checkpoint(tmp_path / "run" / CHECKPOINT)["train_state"]["step"] == 4
+    assert [r["step"] for r in MetricsLog(tmp_path / "run" / METRICS).rows()] == [3]
+
+
+def _tiny_model(kernels="off"):
+    from depthcurse.train.model import ModelConfig, Transformer
+
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, max_seq_len=32, norm="lns"),
+                       kernels=kernels)
+
+
+def _random_batch(rows=4, seq=16, vocab=96):
+    ids = torch.randint(0, vocab, (rows, seq + 1), generator=torch.Generator().manual_seed(1))
+    return D.Batch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_bf16_mixed_casts_each_weight_once_per_step_and_computes_what_per_micro_batch_autocast_does(checkpointing):
+    """One autocast region over the step's micro-batches: each fp32 weight is cast to bf16 once
+    (the recomputed forwards of activation checkpointing too), where autocast around each
+    micro-batch casts it once per micro-batch; the weights after the step are bit for bit
+    those of that plain loop."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    batch, cpu = _random_batch(), torch.device("cpu")
+    ours, theirs = _tiny_model(), _tiny_model()
+    ours.set_activation_checkpointing(checkpointing)
+    theirs.set_activation_checkpointing(checkpointing)
+    weights = {m.weight.data_ptr() for model in (ours, theirs) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+
+    class CountWeightCasts(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in weights and (kwargs or {}).get("dtype") == torch.bfloat16:
+                CountWeightCasts.n += 1
+            return func(*args, **(kwargs or {}))
+
+    opt_ours, opt_theirs = torch.optim.Adam(ours.parameters(), lr=1e-2), torch.optim.Adam(theirs.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt_ours, lambda s: 1.0)
+    with CountWeightCasts():
+        loss, _ = train.train_step(ours, opt_ours, sched, batch, 1, train.autocast_for("bf16-mixed", cpu), 0.0, cpu)
+    assert CountWeightCasts.n == len(weights) / 2  # 4 micro-batches, each linear weight cast once
+
+    CountWeightCasts.n = 0
+    opt_theirs.zero_grad()
+    total = 0.0
+    with CountWeightCasts():
+        for ids, targets in zip(batch.input_ids.split(1), batch.targets.split(1)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                part = theirs(ids, targets) / batch.tokens
+            part.backward()
+            total += part.item()
+    assert CountWeightCasts.n == 4 * len(weights) / 2 * (1 + checkpointing) - 4 * checkpointing  # the head is not recomputed
+    opt_theirs.step()
+    assert loss.item() == pytest.approx(total, rel=1e-6)
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_compile_covers_the_loss_and_trains_as_the_eager_model(cfg):
+    """--compile with the plain model compiles each block and the head's loss; two steps
+    match the eager model's losses and weights."""
+    from depthcurse.train.distributed import parallelize
+
+    c = TrainConfig(**{**cfg.to_dict(), "compile": True, "kernels": "off"}).resolved()
+    cpu, batch = torch.device("cpu"), _random_batch()
+    eager, compiled = _tiny_model(), parallelize(_tiny_model(), c, train.World(), cpu)
+    assert hasattr(compiled.loss_fn, "_torchdynamo_orig_callable") and hasattr(compiled.model.layers[0].forward, "_torchdynamo_orig_callable")
+    got = {}
+    for name, model in (("eager", eager), ("compiled", compiled)):
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        got[name] = [train.train_step(model, opt, sched, batch, 2, contextlib.nullcontext(), 1.0, cpu)[0].item() for _ in range(2)]
+    assert got["compiled"] == pytest.approx(got["eager"], rel=1e-5)
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_refuses_to_mix_runs(cfg, tmp_path):

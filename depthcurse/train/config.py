@@ -95,7 +95,7 @@ class TrainConfig:
     layer_metrics_probes: int = _setting(2, "Random probes per sequence for the identity distance at each evaluation.")
     device: str = _setting("auto", "auto, cpu or cuda.")
     kernels: str = _setting("auto", "auto (Triton on CUDA without --compile, the plain model otherwise), triton, torch (the fused kernels' PyTorch path) or off (the plain model).")
-    compile: bool = _setting(False, "torch.compile each block.", "--compile")
+    compile: bool = _setting(False, "torch.compile each block, and the loss with --kernels off.", "--compile")
     activation_checkpointing: bool = _setting(False, "Recompute each block's activations in the backward pass (less memory, about a third more compute).", "--activation-checkpointing")
     parallel: str | None = _setting(None, "Under torchrun: ddp (default) or fsdp (FSDP2, sharded weights and optimizer state).")
 

@@ -37,7 +37,8 @@ def setup_world(cfg: TrainConfig) -> tuple[World, torch.device]:
 
 def parallelize(model: Transformer, cfg: TrainConfig, world: World, device: torch.device) -> torch.nn.Module:
     """Checkpointing, compilation and the data-parallel wrapper, innermost first (torchtitan's
-    order): each block's forward is compiled, and FSDP's all-gathers hook around it."""
+    order): each block's forward is compiled (and the loss, with the plain model), and FSDP's
+    all-gathers hook around the blocks."""
     model.set_activation_checkpointing(cfg.activation_checkpointing)
     if cfg.compile:
         # Blocks share one compiled code object, with a variant per block kind (LNS factor 1 or
@@ -47,6 +48,11 @@ def parallelize(model: Transformer, cfg: TrainConfig, world: World, device: torc
             # The forward, not the module: parameter names stay as they are (no `_orig_mod.`),
             # and hooks around the call (FSDP) run eagerly.
             block.forward = torch.compile(block.forward)
+        if model.model.kernels == "off":
+            # The head and the loss too (torchtitan's "loss" component): inductor fuses the fp32
+            # upcast, log-softmax and its gradient over the [tokens, vocab] logits, which the
+            # eager loss writes and reads back in full several times.
+            model.loss_fn = torch.compile(model.loss_fn)
     if world.parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard  # lazy: only a torchrun launch needs it
 

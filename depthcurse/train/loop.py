@@ -6,7 +6,7 @@ checkpointing), `data` feeds it, `checkpoint` saves and restores every part, `me
 `export` writes the Hugging Face checkpoints at the end. This module joins them:
 
   TrainConfig.resolved -> build_model -> parallelize -> build_optimizer / build_scheduler
-  -> train_step (gradient accumulation, clipping, divergence check) -> evaluate
+  -> train_step (gradient accumulation, clipping) -> StepLosses (divergence check) -> evaluate
   -> CheckpointManager.save / load -> MetricsLog -> export_run
 
 A run lives in one folder: `config.json` (the resolved configuration), `checkpoint.pt` (model,
@@ -91,40 +91,89 @@ def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch
 
 
 class Diverged(DepthcurseError):
-    pass
+    def __init__(self, step: int, why: str):
+        super().__init__(why)
+        self.step = step
 
 
 def train_step(model, optimizer, scheduler, batch, micro_batch: int, amp, grad_clip: float, device, world: World = World(),
-               per_layer: torch.nn.ModuleList | None = None) -> tuple[float, float] | tuple[float, float, list[float]]:
+               per_layer: torch.nn.ModuleList | None = None) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, list[float]]:
     """One optimizer step over the global `batch`: this rank's slice of it, split into
     micro-batches. The loss is the mean over the global batch's real target tokens, whatever the
-    split over ranks and micro-batches, so neither changes anything. With `per_layer` (the
-    blocks), also each block's gradient norm, before clipping."""
+    split over ranks and micro-batches, so neither changes anything. Returns the loss and the
+    gradient norm (before clipping) as tensors on the device: reading them waits for the GPU,
+    so the step never does (`StepLosses` reads them at log steps). With `per_layer` (the
+    blocks), also each block's gradient norm, read at once."""
     n_tokens = batch.tokens  # every rank holds the whole global batch: no all-reduce needed
+    # The whole slice moves once, without waiting: a copy from pageable memory would wait for
+    # the GPU to finish the previous step's work, once per micro-batch.
     ids, targets = world.shard(batch.input_ids), world.shard(batch.targets)
+    ids, targets = to_device(ids, device), to_device(targets, device)
     micro = list(zip(ids.split(micro_batch), targets.split(micro_batch)))
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
-    for i, (ids, targets) in enumerate(micro):
-        with gradient_sync(model, world, on=i == len(micro) - 1):
-            with amp:
-                loss = model(ids.to(device), targets.to(device)) / n_tokens
-            # DDP and FSDP average the ranks' gradients; the ranks' losses are shares of one sum.
-            (loss * world.size if world.size > 1 else loss).backward()
-        total += loss.detach().float()
+    # One autocast region for the whole step: autocast keeps its bf16 copy of each fp32 weight
+    # until the outermost region ends, so the weights are cast once per step, not per micro-batch.
+    # The backward passes run with autocast off, as outside any region.
+    with amp:
+        for i, (ids, targets) in enumerate(micro):
+            with gradient_sync(model, world, on=i == len(micro) - 1):
+                loss = model(ids, targets) / n_tokens
+                with autocast_off(device):
+                    # DDP and FSDP average the ranks' gradients; the ranks' losses are shares of one sum.
+                    (loss * world.size if world.size > 1 else loss).backward()
+            total += loss.detach().float()
     total = world.sum(total)
     layer_norms = _layer_grad_norms(per_layer, world) if per_layer is not None else None
-    params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grad_norm = torch.nn.utils.get_total_norm(grads)
+    if grad_clip > 0:
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), grad_clip, grad_norm)
     if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor over the shards
         grad_norm = grad_norm.full_tensor()
-    loss_value, norm_value = total.item(), grad_norm.item()
-    if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-        # Stop before the step: the weights stay as they were, and the last checkpoint is intact.
-        raise Diverged(f"loss {loss_value} / gradient norm {norm_value}")
     optimizer.step()
     scheduler.step()
-    return (loss_value, norm_value) if layer_norms is None else (loss_value, norm_value, layer_norms)
+    return (total, grad_norm) if layer_norms is None else (total, grad_norm, layer_norms)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`; to a GPU from pinned memory, queued behind the work already there."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def autocast_off(device: torch.device):
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+class StepLosses:
+    """The steps' losses and gradient norms, kept on the device until a log, evaluation or
+    checkpoint step reads them all at once (one wait for the GPU instead of one per step). A
+    step that diverged (a non-finite loss or norm, or a loss over `limit`) is found then, by
+    its number: the weights in memory may have taken a few bad steps since, but the last
+    checkpoint was written after a read that found every step before it good."""
+
+    def __init__(self, limit: float):
+        self.limit = limit
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+    def add(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        self.pending.append((step, loss, grad_norm))
+
+    def read(self) -> tuple[float, float] | None:
+        """The last pending step's (loss, gradient norm), after checking every pending step."""
+        if not self.pending:
+            return None
+        values = torch.stack([torch.stack([loss.float(), norm.float().to(loss.device)]) for _, loss, norm in self.pending]).tolist()
+        steps = [step for step, _, _ in self.pending]
+        self.pending = []
+        for step, (loss, norm) in zip(steps, values):
+            if not (math.isfinite(loss) and math.isfinite(norm)):
+                raise Diverged(step, f"loss {loss} / gradient norm {norm}")
+            if loss > self.limit:
+                raise Diverged(step, f"loss {loss:.3f}, over twice that of a uniform guess")
+        return values[-1][0], values[-1][1]
 
 
 def _layer_grad_norms(blocks: torch.nn.ModuleList, world: World) -> list[float]:
@@ -177,13 +226,13 @@ def evaluate(model, data, batch_size: int, amp, device) -> dict:
     """Mean next-token loss over the fixed validation rows, and its perplexity."""
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
+    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
     for batch in data.val_batches(batch_size):
         with amp:
-            total += model(batch.input_ids.to(device), batch.targets.to(device)).float().item()
+            total += model(to_device(batch.input_ids, device), to_device(batch.targets, device)).double()
         count += batch.tokens
     model.train(was_training)
-    loss = total / count
+    loss = total.item() / count
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)) if math.isfinite(loss) else float("nan"), "val_tokens": count}
 
 
@@ -255,26 +304,28 @@ def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, st
     start_step, layer_grad_norms = progress.step, None
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     tick, tick_tokens = time.perf_counter(), 0
+    step_losses = StepLosses(limit=2 * math.log(len(tokenizer)))
     while progress.step < end:
         batch = data.train.next_batch(cfg.batch_size)
         lr = optimizer.param_groups[0]["lr"]
         t0 = time.perf_counter()
         profile_now = cfg.layer_metrics_tokens > 0 and ((progress.step + 1) % cfg.eval_every == 0 or progress.step + 1 == cfg.steps)
-        try:
-            out = train_step(model, optimizer, scheduler, batch, micro_batch, amp, cfg.grad_clip, device, world,
-                             per_layer=raw.model.layers if profile_now else None)
-            loss, grad_norm = out[:2]
-            layer_grad_norms = out[2] if profile_now else None
-        except Diverged as exc:
-            raise _diverged(exc, progress.step + 1, out_dir, last_saved) from exc
-        if loss > 2 * math.log(len(tokenizer)):
-            raise _diverged(Diverged(f"loss {loss:.3f}, over twice that of a uniform guess"), progress.step + 1, out_dir, last_saved)
-        progress.seconds += time.perf_counter() - t0
+        out = train_step(model, optimizer, scheduler, batch, micro_batch, amp, cfg.grad_clip, device, world,
+                         per_layer=raw.model.layers if profile_now else None)
+        layer_grad_norms = out[2] if profile_now else None
         progress.step += 1
         progress.tokens += batch.input_ids.numel()
         tick_tokens += batch.input_ids.numel()
         step = progress.step
-        if step % cfg.log_every == 0 or step == end:
+        step_losses.add(step, out[0], out[1])
+        logged = step % cfg.log_every == 0 or step == end
+        if logged or step % cfg.eval_every == 0 or step % cfg.save_every == 0:
+            try:
+                loss, grad_norm = step_losses.read()  # waits for the GPU: what it spends there counts as training
+            except Diverged as exc:
+                raise _diverged(exc, out_dir, last_saved) from exc
+        progress.seconds += time.perf_counter() - t0
+        if logged:
             now = time.perf_counter()
             rate = tick_tokens / max(now - tick, 1e-9)
             if world.main:
@@ -321,6 +372,6 @@ def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, st
     return summary
 
 
-def _diverged(exc: Exception, step: int, out_dir: Path, last_saved: int | None) -> DepthcurseError:
+def _diverged(exc: Diverged, out_dir: Path, last_saved: int | None) -> DepthcurseError:
     kept = f"the last good checkpoint (step {last_saved}) is kept in {out_dir}" if last_saved is not None else "no checkpoint had been written yet"
-    return DepthcurseError(f"training diverged at step {step} ({exc}); {kept}: lower --lr, raise --warmup or set --grad-clip")
+    return DepthcurseError(f"training diverged at step {exc.step} ({exc}); {kept}: lower --lr, raise --warmup or set --grad-clip")
