@@ -52,6 +52,12 @@ FAMILIES = {
                                                                  moe_layers=[1, 3], floor_scale=4, attn_scale=0.5)),
     "deepseek_v2": (tf.DeepseekV2ForCausalLM, lambda: tf.DeepseekV2Config(**{**BASE, **MLA, "q_lora_rank": None})),
     "deepseek_v3": (tf.DeepseekV3ForCausalLM, lambda: tf.DeepseekV3Config(**{**BASE, **MLA, "q_lora_rank": 16})),
+    # Pythia's family (the size suite from 14M to 12B): blocks under gpt_neox, a parallel
+    # residual, a quarter of each head rotated, LayerNorm with biases.
+    "gpt_neox": (tf.GPTNeoXForCausalLM, lambda: tf.GPTNeoXConfig(**BASE, rotary_pct=0.25, use_parallel_residual=True)),
+    "phi": (tf.PhiForCausalLM, lambda: tf.PhiConfig(**BASE, partial_rotary_factor=0.5)),  # phi-1, 1.5, 2: `final_layernorm`
+    "falcon": (tf.FalconForCausalLM, lambda: tf.FalconConfig(**BASE)),  # 7B's layout: one key/value head, parallel attention and MLP
+    "falcon_new": (tf.FalconForCausalLM, lambda: tf.FalconConfig(**{**BASE, "num_kv_heads": 2}, new_decoder_architecture=True)),  # 40B/180B's
 }
 
 # a layer whose kind differs from a neighbour's: attention type, dense among MoE, NoPE, ...

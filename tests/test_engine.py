@@ -17,6 +17,7 @@ from depthcurse.loading import LoadedModel
 from depthcurse.prune import run_sweep
 from depthcurse.prune.requests import LmEvalRequests
 from depthcurse.prune.scoring import MAX_BATCH_TOKENS, TokenRequest, VariantScorer, parse_memory, plan, score_requests, small_batch_tokens
+from depthcurse.prune.engine import why_unsupported
 from depthcurse.prune.stepping import Stepper
 from depthcurse.surgery import removed_layers
 from depthcurse.tasks import PerplexityTask, build_task
@@ -313,6 +314,11 @@ def test_unsupported_model_falls_back_and_says_so(tiny_tokenizer, tmp_path, one_
     with removed_layers(model, [1]):
         assert sweep.variants[1].metrics == task.evaluate(model).metrics
     assert sweep.variants[1].metrics["loss"] != sweep.variants[0].metrics["loss"]
+    # Falcon-RW: ALiBi biases, which the stepper does not build (named, before the check finds other logits)
+    from transformers import FalconConfig, FalconForCausalLM
+
+    alibi = FalconForCausalLM(FalconConfig(vocab_size=len(tiny_tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True)).eval()
+    assert why_unsupported(alibi, task) == "FalconForCausalLM: ALiBi position biases, not rotary embeddings"
 
 
 @pytest.mark.parametrize("where", ["check", "scoring"])

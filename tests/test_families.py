@@ -17,7 +17,7 @@ from families import FAMILIES, N, VOCAB, family_model, removals
 from helpers import built_without
 from depthcurse.prune.scoring import TokenRequest, score_requests
 from depthcurse.prune.stepping import Stepper
-from depthcurse.surgery import removed_layers
+from depthcurse.surgery import find_blocks, removed_layers
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -43,7 +43,7 @@ def test_a_pruned_model_equals_one_built_without_the_layer(name):
             rebuilt = type(model)(copy.deepcopy(model.config)).eval()
             rebuilt.load_state_dict(model.state_dict(), strict=True)
             torch.testing.assert_close(_logits(rebuilt, ids), got, rtol=0, atol=0)
-        torch.testing.assert_close(got, _logits(built_without(model, "model.layers", removed), ids), rtol=0, atol=0)
+        torch.testing.assert_close(got, _logits(built_without(model, find_blocks(model).path, removed), ids), rtol=0, atol=0)
         assert not torch.allclose(got, before, atol=1e-3), removed  # the layer did something
     torch.testing.assert_close(_logits(model, ids), before, rtol=0, atol=0)
     assert model.config.to_dict() == config_before
@@ -83,4 +83,4 @@ def test_the_reuse_engine_scores_every_family_as_its_own_forward(name):
 
 def test_every_family_has_the_layers_it_claims():
     for name in FAMILIES:
-        assert len(family_model(name).model.layers) == N
+        assert len(find_blocks(family_model(name)).layers) == N

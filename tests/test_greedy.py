@@ -39,6 +39,12 @@ def _model(kind: str, vocab: int = 300):
         return tf.Gemma2ForCausalLM(tf.Gemma2Config(**common, head_dim=8, sliding_window=16)).eval()
     if kind == "mixtral":  # MoE MLP: router and experts
         return tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)).eval()
+    if kind == "gpt_neox":  # parallel residual, x + attn(norm(x)) + mlp(norm(x)); its attention is `attention`
+        return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**common, rotary_pct=0.25, use_parallel_residual=True)).eval()
+    if kind == "phi":  # one norm shared by the parallel branches
+        return tf.PhiForCausalLM(tf.PhiConfig(**common, partial_rotary_factor=0.5)).eval()
+    if kind == "falcon":  # parallel branches, one key/value head; its attention is `self_attention`
+        return tf.FalconForCausalLM(tf.FalconConfig(**common)).eval()
     raise ValueError(kind)
 
 
@@ -53,7 +59,15 @@ def _zeroed(model, layers, is_projection) -> torch.nn.Module:
     return ref
 
 
-def _decoder_projection(part: str):
+# The branches' last projections where they are not named as Llama's, by parameter-name prefix in the block.
+PROJECTIONS = {"gpt_neox": {"attn": "attention.dense.", "mlp": "mlp.dense_4h_to_h."},
+               "phi": {"attn": "self_attn.dense.", "mlp": "mlp.fc2."},
+               "falcon": {"attn": "self_attention.dense.", "mlp": "mlp.dense_4h_to_h."}}
+
+
+def _decoder_projection(kind: str, part: str):
+    if kind in PROJECTIONS:
+        return lambda name: name.startswith(PROJECTIONS[kind][part])
     return lambda name: any(p in name.split(".") for p in OUTPUT_PROJECTIONS[part]) and (".self_attn." in f".{name}") == (part == "attn")
 
 
@@ -66,7 +80,7 @@ def _log_likelihoods(model, requests):
     return torch.tensor(out, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2-sliding", "gemma2", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2-sliding", "gemma2", "mixtral", "gpt_neox", "phi", "falcon"])
 @pytest.mark.parametrize("part", ["attn", "mlp"])
 def test_a_removed_branch_equals_its_output_zeroed_in_both_engines(kind, part, one_torch_thread):
     model = _model(kind)
@@ -75,7 +89,7 @@ def test_a_removed_branch_equals_its_output_zeroed_in_both_engines(kind, part, o
     variants = [(), (0,), (2,), (3,), (1, 3)]
     engine, _, _ = score_requests(Stepper(model), requests, variants, max_memory=2**30, granularity=part)
     for vi, removed in enumerate(variants):
-        want = _log_likelihoods(_zeroed(model, removed, _decoder_projection(part)), requests)
+        want = _log_likelihoods(_zeroed(model, removed, _decoder_projection(kind, part)), requests)
         with removed_units(model, removed, part):
             plain = _log_likelihoods(model, requests)
         torch.testing.assert_close(plain, want, rtol=0, atol=1e-5)
@@ -85,15 +99,14 @@ def test_a_removed_branch_equals_its_output_zeroed_in_both_engines(kind, part, o
     assert not any(b._forward_hooks for b in model.modules())  # everything put back
 
 
-# Architectures only the plain path runs (the reuse engine falls back for them): Post-LN encoders,
-# whose branch ends before the add and norm, and GPT-NeoX, whose attention is `attention`. Each
-# with the projection that ends each branch, by parameter-name prefix inside the block.
+# Post-LN encoders, which only the plain path runs (the reuse engine is for decoders): each branch
+# ends before the add and norm. Each with the projection that ends each branch, by parameter-name
+# prefix inside the block.
 PLAIN_ONLY = {
     "bert": {"attn": "attention.output.dense.", "mlp": "output.dense."},
     "deberta_v2": {"attn": "attention.output.dense.", "mlp": "output.dense."},
     "distilbert": {"attn": "attention.out_lin.", "mlp": "ffn.lin2."},
     "mpnet": {"attn": "attention.attn.o.", "mlp": "output.dense."},
-    "gpt_neox": {"attn": "attention.dense.", "mlp": "mlp.dense_4h_to_h."},
 }
 
 
@@ -110,14 +123,12 @@ def _plain_only_model(kind: str):
         return tf.DistilBertForQuestionAnswering(tf.DistilBertConfig(vocab_size=300, dim=32, n_layers=4, n_heads=4, hidden_dim=64, max_position_embeddings=128)).eval()
     if kind == "mpnet":
         return tf.MPNetForQuestionAnswering(tf.MPNetConfig(**enc)).eval()
-    if kind == "gpt_neox":  # parallel residual: x + attn(norm(x)) + mlp(norm(x))
-        return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**enc, rotary_pct=0.25, use_parallel_residual=True)).eval()
     raise ValueError(kind)
 
 
 @pytest.mark.parametrize("kind", list(PLAIN_ONLY))
 @pytest.mark.parametrize("part", ["attn", "mlp"])
-def test_a_removed_branch_equals_its_output_zeroed_in_post_ln_and_gpt_neox_blocks(kind, part, one_torch_thread):
+def test_a_removed_branch_equals_its_output_zeroed_in_post_ln_blocks(kind, part, one_torch_thread):
     model = _plain_only_model(kind)
     ids = torch.randint(3, 300, (2, 17), generator=torch.Generator().manual_seed(0))
 

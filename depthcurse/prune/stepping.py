@@ -91,11 +91,15 @@ def _hooked(module: torch.nn.Module) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in module.modules())
 
 
+# What a decoder's base calls its last norm: Llama and most since, GPT-NeoX (Pythia), Phi-1/1.5/2, Falcon.
+FINAL_NORMS = ("norm", "final_layer_norm", "final_layernorm", "ln_f")
+
+
 class Stepper:
     """Runs a decoder-only Hugging Face model one block at a time.
 
-    Supported: models whose base keeps `embed_tokens`, `layers`, `norm` and `rotary_emb` (Llama,
-    Mistral, Qwen2/3, Gemma 1/2/3 text, Phi3, ...). Sequences are right-padded and use no
+    Supported: models whose base keeps its input embeddings, blocks, a final norm and a
+    `rotary_emb` (Llama, Mistral, Qwen2/3, Gemma 1/2/3 text, Phi 1-3, GPT-NeoX/Pythia, ...). Sequences are right-padded and use no
     attention mask beyond causality (as lm-eval's HFLM calls the model), so padding never reaches
     a real position.
     """
@@ -106,11 +110,21 @@ class Stepper:
             raise Unsupported(f"{type(model).__name__} is not a decoder-only language model")
         blocks = find_blocks(model)
         base = blocks.parent
-        missing = [n for n in ("embed_tokens", "norm", "rotary_emb") if not isinstance(getattr(base, n, None), torch.nn.Module)]
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if missing or head is None:
-            raise Unsupported(f"{type(model).__name__}: no {', '.join(missing) or 'language-model head'} where Llama-like models keep it")
-        self.model, self.layers, self.embed_tokens, self.norm, self.rotary, self.head = model, blocks.layers, base.embed_tokens, base.norm, base.rotary_emb, head
+        parts = {"embeddings": base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None,
+                 "final norm": next((getattr(base, n) for n in FINAL_NORMS if isinstance(getattr(base, n, None), torch.nn.Module)), None),
+                 "rotary embedding": getattr(base, "rotary_emb", None),
+                 "language-model head": model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None}
+        missing = [name for name, part in parts.items() if not isinstance(part, torch.nn.Module)]
+        if missing:
+            raise Unsupported(f"{type(model).__name__}: no {', '.join(missing)} where Llama-like models keep it")
+        self.model, self.layers = model, blocks.layers
+        self.embed_tokens, self.norm, self.rotary, self.head = parts.values()
+        # The keyword a block takes its cache by: GPT-NeoX's `layer_past`, everyone else's `past_key_values`.
+        params = inspect.signature(self.layers[0].forward).parameters
+        self.cache_arg = next((n for n in ("past_key_values", "layer_past", "past_key_value") if n in params), "past_key_values")
+        if getattr(config, "alibi", False):
+            raise Unsupported(f"{type(model).__name__}: ALiBi position biases, not rotary embeddings")
+        self.extra = {"alibi": None} if "alibi" in params else {}  # rotary Falcon's blocks still take the argument
         self.config = config = base.config
         n = len(self.layers)
         types = getattr(config, "layer_types", None)
@@ -209,7 +223,7 @@ class Stepper:
         if self.compiled is not None and not _hooked(layer):
             layer = self.compiled[i]
         out = layer(h, attention_mask=ctx.masks[t], position_embeddings=ctx.rope[t], position_ids=ctx.position_ids,
-                    past_key_values=cache.layer(i) if cache is not None else None, use_cache=False)
+                    use_cache=False, **{self.cache_arg: cache.layer(i) if cache is not None else None}, **self.extra)
         return out[0] if isinstance(out, tuple) else out
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
