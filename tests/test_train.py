@@ -186,9 +186,9 @@ def test_gradient_accumulation_changes_nothing(cfg, tmp_path):
     assert split["val_loss"] == pytest.approx(whole["val_loss"], rel=1e-5)
 
 
-def test_nan_stops_and_keeps_last_good_checkpoint(cfg, tmp_path, monkeypatch):
-    build = train.build_model
-    calls = {"n": 0}
+def _poison(monkeypatch, bad, factor: float) -> None:
+    """Training micro-batches numbered (from 1) so that `bad(n)` get their loss times `factor`."""
+    build, calls = train.build_model, {"n": 0}
 
     def poisoned(*args, **kwargs):
         model = build(*args, **kwargs)
@@ -197,12 +197,16 @@ def test_nan_stops_and_keeps_last_good_checkpoint(cfg, tmp_path, monkeypatch):
         def loss_fn(hidden, weight, targets):
             calls["n"] += torch.is_grad_enabled()  # count training micro-batches, not validation ones
             loss = good(hidden, weight, targets)
-            return loss * float("nan") if calls["n"] > 2 * 5 else loss  # 2 micro-batches per step: step 6 goes NaN
+            return loss * factor if torch.is_grad_enabled() and bad(calls["n"]) else loss
 
         model.loss_fn = loss_fn
         return model
 
     monkeypatch.setattr(train, "build_model", poisoned)
+
+
+def test_nan_stops_and_keeps_last_good_checkpoint(cfg, tmp_path, monkeypatch):
+    _poison(monkeypatch, lambda n: n > 2 * 5, float("nan"))  # 2 micro-batches per step: step 6 goes NaN
     with pytest.raises(DepthcurseError, match=r"diverged at step 6 .*last good checkpoint \(step 4\)"):
         train.run(cfg, tmp_path / "run")
     ckpt = load_checkpoint(tmp_path / "run" / CHECKPOINT)
@@ -215,34 +219,18 @@ def test_a_divergence_between_log_steps_names_its_step_and_keeps_the_checkpoint_
     """The losses are read every few steps, not after each: the first bad step is still the one
     named, and no checkpoint is written after it (the read before each save finds it)."""
     cfg.log_every, cfg.save_every, cfg.eval_every = 3, 4, 100
-    build = train.build_model
-    calls = {"n": 0}
-
-    def poisoned(*args, **kwargs):
-        model = build(*args, **kwargs)
-        good = model.loss_fn
-
-        def loss_fn(hidden, weight, targets):
-            calls["n"] += torch.is_grad_enabled()
-            loss = good(hidden, weight, targets)
-            return loss * float("inf") if calls["n"] in (9, 10) else loss  # step 5's micro-batches: read at step 6
-
-        model.loss_fn = loss_fn
-        return model
-
-    monkeypatch.setattr(train, "build_model", poisoned)
+    _poison(monkeypatch, lambda n: n in (9, 10), float("inf"))  # step 5's micro-batches: read at step 6
     with pytest.raises(DepthcurseError, match=r"diverged at step 5 .*last good checkpoint \(step 4\)"):
         train.run(cfg, tmp_path / "run")
     assert load_checkpoint(tmp_path / "run" / CHECKPOINT)["train_state"]["step"] == 4
     assert [r["step"] for r in MetricsLog(tmp_path / "run" / METRICS).rows()] == [3]
 
 
-def _tiny_model(kernels="off"):
+def _tiny_model():
     from depthcurse.train.model import ModelConfig, Transformer
 
     torch.manual_seed(0)
-    return Transformer(ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, max_seq_len=32, norm="lns"),
-                       kernels=kernels)
+    return Transformer(ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, max_seq_len=32, norm="lns"))
 
 
 def _random_batch(rows=4, seq=16, vocab=96):
