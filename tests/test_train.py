@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import types
 
 import pytest
 import torch
@@ -284,7 +285,7 @@ def test_bf16_mixed_casts_each_weight_once_per_step_and_computes_what_per_micro_
 
 def test_compile_covers_the_loss_and_trains_as_the_eager_model(cfg):
     """--compile with the plain model compiles each block and the head's loss; two steps
-    match the eager model's losses and weights."""
+    match the eager model's losses and weights, and its per-layer metrics the eager model's."""
     from depthcurse.train.distributed import parallelize
 
     c = TrainConfig(**{**cfg.to_dict(), "compile": True, "kernels": "off"}).resolved()
@@ -299,6 +300,13 @@ def test_compile_covers_the_loss_and_trains_as_the_eager_model(cfg):
     assert got["compiled"] == pytest.approx(got["eager"], rel=1e-5)
     for a, b in zip(eager.parameters(), compiled.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # the per-layer metrics of an evaluation go through the blocks' own forwards (a compiled one
+    # carries no tangent for the identity distance), and the compiled ones are back after
+    val = types.SimpleNamespace(val_rows=batch.input_ids, val_lengths=torch.full((4,), 16))
+    profiles = [train.layer_profile(m, val, 64, 2, cpu) for m in (eager, compiled)]
+    for key in ("identity_distance", "attn_gain", "mlp_gain", "layer_variance"):
+        assert profiles[1][key] == pytest.approx(profiles[0][key], rel=1e-4), key
+    assert hasattr(compiled.model.layers[0].forward, "_torchdynamo_orig_callable")
 
 
 def test_refuses_to_mix_runs(cfg, tmp_path):

@@ -68,6 +68,19 @@ def parallelize(model: Transformer, cfg: TrainConfig, world: World, device: torc
 
 
 @contextlib.contextmanager
+def eager_blocks(model: Transformer):
+    """The blocks' own forwards for a while, where `parallelize` compiled them: the per-layer
+    metrics take Jacobian-vector products through each block, which a compiled forward does not
+    propagate (its outputs would carry no tangent)."""
+    compiled = {block: block.__dict__.pop("forward") for block in model.model.layers if "forward" in block.__dict__}
+    try:
+        yield
+    finally:
+        for block, forward in compiled.items():
+            block.forward = forward
+
+
+@contextlib.contextmanager
 def gradient_sync(model: torch.nn.Module, world: World, on: bool):
     """Communicate gradients only on the last micro-batch of a step."""
     if world.parallel == "ddp" and not on:

@@ -35,7 +35,7 @@ from depthcurse.train.checkpoint import CheckpointManager, ModelState, Optimizer
 from depthcurse.train.config import CONFIG, TrainConfig
 from depthcurse.train.data import build_data, require_source, run_tokenizer
 from depthcurse.runtime import World
-from depthcurse.train.distributed import gradient_sync, parallelize, setup_world
+from depthcurse.train.distributed import eager_blocks, gradient_sync, parallelize, setup_world
 from depthcurse.train.export import export_run
 from depthcurse.train.metrics import METRICS, SUMMARY, MetricsLog, Progress
 from depthcurse.train.model import ModelConfig, Transformer, resolve_kernels
@@ -199,7 +199,8 @@ def layer_profile(raw, data, tokens: int, probes: int, device) -> dict:
     raw.eval()
     raw.model.kernels = "off"  # the fused path hands a block's last branch to the next one: J would not be the block's
     try:
-        got = identity_distances(raw.model.layers, rows, lambda ids, mask: raw.model(ids.to(device)), tokens=tokens, probes=probes)
+        with eager_blocks(raw):
+            got = identity_distances(raw.model.layers, rows, lambda ids, mask: raw.model(ids.to(device)), tokens=tokens, probes=probes)
     finally:
         raw.model.kernels = kernels
         raw.train(was_training)
@@ -216,7 +217,7 @@ def _layer_metrics(cfg, raw, data, device, world, layer_grad_norms) -> dict:
         return out
     try:
         out.update(layer_profile(raw, data, cfg.layer_metrics_tokens, cfg.layer_metrics_probes, device))
-    except Exception as exc:  # e.g. a compiled block without forward-mode derivatives
+    except Exception as exc:  # a diagnostic: its failure is noted, and the run goes on
         out["layer_metrics_error"] = f"{type(exc).__name__}: {exc}"[:300]
     return out
 
