@@ -211,8 +211,13 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     if chunk_size is not None and chunk_size < 1:
         raise DepthcurseError(f"chunk_size must be at least 1, got {chunk_size}")
     vocab = weight.shape[0]
+    # A bad id would read out of bounds in the kernel. On a GPU the check is an assertion on the
+    # device, which stops the process at its next sync: reading the answer here would wait for
+    # the GPU in every call, once per micro-batch in training.
     outside = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
-    if bool(outside.any()):  # one sync; a bad id would otherwise read out of bounds in the kernel
+    if targets.device.type != "cpu":
+        torch._assert_async(~outside.any(), f"a target id is outside the vocabulary [0, {vocab}) and is not ignore_index ({ignore_index})")
+    elif bool(outside.any()):
         bad = targets[outside][0].item()
         raise DepthcurseError(f"target id {bad} is outside the vocabulary [0, {vocab}) and is not ignore_index ({ignore_index})")
     targets = targets.to(torch.int64).contiguous()
