@@ -102,8 +102,8 @@ def train_step(model, optimizer, scheduler, batch, micro_batch: int, amp, grad_c
     micro-batches. The loss is the mean over the global batch's real target tokens, whatever the
     split over ranks and micro-batches, so neither changes anything. Returns the loss and the
     gradient norm (before clipping) as tensors on the device: reading them waits for the GPU,
-    so the step never does (`StepLosses` reads them at log steps). With `per_layer` (the
-    blocks), also each block's gradient norm, read at once."""
+    so the step never does (`StepLosses` reads them at log, evaluation and save steps). With
+    `per_layer` (the blocks), also each block's gradient norm, read at once."""
     n_tokens = batch.tokens  # every rank holds the whole global batch: no all-reduce needed
     # The whole slice moves once, without waiting: a copy from pageable memory would wait for
     # the GPU to finish the previous step's work, once per micro-batch.
