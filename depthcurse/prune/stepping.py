@@ -99,9 +99,9 @@ class Stepper:
     """Runs a decoder-only Hugging Face model one block at a time.
 
     Supported: models whose base keeps its input embeddings, blocks, a final norm and a
-    `rotary_emb` (Llama, Mistral, Qwen2/3, Gemma 1/2/3 text, Phi 1-3, GPT-NeoX/Pythia, ...). Sequences are right-padded and use no
-    attention mask beyond causality (as lm-eval's HFLM calls the model), so padding never reaches
-    a real position.
+    `rotary_emb` (Llama, Mistral, Qwen2/3, Gemma 1/2/3 text, Phi 1-3, GPT-NeoX/Pythia, rotary
+    Falcon, ...). Sequences are right-padded and use no attention mask beyond causality (as
+    lm-eval's HFLM calls the model), so padding never reaches a real position.
     """
 
     def __init__(self, model: torch.nn.Module, compile: bool = False):

@@ -165,10 +165,8 @@ class StepLosses:
     def add(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         self.pending.append((step, loss, grad_norm))
 
-    def read(self) -> tuple[float, float] | None:
+    def read(self) -> tuple[float, float]:
         """The last pending step's (loss, gradient norm), after checking every pending step."""
-        if not self.pending:
-            return None
         values = torch.stack([torch.stack([loss.float(), norm.float().to(loss.device)]) for _, loss, norm in self.pending]).tolist()
         steps = [step for step, _, _ in self.pending]
         self.pending = []
