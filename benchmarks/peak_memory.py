@@ -47,9 +47,12 @@ class PeakMemory:
         return peak - self.before
 
 
-def run_variants(script: str, variants: tuple[str, ...]) -> tuple[dict, dict]:
+def run_variants(script: str, variants: tuple[str, ...], keep_going: bool = False) -> tuple[dict, dict]:
     """Run `script` once per variant (with this command line plus `--variant NAME`), each in its
-    own process; its last stdout line is its result as JSON. Returns (results, conditions)."""
+    own process; its last stdout line is its result as JSON. Returns (results, conditions). A
+    variant that fails ends the run, or with `keep_going` is its error's last line
+    (`{"variant": ..., "error": ...}`) and the others still run: one out of memory on a GPU
+    need not cost the other's figures."""
     # glibc returns blocks of at least this size to the system on free, so resident memory
     # tracks live tensors instead of a heap that only grows.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -57,9 +60,13 @@ def run_variants(script: str, variants: tuple[str, ...]) -> tuple[dict, dict]:
     results = {}
     for variant in variants:
         proc = subprocess.run([sys.executable, script, *sys.argv[1:], "--variant", variant], env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
+        if proc.returncode == 0:
+            results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+        elif keep_going:
+            lines = [line for line in proc.stderr.splitlines() if line.strip()] or [f"exit status {proc.returncode}"]
+            results[variant] = {"variant": variant, "error": lines[-1].strip()[:500]}
+        else:
             sys.exit(f"{variant} failed:\n{proc.stderr[-3000:]}")
-        results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
     conditions = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpus": os.cpu_count(),
         "load_average_before": load_before, "load_average_after": os.getloadavg(),

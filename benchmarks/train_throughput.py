@@ -17,6 +17,10 @@ also prints how long one Table-1 run (2.2B and 8.9B tokens) takes at each measur
     .venv/bin/python benchmarks/train_throughput.py                              # tiny, CPU, kernels' PyTorch path
     .venv/bin/python benchmarks/train_throughput.py --device cuda --preset 130m  # Triton kernels, bf16-mixed
     .venv/bin/python benchmarks/train_throughput.py --device cuda --preset 350m --compile --out /tmp/t.json
+    .venv/bin/python benchmarks/train_throughput.py --device cuda --preset 130m --compile --compile-scope model \
+        --compile-mode reduce-overhead --micro-batch 256 --variants trainer   # a lever alone, no reference
+
+A variant that fails (out of memory, say) is reported by its error's last line; the other still runs.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ def run_variant(args) -> dict:
                             batch_size=args.batch_size, micro_batch=args.micro_batch, precision=args.precision,
                             kernels=args.kernels if args.variant == "trainer" else "off",
                             compile=args.compile and args.variant == "trainer",
+                            compile_scope=args.compile_scope if args.compile and args.variant == "trainer" else "blocks",
+                            compile_mode=args.compile_mode if args.compile and args.variant == "trainer" else "default",
                             activation_checkpointing=args.activation_checkpointing and args.variant == "trainer").resolved()
     precision = train.precision_of(cfg, device)
     amp = train.autocast_for(precision, device)
@@ -108,7 +114,7 @@ def run_variant(args) -> dict:
     n = raw.num_params() - raw.model.embed_tokens.weight.numel()
     flops_per_token = 6 * n + 12 * c.num_layers * c.hidden_size * cfg.seq_len
     result = {
-        "variant": args.variant, "kernels": kernels, "compile": cfg.compile, "activation_checkpointing": cfg.activation_checkpointing,
+        "variant": args.variant, "kernels": kernels, "compile": f"{cfg.compile_scope}/{cfg.compile_mode}" if cfg.compile else False, "activation_checkpointing": cfg.activation_checkpointing,
         "precision": precision, "params": raw.num_params(), "tokens_per_step": tokens, "seconds": seconds,
         "median_seconds": median, "tokens_per_s": tokens / median, "peak_bytes": peak,
         "first_loss": float(losses[0]), "last_loss": float(losses[-1]),
@@ -158,6 +164,9 @@ def main() -> None:
     parser.add_argument("--precision", default="auto", help="auto: bf16-mixed on CUDA, fp32 on the CPU")
     parser.add_argument("--kernels", default=None, help="the trainer's kernels (default: auto on CUDA, torch on the CPU, where auto means off)")
     parser.add_argument("--compile", action="store_true", help="compile the trainer's blocks")
+    parser.add_argument("--compile-scope", default="blocks", help="with --compile: blocks (each block and the loss) or model (the whole forward)")
+    parser.add_argument("--compile-mode", default="default", help="with --compile: torch.compile's mode (reduce-overhead: CUDA graphs; max-autotune)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="which to run, comma-separated (trainer alone saves the reference's compile and steps on a GPU)")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (more with --compile)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
@@ -176,30 +185,40 @@ def main() -> None:
         print(json.dumps(run_variant(args)))
         return
 
-    results, conditions = run_variants(__file__, VARIANTS)
+    chosen = tuple(v for v in VARIANTS if v in args.variants.split(","))
+    if not chosen or set(args.variants.split(",")) - set(VARIANTS):
+        parser.error(f"--variants takes a comma-separated list of {', '.join(VARIANTS)}")
+    results, conditions = run_variants(__file__, chosen, keep_going=True)
     load_before = conditions["load_average_before"]
-    ref, ours = results["reference"], results["trainer"]
+    ran = [r for r in results.values() if "error" not in r]
     summary = {
         "preset": args.preset, "norm": args.norm, "device": args.device, "vocab": args.vocab, "threads": args.threads,
         "warmup": args.warmup, "steps": args.steps, **conditions, "results": results,
-        "throughput_ratio_trainer_over_reference": ours["tokens_per_s"] / ref["tokens_per_s"],
-        "peak_memory_ratio_trainer_over_reference": ours["peak_bytes"] / ref["peak_bytes"],
     }
-    print(f"{args.preset} ({ref['params'] / 1e6:.2f}M parameters, vocab {args.vocab}), {ours['tokens_per_step']} tokens per step, "
-          f"{args.device}, {ref['precision']}, {args.threads} threads, {args.steps} timed steps after {args.warmup}; "
-          f"load average before {load_before[0]:.2f}, after {summary['load_average_after'][0]:.2f}")
-    print(f"{'variant':<10} {'kernels':>8} {'compile':>8} {'tokens/s':>10} {'median s':>9} {'peak MB':>9}" + ("  MFU" if "mfu" in ref else ""))
-    for r in (ref, ours):
-        print(f"{r['variant']:<10} {r['kernels']:>8} {str(r['compile']):>8} {r['tokens_per_s']:>10.0f} {r['median_seconds']:>9.3f} "
+    shown = ran[0] if ran else {}
+    print(f"{args.preset} ({shown.get('params', 0) / 1e6:.2f}M parameters, vocab {args.vocab}), {shown.get('tokens_per_step')} tokens per step, "
+          f"{args.device}, {shown.get('precision')}, {args.threads} threads, {args.steps} timed steps after {args.warmup}; "
+          f"load average before {load_before[0]:.2f}, after {conditions['load_average_after'][0]:.2f}")
+    mfu = any("mfu" in r for r in ran)
+    print(f"{'variant':<10} {'kernels':>8} {'compile':>30} {'tokens/s':>10} {'median s':>9} {'peak MB':>9}" + ("  MFU" if mfu else ""))
+    for r in results.values():
+        if "error" in r:
+            print(f"{r['variant']:<10} failed: {r['error']}")
+            continue
+        print(f"{r['variant']:<10} {r['kernels']:>8} {str(r['compile']):>30} {r['tokens_per_s']:>10.0f} {r['median_seconds']:>9.3f} "
               f"{r['peak_bytes'] / 1e6:>9.1f}" + (f"  {r['mfu']:.1%}" if "mfu" in r else ""))
-    if args.preset in TABLE1_RUN_TOKENS:
+    if args.preset in TABLE1_RUN_TOKENS and ran:
         tokens = TABLE1_RUN_TOKENS[args.preset]
-        summary["table1_run_hours"] = {r["variant"]: tokens / r["tokens_per_s"] / 3600 for r in (ref, ours)}
+        summary["table1_run_hours"] = {r["variant"]: tokens / r["tokens_per_s"] / 3600 for r in ran}
         print(f"one Table-1 run ({tokens / 1e9:.1f}B tokens) at these speeds: "
               + ", ".join(f"{name} {hours:.1f} h" for name, hours in summary["table1_run_hours"].items()))
-    print(f"trainer / reference: throughput {summary['throughput_ratio_trainer_over_reference']:.2f}x, "
-          f"peak memory {summary['peak_memory_ratio_trainer_over_reference']:.2f}x; first-step loss {ref['first_loss']:.4f} vs {ours['first_loss']:.4f}")
-    for r in (ref, ours) if args.profile else ():
+    if len(ran) == 2:
+        ref, ours = ran
+        summary["throughput_ratio_trainer_over_reference"] = ours["tokens_per_s"] / ref["tokens_per_s"]
+        summary["peak_memory_ratio_trainer_over_reference"] = ours["peak_bytes"] / ref["peak_bytes"]
+        print(f"trainer / reference: throughput {summary['throughput_ratio_trainer_over_reference']:.2f}x, "
+              f"peak memory {summary['peak_memory_ratio_trainer_over_reference']:.2f}x; first-step loss {ref['first_loss']:.4f} vs {ours['first_loss']:.4f}")
+    for r in ran if args.profile else ():
         p = r["profile"]
         busy = f", device busy {p['device_busy_seconds']:.3f} s ({p['device_busy_seconds'] / p['wall_seconds']:.0%})" if "device_busy_seconds" in p else ""
         print(f"\n{r['variant']}: one step under the profiler, {p['wall_seconds']:.3f} s{busy}\n{p['table']}")

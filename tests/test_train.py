@@ -283,15 +283,18 @@ def test_bf16_mixed_casts_each_weight_once_per_step_and_computes_what_per_micro_
         assert torch.equal(a, b)
 
 
-def test_compile_covers_the_loss_and_trains_as_the_eager_model(cfg):
-    """--compile with the plain model compiles each block and the head's loss; two steps
-    match the eager model's losses and weights, and its per-layer metrics the eager model's."""
+@pytest.mark.parametrize("scope", ["blocks", "model"])
+def test_compile_covers_the_loss_and_trains_as_the_eager_model(cfg, scope):
+    """--compile with the plain model compiles each block and the head's loss (or, with
+    `--compile-scope model`, the whole forward); two steps match the eager model's losses and
+    weights, and its per-layer metrics the eager model's."""
     from depthcurse.train.distributed import parallelize
 
-    c = TrainConfig(**{**cfg.to_dict(), "compile": True, "kernels": "off"}).resolved()
+    c = TrainConfig(**{**cfg.to_dict(), "compile": True, "compile_scope": scope, "kernels": "off"}).resolved()
     cpu, batch = torch.device("cpu"), _random_batch()
     eager, compiled = _tiny_model(), parallelize(_tiny_model(), c, train.World(), cpu)
-    assert hasattr(compiled.loss_fn, "_torchdynamo_orig_callable") and hasattr(compiled.model.layers[0].forward, "_torchdynamo_orig_callable")
+    compiled_parts = [compiled.forward] if scope == "model" else [compiled.loss_fn, compiled.model.layers[0].forward]
+    assert all(hasattr(f, "_torchdynamo_orig_callable") for f in compiled_parts)
     got = {}
     for name, model in (("eager", eager), ("compiled", compiled)):
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -306,7 +309,27 @@ def test_compile_covers_the_loss_and_trains_as_the_eager_model(cfg):
     profiles = [train.layer_profile(m, val, 64, 2, cpu) for m in (eager, compiled)]
     for key in ("identity_distance", "attn_gain", "mlp_gain", "layer_variance"):
         assert profiles[1][key] == pytest.approx(profiles[0][key], rel=1e-4), key
-    assert hasattr(compiled.model.layers[0].forward, "_torchdynamo_orig_callable")
+    assert all(hasattr(f, "_torchdynamo_orig_callable") for f in compiled_parts)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and GPU autotuning need a GPU")
+@pytest.mark.parametrize("scope,mode", [("blocks", "reduce-overhead"), ("model", "reduce-overhead"), ("model", "max-autotune-no-cudagraphs")])
+def test_cuda_compile_modes_train_as_the_eager_model(cfg, scope, mode):
+    """On a GPU, in bf16-mixed: CUDA graphs replayed across micro-batches (gradients accumulate
+    between replays) and autotuned matmuls train as the eager model does, to bf16's noise."""
+    from depthcurse.train.distributed import parallelize
+
+    c = TrainConfig(**{**cfg.to_dict(), "compile": True, "compile_scope": scope, "compile_mode": mode, "kernels": "off"}).resolved()
+    gpu, batch = torch.device("cuda"), _random_batch()
+    amp = train.autocast_for("bf16-mixed", gpu)
+    eager, compiled = _tiny_model().to(gpu), parallelize(_tiny_model().to(gpu), c, train.World(), gpu)
+    got = {}
+    for name, model in (("eager", eager), ("compiled", compiled)):
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        got[name] = [train.train_step(model, opt, sched, batch, 1, amp, 1.0, gpu)[0].item() for _ in range(3)]
+    assert got["compiled"] == pytest.approx(got["eager"], rel=2e-2)
+    assert got["compiled"][2] < got["compiled"][0]  # it learns: the gradients were not lost between replays
 
 
 def test_refuses_to_mix_runs(cfg, tmp_path):
@@ -352,6 +375,10 @@ def test_bad_training_input(cfg, tmp_path):
         (dict(batch_size=4, micro_batch=3), "not a multiple of --micro-batch"),
         (dict(lr=float("nan")), "--lr must be a positive number"),
         (dict(optimizer="sgd"), "unknown optimizer"),
+        (dict(compile=True, compile_scope="graph"), "unknown --compile-scope 'graph': use blocks or model"),
+        (dict(compile=True, compile_mode="fast"), "unknown --compile-mode 'fast': use one of default, reduce-overhead"),
+        (dict(compile_mode="max-autotune"), "--compile-scope and --compile-mode say how to compile: they need --compile"),
+        (dict(compile=True, compile_scope="model", parallel="fsdp"), "--compile-scope model does not run under --parallel fsdp"),
     ]
     for change, message in bad:
         c = TrainConfig(**{**cfg.to_dict(), **change})

@@ -27,6 +27,13 @@ NORMS = (
 # add + norm, chunked linear + cross-entropy) on its PyTorch or its Triton path. "auto" is
 # resolved by `resolve_kernels`: Triton on CUDA without --compile, off otherwise.
 KERNELS = ("auto", "triton", "torch", "off")
+# What --compile compiles: "blocks", each block's forward (and the loss with the plain model),
+# torchtitan's unit, which FSDP2 hooks around; or "model", the whole forward with its loss as one
+# graph (fusion across block boundaries; not under FSDP2). The modes are torch.compile's:
+# "reduce-overhead" replays CUDA graphs (no kernel launches from Python), "max-autotune" also
+# searches matmul configurations.
+COMPILE_SCOPES = ("blocks", "model")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 # The papers' sizes and schedules (LLaMA-style, batch 512 x 256 tokens, t5-base vocabulary:
 # steps, warm-up, peak lr); `tiny` is sized for a CPU: a few thousand steps of 16 x 128 tokens
@@ -48,8 +55,8 @@ COMMON_DEFAULTS = dict(seq_len=256, max_seq_len=256, data="c4", pack=False, val_
                        eval_every=1000, save_every=1000, log_every=10)
 
 # Fields that may change between a run and its resume: they change nothing that is computed.
-RESUMABLE_CHANGES = {"eval_every", "save_every", "log_every", "device", "kernels", "compile",
-                     "activation_checkpointing", "parallel", "layer_metrics_tokens", "layer_metrics_probes"}
+RESUMABLE_CHANGES = {"eval_every", "save_every", "log_every", "device", "kernels", "compile", "compile_scope",
+                     "compile_mode", "activation_checkpointing", "parallel", "layer_metrics_tokens", "layer_metrics_probes"}
 
 
 def _setting(default, help: str, flag: str | None = None):
@@ -96,6 +103,8 @@ class TrainConfig:
     device: str = _setting("auto", "auto, cpu or cuda.")
     kernels: str = _setting("auto", "auto (Triton on CUDA without --compile, the plain model otherwise), triton, torch (the fused kernels' PyTorch path) or off (the plain model).")
     compile: bool = _setting(False, "torch.compile each block, and the loss with --kernels off.", "--compile")
+    compile_scope: str = _setting("blocks", "With --compile: blocks (each block, and the loss) or model (the whole forward with its loss as one graph; not with --parallel fsdp).")
+    compile_mode: str = _setting("default", "With --compile: torch.compile's mode: default, reduce-overhead (CUDA graphs), max-autotune or max-autotune-no-cudagraphs.")
     activation_checkpointing: bool = _setting(False, "Recompute each block's activations in the backward pass (less memory, about a third more compute).", "--activation-checkpointing")
     parallel: str | None = _setting(None, "Under torchrun: ddp (default) or fsdp (FSDP2, sharded weights and optimizer state).")
 
@@ -173,6 +182,14 @@ def _check(cfg: TrainConfig) -> None:
         raise DepthcurseError("Adam betas must be in [0, 1)")
     if cfg.kernels not in KERNELS:
         raise DepthcurseError(f"unknown --kernels {cfg.kernels!r}: use one of {', '.join(KERNELS)}")
+    if cfg.compile_scope not in COMPILE_SCOPES:
+        raise DepthcurseError(f"unknown --compile-scope {cfg.compile_scope!r}: use blocks or model")
+    if cfg.compile_mode not in COMPILE_MODES:
+        raise DepthcurseError(f"unknown --compile-mode {cfg.compile_mode!r}: use one of {', '.join(COMPILE_MODES)}")
+    if not cfg.compile and (cfg.compile_scope, cfg.compile_mode) != ("blocks", "default"):
+        raise DepthcurseError("--compile-scope and --compile-mode say how to compile: they need --compile")
+    if cfg.parallel == "fsdp" and cfg.compile and cfg.compile_scope == "model":
+        raise DepthcurseError("--compile-scope model does not run under --parallel fsdp, which gathers each block's weights around its forward: use --compile-scope blocks")
     if cfg.parallel is not None and cfg.parallel not in PARALLEL:
         raise DepthcurseError(f"unknown --parallel {cfg.parallel!r}: use ddp or fsdp")
     check_architecture(cfg.norm, cfg.hidden_size, cfg.num_heads, cfg.mix_ratio)

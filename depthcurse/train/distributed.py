@@ -8,6 +8,7 @@ ranks compute what one process computes. A lone process is `World()`, and nothin
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -37,22 +38,28 @@ def setup_world(cfg: TrainConfig) -> tuple[World, torch.device]:
 
 def parallelize(model: Transformer, cfg: TrainConfig, world: World, device: torch.device) -> torch.nn.Module:
     """Checkpointing, compilation and the data-parallel wrapper, innermost first (torchtitan's
-    order): each block's forward is compiled (and the loss, with the plain model), and FSDP's
-    all-gathers hook around the blocks."""
+    order): each block's forward is compiled (and the loss, with the plain model), or with
+    `--compile-scope model` the whole forward, and FSDP's all-gathers hook around the blocks."""
     model.set_activation_checkpointing(cfg.activation_checkpointing)
     if cfg.compile:
-        # Blocks share one compiled code object, with a variant per block kind (LNS factor 1 or
-        # not, Post or Pre in Mix-LN) and grad mode (training, evaluation): more than the default 8.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-        for block in model.model.layers:
-            # The forward, not the module: parameter names stay as they are (no `_orig_mod.`),
-            # and hooks around the call (FSDP) run eagerly.
-            block.forward = torch.compile(block.forward)
-        if model.model.kernels == "off":
-            # The head and the loss too (torchtitan's "loss" component): inductor fuses the fp32
-            # upcast, log-softmax and its gradient over the [tokens, vocab] logits, which the
-            # eager loss writes and reads back in full several times.
-            model.loss_fn = torch.compile(model.loss_fn)
+        compile = functools.partial(torch.compile, mode=cfg.compile_mode)
+        # The forward, not the module: parameter names stay as they are (no `_orig_mod.`),
+        # and hooks around the call (FSDP's, DDP's) run eagerly.
+        if cfg.compile_scope == "model":
+            # One graph per micro-batch, loss included; under DDP its gradients are ready only
+            # when the whole backward is, so they are not sent while it runs.
+            model.forward = compile(model.forward)
+        else:
+            # Blocks share one compiled code object, with a variant per block kind (LNS factor 1
+            # or not, Post or Pre in Mix-LN) and grad mode (training, evaluation): more than the default 8.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+            for block in model.model.layers:
+                block.forward = compile(block.forward)
+            if model.model.kernels == "off":
+                # The head and the loss too (torchtitan's "loss" component): inductor fuses the fp32
+                # upcast, log-softmax and its gradient over the [tokens, vocab] logits, which the
+                # eager loss writes and reads back in full several times.
+                model.loss_fn = compile(model.loss_fn)
     if world.parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard  # lazy: only a torchrun launch needs it
 
