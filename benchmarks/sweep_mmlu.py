@@ -15,6 +15,9 @@ answer from (c) than from (b) in any variant (ties in bf16 are where they may di
     python benchmarks/sweep_mmlu.py --shape llama-2-7b --device cuda --dtype bf16 --limit 10
     python benchmarks/sweep_mmlu.py --shape llama-2-7b --device cuda --dtype bf16 --limit 0 --skip-b   # full MMLU, reuse only
     python benchmarks/sweep_mmlu.py --weights smollm2-135m --device cuda --dtype bf16 --limit 5
+    # full MMLU on a 7B shape, compiled, in parts: rerun the same command until it prints its result
+    timeout -s INT 560 python benchmarks/sweep_mmlu.py --shape llama-2-7b --device cuda --dtype bf16 --limit 0 --skip-b \
+        --skip-unpacked --compiled-only --store /root/mmlu-7b --peak-tflops 989
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ def main() -> None:
     parser.add_argument("--skip-b", action="store_true", help="time the reuse engine only (full MMLU on lm-eval takes hours)")
     parser.add_argument("--skip-unpacked", action="store_true", help="do not also time (c) with one row per sequence (padded)")
     parser.add_argument("--compile", action="store_true", help="also time (c) through compiled blocks (torch.compile), twice: compiling, then warm")
+    parser.add_argument("--compiled-only", action="store_true", help="(c) through compiled blocks only, compiling included: no eager run to compare with (a 7B full sweep, where each run takes minutes)")
+    parser.add_argument("--store", type=Path, default=None, help="(c) saves its finished batches here, and a rerun of the same command loads them: a sweep longer than one sitting (a device call's 10 minutes) is timed in parts, c_score_s_in_all adds the parts")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense peak, for the MFU (H100 SXM bf16: 989)")
     parser.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
     args = parser.parse_args()
@@ -102,10 +107,14 @@ def main() -> None:
     build_s = time.perf_counter() - t0
     budget = parse_memory(args.max_memory, device)
     # warm-up on the engine's shapes (kernel choice, allocator), then the timed run
-    score_requests(Stepper(model), requests.requests[:64], variants[:2], max_memory=budget)
-    sync()
+    main_stepper = Stepper(model, compile=args.compiled_only)
     t0 = time.perf_counter()
-    lp, greedy, stats = score_requests(Stepper(model), requests.requests, variants, max_memory=budget, min_prefix_saving=args.min_prefix_saving)
+    score_requests(main_stepper, requests.requests[:64], variants[:2], max_memory=budget)
+    sync()
+    warmup_s = time.perf_counter() - t0  # with --compiled-only, mostly compiling
+    t0 = time.perf_counter()
+    lp, greedy, stats = score_requests(main_stepper, requests.requests, variants, max_memory=budget, min_prefix_saving=args.min_prefix_saving,
+                                       store=args.store, fingerprint=f"sweep_mmlu {args.shape} {args.weights} {args.dtype}")
     sync()
     score_s = time.perf_counter() - t0
     unpacked = {}
@@ -119,7 +128,7 @@ def main() -> None:
                     "packed_vs_unpacked_max_abs_ll": float((lp - lp_u).abs().max()), "packed_vs_unpacked_greedy_differ": int((greedy != greedy_u).sum())}
         unpacked["c_packed_over_unpacked"] = round(score_s / unpacked["c_unpacked_score_s"], 3)
     compiled = {}
-    if args.compile:  # the same engine through compiled blocks: the first run compiles, the second is warm
+    if args.compile and not args.compiled_only:  # the same engine through compiled blocks: the first run compiles, the second is warm
         stepper = Stepper(model, compile=True)
         for run in ("first", "warm"):
             t0 = time.perf_counter()
@@ -146,8 +155,10 @@ def main() -> None:
         "questions": len(answers(reuse[()])), "requests": len(requests.requests), "mean_input_tokens": round(mean_len, 1),
         "variants": len(variants), "batches": stats["batches"], "prefix_groups": stats["prefix_groups"], "min_prefix_saving": stats["min_prefix_saving"], "max_memory": budget,
         "packing": stats["packing"], "c_padding": round(1 - stats["tokens"] / stats["batch_tokens"], 3),
-        "start_s": round(start_s, 2), "c_build_requests_s": round(build_s, 2), "c_score_s": round(score_s, 2), "c_metrics_s": round(metrics_s, 2), "c_reuse_s": round(c_s, 2),
-        "c_tflops": round(engine_flops / score_s / 1e12, 2), "floor_c_over_b": round(engine_flops / plain_flops, 3),
+        "c_compiled": args.compiled_only, "batches_resumed": stats["batches_resumed"],
+        "c_score_s_in_all": round(score_s + stats["seconds_resumed"], 2),
+        "start_s": round(start_s, 2), "c_warmup_s": round(warmup_s, 2), "c_build_requests_s": round(build_s, 2), "c_score_s": round(score_s, 2), "c_metrics_s": round(metrics_s, 2), "c_reuse_s": round(c_s, 2),
+        "c_tflops": round(engine_flops / score_s / 1e12, 2), "floor_c_over_b": round(engine_flops / plain_flops, 3) if not stats["batches_resumed"] else None,  # this part's passes only
         **unpacked, **compiled,
     }
     if args.peak_tflops:
