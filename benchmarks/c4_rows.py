@@ -56,8 +56,8 @@ def main() -> None:
         stand_in = lambda *a, **k: real("json", data_files=str(path), split="train", streaming=True)  # noqa: E731
         results = {}
         with mock.patch.object(datasets, "load_dataset", stand_in):
-            for per_call in (1, D.C4Rows.TOKENISE_DOCS):
-                with mock.patch.object(D.C4Rows, "TOKENISE_DOCS", per_call):
+            for per_call in (1, D.TOKENISE_DOCS):
+                with mock.patch.object(D, "TOKENISE_DOCS", per_call):
                     rows = D.C4Rows(tokenizer, args.seq_len, args.pack, seed=0)
                     first = rows.next_batch(args.rows).input_ids  # fills the shuffle buffer
                     seconds = []
@@ -66,11 +66,11 @@ def main() -> None:
                         rows.next_batch(args.rows)
                         seconds.append(time.perf_counter() - started)
                 results[per_call] = (statistics.median(seconds), first)
-    (one, first_one), (many, first_many) = results[1], results[D.C4Rows.TOKENISE_DOCS]
+    (one, first_one), (many, first_many) = results[1], results[D.TOKENISE_DOCS]
     print(f"{args.rows} rows of {args.seq_len} tokens per step, {'packed' if args.pack else 'one document per row'}, "
           f"{os.cpu_count()} CPUs, median of {args.steps} steps")
     print(f"one document per tokenizer call:   {one:.3f} s per step")
-    print(f"{D.C4Rows.TOKENISE_DOCS} documents per call:           {many:.3f} s per step ({many / one:.2f}x)")
+    print(f"{D.TOKENISE_DOCS} documents per call:           {many:.3f} s per step ({many / one:.2f}x)")
     print(f"same first batch: {bool((first_one == first_many).all())}")
 
 

@@ -395,12 +395,20 @@ def _rows_one_document_at_a_time(tok, docs, seq_len, pack, batches, n):
     return out
 
 
+def test_documents_tokenised_many_per_call_are_those_of_one_at_a_time(tiny_tokenizer, monkeypatch):
+    monkeypatch.setattr(D, "TOKENISE_DOCS", 7)
+    texts = [" ".join(CORPUS[: 1 + i % len(CORPUS)]) for i in range(20)]
+    for pack in (True, False):
+        want = [tiny_tokenizer(t, add_special_tokens=not pack)["input_ids"] for t in texts]
+        assert D.tokenise(tiny_tokenizer, texts, pack) == want
+
+
 @pytest.mark.parametrize("pack", [True, False])
 def test_c4_rows_tokenised_ahead_are_those_of_one_document_at_a_time_and_resume_exactly(fake_c4, tiny_tokenizer, monkeypatch, tmp_path, pack):
     """C4 documents are tokenised several per call; the rows are those of tokenising each in
     turn, and a state saved between batches (documents tokenised but not yet in a row
     included) gives the same next batch (without a shuffle buffer, the stream's position is exact)."""
-    monkeypatch.setattr(D.C4Rows, "TOKENISE_DOCS", 7)  # batches that end inside a call, and calls inside a batch
+    monkeypatch.setattr(D, "TOKENISE_DOCS", 7)  # batches that end inside a call, and calls inside a batch
     rows = D.C4Rows(tiny_tokenizer, seq_len=16, pack=pack, seed=0, buffer=1)
     got = [rows.next_batch(5).input_ids for _ in range(4)]
     want = _rows_one_document_at_a_time(tiny_tokenizer, fake_c4, 16, pack, 4, 5)

@@ -135,10 +135,16 @@ def make_rows(docs_ids: list[list[int]], seq_len: int, pad_id: int, eos_id: int 
     return rows, torch.tensor([len(ids) for ids in kept], dtype=torch.long)
 
 
+# Documents per tokenizer call: a fast tokenizer spreads one call over the cores, without the
+# GIL, where one call per document runs on one core (the ids are the same either way).
+TOKENISE_DOCS = 64
+
+
 def tokenise(tokenizer, texts: list[str], pack: bool) -> list[list[int]]:
     # One document per row follows the papers' `tokenizer(text, truncation=True, padding=...)`,
     # special tokens included; packed documents are joined with EOS instead.
-    return [tokenizer(t, add_special_tokens=not pack)["input_ids"] for t in texts]
+    chunks = (texts[i : i + TOKENISE_DOCS] for i in range(0, len(texts), TOKENISE_DOCS))
+    return [ids for chunk in chunks for ids in tokenizer(chunk, add_special_tokens=not pack)["input_ids"]]
 
 
 @dataclass
@@ -194,18 +200,15 @@ class LocalRows:
 class C4Rows:
     """C4 `en` train, streamed from the hub and shuffled with a seeded buffer.
 
-    Documents are tokenised `TOKENISE_DOCS` at a time in one call, which the fast tokenizers run
-    on all cores without the GIL: one call per document held the 130M preset's 512-row steps at
-    about 0.45 s of tokenising on 2 cores (docs/benchmarks.md), as long as a whole step on an
-    H100. The rows are those of tokenising each document in turn: tokenised documents not yet
-    in a row are kept (`pending`), and saved with the stream's position.
+    Documents are tokenised `TOKENISE_DOCS` per call: one call per document took the host 0.53 s
+    per 512-row step of the 130M preset on 2 cores, longer than the step on an H100, and 64 per
+    call 0.27 s (docs/benchmarks.md). The rows are those of tokenising each document in turn:
+    tokenised documents not yet in a row are kept (`pending`), and saved with the stream's position.
 
     Resuming restores the stream's position with `datasets`' own state_dict; the shuffle
     buffer is refilled from there (documented datasets behaviour), so the order after a resume
     is close to, not identical with, an uninterrupted run.
     """
-
-    TOKENISE_DOCS = 64
 
     def __init__(self, tokenizer, seq_len: int, pack: bool, seed: int, rank: int = 0, world_size: int = 1, buffer: int = 10_000):
         import datasets  # lazy: as in build_data
@@ -254,9 +257,8 @@ class C4Rows:
 
 
 def _tokenise_next(docs, tokenizer, pack: bool) -> list[list[int]]:
-    """The token ids of the stream's next `C4Rows.TOKENISE_DOCS` documents (fewer at its end), in one call."""
-    texts = [doc["text"] for doc in itertools.islice(docs, C4Rows.TOKENISE_DOCS)]
-    return tokenizer(texts, add_special_tokens=not pack)["input_ids"] if texts else []
+    """The token ids of the stream's next `TOKENISE_DOCS` documents (fewer at its end), in one call."""
+    return tokenise(tokenizer, [doc["text"] for doc in itertools.islice(docs, TOKENISE_DOCS)], pack)
 
 
 def _split_docs(texts: list[str]) -> tuple[list[str], list[str]]:
