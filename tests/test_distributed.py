@@ -90,9 +90,10 @@ def test_two_ranks_equal_one_process(setup, parallel):
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_in_bf16_mixed_equal_one_process(setup, parallel):
     """bf16 autocast with gradient accumulation: one region over a step's micro-batches (each
-    weight cast once per step) with DDP, one per micro-batch with FSDP2 (which gathers each
-    block's weights anew for every forward; with the casts kept from the first micro-batch the
-    loss was 7.7e-3 off by step 4). 2 ranks of 2 micro-batches each train as one process of 4 does."""
+    weight cast once per step) with DDP, one per micro-batch with FSDP2 (with the casts kept from
+    the first micro-batch, later micro-batches' weight gradients reached the blocks after FSDP2's
+    post-backward had reduce-scattered: the loss was 7.7e-3 off by step 4). 2 ranks of 2
+    micro-batches each train as one process of 4 does."""
     root, cfg, _ = setup
     mixed = TrainConfig(**{**cfg.to_dict(), "precision": "bf16-mixed", "micro_batch": 1})
     reference = train.run(mixed, root / "one-bf16") if not (root / "one-bf16" / SUMMARY).exists() else json.loads((root / "one-bf16" / SUMMARY).read_text())

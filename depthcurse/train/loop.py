@@ -114,8 +114,10 @@ def train_step(model, optimizer, scheduler, batch, micro_batch: int, amp, grad_c
     total = torch.zeros((), device=device)
     # One autocast region for the whole step: autocast keeps its bf16 copy of each fp32 weight
     # until the outermost region ends, so the weights are cast once per step, not per micro-batch.
-    # Not under FSDP2, which gathers a block's weights anew for each forward: there the kept
-    # casts gave other losses (7.7e-3 off by step 4 in tests/test_distributed.py).
+    # Not under FSDP2: a kept cast was made by the first micro-batch's graph, whose cast node
+    # the autograd engine runs last (the oldest), so in later micro-batches a weight's gradient
+    # arrives after its block's post-backward has already reduce-scattered (2 ranks: 7.7e-3 off
+    # in the loss by step 4, tests/test_distributed.py). Alone and under DDP it only arrives late.
     # The backward passes run with autocast off, as outside any region.
     step_amp, micro_amp = (contextlib.nullcontext(), amp) if world.parallel == "fsdp" else (amp, contextlib.nullcontext())
     with step_amp:
