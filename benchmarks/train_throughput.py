@@ -110,9 +110,7 @@ def run_variant(args) -> dict:
     raw = model.module if hasattr(model, "module") else model
     tokens = cfg.batch_size * cfg.seq_len
     median = statistics.median(seconds)
-    c = raw.cfg
-    n = raw.num_params() - raw.model.embed_tokens.weight.numel()
-    flops_per_token = 6 * n + 12 * c.num_layers * c.hidden_size * cfg.seq_len
+    flops_per_token = raw.flops_per_token(cfg.seq_len)
     result = {
         "variant": args.variant, "kernels": kernels, "compile": f"{cfg.compile_scope}/{cfg.compile_mode}" if cfg.compile else False, "activation_checkpointing": cfg.activation_checkpointing,
         "precision": precision, "params": raw.num_params(), "tokens_per_step": tokens, "seconds": seconds,

@@ -538,7 +538,7 @@ def lns_train(
                       f"{info['data']} ({info['val_tokens']} held-out tokens) · {'resuming at step ' + str(info['start_step']) if info['start_step'] else 'from scratch'} · {out_dir}")
 
     def on_progress(p) -> None:
-        progress.update(bar, completed=p.step, stats=f"loss {p.loss:.3f} · lr {p.lr:.2e} · {p.tokens_per_s:,.0f} tok/s")
+        progress.update(bar, completed=p.step, stats=f"loss {p.loss:.3f} · lr {p.lr:.2e} · {p.tokens_per_s:,.0f} tok/s · {p.tflops:.3g} TFLOP/s")
 
     def on_eval(step: int, result: dict) -> None:
         progress.console.print(f"step {step}: validation loss {result['val_loss']:.4f}, perplexity {result['val_ppl']:.2f}")

@@ -333,6 +333,23 @@ def test_cuda_compile_modes_train_as_the_eager_model(cfg, scope, mode):
     assert got["compiled"][2] < got["compiled"][0]  # it learns: the gradients were not lost between replays
 
 
+def test_logged_tflops_count_palms_flops_per_token(cfg, tiny_tokenizer, tmp_path):
+    """Training FLOPs per token: 6 x (the parameters outside the input embedding, counted from the
+    shapes) + 12 L d T; every logged step's TFLOP/s is its tokens/s times that."""
+    L, d, i, T = 3, 32, 48, cfg.seq_len
+
+    def expected(V):  # attention, SwiGLU and two norms per block; the final norm; the head
+        return 6 * (L * (4 * d * d + 3 * d * i + 2 * d) + d + V * d) + 12 * L * d * T
+
+    assert _tiny_model().flops_per_token(T) == expected(96)
+    summary = train.run(cfg, tmp_path / "run")  # the same shape, with the tokenizer's vocabulary
+    per_token = summary["step_tflops"] * 1e12 / summary["step_tokens_per_s"]
+    assert per_token == pytest.approx(expected(len(tiny_tokenizer)))
+    rows = [r for r in MetricsLog(tmp_path / "run" / METRICS).rows() if "loss" in r]
+    for r in rows:
+        assert r["tflops"] == pytest.approx(r["tokens_per_s"] * per_token / 1e12)
+
+
 def test_refuses_to_mix_runs(cfg, tmp_path):
     cfg.steps = 2
     train.run(cfg, tmp_path / "run")

@@ -309,6 +309,7 @@ def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, st
     start_step, layer_grad_norms = progress.step, None
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     tick, tick_tokens = time.perf_counter(), 0
+    flops_per_token = raw.flops_per_token(cfg.seq_len)
     step_losses = StepLosses(limit=2 * math.log(len(tokenizer)))
     while progress.step < end:
         batch = data.train.next_batch(cfg.batch_size)
@@ -333,11 +334,13 @@ def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, st
         if logged:
             now = time.perf_counter()
             rate = tick_tokens / max(now - tick, 1e-9)
+            tflops = rate * flops_per_token / 1e12
             if world.main:
-                metrics.append({"step": step, "loss": loss, "lr": lr, "tokens": progress.tokens, "grad_norm": grad_norm, "tokens_per_s": rate})
+                metrics.append({"step": step, "loss": loss, "lr": lr, "tokens": progress.tokens, "grad_norm": grad_norm, "tokens_per_s": rate,
+                                "tflops": tflops})
             tick, tick_tokens = now, 0
             if on_progress and world.main:
-                on_progress(Progress(step, cfg.steps, loss, lr, progress.tokens, rate))
+                on_progress(Progress(step, cfg.steps, loss, lr, progress.tokens, rate, tflops))
         if step % cfg.eval_every == 0 and step < cfg.steps:
             result = evaluate(model, data, cfg.micro_batch, amp, device)
             if profile_now:
@@ -358,7 +361,8 @@ def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, st
     model_state = ModelState(model).state_dict()  # every rank takes part
     summary = {
         "finished": True, "norm": cfg.norm, "preset": cfg.preset, "step": progress.step, "tokens": progress.tokens,
-        "train_seconds": progress.seconds, **final, "params": info["params"], "precision": precision, "device": str(device),
+        "train_seconds": progress.seconds, "step_tokens_per_s": progress.tokens / max(progress.seconds, 1e-9),
+        "step_tflops": progress.tokens / max(progress.seconds, 1e-9) * flops_per_token / 1e12, **final, "params": info["params"], "precision": precision, "device": str(device),
         "kernels": info["kernels"], "world_size": world.size, "parallel": world.parallel,
         "data": data.label, "config": cfg_dict,
     }

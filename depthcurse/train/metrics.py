@@ -45,3 +45,4 @@ class Progress:
     lr: float
     tokens: int
     tokens_per_s: float
+    tflops: float  # the model's training FLOPs per second, all ranks together

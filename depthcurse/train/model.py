@@ -370,6 +370,14 @@ class Transformer(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs (forward and backward) per token, PaLM's count: 6 N, N the parameters
+        outside the input embedding (a lookup), plus 12 L d T for attention's scores and
+        weighted values over T positions, as if unmasked."""
+        c = self.cfg
+        n = self.num_params() - self.model.embed_tokens.weight.numel()
+        return 6 * n + 12 * c.num_layers * c.hidden_size * seq_len
+
     def set_activation_checkpointing(self, on: bool) -> None:
         for block in self.model.layers:
             block.activation_checkpointing = on
