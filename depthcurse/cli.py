@@ -538,7 +538,7 @@ def lns_train(
                       f"{info['data']} ({info['val_tokens']} held-out tokens) · {'resuming at step ' + str(info['start_step']) if info['start_step'] else 'from scratch'} · {out_dir}")
 
     def on_progress(p) -> None:
-        progress.update(bar, completed=p.step, stats=f"loss {p.loss:.3f} · lr {p.lr:.2e} · {p.tokens_per_s:,.0f} tok/s · {p.tflops:.3g} TFLOP/s")
+        progress.update(bar, completed=p.step, stats=f"loss {p.loss:.3f} · lr {p.lr:.2e} · {p.tokens_per_s:,.0f} tok/s")
 
     def on_eval(step: int, result: dict) -> None:
         progress.console.print(f"step {step}: validation loss {result['val_loss']:.4f}, perplexity {result['val_ppl']:.2f}")
@@ -556,7 +556,8 @@ def lns_train(
         _exit_failed()
     if not main_rank:
         return
-    console.print(f"validation loss {summary['val_loss']:.4f} · perplexity {summary['val_ppl']:.2f} · {summary['step']} steps, {summary['tokens']:,} tokens")
+    console.print(f"validation loss {summary['val_loss']:.4f} · perplexity {summary['val_ppl']:.2f} · {summary['step']} steps, {summary['tokens']:,} tokens · "
+                  f"{summary['step_tokens_per_s']:,.0f} tokens/s, {summary['step_tflops']:.3g} TFLOP/s in the steps")
     figures = [out_dir / name for name in ("loss.png", "layers.png") if (out_dir / name).is_file()]  # layers.png: with --layer-metrics-tokens
     console.print(f"wrote {out_dir / 'metrics.jsonl'}, {out_dir / 'summary.json'}, {', '.join(map(str, figures))}, {', '.join(summary['exports'].values())}")
 
