@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--pack", action="store_true", help="documents joined into full rows (default: one per row, the papers)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per setting, after one untimed")
     parser.add_argument("--doc-chars", type=int, default=2200)
+    parser.add_argument("--tokenizer", default="smollm2-135m", help="a name or folder (on the GPU machine the bundle's copy, /root/dccache/tok)")
     args = parser.parse_args()
 
     import datasets
@@ -42,7 +43,7 @@ def main() -> None:
     from depthcurse.text import load_texts
     from depthcurse.train import data as D
 
-    tokenizer = AutoTokenizer.from_pretrained(assets.resolve_model("smollm2-135m"))
+    tokenizer = AutoTokenizer.from_pretrained(assets.resolve_model(args.tokenizer))
     texts, _ = load_texts("wiki")
     joined = "\n".join(texts)
     docs = [joined[i : i + args.doc_chars] for i in range(0, len(joined), args.doc_chars)]

@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--norm", default="lns")
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--tokenizer", default=None, help="a name or folder (default: lns-train's for wiki, SmolLM2's; on the GPU machine the bundle's copy, /root/dccache/tok)")
     parser.add_argument("--out", type=Path, default=None, help="also write every lever's losses and differences as JSON here")
     args = parser.parse_args()
     names = args.levers.split(",")
@@ -42,7 +43,7 @@ def main() -> None:
     names = ["baseline"] + [n for n in names if n != "baseline"]
     common = ["--preset", args.preset, "--device", args.device, "--norm", args.norm, "--data", "wiki", "--steps", str(args.steps),
               "--warmup", str(max(1, args.steps // 10)), "--log-every", "1", "--eval-every", str(args.steps), "--save-every", str(args.steps),
-              "--layer-metrics-tokens", "0"]
+              "--layer-metrics-tokens", "0"] + (["--tokenizer", args.tokenizer] if args.tokenizer else [])
     print(f"{args.preset} on {args.device}, {args.norm}, {args.steps} steps of the offline Wikipedia text per lever", flush=True)
     curves: dict[str, list[float] | str] = {}
     with tempfile.TemporaryDirectory() as tmp:
