@@ -197,6 +197,18 @@ def test_hub_folder_loads_offline_with_and_without_config(tmp_path, hf_datasets_
     assert len(_load(single, None, hf_datasets_cache)["validation"]) == 2
     assert len(_load(single, "default", hf_datasets_cache)["validation"]) == 2
 
+    # the fast path lm-eval's loads take: the config's files to the parquet builder, the same data
+    import datasets
+
+    for folder, name in ((multi, "one"), (multi, "two"), (single, None), (single, "default")):
+        fast = datasets.load_dataset("parquet", data_files=assets.hub_folder_files(folder, name), cache_dir=hf_datasets_cache)
+        whole = _load(folder, name, hf_datasets_cache)
+        assert list(fast) == list(whole)
+        for split in whole:
+            assert fast[split].features == whole[split].features and fast[split].to_list() == whole[split].to_list()
+    assert assets.hub_folder_files(multi, None) is None  # several configs, none the default: datasets decides
+    assert assets.hub_folder_files(multi, "three") is None and assets.hub_folder_files(tmp_path, None) is None
+
 
 def test_a_cache_entry_is_built_whole_or_not_at_all(tmp_path):
     dest = tmp_path / "models" / "thing"

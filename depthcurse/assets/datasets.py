@@ -8,6 +8,7 @@ HellaSwag, PIQA, SciQ, WinoGrande, ...), so the prompts and metrics stay lm-eval
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import json
 from collections.abc import Callable
@@ -241,6 +242,34 @@ def build_hub_folder(out: Path, configs: dict[str, dict], *, title: str, licence
     lines += [f"| {c} | {', '.join(f'{s} ({len(d)})' for s, d in sp.items())} |" for c, sp in configs.items()]
     (out / "README.md").write_text("\n".join(lines) + "\n")
     return layout
+
+
+def hub_folder_files(folder: Path, name: str | None) -> dict[str, str] | None:
+    """{split: parquet file} of config `name` (None: the folder's default config) in a folder
+    `build_hub_folder` wrote, from its README's front matter; None when the folder has no such
+    config or is not one of ours. Handing these files to `datasets`' parquet builder loads the
+    same rows and features as the folder does, without `datasets` parsing the folder's card again
+    for every config (MMLU's 57 subjects: 3.0 s against 0.4-1.0 s)."""
+    readme = Path(folder) / "README.md"
+    try:
+        configs = _front_matter_configs(str(readme), readme.stat().st_mtime_ns)
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+    if name is None:
+        defaults = [c for c, (default, _) in configs.items() if default]
+        name = defaults[0] if len(defaults) == 1 else None
+    entry = configs.get(name)
+    return dict(entry[1]) if entry else None
+
+
+@functools.lru_cache(maxsize=64)
+def _front_matter_configs(readme: str, mtime_ns: int) -> dict[str, tuple[bool, dict[str, str]]]:
+    import yaml  # lazy: as in build_hub_folder
+
+    front = yaml.safe_load(Path(readme).read_text().split("---\n")[1])
+    folder = Path(readme).parent
+    return {c["config_name"]: (bool(c.get("default")), {f["split"]: str(folder / f["path"]) for f in c["data_files"]})
+            for c in front["configs"]}
 
 
 @contextlib.contextmanager

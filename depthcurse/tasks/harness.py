@@ -99,6 +99,9 @@ def offline_task_data(notes: list[str]):
         local = assets.local_dataset(path)
         if local is None:
             raise DepthcurseError(f"data set {path} is on the hub, which is not reachable, and is not among the offline assets (see `depthcurse assets`)")
+        files = assets.hub_folder_files(local, name) if not kwargs else None
+        if files is not None:  # our own folder: its files straight to the parquet builder (the same rows, faster)
+            return real_load("parquet", data_files=files)
         return real_load(str(local), name=name, **kwargs)
 
     def download(self, *args, **kwargs):
