@@ -9,7 +9,7 @@ to the baseline's tokens/s and its first and last loss (the same random batches 
 lever that changes the numerics beyond bf16's noise shows there). The JSON (`--out`) is rewritten
 after every lever, so a run cut short keeps the rows it finished.
 
-    python benchmarks/train_levers.py --device cuda --preset 130m --out /tmp/levers.json          # about 15 min on an H100
+    python benchmarks/train_levers.py --device cuda --preset 130m --out /tmp/levers.json          # all levers: more than one device call
     python benchmarks/train_levers.py --device cuda --preset 130m --levers micro-batch-256,cuda-graphs
     .venv/bin/python benchmarks/train_levers.py --levers baseline,compile-model --steps 5           # CPU, tiny preset
 """
