@@ -14,14 +14,16 @@ curve is as close to the baseline as fp32's is, or closer, changes nothing beyon
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from peak_memory import error_line, write_json
 from train_levers import LEVERS
+
+from depthcurse.train.metrics import METRICS, MetricsLog
 
 CURVE_LEVERS = {**LEVERS, "fp32": ["--compile", "--precision", "fp32"]}  # the noise scale
 
@@ -52,15 +54,12 @@ def main() -> None:
             cmd = [sys.executable, "-m", "depthcurse", "lns-train", *common, *CURVE_LEVERS[name], "--out", str(out)]
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
             if proc.returncode != 0:
-                curves[name] = (proc.stderr.strip().splitlines() or ["failed"])[-1]
+                curves[name] = error_line(proc.stderr, proc.returncode)
                 print(f"{name:<16} failed: {curves[name]}", flush=True)
                 continue
-            curves[name] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").open() if '"loss"' in line]
+            curves[name] = [r["loss"] for r in MetricsLog(out / METRICS).rows() if "loss" in r]
             print(_line(name, curves[name], curves["baseline"]), flush=True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"preset": args.preset, "device": args.device, "steps": args.steps, "levers": {n: CURVE_LEVERS[n] for n in names},
-                                        "losses": curves}, indent=2) + "\n")
+    write_json(args.out, {"preset": args.preset, "device": args.device, "steps": args.steps, "levers": {n: CURVE_LEVERS[n] for n in names}, "losses": curves})
 
 
 def _line(name: str, losses: list[float], baseline) -> str:

@@ -47,6 +47,13 @@ class PeakMemory:
         return peak - self.before
 
 
+def error_line(stderr: str, returncode: int) -> str:
+    """Why a child process failed, in one line: the last line it wrote to stderr (a traceback's
+    is the exception), or its exit status when it wrote nothing."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    return lines[-1][:500] if lines else f"exit status {returncode}"
+
+
 def run_variants(script: str, variants: tuple[str, ...], keep_going: bool = False) -> tuple[dict, dict]:
     """Run `script` once per variant (with this command line plus `--variant NAME`), each in its
     own process; its last stdout line is its result as JSON. Returns (results, conditions). A
@@ -63,8 +70,7 @@ def run_variants(script: str, variants: tuple[str, ...], keep_going: bool = Fals
         if proc.returncode == 0:
             results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
         elif keep_going:
-            lines = [line for line in proc.stderr.splitlines() if line.strip()] or [f"exit status {proc.returncode}"]
-            results[variant] = {"variant": variant, "error": lines[-1].strip()[:500]}
+            results[variant] = {"variant": variant, "error": error_line(proc.stderr, proc.returncode)}
         else:
             sys.exit(f"{variant} failed:\n{proc.stderr[-3000:]}")
     conditions = {

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from peak_memory import write_json
+from peak_memory import error_line, write_json
 
 # name -> its options; every lever is the baseline's (`--compile`) with one thing changed
 LEVERS: dict[str, list[str]] = {
@@ -104,7 +104,7 @@ def _run(cmd: list[str], timeout: float, out: Path) -> str | None:
         return f"stopped after {timeout:.0f} s"
     if proc.returncode == 0 and out.exists():
         return None
-    return (err.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+    return error_line(err, proc.returncode)
 
 
 def _line(row: dict, baseline: dict) -> str:

@@ -50,13 +50,14 @@ def run_variant(args) -> dict:
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    trainer = args.variant == "trainer"
+    compiled = args.compile and trainer  # the reference is the plain eager loop
     cfg = TrainConfig(preset=args.preset, norm=args.norm, seq_len=args.seq_len, max_seq_len=args.seq_len,
                             batch_size=args.batch_size, micro_batch=args.micro_batch, precision=args.precision,
-                            kernels=args.kernels if args.variant == "trainer" else "off",
-                            compile=args.compile and args.variant == "trainer",
-                            compile_scope=args.compile_scope if args.compile and args.variant == "trainer" else "blocks",
-                            compile_mode=args.compile_mode if args.compile and args.variant == "trainer" else "default",
-                            activation_checkpointing=args.activation_checkpointing and args.variant == "trainer").resolved()
+                            kernels=args.kernels if trainer else "off", compile=compiled,
+                            compile_scope=args.compile_scope if compiled else "blocks",
+                            compile_mode=args.compile_mode if compiled else "default",
+                            activation_checkpointing=args.activation_checkpointing and trainer).resolved()
     precision = train.precision_of(cfg, device)
     amp = train.autocast_for(precision, device)
     model = train.build_model(cfg, args.vocab, device, precision)

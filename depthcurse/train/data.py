@@ -227,7 +227,7 @@ class C4Rows:
         ids = _tokenise_next(self._iter, self.tokenizer, self.pack)
         if not ids:
             raise DepthcurseError("the C4 stream ran out of documents")
-        # one document per row keeps only its first seq_len tokens: no more wait in the checkpoint
+        # one document per row keeps only its first seq_len tokens: no more of it waits in the checkpoint
         self._pending.extend(ids if self.pack else (x[: self.seq_len] for x in ids))
 
     def next_batch(self, n: int) -> Batch:

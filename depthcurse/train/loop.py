@@ -359,10 +359,10 @@ def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, st
     if cfg.layer_metrics_tokens > 0 and progress.step > start_step:  # the last step's gradients are at hand
         final.update(_layer_metrics(cfg, raw, data, device, world, layer_grad_norms))
     model_state = ModelState(model).state_dict()  # every rank takes part
+    step_rate = progress.tokens / max(progress.seconds, 1e-9)  # over the training steps' own time
     summary = {
         "finished": True, "norm": cfg.norm, "preset": cfg.preset, "step": progress.step, "tokens": progress.tokens,
-        "train_seconds": progress.seconds, "step_tokens_per_s": progress.tokens / max(progress.seconds, 1e-9),
-        "step_tflops": progress.tokens / max(progress.seconds, 1e-9) * flops_per_token / 1e12, **final, "params": info["params"], "precision": precision, "device": str(device),
+        "train_seconds": progress.seconds, "step_tokens_per_s": step_rate, "step_tflops": step_rate * flops_per_token / 1e12, **final, "params": info["params"], "precision": precision, "device": str(device),
         "kernels": info["kernels"], "world_size": world.size, "parallel": world.parallel,
         "data": data.label, "config": cfg_dict,
     }
