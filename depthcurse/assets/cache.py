@@ -14,6 +14,8 @@ them into a cache in standard formats (``$DEPTHCURSE_CACHE``, default ``~/.cache
                                   ``datasets.load_dataset(folder, name=config)`` works offline
     datasets/wiki/wiki.jsonl      {"title", "text"} per article (Wikipedia sample from gensim)
     datasets/squad/validation.jsonl  SQuAD v1.1 dev rows (1,000), standard fields
+    lm-eval-task-index/<key>.json  lm-eval's task index (`depthcurse.tasks.task_index`), not an asset:
+                                  rebuilt whenever lm-eval or its task files change
 
 Every entry holds ``depthcurse_asset.json`` (source package, version, licence) and is built by
 `build_entry`: into a temporary folder beside its place, then swapped in whole, so an

@@ -15,6 +15,7 @@ from pathlib import Path
 from depthcurse import assets
 from depthcurse.errors import DepthcurseError
 from depthcurse.tasks.base import Score
+from depthcurse.tasks.task_index import task_manager_from_saved_index
 
 
 def quiet_lm_eval() -> None:
@@ -37,7 +38,7 @@ def quiet_lm_eval() -> None:
 def compile_templates_once() -> None:
     """lm-eval compiles a prompt's Jinja template anew for every document it renders: most of the
     time of building 5-shot MMLU's prompts. Compile each template once; what it renders is the same."""
-    from lm_eval import utils  # lazy: as in task_manager
+    from lm_eval import utils  # lazy: lm-eval costs seconds to import; only its tasks need it
 
     if getattr(utils.apply_template, "compiled_once", False) or not hasattr(utils, "env"):
         return
@@ -57,12 +58,11 @@ _TASK_MANAGER = None
 
 
 def task_manager():
-    """lm-eval's task index (about 15k YAML files, several seconds), built once per process."""
+    """lm-eval's task manager, built once per process, its index read from the cache
+    (`task_index`: 0.4 s, against 6-8 s to parse about 14,000 YAML files)."""
     global _TASK_MANAGER
     if _TASK_MANAGER is None:
-        from lm_eval.tasks import TaskManager  # lazy: as in offline_task_data
-
-        _TASK_MANAGER = TaskManager()
+        _TASK_MANAGER = task_manager_from_saved_index()
     return _TASK_MANAGER
 
 
