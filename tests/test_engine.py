@@ -135,21 +135,53 @@ def test_small_memory_budget_gives_the_same_scores(one_torch_thread):
     assert torch.allclose(big, small, atol=1e-5)
 
 
-def test_a_prefix_too_large_for_the_memory_budget_runs_whole_with_the_same_scores(one_torch_thread):
-    """Five-shot prompts on a CPU's default budget: every variant's keys and values of the shared
-    prefix would not fit, so its rows run whole (more compute) instead of failing."""
+def test_a_prefix_too_large_for_the_memory_budget_is_shared_by_fewer_variants_at_a_time(tmp_path, one_torch_thread):
+    """Five-shot prompts on a CPU's default budget, or a big model's on a GPU: every variant's keys
+    and values of the shared prefix would not fit, so the group runs once per share of the
+    variants whose keys and values do, and only where not even one variant's fit, its rows run
+    whole. The scores stay those of running every row whole."""
     model = _model("llama-tied", 300)
     stepper = Stepper(model)
     gen = torch.Generator().manual_seed(4)
     shared = torch.randint(0, 300, (600,), generator=gen).tolist()
     requests = [TokenRequest(tuple(shared + torch.randint(0, 300, (12,), generator=gen).tolist()), 605, (7, 8, 9)) for _ in range(4)]
-    roomy, _, s_roomy = score_requests(stepper, requests, VARIANTS, max_memory=2**30)
-    tight, _, s_tight = score_requests(stepper, requests, VARIANTS, max_memory=2**20)  # its keys and values for every variant: 0.7 MB
-    alone, _, _ = score_requests(stepper, requests, VARIANTS, max_memory=2**30, share_prefixes=False)
-    assert (s_roomy["prefix_groups"], s_roomy["prefix_groups_too_large"]) == (1, 0)
-    assert (s_tight["prefix_groups"], s_tight["prefix_groups_too_large"]) == (0, 1)
-    torch.testing.assert_close(tight, alone, rtol=0, atol=1e-5)  # smaller batches: float rounding only
-    torch.testing.assert_close(tight, roomy, rtol=0, atol=1e-4)
+    requests.append(TokenRequest(requests[0].inputs, 610, (4,)))  # a second request on the same row
+    roomy, g_roomy, s_roomy = score_requests(stepper, requests, VARIANTS, max_memory=2**30)
+    # 605 shared tokens: 77 KB of keys and values per block; all 10 blocks the variants run do not
+    # fit half of 1 MB, so the variants go in shares: (), then (0,) (2,), then (3,) (1, 2)
+    split, g_split, s_split = score_requests(stepper, requests, VARIANTS, max_memory=2**20)
+    # half of 512 KB is less than the unpruned model's 4 blocks alone: the rows run whole
+    whole, g_whole, s_whole = score_requests(stepper, requests, VARIANTS, max_memory=2**19)
+    alone, g_alone, s_alone = score_requests(stepper, requests, VARIANTS, max_memory=2**30, share_prefixes=False)
+    assert (s_roomy["prefix_groups"], s_roomy["prefix_groups_split"], s_roomy["prefix_groups_too_large"]) == (1, 0, 0)
+    assert (s_split["prefix_groups"], s_split["prefix_groups_split"], s_split["prefix_groups_too_large"]) == (1, 1, 0)
+    assert (s_whole["prefix_groups"], s_whole["prefix_groups_split"], s_whole["prefix_groups_too_large"]) == (0, 0, 1)
+    scorer = VariantScorer(stepper, VARIANTS, 2**20)
+    groups = plan(requests)
+    batches = scorer.batches(requests, groups)
+    assert [b.variants for b in batches] == [(0,), (1, 2), (3, 4)]
+    assert scorer.planned_block_passes(batches, groups) == s_split["block_passes"]  # the layout alone tells the cost
+    for budget, stats in ((2**30, s_roomy), (2**19, s_whole)):
+        scorer, groups = VariantScorer(stepper, VARIANTS, budget), plan(requests)
+        assert scorer.planned_block_passes(scorer.batches(requests, groups), groups) == stats["block_passes"]
+    # the prefix runs once per share (the unpruned model's blocks 4, then 2, then 3 times): more
+    # passes than all at once, and still fewer than half those of the 4 whole rows
+    assert s_roomy["block_passes"] < s_split["block_passes"] < s_alone["block_passes"] / 2
+    for got, greedy in ((split, g_split), (whole, g_whole), (roomy, g_roomy)):
+        torch.testing.assert_close(got, alone, rtol=0, atol=1e-4)
+        assert torch.equal(greedy, g_alone)
+    assert not roomy.isnan().any()
+
+    def stop_after_two(done, total):  # two of the three shares finished and saved, then interrupted
+        if done == 2:
+            raise KeyboardInterrupt
+
+    store = tmp_path / "partial"
+    with pytest.raises(KeyboardInterrupt):
+        score_requests(stepper, requests, VARIANTS, max_memory=2**20, store=store, on_batch=stop_after_two)
+    resumed, g_resumed, s_resumed = score_requests(stepper, requests, VARIANTS, max_memory=2**20, store=store)
+    assert s_resumed["batches_resumed"] == 2
+    assert torch.equal(resumed, split) and torch.equal(g_resumed, g_split)
 
 
 def test_token_cap_cuts_batches_and_changes_no_score(one_torch_thread):

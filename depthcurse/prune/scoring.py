@@ -98,6 +98,7 @@ class _Batch:
     group: int
     rows: list[_Row]
     bins: list[list[int]]  # the sequences the batch runs as: indices into rows, packed one after another
+    variants: tuple[int, ...] | None = None  # indices into the scorer's variants this batch scores (None: all)
 
     @property
     def packed(self) -> bool:
@@ -186,7 +187,8 @@ class VariantScorer:
                 raise DepthcurseError(f"variant {v} removes a layer outside 0-{stepper.n_layers - 1}")
         self.starts = sorted({min(v) for v in self.variants if v})
         self.budget = max_memory
-        self.unshared = 0  # prefix groups whose keys and values for every variant did not fit: run whole
+        self.unshared = 0  # prefix groups whose keys and values did not fit even one variant at a time: run whole
+        self.split = 0  # prefix groups whose keys and values for every variant did not fit: a share of the variants at a time
         self.max_batch_tokens = max_batch_tokens or MAX_BATCH_TOKENS.get(torch.device(stepper.device).type, MAX_BATCH_TOKENS["cuda"])
         self.pack = pack  # rows of different lengths share a sequence (see Stepper.packed_context)
         self.block_passes = 0
@@ -200,12 +202,37 @@ class VariantScorer:
         attn = (getattr(c, "num_attention_heads", 1) + (len(set(self.s.types)) if self.pack else 0)) * keys
         return (width + attn) * self.s.embed_tokens.weight.element_size()
 
-    def _prefix_kv_bytes(self, length: int) -> int:
+    def _layers_run(self, v: tuple) -> int:
+        """Blocks a removal runs after the unpruned model's stream at its first removed block."""
+        return self.s.n_layers - min(v) - (len(v) if self.granularity == "layer" else 0)
+
+    def _base_layers(self, chunk: tuple[int, ...]) -> int:
+        """Blocks of the unpruned model a share of the variants needs: all of them to score the
+        unpruned model itself, else up to the last stream a removal starts from."""
+        return self.s.n_layers if any(not self.variants[i] for i in chunk) else max(min(self.variants[i]) for i in chunk)
+
+    def _blocks_per_token(self, chunk: tuple[int, ...]) -> int:
+        """Block calls a token takes for a share of the variants: the unpruned model's, then each removal's."""
+        return self._base_layers(chunk) + sum(self._layers_run(self.variants[i]) for i in chunk if self.variants[i])
+
+    def _prefix_kv_bytes(self, length: int, chunk: tuple[int, ...]) -> int:
         c = self.s.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         per_layer = 2 * length * getattr(c, "num_key_value_heads", c.num_attention_heads) * head_dim * self.s.embed_tokens.weight.element_size()
-        layers = sum(self.s.n_layers - min(v, default=0) - len(v) for v in self.variants)
-        return per_layer * layers
+        return per_layer * self._blocks_per_token(chunk)
+
+    def _variant_chunks(self, length: int, room: int) -> list[tuple[int, ...]] | None:
+        """The variants cut, in order, into shares whose keys and values of a `length`-token prefix
+        fit `room`; None if one variant alone does not fit."""
+        chunks: list[tuple[int, ...]] = []
+        for i in range(len(self.variants)):
+            if chunks and self._prefix_kv_bytes(length, chunks[-1] + (i,)) <= room:
+                chunks[-1] += (i,)
+            elif self._prefix_kv_bytes(length, (i,)) <= room:
+                chunks.append((i,))
+            else:
+                return None
+        return chunks
 
     def batches(self, requests: list[TokenRequest], groups: list[_Group]) -> list[_Batch]:
         """Rows cut into batches whose kept streams fit the memory budget; longest rows first, as lm-eval sorts.
@@ -213,25 +240,47 @@ class VariantScorer:
         Packed, a batch's sequences are as long as its longest row and the shorter rows fill them
         first-fit: once a batch can take no more sequences, the rows after it that fit its gaps
         still go in, so a batch of mixed lengths runs on (nearly) no padding.
+
+        A shared prefix keeps its keys and values for every variant, at most half the budget.
+        Where they would not fit (a long 5-shot block, a big model), the group's batches run once
+        per share of the variants whose keys and values do: each share repeats the unpruned
+        model's pass over the rows (only up to its last removal), which costs far less than
+        running every row's whole prompt for every variant. Only where one variant alone does
+        not fit do the rows run whole. The scores are the same either way.
         """
         out = []
+        everyone = tuple(range(len(self.variants)))
         for gi, g in enumerate(groups):
-            budget = self.budget
+            budget, chunks = self.budget, [None]
             if g.prefix:
-                kv = self._prefix_kv_bytes(g.prefix)
-                if kv > self.budget // 2:
-                    # Every variant's keys and values of this prefix would not fit beside a batch: its
-                    # rows run whole instead, with the same scores (more compute, no error).
-                    g.prefix = 0
-                    self.unshared += 1
-                else:
-                    budget -= kv
-            pending = sorted(g.rows, key=lambda r: (-len(r.inputs), r.inputs))
+                room = self.budget // 2
+                if self._prefix_kv_bytes(g.prefix, everyone) > room:
+                    chunks = self._variant_chunks(g.prefix, room)
+                    if chunks is None:
+                        g.prefix, chunks = 0, [None]
+                        self.unshared += 1
+                    else:
+                        self.split += 1
+                if g.prefix:
+                    budget -= max(self._prefix_kv_bytes(g.prefix, c or everyone) for c in chunks)
+            pending, cut = sorted(g.rows, key=lambda r: (-len(r.inputs), r.inputs)), []
             while pending:
-                batch, bins, later = self._fill(pending, g.prefix, budget)
-                out.append(_Batch(gi, batch, bins))
-                pending = later
+                batch, bins, pending = self._fill(pending, g.prefix, budget)
+                cut.append((batch, bins))
+            out += [_Batch(gi, batch, bins, chunk) for chunk in chunks for batch, bins in cut]
         return out
+
+    def planned_block_passes(self, batches: list[_Batch], groups: list[_Group]) -> int:
+        """The token-block passes that scoring `batches` in one process counts in `block_passes`,
+        without running anything: a layout judged on the meta device before a GPU is booked."""
+        total, kv_for = 0, None
+        for b in batches:
+            per_token = self._blocks_per_token(tuple(range(len(self.variants))) if b.variants is None else b.variants)
+            prefix = groups[b.group].prefix
+            if prefix and kv_for != (b.group, b.variants):
+                total, kv_for = total + prefix * per_token, (b.group, b.variants)
+            total += len(b.bins) * (max(len(r.inputs) for r in b.rows) - prefix) * per_token
+        return total
 
     def _fill(self, rows: list[_Row], prefix: int, budget: int) -> tuple[list[_Row], list[list[int]], list[_Row]]:
         """One batch from `rows` (longest first): (its rows, its sequences, the rows left, in order)."""
@@ -287,19 +336,22 @@ class VariantScorer:
         return h
 
     @torch.inference_mode()
-    def prefix_kv(self, tokens: tuple[int, ...]) -> dict:
-        """Keys and values of a shared prefix for every variant (only the layers each variant runs)."""
+    def prefix_kv(self, tokens: tuple[int, ...], chunk: tuple[int, ...] | None = None) -> dict:
+        """Keys and values of a shared prefix for the variants of `chunk` (indices; None: every
+        variant), only the layers each runs; under `()` the unpruned model's, for the blocks the chunk needs."""
+        chunk = tuple(range(len(self.variants))) if chunk is None else chunk
         ids = torch.tensor([tokens], device=self.s.device)
         ctx = self.s.context(len(tokens), 0)
         rec = _RecordKV()
-        h, streams = self.s.embed(ids), {}
-        for i in range(self.s.n_layers):
+        h, streams, last = self.s.embed(ids), {}, self._base_layers(chunk)
+        for i in range(last):
             if i in self.starts:
                 streams[i] = h
             h = self.s.block(i, h, ctx, rec)
             self.block_passes += h.shape[1]
+        streams[last] = h  # where the chunk's last removal starts (or, the whole model run, its output)
         out = {(): rec.kv}
-        for v in self.variants:
+        for v in (self.variants[i] for i in chunk):
             if v:
                 rv = _RecordKV()
                 self._run(streams[min(v)], ctx, min(v), v, rv)
@@ -308,9 +360,11 @@ class VariantScorer:
 
     @torch.inference_mode()
     def score_batch(self, requests: list[TokenRequest], batch: _Batch, prefix: int, kv: dict | None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """(log-likelihood [variants, requests] float64, is_greedy [variants, requests] bool, request ids)."""
+        """(log-likelihood [variants, requests] float64, is_greedy [variants, requests] bool, request ids),
+        for the batch's variants (`batch.variants`, in that order; all of them if None)."""
         s = self.s
         rows = batch.rows
+        chunk = tuple(range(len(self.variants))) if batch.variants is None else batch.variants
         width = max(len(r.inputs) for r in rows) - prefix
         ids = torch.zeros(len(batch.bins), width, dtype=torch.long)
         docs = torch.empty(len(batch.bins), width, dtype=torch.long)
@@ -341,17 +395,17 @@ class VariantScorer:
         tgt, seg = torch.tensor(tgt, device=s.device), torch.tensor(seg, device=s.device)
         ctx = s.packed_context(docs, positions, prefix) if batch.packed else s.context(width, prefix)
         # Scores stay on the device until the batch is done: one transfer per batch, not two per variant.
-        lp = torch.zeros(len(self.variants), len(req_ids), dtype=torch.float64, device=s.device)
-        misses = torch.zeros(len(self.variants), len(req_ids), dtype=torch.long, device=s.device)
+        lp = torch.zeros(len(chunk), len(req_ids), dtype=torch.float64, device=s.device)
+        misses = torch.zeros(len(chunk), len(req_ids), dtype=torch.long, device=s.device)
 
         def score(vi, h):
             # A model spread over devices (device_map) ends on another device than it starts on.
             picked = h[b_idx.to(h.device), p_idx.to(h.device)]
-            chunk = max(1, HEAD_CHUNK_BYTES // (4 * s.head.weight.shape[0]))
+            step = max(1, HEAD_CHUNK_BYTES // (4 * s.head.weight.shape[0]))
             tok_lp, tok_ok = [], []
-            for lo in range(0, len(picked), chunk):
-                logits = s.logits(picked[lo : lo + chunk])
-                t = tgt[lo : lo + chunk].to(logits.device)
+            for lo in range(0, len(picked), step):
+                logits = s.logits(picked[lo : lo + step])
+                t = tgt[lo : lo + step].to(logits.device)
                 if self.need_greedy:  # argmax of lm-eval's own log-softmax values, ties included
                     logp = F.log_softmax(logits, dim=-1)
                     tok_lp.append(logp.gather(1, t[:, None])[:, 0])
@@ -366,12 +420,14 @@ class VariantScorer:
         h = s.embed(ids.to(s.device))
         streams = {}
         base_cache = _PrefixKV(kv[()]) if kv else None
-        for i in range(s.n_layers):
+        last = self._base_layers(chunk)
+        for i in range(last):
             if i in self.starts:
                 streams[i] = h
             h = s.block(i, h, ctx, base_cache)
             self.block_passes += h.shape[0] * h.shape[1]
-        for vi, v in enumerate(self.variants):
+        streams[last] = h  # where the chunk's last removal starts (or, the whole model run, its output)
+        for vi, v in enumerate(self.variants[i] for i in chunk):
             if not v:
                 score(vi, h)
             else:
@@ -441,7 +497,8 @@ def score_requests(
         min_prefix_saving = 2 * small_batch_tokens(stepper)
     groups = plan(requests, MIN_SHARED_PREFIX if share_prefixes else 10**9, min_prefix_saving)
     batches = scorer.batches(requests, groups)
-    layout = [granularity, [list(v) for v in variants], [[b.group, [r.requests for r in b.rows], b.bins] for b in batches], [g.prefix for g in groups]]
+    layout = [granularity, [list(v) for v in variants], [[b.group, [r.requests for r in b.rows], b.bins, *([b.variants] if b.variants else [])] for b in batches],
+              [g.prefix for g in groups]]
     key = hashlib.sha256(json.dumps([fingerprint, requests_digest(requests), layout]).encode()).hexdigest()[:16]
     if store is not None:
         state = store / "state.json"
@@ -452,8 +509,8 @@ def score_requests(
             atomic_write(state, json.dumps({"key": key, "batches": len(batches)}))
         world.barrier()  # no rank reads the store before rank 0 has cleared another run's
     mine = range(world.rank, len(batches), world.size)
-    done: list[tuple] = []  # (request ids, log-likelihoods, is_greedy) of this rank's batches
-    kv_group, kv = None, None
+    done: list[tuple] = []  # (variant indices, request ids, log-likelihoods, is_greedy) of this rank's batches
+    kv_for, kv = None, None
     loaded_batches, resumed_seconds = 0, 0.0
     with ThreadPoolExecutor(max_workers=1) as saver:
         pending = []
@@ -468,14 +525,14 @@ def score_requests(
             else:
                 started = time.perf_counter()
                 g = groups[batch.group]
-                if g.prefix and kv_group != batch.group:
-                    kv, kv_group = scorer.prefix_kv(g.rows[0].inputs[: g.prefix]), batch.group
+                if g.prefix and kv_for != (batch.group, batch.variants):
+                    kv, kv_for = scorer.prefix_kv(g.rows[0].inputs[: g.prefix], batch.variants), (batch.group, batch.variants)
                 blp, bg, ids = scorer.score_batch(requests, batch, g.prefix, kv if g.prefix else None)
                 ids = torch.tensor(ids)
                 if path is not None:
                     finished = {"ids": ids, "lp": blp, "greedy": bg, "seconds": time.perf_counter() - started}
                     pending.append(saver.submit(atomic_write, path, lambda tmp, obj=finished: torch.save(obj, tmp)))
-            done.append((ids, blp, bg))
+            done.append((torch.tensor(batch.variants if batch.variants is not None else range(len(variants))), ids, blp, bg))
             if on_batch:
                 on_batch(i + 1, len(mine))
         for future in pending:  # every finished batch is on disk before the scores are used
@@ -487,14 +544,15 @@ def score_requests(
     lp = torch.full((len(variants), len(requests)), float("nan"), dtype=torch.float64)
     greedy = torch.zeros(len(variants), len(requests), dtype=torch.bool)
     for rank_done, _ in gathered:
-        for ids, blp, bg in rank_done:
-            lp[:, ids], greedy[:, ids] = blp, bg
+        for rows, ids, blp, bg in rank_done:
+            lp[rows[:, None], ids], greedy[rows[:, None], ids] = blp, bg
     stats = {
         "batches": len(batches),
         "batches_resumed": sum(g[1]["batches_resumed"] for g in gathered),
         "seconds_resumed": round(sum(g[1]["seconds_resumed"] for g in gathered), 3),
         "prefix_groups": sum(1 for g in groups if g.prefix),
         "prefix_groups_too_large": scorer.unshared,
+        "prefix_groups_split": scorer.split,
         "min_prefix_saving": min_prefix_saving,
         "rows": sum(len(g.rows) for g in groups),
         "packing": not_packed or "packed",
