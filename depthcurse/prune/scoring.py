@@ -186,6 +186,7 @@ class VariantScorer:
             if any(not 0 <= i < stepper.n_layers for i in v):
                 raise DepthcurseError(f"variant {v} removes a layer outside 0-{stepper.n_layers - 1}")
         self.starts = sorted({min(v) for v in self.variants if v})
+        self.everyone = tuple(range(len(self.variants)))  # the variants of a batch that scores them all
         self.budget = max_memory
         self.unshared = 0  # prefix groups whose keys and values did not fit even one variant at a time: run whole
         self.split = 0  # prefix groups whose keys and values for every variant did not fit: a share of the variants at a time
@@ -249,12 +250,11 @@ class VariantScorer:
         not fit do the rows run whole. The scores are the same either way.
         """
         out = []
-        everyone = tuple(range(len(self.variants)))
         for gi, g in enumerate(groups):
             budget, chunks = self.budget, [None]
             if g.prefix:
                 room = self.budget // 2
-                if self._prefix_kv_bytes(g.prefix, everyone) > room:
+                if self._prefix_kv_bytes(g.prefix, self.everyone) > room:
                     chunks = self._variant_chunks(g.prefix, room)
                     if chunks is None:
                         g.prefix, chunks = 0, [None]
@@ -262,7 +262,7 @@ class VariantScorer:
                     else:
                         self.split += 1
                 if g.prefix:
-                    budget -= max(self._prefix_kv_bytes(g.prefix, c or everyone) for c in chunks)
+                    budget -= max(self._prefix_kv_bytes(g.prefix, c or self.everyone) for c in chunks)
             pending, cut = sorted(g.rows, key=lambda r: (-len(r.inputs), r.inputs)), []
             while pending:
                 batch, bins, pending = self._fill(pending, g.prefix, budget)
@@ -275,7 +275,7 @@ class VariantScorer:
         without running anything: a layout judged on the meta device before a GPU is booked."""
         total, kv_for = 0, None
         for b in batches:
-            per_token = self._blocks_per_token(tuple(range(len(self.variants))) if b.variants is None else b.variants)
+            per_token = self._blocks_per_token(b.variants or self.everyone)
             prefix = groups[b.group].prefix
             if prefix and kv_for != (b.group, b.variants):
                 total, kv_for = total + prefix * per_token, (b.group, b.variants)
@@ -324,6 +324,18 @@ class VariantScorer:
             i += 1
         return batch, bins, later
 
+    def _base_pass(self, h, ctx, cache, chunk: tuple[int, ...]) -> tuple[torch.Tensor, dict]:
+        """The unpruned model's blocks as far as `chunk` needs them: (the stream after them, the
+        streams each removal starts from, by block)."""
+        streams, last = {}, self._base_layers(chunk)
+        for i in range(last):
+            if i in self.starts:
+                streams[i] = h
+            h = self.s.block(i, h, ctx, cache)
+            self.block_passes += h.shape[0] * h.shape[1]
+        streams[last] = h  # where the chunk's last removal starts (or, the whole model run, its output)
+        return h, streams
+
     def _run(self, h, ctx, start: int, removed: tuple, cache) -> torch.Tensor:
         """The stream at block `start` through the rest of the variant: removed blocks skipped, or
         (attn/mlp granularity) every block run with the removed branches zeroed."""
@@ -339,17 +351,11 @@ class VariantScorer:
     def prefix_kv(self, tokens: tuple[int, ...], chunk: tuple[int, ...] | None = None) -> dict:
         """Keys and values of a shared prefix for the variants of `chunk` (indices; None: every
         variant), only the layers each runs; under `()` the unpruned model's, for the blocks the chunk needs."""
-        chunk = tuple(range(len(self.variants))) if chunk is None else chunk
+        chunk = chunk or self.everyone
         ids = torch.tensor([tokens], device=self.s.device)
         ctx = self.s.context(len(tokens), 0)
         rec = _RecordKV()
-        h, streams, last = self.s.embed(ids), {}, self._base_layers(chunk)
-        for i in range(last):
-            if i in self.starts:
-                streams[i] = h
-            h = self.s.block(i, h, ctx, rec)
-            self.block_passes += h.shape[1]
-        streams[last] = h  # where the chunk's last removal starts (or, the whole model run, its output)
+        _, streams = self._base_pass(self.s.embed(ids), ctx, rec, chunk)
         out = {(): rec.kv}
         for v in (self.variants[i] for i in chunk):
             if v:
@@ -364,7 +370,7 @@ class VariantScorer:
         for the batch's variants (`batch.variants`, in that order; all of them if None)."""
         s = self.s
         rows = batch.rows
-        chunk = tuple(range(len(self.variants))) if batch.variants is None else batch.variants
+        chunk = batch.variants or self.everyone
         width = max(len(r.inputs) for r in rows) - prefix
         ids = torch.zeros(len(batch.bins), width, dtype=torch.long)
         docs = torch.empty(len(batch.bins), width, dtype=torch.long)
@@ -417,16 +423,7 @@ class VariantScorer:
             lp[vi].index_add_(0, seg, tok_lp.double())
             misses[vi].index_add_(0, seg, (~tok_ok).long())
 
-        h = s.embed(ids.to(s.device))
-        streams = {}
-        base_cache = _PrefixKV(kv[()]) if kv else None
-        last = self._base_layers(chunk)
-        for i in range(last):
-            if i in self.starts:
-                streams[i] = h
-            h = s.block(i, h, ctx, base_cache)
-            self.block_passes += h.shape[0] * h.shape[1]
-        streams[last] = h  # where the chunk's last removal starts (or, the whole model run, its output)
+        h, streams = self._base_pass(s.embed(ids.to(s.device)), ctx, _PrefixKV(kv[()]) if kv else None, chunk)
         for vi, v in enumerate(self.variants[i] for i in chunk):
             if not v:
                 score(vi, h)
@@ -532,7 +529,7 @@ def score_requests(
                 if path is not None:
                     finished = {"ids": ids, "lp": blp, "greedy": bg, "seconds": time.perf_counter() - started}
                     pending.append(saver.submit(atomic_write, path, lambda tmp, obj=finished: torch.save(obj, tmp)))
-            done.append((torch.tensor(batch.variants if batch.variants is not None else range(len(variants))), ids, blp, bg))
+            done.append((torch.tensor(batch.variants or scorer.everyone), ids, blp, bg))
             if on_batch:
                 on_batch(i + 1, len(mine))
         for future in pending:  # every finished batch is on disk before the scores are used
