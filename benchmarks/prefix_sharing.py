@@ -21,6 +21,7 @@ SmolLM2-135M's real weights from the offline cache; the tasks' offline copies (`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -37,6 +38,14 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 
+def unsplit_prefixes():
+    """The engine as before prefixes were split into shares of the variants: a prefix too large
+    for the budget runs its rows whole (way 4 here, `sweep_layout.py --unsplit`)."""
+    from depthcurse.prune.scoring import VariantScorer
+
+    return mock.patch.object(VariantScorer, "_variant_chunks", lambda *a: None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", default="arc_easy")
@@ -51,7 +60,7 @@ def main() -> None:
 
     from depthcurse.loading import load_model
     from depthcurse.prune.requests import LmEvalRequests
-    from depthcurse.prune.scoring import VariantScorer, parse_memory, score_requests, small_batch_tokens
+    from depthcurse.prune.scoring import parse_memory, score_requests, small_batch_tokens
     from depthcurse.prune.stepping import Stepper
     from depthcurse.tasks import build_task
     from depthcurse.tasks.harness import quiet_lm_eval
@@ -76,9 +85,8 @@ def main() -> None:
     scores = {}
     for way in chosen:
         name, options = ways[way]
-        unsplit = mock.patch.object(VariantScorer, "_variant_chunks", lambda *a: None) if way == "unsplit" else mock.patch.dict({})
         t0 = time.perf_counter()
-        with unsplit:
+        with unsplit_prefixes() if way == "unsplit" else contextlib.nullcontext():
             scores[name], _, stats = score_requests(stepper, requests, variants, max_memory=budget, **options)
         seconds = time.perf_counter() - t0
         keys = ("batches", "prefix_groups", "prefix_groups_split", "prefix_groups_too_large", "block_passes")

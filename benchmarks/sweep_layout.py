@@ -16,10 +16,11 @@ Building 5-shot requests takes about a minute on a 2-core CPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-from unittest import mock
 
 import torch
+from prefix_sharing import unsplit_prefixes
 from sweep_shapes import DTYPES, SHAPES, multiply_adds_per_token
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -61,13 +62,10 @@ def main() -> None:
     distinct = {r.inputs for r in requests}
     block, _ = multiply_adds_per_token(shape, int(sum(map(len, distinct)) / len(distinct)))  # as sweep_mmlu counts them
     print(f"{args.shape} {args.dtype}, MMLU {args.shots}-shot, {len(requests):,} requests, {len(variants)} variants")
-    ways = {"shares": mock.patch.dict({}), "unsplit": mock.patch.object(VariantScorer, "_variant_chunks", lambda *a: None)}
     for text in args.max_memory.split(","):
         budget = parse_memory(text)
-        for way, patch in ways.items():
-            if way == "unsplit" and not args.unsplit:
-                continue
-            with patch:
+        for way in ("shares", "unsplit") if args.unsplit else ("shares",):
+            with unsplit_prefixes() if way == "unsplit" else contextlib.nullcontext():
                 scorer = VariantScorer(stepper, variants, budget, pack=True, max_batch_tokens=MAX_BATCH_TOKENS[args.rules])
                 groups = plan(requests, MIN_SHARED_PREFIX, 2 * small_batch_tokens(stepper))
                 batches = scorer.batches(requests, groups)
