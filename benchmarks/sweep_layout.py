@@ -4,10 +4,14 @@ MMLU requests (the offline copy, SmolLM2's tokenizer), every single-layer varian
 memory budget: batches, prefix groups (split into shares of the variants, or too large and run
 whole), token-block passes (`VariantScorer.planned_block_passes`, equal to what a run counts),
 and FLOPs. With `--unsplit`, also the layout of a prefix too large for the budget running whole
-(the engine before it shared such a prefix with a few variants at a time).
+(the engine before it shared such a prefix with a few variants at a time). With `--ranks`, also
+how evenly torchrun's ranks share the batches: the busiest rank's token-block passes against an
+even share, for the shares `VariantScorer.share_out` gives and for every N-th batch per rank (the
+engine before).
 
     python benchmarks/sweep_layout.py --shape llama-2-7b --shots 5 --max-memory 16GB,24GB,40GB,52GB --unsplit
     python benchmarks/sweep_layout.py --shape smollm2-135m --dtype fp32 --shots 5 --max-memory 2GB --unsplit --rules cpu
+    python benchmarks/sweep_layout.py --shape llama-2-7b --shots 0 --ranks 2,4,8
 
 The H100's `auto` budget for the 7B shape is 52 GiB (0.8 of the 65.9 GiB free beside its 12.8 GiB).
 Building 5-shot requests takes about a minute on a 2-core CPU.
@@ -38,6 +42,7 @@ def main() -> None:
     parser.add_argument("--max-memory", default="52GB", help="budgets, comma-separated")
     parser.add_argument("--rules", choices=["cuda", "cpu"], default="cuda", help="whose prefix-sharing rule and batch cap to plan by")
     parser.add_argument("--unsplit", action="store_true", help="also the layout with a too-large prefix run whole")
+    parser.add_argument("--ranks", default="", help="numbers of torchrun ranks, comma-separated: how evenly they share the batches")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -73,6 +78,12 @@ def main() -> None:
             print(f"{text:>8} {way:<8} {len(batches):5d} batches  {sum(1 for g in groups if g.prefix):4d} prefix groups "
                   f"({scorer.split} split, {scorer.unshared} too large)  {passes / 1e6:9.1f} M token-block passes  "
                   f"{2 * passes * block:.3g} FLOPs in the blocks", flush=True)
+            for ranks in [int(n) for n in args.ranks.split(",") if n]:
+                for name, shares in (("shared out", scorer.share_out(batches, groups, ranks)),
+                                     ("every Nth", [list(range(r, len(batches), ranks)) for r in range(ranks)])):
+                    per = [scorer.planned_block_passes([batches[k] for k in ks], groups) for ks in shares]
+                    print(f"{'':>17} {ranks} ranks, {name:<10}  busiest {max(per) / 1e6:8.1f} M passes, "
+                          f"{max(per) / (passes / ranks):.3f}x an even share; all ranks {sum(per) / passes:.3f}x one process", flush=True)
 
 
 if __name__ == "__main__":

@@ -184,6 +184,48 @@ def test_a_prefix_too_large_for_the_memory_budget_is_shared_by_fewer_variants_at
     assert torch.equal(resumed, split) and torch.equal(g_resumed, g_split)
 
 
+def test_ranks_get_even_shares_of_the_batches_and_keep_a_prefix_group_together(one_torch_thread):
+    """Groups of questions behind their own 30-token prefixes, each cut into a full batch and a
+    one-row rest: taking every other batch gives one of two ranks both full batches. The shares
+    are even in token-block passes, and a group stays on one rank where moving its rest would
+    only add its prefix's passes there (the rest of the 40-token group goes after it, not to the
+    rank that is 10 tokens less busy)."""
+    stepper = Stepper(_model("llama-tied", 300))
+    gen = torch.Generator().manual_seed(8)
+
+    def layout(groups_of: list[tuple[int, int]]):  # (row width after the prefix, rows) per group
+        requests = []
+        for width, n in groups_of:
+            prefix = torch.randint(3, 300, (30,), generator=gen).tolist()
+            requests += [TokenRequest(tuple(prefix + torch.randint(3, 300, (width,), generator=gen).tolist()), 28 + width, (5, 6)) for _ in range(n)]
+        scorer = VariantScorer(stepper, VARIANTS, 2**30, max_batch_tokens=200, pack=True)
+        groups = plan(requests, min_saving=0)
+        return scorer, groups, scorer.batches(requests, groups)
+
+    def loads(shares):
+        return [scorer.planned_block_passes([batches[k] for k in ks], groups) for ks in shares]
+
+    scorer, groups, batches = layout([(40, 6), (38, 6)])
+    assert [(b.group, len(b.rows)) for b in batches] == [(0, 5), (0, 1), (1, 5), (1, 1)]
+    shares = scorer.share_out(batches, groups, 2)
+    assert sorted(shares) == [[0, 1], [2, 3]]
+    assert sum(loads(shares)) == scorer.planned_block_passes(batches, groups)  # each prefix runs once
+    every_other = loads([[0, 2], [1, 3]])
+    assert max(every_other) > 1.5 * max(loads(shares))
+
+    scorer, groups, batches = layout([(40, 6), (38, 9), (36, 3), (34, 12), (30, 7), (20, 1)])
+    cost = max(sum(scorer._passes(b, groups)) for b in batches)
+    for ranks, saved in ((2, frozenset()), (3, frozenset()), (3, frozenset({0, 1, 2, 4})), (5, frozenset())):
+        shares = scorer.share_out(batches, groups, ranks, saved)
+        assert sorted(k for ks in shares for k in ks) == list(range(len(batches))) and all(ks == sorted(ks) for ks in shares)
+        todo = loads([[k for k in ks if k not in saved] for ks in shares])
+        assert max(todo) <= sum(todo) / ranks + cost  # list scheduling's bound: an even share plus one batch
+        left = [k for k in range(len(batches)) if k not in saved]  # a resumed sweep shares out what is left
+        alone = scorer.share_out([batches[k] for k in left], groups, ranks)
+        assert [[k for k in ks if k not in saved] for ks in shares] == [[left[i] for i in ks] for ks in alone]
+    assert scorer.share_out(batches, groups, 1) == [list(range(len(batches)))]  # one process: the batches in order
+
+
 def test_token_cap_cuts_batches_and_changes_no_score(one_torch_thread):
     """A batch (every variant) is the unit of progress and resuming: the token cap makes more of them, same scores."""
     model = _model("llama-tied", 300)

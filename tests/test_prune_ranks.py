@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from helpers import ROOT, needs, torchrun
-from depthcurse.prune.scoring import TokenRequest, score_requests
+from depthcurse.prune.scoring import MIN_SHARED_PREFIX, TokenRequest, VariantScorer, plan, score_requests, small_batch_tokens
 from depthcurse.prune.stepping import Stepper
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -45,11 +45,14 @@ world.close()
 """
 
 
-def _requests(n: int = 10) -> list[TokenRequest]:
+def _requests(n: int = 10, shared: int = 8) -> list[TokenRequest]:
+    """`n` rows of 20-60 tokens, and `shared` more behind one 48-token prefix (a group worth sharing on a CPU)."""
     gen = torch.Generator().manual_seed(5)
+    prefix = torch.randint(3, 300, (48,), generator=gen).tolist()
     out = []
-    for _ in range(n):
+    for i in range(n + shared):
         ids = torch.randint(3, 300, (int(torch.randint(20, 60, (1,), generator=gen)),), generator=gen).tolist()
+        ids = prefix + ids[:12] if i >= n else ids
         out.append(TokenRequest(tuple(ids[:-4]), len(ids) - 8, tuple(ids[-4:])))
     return out
 
@@ -79,7 +82,14 @@ def test_two_ranks_score_every_request_as_one_process_does_and_resume_its_batche
     torch.testing.assert_close(two["lp"], one_lp, rtol=0, atol=0)
     assert torch.equal(two["greedy"], one_greedy)
     assert two["stats"]["ranks"] == 2 and two["stats"]["batches_resumed"] == 2
-    assert two["stats"]["block_passes"] > 0
+    assert one_stats["prefix_groups"] == 1
+    # each rank scored the share that VariantScorer.share_out gives it, the two saved batches aside
+    stepper = Stepper(model)
+    scorer = VariantScorer(stepper, VARIANTS, 2**30, max_batch_tokens=120, pack=True)
+    groups = plan(requests, MIN_SHARED_PREFIX, 2 * small_batch_tokens(stepper))
+    batches = scorer.batches(requests, groups)
+    shares = scorer.share_out(batches, groups, 2, saved=frozenset({0, 1}))
+    assert two["stats"]["block_passes_by_rank"] == [scorer.planned_block_passes([batches[k] for k in ks if k > 1], groups) for ks in shares]
 
 
 def _prune(runner, *args) -> subprocess.CompletedProcess:
