@@ -136,6 +136,32 @@ def test_a_two_rank_lm_eval_sweep_equals_one_process(shared, tiny_model_dir, tmp
     _compare(tmp_path / "one", tmp_path / "two")
 
 
+def test_variants_evaluated_on_their_own_are_split_over_the_ranks_and_resume(tiny_model_dir, text_file, tmp_path):
+    """Where each variant is evaluated on its own (`--engine lm-eval`, or a model or task the
+    reuse engine cannot run), each rank takes one variant per turn: the results are one
+    process's, and a sweep begun in one process finishes on two ranks."""
+    common = [tiny_model_dir, "--task", "ppl", "--data", text_file, "--seq-len", "32", "--limit", "8", "--engine", "lm-eval"]
+
+    def results(out) -> dict:
+        sweep = json.loads((out / "prune.json").read_text())
+        assert sweep["engine"]["name"] == "lm-eval"
+        return {tuple(v["removed"]): (v["metrics"], v["examples"]) for v in sweep["variants"]}
+
+    runs = {"one": (_one_process, "0,1,3"), "two": (torchrun, "0,3"), "begun": (_one_process, "0"), "resumed": (torchrun, "0,1,3")}
+    for name, (runner, layers) in runs.items():
+        out = tmp_path / ("begun" if name == "resumed" else name)
+        proc = _prune(runner, *common, "--layers", layers, "--out", out)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        if name == "two":  # 3 variants: (), 0 on ranks 0 and 1, then 3 on rank 0 while rank 1 waits
+            assert json.loads((out / "prune.json").read_text())["engine"]["variants_by_rank"] == [2, 1]
+            assert proc.stdout.count("rel. drop") == 1
+    one = results(tmp_path / "one")
+    assert len(one) == 4
+    assert results(tmp_path / "two") == {k: one[k] for k in [(), (0,), (3,)]}
+    assert results(tmp_path / "begun") == one
+    assert json.loads((tmp_path / "begun" / "prune.json").read_text())["engine"]["variants_by_rank"] == [1, 1]  # 1 and 3
+
+
 def test_a_bad_launch_is_one_line_from_rank_0(tiny_model_dir, tmp_path):
     proc = _prune(torchrun, tiny_model_dir, "--task", "nonsense_task", "--out", tmp_path / "bad")
     assert proc.returncode != 0

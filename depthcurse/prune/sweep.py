@@ -55,7 +55,8 @@ def run_sweep(
 
     Under torchrun (`world`) every rank calls this with its own copy of the model: the reuse
     engine splits the requests over the ranks, and rank 0 computes the metrics, writes the files
-    and returns the sweep; the other ranks return None. The fallback runs on rank 0 alone.
+    and returns the sweep; the other ranks return None. The fallback splits the variants: each
+    rank evaluates one variant at a time on its own, as one process would.
     """
     if engine not in ENGINES:
         raise DepthcurseError(f"unknown --engine {engine!r}: use {' or '.join(ENGINES)}")
@@ -85,17 +86,32 @@ def run_sweep(
         engine_info = _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, started, previous_wall, world, granularity, compile)
         if engine_info["name"] == "reuse":
             todo = []
-    if not world.main:
-        return None  # rank 0 has the scores and writes the files
-    for removed in todo:
-        if on_variant:
-            on_variant(variant_label(removed), total - len(todo) + todo.index(removed), total)
-        t0 = time.perf_counter()
-        with removed_units(model, removed, granularity):
-            score = task.evaluate(model)
-        sweep.variants.append(VariantResult(list(removed), score.metrics, score.examples, round(time.perf_counter() - t0, 3), score.details))
+    if todo and world.size > 1:
+        engine_info["variants_by_rank"] = by_rank = [0] * world.size  # this run's, not a resumed one's
+    # Each variant on its own (the fallback, or --engine lm-eval). Under torchrun the ranks take
+    # one variant each per turn, and rank 0 saves the turn's results before the next.
+    for first in range(0, len(todo), world.size):
+        turn, result = todo[first : first + world.size], None
+        if world.rank < len(turn):
+            removed = turn[world.rank]
+            if on_variant:
+                on_variant(variant_label(removed), total - len(todo) + first, total)
+            t0 = time.perf_counter()
+            with removed_units(model, removed, granularity):
+                score = task.evaluate(model)
+            result = VariantResult(list(removed), score.metrics, score.examples, round(time.perf_counter() - t0, 3), score.details)
+        results = world.gather(result)
+        if results is None:
+            continue  # rank 0 has the scores and writes the files
+        for rank, got in enumerate(results):
+            if got is not None:
+                sweep.variants.append(got)
+                if world.size > 1:
+                    by_rank[rank] += 1
         sweep.variants.sort(key=lambda v: (len(v.removed), v.removed))
         _save(sweep, out_dir, previous_wall + time.perf_counter() - started, engine_info)
+    if not world.main:
+        return None
     if on_variant:
         on_variant("done", total, total)
     _save(sweep, out_dir, previous_wall + time.perf_counter() - started, engine_info)
