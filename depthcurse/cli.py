@@ -308,7 +308,7 @@ def _join_ranks(device: str):
     if not launched_by_torchrun():
         return World()
     world, _ = join_torchrun(pick_device(device), "requests")
-    console.quiet = err_console.quiet = not world.main  # the other ranks fail quietly too: rank 0 says why
+    console.quiet = err_console.quiet = not world.main  # only rank 0 talks; another rank says only an error of its own (_fail)
     return world
 
 
@@ -522,7 +522,7 @@ def lns_train(
 
     cfg = TrainConfig(**settings)
     preset, norm, seed = cfg.preset, cfg.norm, cfg.seed
-    # Under torchrun only rank 0 talks; the others fail quietly (rank 0 says why).
+    # Under torchrun only rank 0 talks; another rank says only an error of its own (_fail).
     main_rank = int(os.environ.get("RANK", "0")) == 0
     out_dir = out or Path("runs") / "train" / f"{preset}-{_slug(norm)}-s{seed}"
     progress = _progress_bar(TaskProgressColumn(), TextColumn("{task.fields[stats]}"), disable=not main_rank)
@@ -550,10 +550,10 @@ def lns_train(
         if main_rank:
             err_console.print(Text(f"interrupted: the last checkpoint in {out_dir} is kept; rerun with --resume to continue"), soft_wrap=True)
         raise typer.Exit(130)
-    except DepthcurseError:
+    except DepthcurseError as exc:
         if main_rank:
             raise
-        _exit_failed()
+        _fail(str(exc))
     if not main_rank:
         return
     console.print(f"validation loss {summary['val_loss']:.4f} · perplexity {summary['val_ppl']:.2f} · {summary['step']} steps, {summary['tokens']:,} tokens · "
@@ -598,28 +598,32 @@ def main() -> None:
     except DepthcurseError as exc:
         if debug:
             raise
-        _say("error", str(exc), "bold red")
-        _exit_failed()
+        _fail(str(exc))
     except KeyboardInterrupt:
         err_console.print("interrupted")
         sys.exit(130)
     except Exception as exc:  # an unexpected failure still gets one line unless --debug
         if debug:
             raise
-        _say("error", f"{one_line(exc)} (rerun with --debug for the traceback)", "bold red")
-        _exit_failed()
+        _fail(f"{one_line(exc)} (rerun with --debug for the traceback)")
 
 
 RANK_0_GRACE_S = 5.0
 
 
-def _exit_failed() -> None:
-    # Another rank of a torchrun launch fails quietly: rank 0 says why. Bad input fails every rank
-    # at once, and torchrun stops the others when the first one exits, so wait for rank 0 to say it.
-    if int(os.environ.get("RANK", "0")) != 0:
+def _fail(text: str) -> None:
+    """`error: text` and exit 1. Under torchrun only rank 0 talks: bad input fails every rank at
+    once, rank 0 says why, and torchrun stops the others when it exits. So another rank waits
+    first, and says its error, with its rank, only if it is still running then: a failure of its
+    own (a variant that ran out of memory on its GPU), which rank 0 cannot know."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
         import time  # lazy: only this path sleeps
 
         time.sleep(RANK_0_GRACE_S)
+        err_console.quiet = False
+        text = f"rank {rank}: {text}"
+    _say("error", text, "bold red")
     sys.exit(1)
 
 

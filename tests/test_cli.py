@@ -163,3 +163,18 @@ def test_a_truncated_gguf_is_named_as_such(run_cli, tmp_path):
     with open(real, "rb") as fh:
         (tmp_path / "cut.gguf").write_bytes(fh.read(10 * 2**20))  # the header and the first tensors
     assert_one_line_error(*run_cli("prune", tmp_path / "cut.gguf"), "cut.gguf is not a readable GGUF file: it looks truncated or corrupt")
+
+
+def test_another_rank_says_an_error_of_its_own_after_rank_0_had_its_chance(monkeypatch, capsys):
+    """Under torchrun a failure on every rank is said once, by rank 0 (torchrun ends the others
+    when it exits: `test_a_bad_launch_is_one_line_from_rank_0`); a rank still running after the
+    grace period failed alone, and says so with its rank instead of exiting silently."""
+    from depthcurse import cli
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(cli, "RANK_0_GRACE_S", 0.0)
+    monkeypatch.setattr(cli.err_console, "quiet", True)  # as _join_ranks leaves a rank other than 0
+    with pytest.raises(SystemExit) as exited:
+        cli._fail("CUDA out of memory")
+    assert exited.value.code == 1
+    assert "error: rank 1: CUDA out of memory" in capsys.readouterr().err

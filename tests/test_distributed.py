@@ -148,6 +148,10 @@ def test_bad_launches(setup, run_cli, monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(DepthcurseError, match="each of the 2 ranks gets 3 sequences, not a multiple of --micro-batch 2"):
         train.run(TrainConfig(**{**cfg.to_dict(), "batch_size": 6, "micro_batch": 2}), tmp_path / "d")
-    monkeypatch.setenv("RANK", "1")  # another rank fails too, but quietly: rank 0 says why
+    # Another rank fails too and leaves it to rank 0, whose exit ends the launch within the grace
+    # period; still running after it (here, with no rank 0), it says the error with its rank.
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr("depthcurse.cli.RANK_0_GRACE_S", 0.0)
     code, out, err = run_cli("lns-train", *cli_args(cfg), "--batch-size", "6", "--micro-batch", "2", "--out", tmp_path / "e")
-    assert code == 1 and err.strip() == "" and out.strip() == "", (out, err)
+    assert code == 1 and out.strip() == "", (out, err)
+    assert err.strip().splitlines() == ["error: rank 1: each of the 2 ranks gets 3 sequences, not a multiple of --micro-batch 2"], err
