@@ -305,8 +305,9 @@ class VariantScorer:
         for k in sorted(cost, key=lambda k: (-sum(cost[k]), k)):
             prefix, rows = cost[k]
             key = (batches[k].group, batches[k].variants)
-            r = min(range(ranks), key=lambda r: (load[r] + rows + (0 if key in held[r] else prefix), r))
-            load[r] += rows + (0 if key in held[r] else prefix)
+            finish = [load[r] + rows + (0 if key in held[r] else prefix) for r in range(ranks)]
+            r = min(range(ranks), key=lambda r: (finish[r], r))
+            load[r] = finish[r]
             if prefix:
                 held[r].add(key)
             out[r].append(k)
@@ -515,8 +516,8 @@ def score_requests(
 
     Under torchrun (`world`), each rank takes its share of the batches (`VariantScorer.share_out`:
     even in token-block passes); rank 0 gathers every rank's scores and returns them, the other
-    ranks return (None, None, stats). A store is shared by
-    the ranks and does not depend on their number: a sweep resumes on any number of ranks.
+    ranks return (None, None, stats). A store is shared by the ranks and does not depend on their
+    number: a sweep resumes on any number of ranks.
     """
     not_packed = stepper.packing_fails() if pack else "not asked"
     scorer = VariantScorer(stepper, variants, max_memory, max_batch_tokens, pack=not not_packed, granularity=granularity)

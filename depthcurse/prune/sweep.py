@@ -86,8 +86,9 @@ def run_sweep(
         engine_info = _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, started, previous_wall, world, granularity, compile)
         if engine_info["name"] == "reuse":
             todo = []
+    by_rank = [0] * world.size
     if todo and world.size > 1:
-        engine_info["variants_by_rank"] = by_rank = [0] * world.size  # this run's, not a resumed one's
+        engine_info["variants_by_rank"] = by_rank  # this run's, not a resumed one's
     # Each variant on its own (the fallback, or --engine lm-eval). Under torchrun the ranks take
     # one variant each per turn, and rank 0 saves the turn's results before the next.
     for first in range(0, len(todo), world.size):
@@ -106,8 +107,7 @@ def run_sweep(
         for rank, got in enumerate(results):
             if got is not None:
                 sweep.variants.append(got)
-                if world.size > 1:
-                    by_rank[rank] += 1
+                by_rank[rank] += 1
         sweep.variants.sort(key=lambda v: (len(v.removed), v.removed))
         _save(sweep, out_dir, previous_wall + time.perf_counter() - started, engine_info)
     if not world.main:
