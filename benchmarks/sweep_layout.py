@@ -42,7 +42,8 @@ def main() -> None:
     parser.add_argument("--max-memory", default="52GB", help="budgets, comma-separated")
     parser.add_argument("--rules", choices=["cuda", "cpu"], default="cuda", help="whose prefix-sharing rule and batch cap to plan by")
     parser.add_argument("--unsplit", action="store_true", help="also the layout with a too-large prefix run whole")
-    parser.add_argument("--ranks", default="", help="numbers of torchrun ranks, comma-separated: how evenly they share the batches")
+    parser.add_argument("--ranks", type=lambda text: [int(n) for n in text.split(",") if n], default=[], metavar="N,N,...",
+                        help="numbers of torchrun ranks, comma-separated: how evenly they share the batches")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -78,7 +79,7 @@ def main() -> None:
             print(f"{text:>8} {way:<8} {len(batches):5d} batches  {sum(1 for g in groups if g.prefix):4d} prefix groups "
                   f"({scorer.split} split, {scorer.unshared} too large)  {passes / 1e6:9.1f} M token-block passes  "
                   f"{2 * passes * block:.3g} FLOPs in the blocks", flush=True)
-            for ranks in [int(n) for n in args.ranks.split(",") if n]:
+            for ranks in args.ranks:
                 for name, shares in (("shared out", scorer.share_out(batches, groups, ranks)),
                                      ("every Nth", [list(range(r, len(batches), ranks)) for r in range(ranks)])):
                     per = [scorer.planned_block_passes([batches[k] for k in ks], groups) for ks in shares]
