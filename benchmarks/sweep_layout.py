@@ -2,11 +2,10 @@
 known before a GPU is booked. A published shape (no weights: the meta device), lm-eval's real
 MMLU requests (the offline copy, SmolLM2's tokenizer), every single-layer variant; printed per
 memory budget: batches, prefix groups (split into shares of the variants, or too large and run
-whole), token-block passes (`VariantScorer.planned_block_passes`, equal to what a run counts),
-and FLOPs. With `--unsplit`, also the layout of a prefix too large for the budget running whole
+whole), token-block passes (`Layout.block_passes`, equal to what a run counts), and FLOPs. With `--unsplit`, also the layout of a prefix too large for the budget running whole
 (the engine before it shared such a prefix with a few variants at a time). With `--ranks`, also
 how evenly torchrun's ranks share the batches: the busiest rank's token-block passes against an
-even share, for the shares `VariantScorer.share_out` gives and for every N-th batch per rank (the
+even share, for the shares `Layout.share_out` gives and for every N-th batch per rank (the
 engine before).
 
     python benchmarks/sweep_layout.py --shape llama-2-7b --shots 5 --max-memory 16GB,24GB,40GB,52GB --unsplit
@@ -50,7 +49,7 @@ def main() -> None:
 
     from depthcurse import assets
     from depthcurse.prune.requests import LmEvalRequests
-    from depthcurse.prune.scoring import MAX_BATCH_TOKENS, MIN_SHARED_PREFIX, VariantScorer, parse_memory, plan, small_batch_tokens
+    from depthcurse.prune.scoring import MAX_BATCH_TOKENS, lay_out, parse_memory
     from depthcurse.prune.stepping import Stepper
     from depthcurse.tasks import build_task
     from depthcurse.tasks.harness import quiet_lm_eval
@@ -72,17 +71,16 @@ def main() -> None:
         budget = parse_memory(text)
         for way in ("shares", "unsplit") if args.unsplit else ("shares",):
             with unsplit_prefixes() if way == "unsplit" else contextlib.nullcontext():
-                scorer = VariantScorer(stepper, variants, budget, pack=True, max_batch_tokens=MAX_BATCH_TOKENS[args.rules])
-                groups = plan(requests, MIN_SHARED_PREFIX, 2 * small_batch_tokens(stepper))
-                batches = scorer.batches(requests, groups)
-            passes = scorer.planned_block_passes(batches, groups)
-            print(f"{text:>8} {way:<8} {len(batches):5d} batches  {sum(1 for g in groups if g.prefix):4d} prefix groups "
+                # packed, as a Llama sweep runs (score_requests asks the model, which the meta device cannot answer)
+                layout = lay_out(stepper, requests, variants, max_memory=budget, pack=True, max_batch_tokens=MAX_BATCH_TOKENS[args.rules])
+            passes, scorer = layout.block_passes(), layout.scorer
+            print(f"{text:>8} {way:<8} {len(layout.batches):5d} batches  {sum(1 for g in layout.groups if g.prefix):4d} prefix groups "
                   f"({scorer.split} split, {scorer.unshared} too large)  {passes / 1e6:9.1f} M token-block passes  "
                   f"{2 * passes * block:.3g} FLOPs in the blocks", flush=True)
             for ranks in args.ranks:
-                for name, shares in (("shared out", scorer.share_out(batches, groups, ranks)),
-                                     ("every Nth", [list(range(r, len(batches), ranks)) for r in range(ranks)])):
-                    per = [scorer.planned_block_passes([batches[k] for k in ks], groups) for ks in shares]
+                for name, shares in (("shared out", layout.share_out(ranks)),
+                                     ("every Nth", [list(range(r, len(layout.batches), ranks)) for r in range(ranks)])):
+                    per = [layout.block_passes(ks) for ks in shares]
                     print(f"{'':>17} {ranks} ranks, {name:<10}  busiest {max(per) / 1e6:8.1f} M passes, "
                           f"{max(per) / (passes / ranks):.3f}x an even share; all ranks {sum(per) / passes:.3f}x one process", flush=True)
 

@@ -6,6 +6,7 @@ Tiny random models of several architectures: Llama with GQA (untied and tied hea
 sliding-window layer types, Gemma2 (sliding/full alternation, logit softcapping).
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -16,7 +17,7 @@ from depthcurse.errors import DepthcurseError
 from depthcurse.loading import LoadedModel
 from depthcurse.prune import run_sweep
 from depthcurse.prune.requests import LmEvalRequests
-from depthcurse.prune.scoring import MAX_BATCH_TOKENS, TokenRequest, VariantScorer, parse_memory, plan, score_requests, small_batch_tokens
+from depthcurse.prune.scoring import MAX_BATCH_TOKENS, TokenRequest, VariantScorer, lay_out, parse_memory, plan, score_requests, small_batch_tokens
 from depthcurse.prune.engine import why_unsupported
 from depthcurse.prune.stepping import Stepper
 from depthcurse.surgery import removed_layers
@@ -156,14 +157,11 @@ def test_a_prefix_too_large_for_the_memory_budget_is_shared_by_fewer_variants_at
     assert (s_roomy["prefix_groups"], s_roomy["prefix_groups_split"], s_roomy["prefix_groups_too_large"]) == (1, 0, 0)
     assert (s_split["prefix_groups"], s_split["prefix_groups_split"], s_split["prefix_groups_too_large"]) == (1, 1, 0)
     assert (s_whole["prefix_groups"], s_whole["prefix_groups_split"], s_whole["prefix_groups_too_large"]) == (0, 0, 1)
-    scorer = VariantScorer(stepper, VARIANTS, 2**20)
-    groups = plan(requests)
-    batches = scorer.batches(requests, groups)
-    assert [b.variants for b in batches] == [(0,), (1, 2), (3, 4)]
-    assert scorer.planned_block_passes(batches, groups) == s_split["block_passes"]  # the layout alone tells the cost
+    layout = lay_out(stepper, requests, VARIANTS, max_memory=2**20, pack=True)
+    assert list(dict.fromkeys(b.variants for b in layout.batches)) == [(0,), (1, 2), (3, 4)] and len(layout.batches) == s_split["batches"]
+    assert layout.block_passes() == s_split["block_passes"]  # the layout alone tells the cost
     for budget, stats in ((2**30, s_roomy), (2**19, s_whole)):
-        scorer, groups = VariantScorer(stepper, VARIANTS, budget), plan(requests)
-        assert scorer.planned_block_passes(scorer.batches(requests, groups), groups) == stats["block_passes"]
+        assert lay_out(stepper, requests, VARIANTS, max_memory=budget, pack=True).block_passes() == stats["block_passes"]
     # the prefix runs once per share (the unpruned model's blocks 4, then 2, then 3 times): more
     # passes than all at once, and still fewer than half those of the 4 whole rows
     assert s_roomy["block_passes"] < s_split["block_passes"] < s_alone["block_passes"] / 2
@@ -198,32 +196,31 @@ def test_ranks_get_even_shares_of_the_batches_and_keep_a_prefix_group_together(o
         for width, n in groups_of:
             prefix = torch.randint(3, 300, (30,), generator=gen).tolist()
             requests += [TokenRequest(tuple(prefix + torch.randint(3, 300, (width,), generator=gen).tolist()), 28 + width, (5, 6)) for _ in range(n)]
-        scorer = VariantScorer(stepper, VARIANTS, 2**30, max_batch_tokens=200, pack=True)
-        groups = plan(requests, min_saving=0)
-        return scorer, groups, scorer.batches(requests, groups)
+        return lay_out(stepper, requests, VARIANTS, max_memory=2**30, max_batch_tokens=200, pack=True, min_prefix_saving=0)
 
     def loads(shares):
-        return [scorer.planned_block_passes([batches[k] for k in ks], groups) for ks in shares]
+        return [laid.block_passes(ks) for ks in shares]
 
-    scorer, groups, batches = layout([(40, 6), (38, 6)])
-    assert [(b.group, len(b.rows)) for b in batches] == [(0, 5), (0, 1), (1, 5), (1, 1)]
-    shares = scorer.share_out(batches, groups, 2)
+    laid = layout([(40, 6), (38, 6)])
+    assert [(b.group, len(b.rows)) for b in laid.batches] == [(0, 5), (0, 1), (1, 5), (1, 1)]
+    shares = laid.share_out(2)
     assert sorted(shares) == [[0, 1], [2, 3]]
-    assert sum(loads(shares)) == scorer.planned_block_passes(batches, groups)  # each prefix runs once
+    assert sum(loads(shares)) == laid.block_passes()  # each prefix runs once
     every_other = loads([[0, 2], [1, 3]])
     assert max(every_other) > 1.5 * max(loads(shares))
 
-    scorer, groups, batches = layout([(40, 6), (38, 9), (36, 3), (34, 12), (30, 7), (20, 1)])
-    cost = max(sum(scorer._passes(b, groups)) for b in batches)
+    laid = layout([(40, 6), (38, 9), (36, 3), (34, 12), (30, 7), (20, 1)])
+    n = len(laid.batches)
+    cost = max(laid.block_passes([k]) for k in range(n))
     for ranks, saved in ((2, frozenset()), (3, frozenset()), (3, frozenset({0, 1, 2, 4})), (5, frozenset())):
-        shares = scorer.share_out(batches, groups, ranks, saved)
-        assert sorted(k for ks in shares for k in ks) == list(range(len(batches))) and all(ks == sorted(ks) for ks in shares)
+        shares = laid.share_out(ranks, saved)
+        assert sorted(k for ks in shares for k in ks) == list(range(n)) and all(ks == sorted(ks) for ks in shares)
         todo = loads([[k for k in ks if k not in saved] for ks in shares])
         assert max(todo) <= sum(todo) / ranks + cost  # list scheduling's bound: an even share plus one batch
-        left = [k for k in range(len(batches)) if k not in saved]  # a resumed sweep shares out what is left
-        alone = scorer.share_out([batches[k] for k in left], groups, ranks)
+        left = [k for k in range(n) if k not in saved]  # a resumed sweep shares out what is left
+        alone = dataclasses.replace(laid, batches=[laid.batches[k] for k in left]).share_out(ranks)
         assert [[k for k in ks if k not in saved] for ks in shares] == [[left[i] for i in ks] for ks in alone]
-    assert scorer.share_out(batches, groups, 1) == [list(range(len(batches)))]  # one process: the batches in order
+    assert laid.share_out(1) == [list(range(n))]  # one process: the batches in order
 
 
 def test_token_cap_cuts_batches_and_changes_no_score(one_torch_thread):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from helpers import ROOT, needs, torchrun
-from depthcurse.prune.scoring import MIN_SHARED_PREFIX, TokenRequest, VariantScorer, plan, score_requests, small_batch_tokens
+from depthcurse.prune.scoring import TokenRequest, lay_out, score_requests
 from depthcurse.prune.stepping import Stepper
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -83,13 +83,10 @@ def test_two_ranks_score_every_request_as_one_process_does_and_resume_its_batche
     assert torch.equal(two["greedy"], one_greedy)
     assert two["stats"]["ranks"] == 2 and two["stats"]["batches_resumed"] == 2
     assert one_stats["prefix_groups"] == 1
-    # each rank scored the share that VariantScorer.share_out gives it, the two saved batches aside
-    stepper = Stepper(model)
-    scorer = VariantScorer(stepper, VARIANTS, 2**30, max_batch_tokens=120, pack=True)
-    groups = plan(requests, MIN_SHARED_PREFIX, 2 * small_batch_tokens(stepper))
-    batches = scorer.batches(requests, groups)
-    shares = scorer.share_out(batches, groups, 2, saved=frozenset({0, 1}))
-    assert two["stats"]["block_passes_by_rank"] == [scorer.planned_block_passes([batches[k] for k in ks if k > 1], groups) for ks in shares]
+    # each rank scored the share that Layout.share_out gives it, the two saved batches aside
+    layout = lay_out(Stepper(model), requests, VARIANTS, max_memory=2**30, max_batch_tokens=120, pack=True)
+    shares = layout.share_out(2, saved=frozenset({0, 1}))
+    assert two["stats"]["block_passes_by_rank"] == [layout.block_passes(k for k in ks if k > 1) for ks in shares]
 
 
 def _prune(runner, *args) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ from contextlib import nullcontext
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -277,42 +277,6 @@ class VariantScorer:
         prefix = groups[b.group].prefix
         return prefix * per_token, len(b.bins) * (max(len(r.inputs) for r in b.rows) - prefix) * per_token
 
-    def planned_block_passes(self, batches: list[_Batch], groups: list[_Group]) -> int:
-        """The token-block passes that scoring `batches` in one process counts in `block_passes`,
-        without running anything: a layout judged on the meta device before a GPU is booked."""
-        total, kv_for = 0, None
-        for b in batches:
-            prefix, rows = self._passes(b, groups)
-            if prefix and kv_for != (b.group, b.variants):
-                total, kv_for = total + prefix, (b.group, b.variants)
-            total += rows
-        return total
-
-    def share_out(self, batches: list[_Batch], groups: list[_Group], ranks: int, saved: frozenset = frozenset()) -> list[list[int]]:
-        """The batches (indices, in order) each of `ranks` processes scores.
-
-        Costliest first, each batch goes to the rank that would finish it soonest (list
-        scheduling), a shared prefix costing a rank its passes once: a group's batches stay on one
-        rank unless that leaves the ranks uneven. Taking every `ranks`-th batch instead left the
-        busiest of 8 ranks 17% above an even share on full MMLU (batches shrink towards the end of
-        each group). Batches in `saved` (finished by an earlier run) cost nothing. Depends on the
-        layout alone, so every rank computes the same shares.
-        """
-        if ranks == 1:
-            return [list(range(len(batches)))]
-        cost = {k: (0, 0) if k in saved else self._passes(b, groups) for k, b in enumerate(batches)}
-        load, held, out = [0] * ranks, [set() for _ in range(ranks)], [[] for _ in range(ranks)]
-        for k in sorted(cost, key=lambda k: (-sum(cost[k]), k)):
-            prefix, rows = cost[k]
-            key = (batches[k].group, batches[k].variants)
-            finish = [load[r] + rows + (0 if key in held[r] else prefix) for r in range(ranks)]
-            r = min(range(ranks), key=lambda r: (finish[r], r))
-            load[r] = finish[r]
-            if prefix:
-                held[r].add(key)
-            out[r].append(k)
-        return [sorted(ks) for ks in out]
-
     def _fill(self, rows: list[_Row], prefix: int, budget: int) -> tuple[list[_Row], list[list[int]], list[_Row]]:
         """One batch from `rows` (longest first): (its rows, its sequences, the rows left, in order)."""
         widths = [len(r.inputs) - prefix for r in rows]
@@ -463,6 +427,83 @@ class VariantScorer:
         return lp.cpu(), (misses == 0).cpu(), req_ids
 
 
+@dataclass
+class Layout:
+    """The batches a sweep runs, in order, and the prefix groups they come from: all decided
+    before anything runs, so that their cost and each rank's share can be judged without running
+    them (on the meta device, before a GPU is booked: benchmarks/sweep_layout.py)."""
+
+    scorer: VariantScorer
+    groups: list[_Group]
+    batches: list[_Batch]
+    min_prefix_saving: int = 0  # what a prefix group had to save to be kept (see `plan`)
+
+    def block_passes(self, indices: Iterable[int] | None = None) -> int:
+        """The token-block passes that scoring these batches (all, or those at `indices`) in one
+        process counts in `VariantScorer.block_passes`."""
+        total, kv_for = 0, None
+        for k in range(len(self.batches)) if indices is None else indices:
+            b = self.batches[k]
+            prefix, rows = self.scorer._passes(b, self.groups)
+            if prefix and kv_for != (b.group, b.variants):
+                total, kv_for = total + prefix, (b.group, b.variants)
+            total += rows
+        return total
+
+    def share_out(self, ranks: int, saved: frozenset = frozenset()) -> list[list[int]]:
+        """The batches (indices, in order) each of `ranks` processes scores.
+
+        Costliest first, each batch goes to the rank that would finish it soonest (list
+        scheduling), a shared prefix costing a rank its passes once: a group's batches stay on one
+        rank unless that leaves the ranks uneven. Taking every `ranks`-th batch instead left the
+        busiest of 8 ranks 17% above an even share on full MMLU (batches shrink towards the end of
+        each group). Batches in `saved` (finished by an earlier run) cost nothing. Depends on the
+        layout alone, so every rank computes the same shares.
+        """
+        if ranks == 1:
+            return [list(range(len(self.batches)))]
+        cost = {k: (0, 0) if k in saved else self.scorer._passes(b, self.groups) for k, b in enumerate(self.batches)}
+        load, held, out = [0] * ranks, [set() for _ in range(ranks)], [[] for _ in range(ranks)]
+        for k in sorted(cost, key=lambda k: (-sum(cost[k]), k)):
+            prefix, rows = cost[k]
+            key = (self.batches[k].group, self.batches[k].variants)
+            finish = [load[r] + rows + (0 if key in held[r] else prefix) for r in range(ranks)]
+            r = min(range(ranks), key=lambda r: (finish[r], r))
+            load[r] = finish[r]
+            if prefix:
+                held[r].add(key)
+            out[r].append(k)
+        return [sorted(ks) for ks in out]
+
+    def describe(self) -> list:
+        """What identifies the layout: saved batches of another layout never pass for this one's."""
+        s = self.scorer
+        return [s.granularity, [list(v) for v in s.variants],
+                [[b.group, [r.requests for r in b.rows], b.bins, *([b.variants] if b.variants else [])] for b in self.batches],
+                [g.prefix for g in self.groups]]
+
+
+def lay_out(
+    stepper: Stepper,
+    requests: list[TokenRequest],
+    variants: list[tuple[int, ...]],
+    *,
+    max_memory: int,
+    pack: bool,
+    share_prefixes: bool = True,
+    min_prefix_saving: int | None = None,
+    max_batch_tokens: int | None = None,
+    granularity: str = "layer",
+) -> Layout:
+    """The layout `score_requests` runs with these arguments. `pack`: whether rows may share
+    sequences, which `score_requests` first asks the model (`Stepper.packing_fails`, which runs it)."""
+    scorer = VariantScorer(stepper, variants, max_memory, max_batch_tokens, pack=pack, granularity=granularity)
+    if min_prefix_saving is None:
+        min_prefix_saving = 2 * small_batch_tokens(stepper)
+    groups = plan(requests, MIN_SHARED_PREFIX if share_prefixes else 10**9, min_prefix_saving)
+    return Layout(scorer, groups, scorer.batches(requests, groups), min_prefix_saving)
+
+
 def plain_block_passes(requests: list[TokenRequest], variants: list[tuple], n_layers: int) -> int:
     """Token-block passes of evaluating each variant from scratch: every distinct input through every kept block, no padding."""
     tokens = sum(len(inputs) for inputs in {r.inputs for r in requests})
@@ -477,6 +518,10 @@ def requests_digest(requests: list[TokenRequest]) -> str:
     for r in requests:
         digest.update(array("q", (r.start, *r.targets)).tobytes())
     return digest.hexdigest()[:16]
+
+
+def _batch_path(store: Path, k: int) -> Path:
+    return store / f"batch_{k:06d}.pt"
 
 
 def score_requests(
@@ -514,21 +559,17 @@ def score_requests(
     recomputing; anything else in `store` is discarded. `stats["seconds_resumed"]` is the time
     the loaded batches took when they were computed.
 
-    Under torchrun (`world`), each rank takes its share of the batches (`VariantScorer.share_out`:
+    Under torchrun (`world`), each rank takes its share of the batches (`Layout.share_out`:
     even in token-block passes); rank 0 gathers every rank's scores and returns them, the other
     ranks return (None, None, stats). A store is shared by the ranks and does not depend on their
     number: a sweep resumes on any number of ranks.
     """
     not_packed = stepper.packing_fails() if pack else "not asked"
-    scorer = VariantScorer(stepper, variants, max_memory, max_batch_tokens, pack=not not_packed, granularity=granularity)
+    layout = lay_out(stepper, requests, variants, max_memory=max_memory, pack=not not_packed, share_prefixes=share_prefixes,
+                     min_prefix_saving=min_prefix_saving, max_batch_tokens=max_batch_tokens, granularity=granularity)
+    scorer, groups, batches = layout.scorer, layout.groups, layout.batches
     scorer.need_greedy = need_greedy
-    if min_prefix_saving is None:
-        min_prefix_saving = 2 * small_batch_tokens(stepper)
-    groups = plan(requests, MIN_SHARED_PREFIX if share_prefixes else 10**9, min_prefix_saving)
-    batches = scorer.batches(requests, groups)
-    layout = [granularity, [list(v) for v in variants], [[b.group, [r.requests for r in b.rows], b.bins, *([b.variants] if b.variants else [])] for b in batches],
-              [g.prefix for g in groups]]
-    key = hashlib.sha256(json.dumps([fingerprint, requests_digest(requests), layout]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([fingerprint, requests_digest(requests), layout.describe()]).encode()).hexdigest()[:16]
     saved: list[int] = []  # batches an earlier run finished
     if store is not None:
         state = store / "state.json"
@@ -536,12 +577,12 @@ def score_requests(
             if store.exists() and (not state.exists() or json.loads(state.read_text()).get("key") != key):
                 shutil.rmtree(store)  # partial results of another run: useless here
             store.mkdir(parents=True, exist_ok=True)
-            saved = sorted(int(p.stem.removeprefix("batch_")) for p in store.glob("batch_*.pt"))
+            saved = [k for k in range(len(batches)) if _batch_path(store, k).exists()]
             atomic_write(state, json.dumps({"key": key, "batches": len(batches), "saved": saved}))
         world.barrier()  # no rank reads the store before rank 0 has cleared another run's
         if not world.main:  # rank 0's list, read before any rank adds to the store: the same shares everywhere
             saved = json.loads(state.read_text())["saved"]
-    mine = scorer.share_out(batches, groups, world.size, frozenset(saved))[world.rank]
+    mine = layout.share_out(world.size, frozenset(saved))[world.rank]
     done: list[tuple] = []  # (variant indices, request ids, log-likelihoods, is_greedy) of this rank's batches
     kv_for, kv = None, None
     loaded_batches, resumed_seconds = 0, 0.0
@@ -549,12 +590,12 @@ def score_requests(
         pending = []
         for i, k in enumerate(mine):
             batch = batches[k]
-            path = store / f"batch_{k:06d}.pt" if store is not None else None
+            path = _batch_path(store, k) if store is not None else None
             if path is not None and path.exists():
-                saved = torch.load(path, weights_only=True)
-                ids, blp, bg = saved["ids"], saved["lp"], saved["greedy"]
+                loaded = torch.load(path, weights_only=True)
+                ids, blp, bg = loaded["ids"], loaded["lp"], loaded["greedy"]
                 loaded_batches += 1
-                resumed_seconds += float(saved.get("seconds", 0.0))
+                resumed_seconds += float(loaded.get("seconds", 0.0))
             else:
                 started = time.perf_counter()
                 g = groups[batch.group]
@@ -586,7 +627,7 @@ def score_requests(
         "prefix_groups": sum(1 for g in groups if g.prefix),
         "prefix_groups_too_large": scorer.unshared,
         "prefix_groups_split": scorer.split,
-        "min_prefix_saving": min_prefix_saving,
+        "min_prefix_saving": layout.min_prefix_saving,
         "rows": sum(len(g.rows) for g in groups),
         "packing": not_packed or "packed",
         # tokens the batches hold against those they run, padding included (after shared prefixes)
