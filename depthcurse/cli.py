@@ -316,12 +316,13 @@ def _finish_interrupted(out_dir: Path) -> None:
     from depthcurse import prune as sweeps  # lazy: start-up
 
     sweep = sweeps.read_sweep(out_dir)
-    batches = list((out_dir / sweeps.PARTIAL_DIR).glob("batch_*.pt"))
     if sweep is not None:
         sweeps.plot_prune(sweep, out_dir / "prune.png")
-        err_console.print(Text(f"interrupted: {len(sweep.variants)} finished variant(s) kept in {out_dir}; rerun the same command to continue"), soft_wrap=True)
+    variants, batches = sweeps.kept_for_rerun(out_dir)
+    if variants:
+        err_console.print(Text(f"interrupted: {variants} finished variant(s) kept in {out_dir}; rerun the same command to continue"), soft_wrap=True)
     elif batches:
-        err_console.print(Text(f"interrupted: {len(batches)} finished batch(es) of all variants kept in {out_dir / sweeps.PARTIAL_DIR}; rerun the same command to continue"), soft_wrap=True)
+        err_console.print(Text(f"interrupted: {batches} finished batch(es) of all variants kept in {out_dir / sweeps.PARTIAL_DIR}; rerun the same command to continue"), soft_wrap=True)
     else:
         err_console.print("interrupted before any variant finished")
 

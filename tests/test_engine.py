@@ -17,7 +17,7 @@ from depthcurse.errors import DepthcurseError
 from depthcurse.loading import LoadedModel
 from depthcurse.prune import run_sweep
 from depthcurse.prune.requests import LmEvalRequests
-from depthcurse.prune.scoring import MAX_BATCH_TOKENS, TokenRequest, VariantScorer, lay_out, parse_memory, plan, score_requests, small_batch_tokens
+from depthcurse.prune.scoring import MAX_BATCH_TOKENS, TokenRequest, VariantScorer, lay_out, parse_memory, plan, saved_batch_count, score_requests, small_batch_tokens
 from depthcurse.prune.engine import why_unsupported
 from depthcurse.prune.stepping import Stepper
 from depthcurse.surgery import removed_layers
@@ -177,6 +177,7 @@ def test_a_prefix_too_large_for_the_memory_budget_is_shared_by_fewer_variants_at
     store = tmp_path / "partial"
     with pytest.raises(KeyboardInterrupt):
         score_requests(stepper, requests, VARIANTS, max_memory=2**20, store=store, on_batch=stop_after_two)
+    assert saved_batch_count(store) == 2
     resumed, g_resumed, s_resumed = score_requests(stepper, requests, VARIANTS, max_memory=2**20, store=store)
     assert s_resumed["batches_resumed"] == 2
     assert torch.equal(resumed, split) and torch.equal(g_resumed, g_split)

@@ -135,8 +135,8 @@ def test_a_two_rank_lm_eval_sweep_equals_one_process(shared, tiny_model_dir, tmp
 
 def test_variants_evaluated_on_their_own_are_split_over_the_ranks_and_resume(tiny_model_dir, text_file, tmp_path):
     """Where each variant is evaluated on its own (`--engine lm-eval`, or a model or task the
-    reuse engine cannot run), each rank takes one variant per turn: the results are one
-    process's, and a sweep begun in one process finishes on two ranks."""
+    reuse engine cannot run), the ranks take the variants from a shared queue: the results are
+    one process's, and a sweep begun in one process finishes on two ranks."""
     common = [tiny_model_dir, "--task", "ppl", "--data", text_file, "--seq-len", "32", "--limit", "8", "--engine", "lm-eval"]
 
     def results(out) -> dict:
@@ -149,14 +149,72 @@ def test_variants_evaluated_on_their_own_are_split_over_the_ranks_and_resume(tin
         out = tmp_path / ("begun" if name == "resumed" else name)
         proc = _prune(runner, *common, "--layers", layers, "--out", out)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        if name == "two":  # 3 variants: (), 0 on ranks 0 and 1, then 3 on rank 0 while rank 1 waits
-            assert json.loads((out / "prune.json").read_text())["engine"]["variants_by_rank"] == [2, 1]
+        if name == "two":
+            assert sum(json.loads((out / "prune.json").read_text())["engine"]["variants_by_rank"]) == 3
             assert proc.stdout.count("rel. drop") == 1
+        assert not (out / "prune.variants").exists()  # every claimed variant's result is in prune.json
     one = results(tmp_path / "one")
     assert len(one) == 4
     assert results(tmp_path / "two") == {k: one[k] for k in [(), (0,), (3,)]}
     assert results(tmp_path / "begun") == one
-    assert json.loads((tmp_path / "begun" / "prune.json").read_text())["engine"]["variants_by_rank"] == [1, 1]  # 1 and 3
+    assert sum(json.loads((tmp_path / "begun" / "prune.json").read_text())["engine"]["variants_by_rank"]) == 2  # 1 and 3
+
+
+SLOW_VARIANT = """
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from depthcurse.loading import LoadedModel
+from depthcurse.prune import run_sweep
+from depthcurse.runtime import World, join_torchrun
+from depthcurse.tasks.base import Score
+
+world, _ = join_torchrun("cpu", "requests") if sys.argv[3] == "ranks" else (World(), None)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+out = Path(sys.argv[2])
+first = model.model.layers[0]
+
+
+class Task:  # the last hidden state's norm; under torchrun the variant without layer 0 waits for every other one
+    name, metric, higher_is_better = "norm", "norm", False
+
+    def describe(self):
+        return {{"task": "norm"}}
+
+    def evaluate(self, m):
+        if world.size > 1 and m.model.layers[0] is not first:
+            deadline = time.monotonic() + 120
+            while not all((out / "prune.variants" / f"{{k}}.json").exists() for k in ("none", "1", "3")):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the other rank did not go on past this variant")
+                time.sleep(0.05)
+        with torch.no_grad():
+            h = m(torch.arange(3, 20)[None], output_hidden_states=True).hidden_states[-1]
+        return Score({{"norm": h.norm().item()}}, 1)
+
+
+loaded = LoadedModel(model=model, tokenizer=None, name="tiny", source="tiny", dtype=torch.float32, device=torch.device("cpu"))
+run_sweep(loaded, Task(), [0, 1, 3], out, engine="lm-eval", world=world)
+world.close()
+"""
+
+
+def test_a_slow_variant_holds_up_only_its_own_rank(tiny_model_dir, tmp_path):
+    """The ranks share the variants as a queue, not in turns: the rank on the variant without
+    layer 0 waits until the other rank has finished every other variant (taking turns, it would
+    wait forever for the next turn), and the results are one process's."""
+    (tmp_path / "slow.py").write_text(SLOW_VARIANT.format())
+    one = _one_process(tmp_path / "slow.py", tiny_model_dir, tmp_path / "one", "alone")
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = torchrun(tmp_path / "slow.py", tiny_model_dir, tmp_path / "two", "ranks")
+    assert two.returncode == 0, two.stderr[-3000:]
+    one, two = (json.loads((tmp_path / name / "prune.json").read_text()) for name in ("one", "two"))
+    assert [(v["removed"], v["metrics"]) for v in two["variants"]] == [(v["removed"], v["metrics"]) for v in one["variants"]]
+    assert len(one["variants"]) == 4 and sorted(two["engine"]["variants_by_rank"])[-1] >= 2  # the other rank went on
 
 
 def test_a_bad_launch_is_one_line_from_rank_0(tiny_model_dir, tmp_path):

@@ -7,7 +7,7 @@ from helpers import CORPUS, tiny_llama
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import ensure_out_dir
 from depthcurse.loading import LoadedModel
-from depthcurse.prune import plot_prune, run_sweep
+from depthcurse.prune import kept_for_rerun, plot_prune, run_sweep
 from depthcurse.prune.report import data_amount
 from depthcurse.surgery import removed_layers
 from depthcurse.tasks import PerplexityTask
@@ -69,6 +69,7 @@ def test_interrupted_sweep_keeps_finished_variants_and_resumes(setup, tmp_path):
         run_sweep(loaded, first, [0, 1, 2, 3], tmp_path)
     kept = json.loads((tmp_path / "prune.json").read_text())["variants"]
     assert [v["removed"] for v in kept] == [[], [0]]
+    assert kept_for_rerun(tmp_path) == (2, 0)  # what the interrupted command says it kept
     second = Counting(task)
     sweep = run_sweep(loaded, second, [0, 1, 2, 3], tmp_path)
     assert second.calls == 3  # layers 1, 2, 3 only: nothing finished is recomputed
@@ -76,6 +77,29 @@ def test_interrupted_sweep_keeps_finished_variants_and_resumes(setup, tmp_path):
     third = Counting(task)
     run_sweep(loaded, third, [0, 1, 2, 3], tmp_path)
     assert third.calls == 0
+
+
+def test_an_interrupted_queue_of_variants_keeps_every_saved_result(setup, tmp_path):
+    """Variants evaluated on their own go through prune.variants/ (the queue torchrun's ranks
+    share): a result a rank saved before an interruption, not yet in prune.json, is kept; a claim
+    without a result is dropped, and another command's result is discarded."""
+    loaded, task = setup
+    ref = run_sweep(loaded, task, [0, 1, 3], tmp_path / "ref", engine="lm-eval")
+    fingerprint = json.dumps(json.loads((tmp_path / "ref" / "prune.json").read_text())["run"], sort_keys=True)
+    folder = tmp_path / "out" / "prune.variants"
+    folder.mkdir(parents=True)
+    saved = {"removed": [3], "metrics": {"loss": 9.0, "ppl": 8103.08}, "examples": 4, "seconds": 1.0, "details": {}}
+    (folder / "3.json").write_text(json.dumps({"fingerprint": fingerprint, "rank": 1, "result": saved}))
+    assert kept_for_rerun(tmp_path / "out") == (1, 0)
+    (folder / "0.json").write_text(json.dumps({"fingerprint": "another command", "rank": 1, "result": {**saved, "removed": [0]}}))
+    for name in ("3", "0", "1"):
+        (folder / f"{name}.claim").touch()
+    counting = Counting(task)
+    sweep = run_sweep(loaded, counting, [0, 1, 3], tmp_path / "out", engine="lm-eval")
+    assert counting.calls == 3  # the baseline, 0 and 1; not 3, whose saved result stands
+    got = {v.label: v.metrics for v in sweep.variants}
+    assert got == {**{v.label: v.metrics for v in ref.variants}, "3": saved["metrics"]}
+    assert not folder.exists()
 
 
 def test_a_different_run_in_the_same_folder_is_refused(setup, tmp_path, tiny_tokenizer):

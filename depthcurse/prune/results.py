@@ -18,6 +18,7 @@ from depthcurse.io import atomic_write, csv_text, json_text
 RESULTS_JSON = "prune.json"
 RESULTS_CSV = "prune.csv"
 PARTIAL_DIR = "prune.partial"  # the reuse engine's finished batches, until the sweep ends
+VARIANTS_DIR = "prune.variants"  # variants evaluated on their own: claimed, then finished, until the sweep ends
 
 
 @dataclass

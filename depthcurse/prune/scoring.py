@@ -524,6 +524,11 @@ def _batch_path(store: Path, k: int) -> Path:
     return store / f"batch_{k:06d}.pt"
 
 
+def saved_batch_count(store: Path) -> int:
+    """Batches of all variants an interrupted `score_requests` saved in `store`."""
+    return sum(1 for _ in store.glob("batch_*.pt"))
+
+
 def score_requests(
     stepper: Stepper,
     requests: list[TokenRequest],
