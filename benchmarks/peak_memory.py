@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -48,10 +49,14 @@ class PeakMemory:
 
 
 def error_line(stderr: str, returncode: int) -> str:
-    """Why a child process failed, in one line: the last line it wrote to stderr (a traceback's
-    is the exception), or its exit status when it wrote nothing."""
+    """Why a child process failed, in one line: the signal that killed it (a segmentation fault
+    prints no exception), else the last exception line it wrote to stderr (warnings printed after
+    a traceback come later), else its last line, or its exit status when it wrote nothing."""
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    return lines[-1][:500] if lines else f"exit status {returncode}"
+    raised = [line for line in lines if re.match(r"[\w.]*(Error|Exception|Interrupt)\b.*:", line)]
+    return (raised or lines or [f"exit status {returncode}"])[-1][:500]
 
 
 def run_variants(script: str, variants: tuple[str, ...], keep_going: bool = False) -> tuple[dict, dict]:
