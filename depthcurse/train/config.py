@@ -104,7 +104,7 @@ class TrainConfig:
     kernels: str = _setting("auto", "auto (Triton on CUDA without --compile, the plain model otherwise), triton, torch (the fused kernels' PyTorch path) or off (the plain model).")
     compile: bool = _setting(False, "torch.compile each block, and the loss with --kernels off.", "--compile")
     compile_scope: str = _setting("blocks", "With --compile: blocks (each block, and the loss) or model (the whole forward with its loss as one graph; not with --parallel fsdp).")
-    compile_mode: str = _setting("default", "With --compile: torch.compile's mode: default, reduce-overhead (CUDA graphs), max-autotune or max-autotune-no-cudagraphs.")
+    compile_mode: str = _setting("default", "With --compile: torch.compile's mode: default, reduce-overhead (CUDA graphs: did not train on torch 2.11, docs/benchmarks.md), max-autotune or max-autotune-no-cudagraphs.")
     activation_checkpointing: bool = _setting(False, "Recompute each block's activations in the backward pass (less memory, about a third more compute).", "--activation-checkpointing")
     parallel: str | None = _setting(None, "Under torchrun: ddp (default) or fsdp (FSDP2, sharded weights and optimizer state).")
 
