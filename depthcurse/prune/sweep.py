@@ -131,17 +131,17 @@ def _each_on_its_own(model, task, todo, sweep, out_dir, granularity, world, on_v
                 claim.unlink()
         earlier = {p.name for p in folder.glob("*.json")}
     world.barrier()  # no rank claims before rank 0 has dropped the stale claims
-    merged = {tuple(v.removed) for v in sweep.variants}
+    merged = {v.label for v in sweep.variants}  # a result's file is named by its variant's label
 
     def merge():
         for path in sorted(folder.glob("*.json")):
+            if path.stem in merged:
+                continue  # added already: not read again
             got = json.loads(path.read_text())
-            removed = tuple(got["result"]["removed"])
-            if removed not in merged:
-                sweep.variants.append(VariantResult(**got["result"]))
-                merged.add(removed)
-                if path.name not in earlier:  # an earlier run's ranks need not be this run's
-                    by_rank[got["rank"]] += 1
+            sweep.variants.append(VariantResult(**got["result"]))
+            merged.add(path.stem)
+            if path.name not in earlier:  # an earlier run's ranks need not be this run's
+                by_rank[got["rank"]] += 1
         sweep.variants.sort(key=lambda v: (len(v.removed), v.removed))
         save()
 
