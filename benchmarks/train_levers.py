@@ -11,6 +11,7 @@ after every lever, so a run cut short keeps the rows it finished.
 
     python benchmarks/train_levers.py --device cuda --preset 130m --out /tmp/levers.json          # all levers: more than one device call
     python benchmarks/train_levers.py --device cuda --preset 130m --levers micro-batch-256,cuda-graphs
+    python benchmarks/train_levers.py --device cuda --preset 130m --micro-batch 512 --levers baseline,autotune,pure-bf16   # on top of the best micro-batch
     .venv/bin/python benchmarks/train_levers.py --levers baseline,compile-model --steps 5           # CPU, tiny preset
 """
 
@@ -53,6 +54,8 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--norm", default="lns")
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="every lever's micro-batch, the baseline's too (default: the preset's); a micro-batch lever still sets its own")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compiling happens there)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the accelerator's peak, for MFU (H100 SXM dense bf16: 989)")
@@ -67,12 +70,15 @@ def main() -> None:
         names = ["baseline"] + [n for n in names if n != "baseline"]
     common = ["--preset", args.preset, "--device", args.device, "--norm", args.norm, "--warmup", str(args.warmup),
               "--steps", str(args.steps), "--peak-tflops", str(args.peak_tflops)]
+    if args.micro_batch:  # before the lever's own options: the last of two --micro-batch wins
+        common += ["--micro-batch", str(args.micro_batch)]
     if not args.device.startswith("cuda"):
         common += ["--kernels", "off"]  # on a CPU the benchmark's default is the kernels' PyTorch path; `auto` is the GPU's
 
-    print(f"{args.preset} on {args.device}: {len(names)} levers, each {args.warmup} untimed + {args.steps} timed steps of the trainer alone", flush=True)
+    micro = f"micro-batch {args.micro_batch}" if args.micro_batch else "the preset's micro-batch"
+    print(f"{args.preset} on {args.device}, {micro}: {len(names)} levers, each {args.warmup} untimed + {args.steps} timed steps of the trainer alone", flush=True)
     rows: list[dict] = []
-    summary = {"preset": args.preset, "device": args.device, "levers": LEVERS, "rows": rows}
+    summary = {"preset": args.preset, "device": args.device, "micro_batch": args.micro_batch, "levers": LEVERS, "rows": rows}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             out = Path(tmp) / f"{name}.json"
@@ -83,7 +89,7 @@ def main() -> None:
             if failed is None:
                 trainer = json.loads(out.read_text())["results"]["trainer"]
                 failed = trainer.get("error")
-                row.update({k: trainer[k] for k in ("tokens_per_s", "median_seconds", "peak_bytes", "first_loss", "last_loss", "mfu", "precision", "compile")
+                row.update({k: trainer[k] for k in ("tokens_per_s", "median_seconds", "peak_bytes", "first_loss", "last_loss", "mfu", "precision", "compile", "micro_batch")
                             if k in trainer})
             if failed:
                 row["error"] = failed
@@ -113,7 +119,7 @@ def _line(row: dict, baseline: dict) -> str:
     ratio = f"{row['tokens_per_s'] / baseline['tokens_per_s']:.2f}x" if "tokens_per_s" in baseline else "-"
     mfu = f"{row['mfu']:.1%}" if "mfu" in row else "-"
     return (f"{row['lever']:<16} {row['tokens_per_s']:>10.0f} tokens/s {ratio:>6} of baseline  MFU {mfu:>6}  peak {row['peak_bytes'] / 1e6:>8.0f} MB  "
-            f"loss {row['first_loss']:.4f} -> {row['last_loss']:.4f}  ({' '.join(row['options']) or 'eager'}, {row['seconds']:.0f} s)")
+            f"loss {row['first_loss']:.4f} -> {row['last_loss']:.4f}  ({' '.join(row['options']) or 'eager'}, micro-batch {row.get('micro_batch')}, {row['seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

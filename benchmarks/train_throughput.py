@@ -114,7 +114,7 @@ def run_variant(args) -> dict:
     flops_per_token = raw.flops_per_token(cfg.seq_len)
     result = {
         "variant": args.variant, "kernels": kernels, "compile": f"{cfg.compile_scope}/{cfg.compile_mode}" if cfg.compile else False, "activation_checkpointing": cfg.activation_checkpointing,
-        "precision": precision, "params": raw.num_params(), "tokens_per_step": tokens, "seconds": seconds,
+        "precision": precision, "params": raw.num_params(), "tokens_per_step": tokens, "micro_batch": cfg.micro_batch, "seconds": seconds,
         "median_seconds": median, "tokens_per_s": tokens / median, "peak_bytes": peak,
         "first_loss": float(losses[0]), "last_loss": float(losses[-1]),
     }
