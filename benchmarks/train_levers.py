@@ -40,6 +40,7 @@ LEVERS: dict[str, list[str]] = {
     "cuda-graphs": ["--compile", "--compile-mode", "reduce-overhead"],
     "autotune": ["--compile", "--compile-mode", "max-autotune-no-cudagraphs"],
     "pure-bf16": ["--compile", "--precision", "bf16"],
+    "fused-projections": ["--compile", "--fuse-projections"],
 }
 
 

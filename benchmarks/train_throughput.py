@@ -57,6 +57,7 @@ def run_variant(args) -> dict:
                             kernels=args.kernels if trainer else "off", compile=compiled,
                             compile_scope=args.compile_scope if compiled else "blocks",
                             compile_mode=args.compile_mode if compiled else "default",
+                            fuse_projections=args.fuse_projections and trainer,
                             activation_checkpointing=args.activation_checkpointing and trainer).resolved()
     precision = train.precision_of(cfg, device)
     amp = train.autocast_for(precision, device)
@@ -113,7 +114,7 @@ def run_variant(args) -> dict:
     median = statistics.median(seconds)
     flops_per_token = raw.flops_per_token(cfg.seq_len)
     result = {
-        "variant": args.variant, "kernels": kernels, "compile": f"{cfg.compile_scope}/{cfg.compile_mode}" if cfg.compile else False, "activation_checkpointing": cfg.activation_checkpointing,
+        "variant": args.variant, "kernels": kernels, "compile": f"{cfg.compile_scope}/{cfg.compile_mode}" if cfg.compile else False, "fuse_projections": cfg.fuse_projections, "activation_checkpointing": cfg.activation_checkpointing,
         "precision": precision, "params": raw.num_params(), "tokens_per_step": tokens, "micro_batch": cfg.micro_batch, "seconds": seconds,
         "median_seconds": median, "tokens_per_s": tokens / median, "peak_bytes": peak,
         "first_loss": float(losses[0]), "last_loss": float(losses[-1]),
@@ -166,6 +167,7 @@ def main() -> None:
     parser.add_argument("--compile-scope", default="blocks", help="with --compile: blocks (each block and the loss) or model (the whole forward)")
     parser.add_argument("--compile-mode", default="default", help="with --compile: torch.compile's mode (reduce-overhead: CUDA graphs; max-autotune)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="which to run, comma-separated (trainer alone saves the reference's compile and steps on a GPU)")
+    parser.add_argument("--fuse-projections", action="store_true", help="the trainer: one matmul for q, k, v and one for gate, up")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (more with --compile)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps")

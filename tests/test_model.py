@@ -310,6 +310,33 @@ def test_activation_checkpointing_changes_nothing(norm, kernels):
         torch.testing.assert_close(ckpt_grads[name], g, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("kernels", ["off", "torch"])
+@pytest.mark.parametrize("norm", ["lns", "mix", "deepnorm"])
+def test_fused_projections_compute_what_the_separate_ones_do(norm, kernels):
+    """`--fuse-projections`: one matmul for q, k and v and one for gate and up, on the weights
+    concatenated at each call, give the separate matmuls' loss, every weight's own gradient and
+    the logits (fp32), with the same parameters; `build_model` applies the setting."""
+    from depthcurse.train import loop
+
+    reference = tiny(norm, layers=3, mix_ratio=0.34)
+    separate, fused = (M.Transformer(reference.cfg, kernels=kernels).train() for _ in range(2))
+    for model in (separate, fused):
+        model.load_state_dict(reference.state_dict())
+    fused.set_fused_projections(True)
+    assert list(fused.state_dict()) == list(separate.state_dict())
+    x = ids(batch=2, T=16)
+    targets = next_token_targets(x)
+    loss, grads = loss_and_grads(separate, x, targets)
+    fused_loss, fused_grads = loss_and_grads(fused, x, targets)
+    torch.testing.assert_close(fused_loss, loss, rtol=1e-5, atol=1e-5)
+    for name, g in grads.items():
+        torch.testing.assert_close(fused_grads[name], g, rtol=1e-4, atol=1e-5 * max(g.abs().max().item(), 1.0), msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), separate(x), rtol=1e-5, atol=1e-5)
+    built = loop.build_model(TrainConfig(fuse_projections=True, layer_metrics_tokens=0).resolved(), V, torch.device("cpu"), "fp32")
+    assert all(b.self_attn.fused and b.mlp.fused for b in built.model.layers)
+
+
 def test_resolve_kernels():
     assert M.resolve_kernels("auto", "cpu") == "off"
     assert M.resolve_kernels("auto", "cuda", compile=True) == "off"  # inductor fuses the plain blocks faster

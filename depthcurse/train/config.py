@@ -56,7 +56,7 @@ COMMON_DEFAULTS = dict(seq_len=256, max_seq_len=256, data="c4", pack=False, val_
 
 # Fields that may change between a run and its resume: they change nothing that is computed.
 RESUMABLE_CHANGES = {"eval_every", "save_every", "log_every", "device", "kernels", "compile", "compile_scope",
-                     "compile_mode", "activation_checkpointing", "parallel", "layer_metrics_tokens", "layer_metrics_probes"}
+                     "compile_mode", "fuse_projections", "activation_checkpointing", "parallel", "layer_metrics_tokens", "layer_metrics_probes"}
 
 
 def _setting(default, help: str, flag: str | None = None):
@@ -105,6 +105,7 @@ class TrainConfig:
     compile: bool = _setting(False, "torch.compile each block, and the loss with --kernels off.", "--compile")
     compile_scope: str = _setting("blocks", "With --compile: blocks (each block, and the loss) or model (the whole forward with its loss as one graph; not with --parallel fsdp).")
     compile_mode: str = _setting("default", "With --compile: torch.compile's mode: default, reduce-overhead (CUDA graphs: did not train on torch 2.11, docs/benchmarks.md), max-autotune or max-autotune-no-cudagraphs.")
+    fuse_projections: bool = _setting(False, "One matmul for q, k and v and one for gate and up (weights concatenated at each forward; the same parameters, checkpoints and exports).", "--fuse-projections")
     activation_checkpointing: bool = _setting(False, "Recompute each block's activations in the backward pass (less memory, about a third more compute).", "--activation-checkpointing")
     parallel: str | None = _setting(None, "Under torchrun: ddp (default) or fsdp (FSDP2, sharded weights and optimizer state).")
 

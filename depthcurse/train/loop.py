@@ -66,6 +66,7 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
 def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, precision: str) -> Transformer:
     torch.manual_seed(cfg.seed)  # same seed, same initial weights, whatever the norm, on every rank
     model = Transformer(model_config(cfg, vocab_size), kernels=resolve_kernels(cfg.kernels, device, cfg.compile)).to(device)
+    model.set_fused_projections(cfg.fuse_projections)
     if precision == "bf16":
         model = model.to(torch.bfloat16)
     return model
