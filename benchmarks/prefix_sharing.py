@@ -2,11 +2,11 @@
 
     (1) every shared prefix of 16 tokens or more run once per variant (`min_prefix_saving=0`);
     (2) the engine's rule: a group only where the token passes it saves reach twice
-        `scoring.small_batch_tokens` (what one block call costs on this device, in tokens);
+        `layout.small_batch_tokens` (what one block call costs on this device, in tokens);
     (3) no sharing: every row in full, packed into large batches;
     (4) the rule, but a prefix whose keys and values for every variant exceed half the memory
         budget runs whole, as before the engine shared such a prefix with a share of the
-        variants at a time (`VariantScorer._variant_chunks`): 5-shot MMLU's long history blocks.
+        variants at a time (`Batcher._variant_chunks`): 5-shot MMLU's long history blocks.
 
 A prefix group runs its prefix alone and its rows in batches of their own, so it trades token
 passes for block calls. Printed per way: seconds, batches, prefix groups, token-block passes.
@@ -41,9 +41,9 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 def unsplit_prefixes():
     """The engine as before prefixes were split into shares of the variants: a prefix too large
     for the budget runs its rows whole (way 4 here, `sweep_layout.py --unsplit`)."""
-    from depthcurse.prune.scoring import VariantScorer
+    from depthcurse.prune.layout import Batcher
 
-    return mock.patch.object(VariantScorer, "_variant_chunks", lambda *a: None)
+    return mock.patch.object(Batcher, "_variant_chunks", lambda *a: None)
 
 
 def main() -> None:
@@ -60,7 +60,8 @@ def main() -> None:
 
     from depthcurse.loading import load_model
     from depthcurse.prune.requests import LmEvalRequests
-    from depthcurse.prune.scoring import parse_memory, score_requests, small_batch_tokens
+    from depthcurse.prune.layout import parse_memory, small_batch_tokens
+    from depthcurse.prune.scoring import score_requests
     from depthcurse.prune.stepping import Stepper
     from depthcurse.tasks import build_task
     from depthcurse.tasks.harness import quiet_lm_eval

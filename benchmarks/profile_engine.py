@@ -30,7 +30,8 @@ def main() -> None:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from depthcurse.prune.scoring import MAX_BATCH_TOKENS, TokenRequest, score_requests
+    from depthcurse.prune.layout import MAX_BATCH_TOKENS, TokenRequest
+    from depthcurse.prune.scoring import score_requests
     from depthcurse.prune.stepping import Stepper
 
     device, dtype = torch.device(args.device), DTYPES[args.dtype]

@@ -49,7 +49,7 @@ def main() -> None:
 
     from depthcurse import assets
     from depthcurse.prune.requests import LmEvalRequests
-    from depthcurse.prune.scoring import MAX_BATCH_TOKENS, lay_out, parse_memory
+    from depthcurse.prune.layout import MAX_BATCH_TOKENS, lay_out, parse_memory
     from depthcurse.prune.stepping import Stepper
     from depthcurse.tasks import build_task
     from depthcurse.tasks.harness import quiet_lm_eval
@@ -73,9 +73,9 @@ def main() -> None:
             with unsplit_prefixes() if way == "unsplit" else contextlib.nullcontext():
                 # packed, as a Llama sweep runs (score_requests asks the model, which the meta device cannot answer)
                 layout = lay_out(stepper, requests, variants, max_memory=budget, pack=True, max_batch_tokens=MAX_BATCH_TOKENS[args.rules])
-            passes, scorer = layout.block_passes(), layout.scorer
+            passes, batcher = layout.block_passes(), layout.batcher
             print(f"{text:>8} {way:<8} {len(layout.batches):5d} batches  {sum(1 for g in layout.groups if g.prefix):4d} prefix groups "
-                  f"({scorer.split} split, {scorer.unshared} too large)  {passes / 1e6:9.1f} M token-block passes  "
+                  f"({batcher.split} split, {batcher.unshared} too large)  {passes / 1e6:9.1f} M token-block passes  "
                   f"{2 * passes * block:.3g} FLOPs in the blocks", flush=True)
             for ranks in args.ranks:
                 for name, shares in (("shared out", layout.share_out(ranks)),

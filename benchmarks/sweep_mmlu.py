@@ -75,7 +75,8 @@ def main() -> None:
     from depthcurse import assets
     from depthcurse.loading import load_model
     from depthcurse.prune.requests import LmEvalRequests
-    from depthcurse.prune.scoring import parse_memory, score_requests
+    from depthcurse.prune.layout import parse_memory
+    from depthcurse.prune.scoring import score_requests
     from depthcurse.prune.stepping import Stepper
     from depthcurse.surgery import removed_layers
     from depthcurse.tasks import build_task

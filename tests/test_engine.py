@@ -17,7 +17,8 @@ from depthcurse.errors import DepthcurseError
 from depthcurse.loading import LoadedModel
 from depthcurse.prune import run_sweep
 from depthcurse.prune.requests import LmEvalRequests
-from depthcurse.prune.scoring import MAX_BATCH_TOKENS, TokenRequest, VariantScorer, lay_out, parse_memory, plan, saved_batch_count, score_requests, small_batch_tokens
+from depthcurse.prune.layout import MAX_BATCH_TOKENS, Batcher, TokenRequest, lay_out, parse_memory, plan, small_batch_tokens
+from depthcurse.prune.scoring import saved_batch_count, score_requests
 from depthcurse.prune.engine import why_unsupported
 from depthcurse.prune.stepping import Stepper
 from depthcurse.surgery import removed_layers
@@ -110,8 +111,8 @@ def test_a_full_batch_still_takes_the_rows_that_fit_its_gaps(one_torch_thread):
     stepper = Stepper(_model("llama-tied", 300))
     gen = torch.Generator().manual_seed(6)
     requests = [TokenRequest(tuple(torch.randint(3, 300, (n,), generator=gen).tolist()), n - 2, (5, 6)) for n in (40, 100, 10, 60, 90, 30)]
-    scorer = VariantScorer(stepper, VARIANTS, 2**30, max_batch_tokens=200, pack=True)
-    batches = scorer.batches(requests, plan(requests))
+    batcher = Batcher(stepper, VARIANTS, 2**30, max_batch_tokens=200, pack=True)
+    batches = batcher.batches(requests, plan(requests))
     assert [[[len(b.rows[i].inputs) for i in seq] for seq in b.bins] for b in batches] == [[[100], [90, 10]], [[60], [40], [30]]]
     packed, p_greedy, p_stats = score_requests(stepper, requests, VARIANTS, max_memory=2**30, max_batch_tokens=200)
     plain, u_greedy, u_stats = score_requests(stepper, requests, VARIANTS, max_memory=2**30, max_batch_tokens=200, pack=False)
@@ -230,7 +231,7 @@ def test_token_cap_cuts_batches_and_changes_no_score(one_torch_thread):
     stepper = Stepper(model)
     gen = torch.Generator().manual_seed(4)
     requests = [TokenRequest(tuple(torch.randint(0, 300, (64,), generator=gen).tolist()), 1, tuple(range(2, 65))) for _ in range(6)]
-    assert VariantScorer(stepper, VARIANTS, 2**30).max_batch_tokens == MAX_BATCH_TOKENS["cpu"]
+    assert Batcher(stepper, VARIANTS, 2**30).max_batch_tokens == MAX_BATCH_TOKENS["cpu"]
     one, _, s_one = score_requests(stepper, requests, VARIANTS, max_memory=2**30, need_greedy=False)
     cut, _, s_cut = score_requests(stepper, requests, VARIANTS, max_memory=2**30, need_greedy=False, max_batch_tokens=128)
     assert s_one["batches"] == 1 and s_cut["batches"] == 3

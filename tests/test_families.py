@@ -15,7 +15,8 @@ import torch
 
 from families import FAMILIES, N, VOCAB, family_model, removals
 from helpers import built_without
-from depthcurse.prune.scoring import TokenRequest, score_requests
+from depthcurse.prune.layout import TokenRequest
+from depthcurse.prune.scoring import score_requests
 from depthcurse.prune.stepping import Stepper
 from depthcurse.surgery import find_blocks, removed_layers
 

@@ -17,7 +17,8 @@ from depthcurse.errors import DepthcurseError
 from depthcurse.loading import LoadedModel
 from depthcurse.prune import read_curves, replay_orders, run_greedy, run_sweep
 from depthcurse.prune.greedy import CurvePoint, DepthCurves, heuristic_orders
-from depthcurse.prune.scoring import TokenRequest, score_requests
+from depthcurse.prune.layout import TokenRequest
+from depthcurse.prune.scoring import score_requests
 from depthcurse.prune.stepping import Stepper
 from depthcurse.surgery import find_blocks, removed_units
 from depthcurse.tasks import PerplexityTask

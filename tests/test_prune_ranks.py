@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from helpers import ROOT, needs, torchrun
-from depthcurse.prune.scoring import TokenRequest, lay_out, score_requests
+from depthcurse.prune.layout import TokenRequest, lay_out
+from depthcurse.prune.scoring import score_requests
 from depthcurse.prune.stepping import Stepper
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -30,7 +31,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from depthcurse.prune.scoring import TokenRequest, score_requests
+from depthcurse.prune.layout import TokenRequest
+from depthcurse.prune.scoring import score_requests
 from depthcurse.prune.stepping import Stepper
 from depthcurse.runtime import join_torchrun
 

@@ -11,7 +11,7 @@ from depthcurse.prune.block import block_choices, block_pass
 from depthcurse.prune.greedy import DepthCurves, read_curves, replay_orders, run_greedy
 from depthcurse.prune.report import block_table, greedy_table, load_prune, plot_greedy, plot_prune, plot_prune_overlay, prune_table
 from depthcurse.prune.results import PARTIAL_DIR, RESULTS_CSV, RESULTS_JSON, Sweep, VariantResult, read_sweep
-from depthcurse.prune.scoring import parse_memory
+from depthcurse.prune.layout import parse_memory
 from depthcurse.prune.sweep import ENGINES, kept_for_rerun, run_sweep
 
 __all__ = [

@@ -31,7 +31,8 @@ from typing import Callable
 
 from depthcurse.errors import DepthcurseError
 from depthcurse.prune.requests import LmEvalRequests, ppl_requests
-from depthcurse.prune.scoring import parse_memory, score_requests
+from depthcurse.prune.layout import parse_memory
+from depthcurse.prune.scoring import score_requests
 from depthcurse.prune.stepping import Stepper, Unsupported
 from depthcurse.runtime import World
 from depthcurse.tasks.base import Score

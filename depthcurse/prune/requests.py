@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.prune.scoring import TokenRequest
+from depthcurse.prune.layout import TokenRequest
 from depthcurse.tasks.base import Score
 from depthcurse.tasks.harness import LmEvalTask, quiet_hflm
 from depthcurse.tasks.perplexity import PerplexityTask
