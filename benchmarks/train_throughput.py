@@ -87,10 +87,15 @@ def run_variant(args) -> dict:
         scheduler.step()
         return total
 
+    # Attention's kernel: torch's choice (cuDNN's on an H100), or one backend forced for the
+    # trainer's forward and backward; compiled code bakes in the backend it was traced under.
+    attention = sdpa_backend(args.sdpa_backend if trainer else "auto")
+
     def step(b: Batch) -> float:
         if args.variant == "reference":
             return reference_step(b)
-        return train.train_step(model, optimizer, scheduler, b, cfg.micro_batch, amp, 0.0, device)[0]
+        with attention():
+            return train.train_step(model, optimizer, scheduler, b, cfg.micro_batch, amp, 0.0, device)[0]
 
     def sync():
         if device.type == "cuda":
@@ -114,7 +119,7 @@ def run_variant(args) -> dict:
     median = statistics.median(seconds)
     flops_per_token = raw.flops_per_token(cfg.seq_len)
     result = {
-        "variant": args.variant, "kernels": kernels, "compile": f"{cfg.compile_scope}/{cfg.compile_mode}" if cfg.compile else False, "fuse_projections": cfg.fuse_projections, "activation_checkpointing": cfg.activation_checkpointing,
+        "variant": args.variant, "kernels": kernels, "compile": f"{cfg.compile_scope}/{cfg.compile_mode}" if cfg.compile else False, "fuse_projections": cfg.fuse_projections, "sdpa_backend": args.sdpa_backend if trainer else "auto", "activation_checkpointing": cfg.activation_checkpointing,
         "precision": precision, "params": raw.num_params(), "tokens_per_step": tokens, "micro_batch": cfg.micro_batch, "seconds": seconds,
         "median_seconds": median, "tokens_per_s": tokens / median, "peak_bytes": peak,
         "first_loss": float(losses[0]), "last_loss": float(losses[-1]),
@@ -127,6 +132,22 @@ def run_variant(args) -> dict:
     else:
         result["peak_bytes_kind"] = "resident set high-water mark above the size before the timed steps"
     return result
+
+
+SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
+
+
+def sdpa_backend(name: str):
+    """A context-manager factory that runs scaled_dot_product_attention on one backend only ("auto": torch's choice)."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if name == "auto":
+        return contextlib.nullcontext
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+               "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[name]
+    return lambda: sdpa_kernel([backend])
 
 
 def profile_step(step, b, sync, device) -> dict:
@@ -168,6 +189,7 @@ def main() -> None:
     parser.add_argument("--compile-mode", default="default", help="with --compile: torch.compile's mode (reduce-overhead: CUDA graphs; max-autotune)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="which to run, comma-separated (trainer alone saves the reference's compile and steps on a GPU)")
     parser.add_argument("--fuse-projections", action="store_true", help="the trainer: one matmul for q, k, v and one for gate, up")
+    parser.add_argument("--sdpa-backend", choices=SDPA_BACKENDS, default="auto", help="the trainer's attention kernel (auto: torch's choice)")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (more with --compile)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
