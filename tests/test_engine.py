@@ -292,6 +292,8 @@ def test_compiled_blocks_score_as_eager_ones(tiny_tokenizer, tmp_path, one_torch
     requests = _mixed_lengths(vocab, seed=5)
     compiled = Stepper(model, compile=True)
     graphs = counters["stats"]["unique_graphs"]
+    assert compiled.packing_fails() is None
+    assert counters["stats"]["unique_graphs"] == graphs  # the probe's batch of one compiles no graph of its own
     for granularity in ("layer", "attn"):
         want, w_greedy, _ = score_requests(Stepper(model), requests, VARIANTS, max_memory=2**30, granularity=granularity, min_prefix_saving=0)
         got, g_greedy, stats = score_requests(compiled, requests, VARIANTS, max_memory=2**30, granularity=granularity, min_prefix_saving=0)

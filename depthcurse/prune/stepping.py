@@ -275,6 +275,15 @@ class Stepper:
             # Llama-4 scales a NoPE layer's queries by the position in the row, not in the document:
             # the same (1) for every row shorter than floor_scale, which a short check cannot tell apart
             return f"{type(self.model).__name__}: attention temperature tuning scales queries by their position in the row"
+        # The model's own blocks, not the compiled ones: this probe's batch of one would compile
+        # graphs specialised to it (dynamo specialises sizes of 1) that no real batch uses again.
+        compiled, self.compiled = self.compiled, None
+        try:
+            return self._packing_differs()
+        finally:
+            self.compiled = compiled
+
+    def _packing_differs(self) -> str | None:
         gen = torch.Generator().manual_seed(1)
         vocab = self.head.weight.shape[0]
         prefix, lengths, width = 8, (13, 9), 24
