@@ -26,6 +26,7 @@ A variant that fails (out of memory, say) is reported by its error's last line; 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -63,6 +64,12 @@ def run_variant(args) -> dict:
     amp = train.autocast_for(precision, device)
     model = train.build_model(cfg, args.vocab, device, precision)
     kernels = model.model.kernels
+    if args.loss == "fused" and trainer:
+        # the plain blocks (inductor's fusion under --compile) with the chunked linear + cross-entropy,
+        # which writes each chunk's gradient over its logits in one pass (Triton on CUDA)
+        from depthcurse.train.kernels import fused_linear_cross_entropy
+
+        model.loss_fn = functools.partial(fused_linear_cross_entropy, reduction="sum")
     model = parallelize(model, cfg, World(), device)
     optimizer = train.build_optimizer(cfg, model)
     scheduler = train.build_scheduler(cfg, optimizer)
@@ -119,7 +126,7 @@ def run_variant(args) -> dict:
     median = statistics.median(seconds)
     flops_per_token = raw.flops_per_token(cfg.seq_len)
     result = {
-        "variant": args.variant, "kernels": kernels, "compile": f"{cfg.compile_scope}/{cfg.compile_mode}" if cfg.compile else False, "fuse_projections": cfg.fuse_projections, "sdpa_backend": args.sdpa_backend if trainer else "auto", "activation_checkpointing": cfg.activation_checkpointing,
+        "variant": args.variant, "kernels": kernels, "compile": f"{cfg.compile_scope}/{cfg.compile_mode}" if cfg.compile else False, "fuse_projections": cfg.fuse_projections, "sdpa_backend": args.sdpa_backend if trainer else "auto", "loss": args.loss if trainer else "model", "activation_checkpointing": cfg.activation_checkpointing,
         "precision": precision, "params": raw.num_params(), "tokens_per_step": tokens, "micro_batch": cfg.micro_batch, "seconds": seconds,
         "median_seconds": median, "tokens_per_s": tokens / median, "peak_bytes": peak,
         "first_loss": float(losses[0]), "last_loss": float(losses[-1]),
@@ -189,6 +196,7 @@ def main() -> None:
     parser.add_argument("--compile-mode", default="default", help="with --compile: torch.compile's mode (reduce-overhead: CUDA graphs; max-autotune)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="which to run, comma-separated (trainer alone saves the reference's compile and steps on a GPU)")
     parser.add_argument("--fuse-projections", action="store_true", help="the trainer: one matmul for q, k, v and one for gate, up")
+    parser.add_argument("--loss", choices=("model", "fused"), default="model", help="the trainer's loss: the model's (with --kernels off, compiled with --compile) or the chunked linear + cross-entropy")
     parser.add_argument("--sdpa-backend", choices=SDPA_BACKENDS, default="auto", help="the trainer's attention kernel (auto: torch's choice)")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (more with --compile)")
