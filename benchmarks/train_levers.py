@@ -41,6 +41,10 @@ LEVERS: dict[str, list[str]] = {
     "autotune": ["--compile", "--compile-mode", "max-autotune-no-cudagraphs"],
     "pure-bf16": ["--compile", "--precision", "bf16"],
     "fused-projections": ["--compile", "--fuse-projections"],
+}
+# Levers of train_throughput.py's own options, not (yet) lns-train's: weighed here first, made
+# lns-train options if they pay (so lever_curves.py, which runs lns-train, takes only LEVERS).
+THROUGHPUT_LEVERS: dict[str, list[str]] = {
     # attention's kernel, where torch picks cuDNN's on an H100 (13% of a 130M step at micro-batch 512)
     "sdpa-flash": ["--compile", "--sdpa-backend", "flash"],
     "sdpa-efficient": ["--compile", "--sdpa-backend", "efficient"],
@@ -48,16 +52,17 @@ LEVERS: dict[str, list[str]] = {
     # chunked one, one pass over each chunk's logits that leaves their gradient in place
     "fused-loss": ["--compile", "--loss", "fused"],
 }
+ALL_LEVERS = {**LEVERS, **THROUGHPUT_LEVERS}
 
 
 def lever_command(name: str, common: list[str], out: Path) -> list[str]:
     script = Path(__file__).with_name("train_throughput.py")
-    return [sys.executable, str(script), *common, *LEVERS[name], "--variants", "trainer", "--out", str(out)]
+    return [sys.executable, str(script), *common, *ALL_LEVERS[name], "--variants", "trainer", "--out", str(out)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--levers", default=",".join(LEVERS), help=f"comma-separated, from: {', '.join(LEVERS)}")
+    parser.add_argument("--levers", default=",".join(LEVERS), help=f"comma-separated, from: {', '.join(ALL_LEVERS)} (default: those of lns-train's options)")
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--norm", default="lns")
@@ -70,9 +75,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here (after every lever)")
     args = parser.parse_args()
     names = args.levers.split(",")
-    unknown = [n for n in names if n not in LEVERS]
+    unknown = [n for n in names if n not in ALL_LEVERS]
     if unknown:
-        parser.error(f"unknown lever(s) {', '.join(unknown)}: use {', '.join(LEVERS)}")
+        parser.error(f"unknown lever(s) {', '.join(unknown)}: use {', '.join(ALL_LEVERS)}")
     if "baseline" in names:  # first: every other row is a ratio to it
         names = ["baseline"] + [n for n in names if n != "baseline"]
     common = ["--preset", args.preset, "--device", args.device, "--norm", args.norm, "--warmup", str(args.warmup),
@@ -85,14 +90,14 @@ def main() -> None:
     micro = f"micro-batch {args.micro_batch}" if args.micro_batch else "the preset's micro-batch"
     print(f"{args.preset} on {args.device}, {micro}: {len(names)} levers, each {args.warmup} untimed + {args.steps} timed steps of the trainer alone", flush=True)
     rows: list[dict] = []
-    summary = {"preset": args.preset, "device": args.device, "micro_batch": args.micro_batch, "levers": LEVERS, "rows": rows}
+    summary = {"preset": args.preset, "device": args.device, "micro_batch": args.micro_batch, "levers": ALL_LEVERS, "rows": rows}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             out = Path(tmp) / f"{name}.json"
             cmd = lever_command(name, common, out)
             started = time.perf_counter()
             failed = _run(cmd, args.timeout, out)
-            row = {"lever": name, "options": LEVERS[name], "seconds": time.perf_counter() - started}
+            row = {"lever": name, "options": ALL_LEVERS[name], "seconds": time.perf_counter() - started}
             if failed is None:
                 trainer = json.loads(out.read_text())["results"]["trainer"]
                 failed = trainer.get("error")
