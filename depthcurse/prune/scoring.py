@@ -37,7 +37,6 @@ class VariantScorer:
     def __init__(self, batcher: Batcher, need_greedy: bool = True):
         self.batcher = batcher
         self.s = batcher.s
-        self.variants, self.starts, self.everyone, self.granularity = batcher.variants, batcher.starts, batcher.everyone, batcher.granularity
         self.need_greedy = need_greedy  # whether is_greedy is wanted (lm-eval's tasks) or only log-likelihoods (ppl)
         self.block_passes = 0
 
@@ -46,7 +45,7 @@ class VariantScorer:
         streams each removal starts from, by block)."""
         streams, last = {}, self.batcher.base_layers(chunk)
         for i in range(last):
-            if i in self.starts:
+            if i in self.batcher.starts:
                 streams[i] = h
             h = self.s.block(i, h, ctx, cache)
             self.block_passes += h.shape[0] * h.shape[1]
@@ -56,8 +55,8 @@ class VariantScorer:
     def _run(self, h, ctx, start: int, removed: tuple, cache) -> torch.Tensor:
         """The stream at block `start` through the rest of the variant: removed blocks skipped, or
         (attn/mlp granularity) every block run with the removed branches zeroed."""
-        skipped = removed if self.granularity == "layer" else ()
-        with removed_units(self.s.model, removed, self.granularity) if not skipped else nullcontext():
+        skipped = removed if self.batcher.granularity == "layer" else ()
+        with removed_units(self.s.model, removed, self.batcher.granularity) if not skipped else nullcontext():
             for i in range(start, self.s.n_layers):
                 if i not in skipped:
                     h = self.s.block(i, h, ctx, cache)
@@ -68,13 +67,13 @@ class VariantScorer:
     def prefix_kv(self, tokens: tuple[int, ...], chunk: tuple[int, ...] | None = None) -> dict:
         """Keys and values of a shared prefix for the variants of `chunk` (indices; None: every
         variant), only the layers each runs; under `()` the unpruned model's, for the blocks the chunk needs."""
-        chunk = chunk or self.everyone
+        chunk = chunk or self.batcher.everyone
         ids = torch.tensor([tokens], device=self.s.device)
         ctx = self.s.context(len(tokens), 0)
         rec = _RecordKV()
         _, streams = self._base_pass(self.s.embed(ids), ctx, rec, chunk)
         out = {(): rec.kv}
-        for v in (self.variants[i] for i in chunk):
+        for v in (self.batcher.variants[i] for i in chunk):
             if v:
                 rv = _RecordKV()
                 self._run(streams[min(v)], ctx, min(v), v, rv)
@@ -87,7 +86,7 @@ class VariantScorer:
         for the batch's variants (`batch.variants`, in that order; all of them if None)."""
         s = self.s
         rows = batch.rows
-        chunk = batch.variants or self.everyone
+        chunk = batch.variants or self.batcher.everyone
         width = max(len(r.inputs) for r in rows) - prefix
         ids = torch.zeros(len(batch.bins), width, dtype=torch.long)
         docs = torch.empty(len(batch.bins), width, dtype=torch.long)
@@ -141,7 +140,7 @@ class VariantScorer:
             misses[vi].index_add_(0, seg, (~tok_ok).long())
 
         h, streams = self._base_pass(s.embed(ids.to(s.device)), ctx, _PrefixKV(kv[()]) if kv else None, chunk)
-        for vi, v in enumerate(self.variants[i] for i in chunk):
+        for vi, v in enumerate(self.batcher.variants[i] for i in chunk):
             if not v:
                 score(vi, h)
             else:
@@ -249,7 +248,7 @@ def score_requests(
                 if path is not None:
                     finished = {"ids": ids, "lp": blp, "greedy": bg, "seconds": time.perf_counter() - started}
                     pending.append(saver.submit(atomic_write, path, lambda tmp, obj=finished: torch.save(obj, tmp)))
-            done.append((torch.tensor(batch.variants or scorer.everyone), ids, blp, bg))
+            done.append((torch.tensor(batch.variants or scorer.batcher.everyone), ids, blp, bg))
             if on_batch:
                 on_batch(i + 1, len(mine))
         for future in pending:  # every finished batch is on disk before the scores are used
