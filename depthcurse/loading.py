@@ -43,7 +43,7 @@ class LoadedModel:
     def describe(self) -> dict:
         return {
             "model": self.name,
-            "source": self.source,
+            "source": assets.portable_path(self.source),  # the hub id, or the folder (in the cache: relative to it)
             "revision": self.revision,
             "model_class": type(self.model).__name__,
             "dtype": str(self.dtype).removeprefix("torch."),

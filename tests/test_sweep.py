@@ -110,6 +110,40 @@ def test_a_different_run_in_the_same_folder_is_refused(setup, tmp_path, tiny_tok
         run_sweep(loaded, other, [0], tmp_path)
 
 
+def test_a_moved_cache_continues_the_sweep_but_the_hubs_copy_is_another_model(setup, tmp_path, monkeypatch, tiny_tokenizer):
+    """An alias's offline copy lies in the cache, which may move: the sweep continues with the
+    batches it saved. The hub's copy has other weights (the offline one is 4-bit-derived), so it
+    is another run. A record written when sources were absolute paths still resumes."""
+    from dataclasses import replace
+
+    loaded, _ = setup
+    task = PerplexityTask(tiny_tokenizer, CORPUS * 8, source="corpus", seq_len=160, limit=6, batch_size=4)
+    out = tmp_path / "out"
+
+    def in_cache(root):
+        monkeypatch.setenv("DEPTHCURSE_CACHE", str(root))
+        (root / "models" / "tiny").mkdir(parents=True, exist_ok=True)
+        return replace(loaded, source=str(root / "models" / "tiny"))
+
+    def stop_after_two(label, done, total):
+        if label == "batches" and done == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(in_cache(tmp_path / "a"), task, [0, 3], out, max_memory="1MB", on_variant=stop_after_two)
+    resumed = run_sweep(in_cache(tmp_path / "b"), task, [0, 3], out, max_memory="1MB")
+    assert resumed.meta["engine"]["batches_resumed"] == 2
+    assert resumed.run["source"] == "$DEPTHCURSE_CACHE/models/tiny"
+    with pytest.raises(DepthcurseError, match="holds a different run.*source"):
+        run_sweep(replace(loaded, source="HuggingFaceTB/tiny"), task, [0, 3], out)
+    record = json.loads((out / "prune.json").read_text())
+    record["run"]["source"] = str(tmp_path / "b" / "models" / "tiny")
+    (out / "prune.json").write_text(json.dumps(record))
+    again = Counting(task)
+    assert len(run_sweep(in_cache(tmp_path / "b"), again, [0, 3, 1], out, engine="lm-eval").variants) == 4
+    assert again.calls == 1
+
+
 def test_unwritable_out_dir_is_a_clear_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")

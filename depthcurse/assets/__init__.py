@@ -7,7 +7,7 @@ for `depthcurse assets`), and the cache's own state (`cache_dir`, `hub_reachable
 `go_offline`). How an entry is built is in `cache`.
 """
 
-from depthcurse.assets.cache import META_FILE, build_entry, cache_dir, go_offline, hub_reachable, is_built
+from depthcurse.assets.cache import META_FILE, build_entry, cache_dir, go_offline, hub_reachable, is_built, portable_path
 from depthcurse.assets.datasets import hub_folder_files, local_dataset
 from depthcurse.assets.inventory import AssetRecord, build_all, build_record
 from depthcurse.assets.models import MODEL_ALIASES, resolve_model
@@ -15,6 +15,6 @@ from depthcurse.assets.squad import squad_dev_path
 from depthcurse.assets.wiki import wiki_texts
 
 __all__ = [
-    "META_FILE", "build_entry", "cache_dir", "go_offline", "hub_reachable", "is_built", "hub_folder_files", "local_dataset",
+    "META_FILE", "build_entry", "cache_dir", "go_offline", "hub_reachable", "is_built", "portable_path", "hub_folder_files", "local_dataset",
     "AssetRecord", "build_all", "build_record", "MODEL_ALIASES", "resolve_model", "squad_dev_path", "wiki_texts",
 ]

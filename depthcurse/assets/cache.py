@@ -47,6 +47,7 @@ from depthcurse.io import atomic_write, ensure_out_dir
 #: bump when the layout or content of a built entry changes: older entries are rebuilt
 FORMAT_VERSION = 1
 META_FILE = "depthcurse_asset.json"
+CACHE_MARK = "$DEPTHCURSE_CACHE"
 
 _TRUE = {"1", "true", "yes", "on"}
 _OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
@@ -56,6 +57,22 @@ def cache_dir() -> Path:
     """Root of the offline cache: ``$DEPTHCURSE_CACHE`` or ``~/.cache/depthcurse``."""
     env = os.environ.get("DEPTHCURSE_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "depthcurse"
+
+
+def portable_path(path: str) -> str:
+    """`path` with the cache's root written as ``$DEPTHCURSE_CACHE`` where it lies in the cache,
+    so that a run's record names the same weights after the cache moves; anything else (a hub id,
+    a folder elsewhere) unchanged."""
+    if path.startswith(CACHE_MARK):
+        return path
+    p = Path(path).expanduser()
+    if not (p.is_absolute() or p.exists()):
+        return path  # a hub id
+    try:
+        inside = Path(os.path.abspath(p)).relative_to(os.path.abspath(cache_dir()))
+    except ValueError:
+        return path
+    return f"{CACHE_MARK}/{inside.as_posix()}"
 
 
 def writable_cache_dir() -> Path:

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Iterable
 
+from depthcurse import assets
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import atomic_write, ensure_out_dir, environment, json_text, refuse_other_run
 from depthcurse.loading import LoadedModel
@@ -77,7 +78,10 @@ def run_sweep(
     previous_wall = 0.0
     previous = read_sweep(out_dir)
     if previous is not None:  # an interrupted or shorter run of the same command: continue it
-        refuse_other_run(out_dir, previous.run, run)
+        saved = dict(previous.run)
+        if isinstance(saved.get("source"), str):  # written before sources in the cache were relative to it
+            saved["source"] = assets.portable_path(saved["source"])
+        refuse_other_run(out_dir, saved, run)
         sweep.variants, previous_wall = previous.variants, previous.meta.get("wall_time_s", 0.0)
     done = {tuple(v.removed) for v in sweep.variants}
     asked = [()] + [removal_key(v) for v in variants]
