@@ -41,6 +41,7 @@ LEVERS: dict[str, list[str]] = {
     "autotune": ["--compile", "--compile-mode", "max-autotune-no-cudagraphs"],
     "pure-bf16": ["--compile", "--precision", "bf16"],
     "fused-projections": ["--compile", "--fuse-projections"],
+    "triton-kernels": ["--compile", "--kernels", "triton"],  # our norms inside the compiled blocks, and our loss
 }
 # Levers of train_throughput.py's own options, not (yet) lns-train's: weighed here first, made
 # lns-train options if they pay (so lever_curves.py, which runs lns-train, takes only LEVERS).
@@ -51,6 +52,9 @@ THROUGHPUT_LEVERS: dict[str, list[str]] = {
     # the head's loss: inductor's fused log-softmax (8% of the step at micro-batch 512) or our
     # chunked one, one pass over each chunk's logits that leaves their gradient in place
     "fused-loss": ["--compile", "--loss", "fused"],
+    # our Triton norms (with the residual add and the LNS scale; 16% of the step is inductor's
+    # norms at micro-batch 512), now called inside the compiled blocks, with inductor's loss
+    "triton-norms": ["--compile", "--kernels", "triton", "--loss", "plain"],
 }
 ALL_LEVERS = {**LEVERS, **THROUGHPUT_LEVERS}
 

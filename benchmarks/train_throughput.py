@@ -70,6 +70,11 @@ def run_variant(args) -> dict:
         from depthcurse.train.kernels import fused_linear_cross_entropy
 
         model.loss_fn = functools.partial(fused_linear_cross_entropy, reduction="sum")
+    elif args.loss == "plain" and trainer:
+        # the fused norms (--kernels) with the loss inductor fuses under --compile
+        from depthcurse.train.model import cross_entropy_sum
+
+        model.loss_fn = cross_entropy_sum
     model = parallelize(model, cfg, World(), device)
     optimizer = train.build_optimizer(cfg, model)
     scheduler = train.build_scheduler(cfg, optimizer)
@@ -196,7 +201,9 @@ def main() -> None:
     parser.add_argument("--compile-mode", default="default", help="with --compile: torch.compile's mode (reduce-overhead: CUDA graphs; max-autotune)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="which to run, comma-separated (trainer alone saves the reference's compile and steps on a GPU)")
     parser.add_argument("--fuse-projections", action="store_true", help="the trainer: one matmul for q, k, v and one for gate, up")
-    parser.add_argument("--loss", choices=("model", "fused"), default="model", help="the trainer's loss: the model's (with --kernels off, compiled with --compile) or the chunked linear + cross-entropy")
+    parser.add_argument("--loss", choices=("model", "fused", "plain"), default="model",
+                        help="the trainer's loss: the model's (with --kernels off the plain one, else fused), the chunked linear + cross-entropy (fused), "
+                             "or the full logits into cross-entropy (plain, compiled with --compile)")
     parser.add_argument("--sdpa-backend", choices=SDPA_BACKENDS, default="auto", help="the trainer's attention kernel (auto: torch's choice)")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (more with --compile)")

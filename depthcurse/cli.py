@@ -558,7 +558,7 @@ def lns_train(
     if not main_rank:
         return
     console.print(f"validation loss {summary['val_loss']:.4f} · perplexity {summary['val_ppl']:.2f} · {summary['step']} steps, {summary['tokens']:,} tokens · "
-                  f"{summary['step_tokens_per_s']:,.0f} tokens/s, {summary['step_tflops']:.3g} TFLOP/s in the steps")
+                  f"{summary['step_tokens_per_s']:,.0f} tokens/s, {summary['step_tflops']:.3g} TFLOP/s in the steps, micro-batch {summary['micro_batch']}")
     figures = [out_dir / name for name in ("loss.png", "layers.png") if (out_dir / name).is_file()]  # layers.png: with --layer-metrics-tokens
     console.print(f"wrote {out_dir / 'metrics.jsonl'}, {out_dir / 'summary.json'}, {', '.join(map(str, figures))}, {', '.join(summary['exports'].values())}")
 

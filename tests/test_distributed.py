@@ -148,6 +148,8 @@ def test_bad_launches(setup, run_cli, monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(DepthcurseError, match="each of the 2 ranks gets 3 sequences, not a multiple of --micro-batch 2"):
         train.run(TrainConfig(**{**cfg.to_dict(), "batch_size": 6, "micro_batch": 2}), tmp_path / "d")
+    with pytest.raises(DepthcurseError, match="--largest-micro-batch runs in one process"):
+        train.run(TrainConfig(**{**cfg.to_dict(), "largest_micro_batch": True}), tmp_path / "d2")
     # Another rank fails too and leaves it to rank 0, whose exit ends the launch within the grace
     # period; still running after it (here, with no rank 0), it says the error with its rank.
     monkeypatch.setenv("RANK", "1")

@@ -174,6 +174,48 @@ def test_rms_norm_matches_torch_rms_norm(path):
     torch.testing.assert_close(got, F.rms_norm(x, (300,), w, 1e-6) * 0.25, **FP32)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_compiled_code_calls_the_norm_inside_its_graph(path):
+    """Compiled blocks call the norm without breaking their graph (the Triton norm is a custom
+    operator: an autograd.Function launching Triton from Python broke the graph at every norm),
+    and the compiled loss and gradients are the eager ones."""
+    g = torch.Generator().manual_seed(7)
+    x, res, w = (torch.randn(*shape, generator=g, requires_grad=True) for shape in ((2, 5, 48), (2, 5, 48), (48,)))
+
+    def two_norms(x, res, w):  # the residual add and LNS scale, then a norm without a residual
+        y, r = _rms_norm(path, x * 2, w, 1e-6, 0.5, residual=res)
+        return (_rms_norm(path, y + 1, w, 1e-6) * r).sum()
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(two_norms)(x, res, w)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    want = two_norms(x, res, w)
+    want_grads = torch.autograd.grad(want, (x, res, w))
+    got = torch.compile(two_norms)(x, res, w)
+    torch.testing.assert_close(got, want, **FP32)
+    for a, b in zip(torch.autograd.grad(got, (x, res, w)), want_grads):
+        torch.testing.assert_close(a, b, **FP32)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_rms_norm_writes_y_in_the_asked_dtype(path):
+    """`out_dtype`: y written in bf16 at once is y rounded to bf16 afterwards (what autocast does
+    before a matmul), with the same gradients; the stream r keeps its dtype."""
+    g = torch.Generator().manual_seed(8)
+    x, res = (torch.randn(3, 5, 40, generator=g, requires_grad=True) for _ in range(2))
+    w = (1 + 0.2 * torch.randn(40, generator=g)).requires_grad_()
+    dy = torch.randn(3, 5, 40, generator=g).bfloat16()
+    y, r = kernels.rms_norm(_there(path, x), _there(path, w), 1e-6, 0.5, residual=_there(path, res), use_triton=_use_triton(path), out_dtype=torch.bfloat16)
+    assert (y.dtype, r.dtype) == (torch.bfloat16, torch.float32)
+    want_y, want_r = kernels.rms_norm(x, w, 1e-6, 0.5, residual=res, use_triton=False)
+    # the interpreter rounds to bf16 towards zero, torch to nearest: one unit apart at most there
+    torch.testing.assert_close(y.cpu(), want_y.bfloat16(), **(BF16 if path == "triton_path" else dict(rtol=0, atol=0)))
+    got = torch.autograd.grad((y.float() * _there(path, dy).float()).sum() + r.sum(), (x, res, w))
+    want = torch.autograd.grad((want_y.bfloat16().float() * dy.float()).sum() + want_r.sum(), (x, res, w))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **FP32)
+
+
 def test_rms_norm_rejects_bad_input():
     x = torch.randn(3, 8)
     with pytest.raises(DepthcurseError, match="finite Python float"):
@@ -385,20 +427,24 @@ def test_kernels_compile_for_an_h100(tmp_path, monkeypatch):
     cases = []
     for act, res in [("bf16", "bf16"), ("bf16", "fp32"), ("fp32", "fp32")]:
         r = "fp32" if "fp32" in (act, res) else "bf16"
-        for has_res in (True, False):
-            cases.append((tk._rms_norm_fwd, dict(X=act, RES=res, R_OUT=r, Y=r, W="fp32", RSTD="fp32"),
-                          dict(stride_x="i32", stride_res="i32", stride_r="i32", stride_y="i32", n_cols="i32", eps="fp32", scale="fp32"), dict(HAS_RES=has_res, BLOCK=1024), 4))
+        for y in sorted({r, "bf16"}):  # y in the stream's dtype, or in the matmuls' (out_dtype)
+            for has_res in (True, False):
+                cases.append((tk._rms_norm_fwd, dict(X=act, RES=res, R_OUT=r, Y=y, W="fp32", RSTD="fp32"),
+                              dict(stride_x="i32", stride_res="i32", stride_r="i32", stride_y="i32", n_cols="i32", eps="fp32", scale="fp32"), dict(HAS_RES=has_res, BLOCK=1024), 4))
     for dt in ("bf16", "fp32"):
         for has_dr in (True, False):
-            cases.append((tk._rms_norm_bwd, dict(DY=dt, DR=dt, R=dt, W="fp32", RSTD="fp32", DX=dt, DW_PARTIAL="fp32"),
-                          dict(stride_dy="i32", stride_dr="i32", stride_r="i32", stride_dx="i32", n_rows="i32", n_cols="i32", scale="fp32", rows_per_program="i32"), dict(HAS_DR=has_dr, BLOCK=8192), 16))
+            # an fp32 stream may get y's gradient in bf16, and give x's in bf16 too (HAS_LOW)
+            for dy, has_low in [(dt, False)] + ([("bf16", False), ("bf16", True)] if dt == "fp32" else []):
+                cases.append((tk._rms_norm_bwd, dict(DY=dy, DR=dt, R=dt, W="fp32", RSTD="fp32", DX=dt, DX_LOW="bf16" if has_low else dt, DW_PARTIAL="fp32"),
+                              dict(stride_dy="i32", stride_dr="i32", stride_r="i32", stride_dx="i32", stride_low="i32", n_rows="i32", n_cols="i32", scale="fp32", rows_per_program="i32"),
+                              dict(HAS_DR=has_dr, HAS_LOW=has_low, BLOCK=8192), 16))
         cases.append((tk._cross_entropy_fwd_bwd, dict(LOGITS=dt, TARGETS="i64", LOSS="fp32"), dict(stride_row="i32", n_cols="i32", ignore_index="i32"), dict(BLOCK=32768), 32))
     for kernel, pointers, scalars, constexprs, warps in cases:
         src = ASTSource(fn=kernel, signature=_signature(kernel, pointers, scalars, constexprs), constexprs=constexprs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         assert compiled.asm["cubin"], kernel.__name__
-        output = pointers.get("Y") or pointers.get("DX") or pointers["LOGITS"]
-        if output == "bf16":
+        outputs = [pointers[k] for k in ("Y", "DX", "LOGITS") if k in pointers] + (["bf16"] if constexprs.get("HAS_LOW") else [])
+        if "bf16" in outputs:
             assert "cvt.rn.bf16" in compiled.asm["ptx"]  # on a GPU, fp32 -> bf16 rounds to nearest even
 
 
@@ -416,5 +462,5 @@ def test_interpreter_subprocess():
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail
     passed = re.search(r"(\d+) passed", proc.stdout)
-    # every Triton-path parametrisation above: 4 + 2 + 1 + 1 norm cases, 3 + 1 + 1 + 1 + 1 + 1 + 1 loss cases
-    assert passed and int(passed.group(1)) == 17, tail
+    # every Triton-path parametrisation above: 4 + 2 + 1 + 1 + 1 + 1 norm cases, 3 + 1 + 1 + 1 + 1 + 1 + 1 loss cases
+    assert passed and int(passed.group(1)) == 19, tail

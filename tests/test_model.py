@@ -296,6 +296,60 @@ def test_kernels_match_the_plain_model(norm, kernels):
         torch.testing.assert_close(fused(x), plain(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernels", KERNEL_PATHS)
+def test_kernels_match_the_plain_model_in_compiled_blocks(kernels):
+    """`--compile --kernels triton|torch`: the compiled blocks call the fused norms inside their
+    graphs (no graph break) and give the plain eager model's loss and gradients. Mix-LN has
+    both the post blocks' and the pre blocks' fused calls."""
+    from torch._dynamo.utils import counters
+
+    plain = tiny("mix", layers=3, mix_ratio=0.34).train()
+    device = "cuda" if kernels == "triton-cuda" else "cpu"
+    fused = M.Transformer(plain.cfg, kernels=kernels.removesuffix("-cuda")).train()
+    fused.load_state_dict(plain.state_dict())
+    plain, fused = plain.to(device), fused.to(device)
+    torch._dynamo.reset()
+    counters.clear()
+    for block in fused.model.layers:  # as `parallelize` compiles them
+        block.forward = torch.compile(block.forward)
+    x = ids(batch=2, T=16).to(device)
+    targets = next_token_targets(x)
+    loss, grads = loss_and_grads(plain, x, targets)
+    fused_loss, fused_grads = loss_and_grads(fused, x, targets)
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["graph_break"])
+    torch.testing.assert_close(fused_loss, loss, rtol=1e-5, atol=1e-5)
+    for name, g in grads.items():
+        torch.testing.assert_close(fused_grads[name], g, rtol=1e-4, atol=1e-5 * max(g.abs().max().item(), 1.0), msg=name)
+
+
+def test_fused_norms_feed_matmuls_in_the_autocast_dtype_and_keep_the_stream():
+    """Under autocast the fused norms whose output only feeds matmuls (attention's and the MLP's
+    inputs) write it in bf16, what autocast would cast it to anyway; the residual
+    stream stays fp32, also where a Post-LN norm's output is the stream (Mix-LN)."""
+    plain = tiny("mix", layers=3, mix_ratio=0.34).train()
+    fused = M.Transformer(plain.cfg, kernels="torch").train()
+    fused.load_state_dict(plain.state_dict())
+    seen = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: seen.__setitem__(name, args[0].dtype))
+             for name, m in fused.named_modules() if name.endswith(("q_proj", "gate_proj"))]
+    hooks += [block.register_forward_hook(lambda mod, args, out, i=i: seen.__setitem__(f"stream {i}", out[0].dtype))
+              for i, block in enumerate(fused.model.layers)]
+    x = ids(batch=2, T=16)
+    targets = next_token_targets(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = fused(x, targets)
+        want = plain(x, targets)
+    for h in hooks:
+        h.remove()
+    assert fused.model.layers[0].spec.kind == "post" and fused.model.layers[2].spec.kind != "post"
+    # a pre block's matmuls get the norm's bf16 output; a post block's attention gets the stream
+    pre = [n for n in seen if n.endswith("proj") and not n.startswith("model.layers.0.")]
+    assert pre and {seen[n] for n in pre} == {torch.bfloat16}
+    assert seen["model.layers.0.self_attn.q_proj"] == torch.float32
+    assert [seen[f"stream {i}"] for i in range(3)] == [torch.float32] * 3
+    torch.testing.assert_close(loss, want, rtol=2e-2, atol=0)  # bf16 matmuls in another order
+
+
 @pytest.mark.parametrize("kernels", ["off", "torch"])
 @pytest.mark.parametrize("norm", ["lns", "post"])
 def test_activation_checkpointing_changes_nothing(norm, kernels):
@@ -357,7 +411,7 @@ def test_kernels_under_the_triton_interpreter():
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail
     passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) == 6, tail  # every norm of test_kernels_match_the_plain_model
+    assert passed and int(passed.group(1)) == 7, tail  # every norm of test_kernels_match_the_plain_model, and in compiled blocks
 
 
 @pytest.mark.parametrize("norm", ["lns", "mix"])

@@ -188,6 +188,87 @@ def test_gradient_accumulation_changes_nothing(cfg, tmp_path):
     assert split["val_loss"] == pytest.approx(whole["val_loss"], rel=1e-5)
 
 
+def test_largest_micro_batch_halves_it_while_memory_runs_out(cfg, tmp_path, monkeypatch):
+    """--largest-micro-batch: the whole batch first, halved while a step runs out of memory (here
+    any training micro-batch of more than 2 sequences, as a GPU would raise, after leaving
+    gradients behind); the run then trains as one given --micro-batch 2, loss for loss."""
+    assert train.micro_batches_to_try(8, 1) == [8, 4, 2, 1]
+    assert train.micro_batches_to_try(48, 16) == [48, 24, 16] and train.micro_batches_to_try(64, 64) == [64]
+    cfg.steps, cfg.eval_every, cfg.save_every, cfg.batch_size = 3, 3, 3, 8
+    given = train.run(TrainConfig(**{**cfg.to_dict(), "micro_batch": 2}), tmp_path / "given")
+    build, tried = train.build_model, []
+
+    def short_of_memory(*args, **kwargs):
+        model = build(*args, **kwargs)
+        good = model.loss_fn
+
+        def loss_fn(hidden, weight, targets):
+            if torch.is_grad_enabled():
+                tried.append(hidden.shape[0])
+                if hidden.shape[0] > 2:
+                    for p in model.parameters():  # what a part-finished step leaves
+                        p.grad = torch.full_like(p, 1e3)
+                    raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return good(hidden, weight, targets)
+
+        model.loss_fn = loss_fn
+        return model
+
+    monkeypatch.setattr(train, "build_model", short_of_memory)
+    fitted = train.run(TrainConfig(**{**cfg.to_dict(), "micro_batch": 1, "largest_micro_batch": True}), tmp_path / "fitted")
+    assert tried == [8, 4] + [2] * 4 * 3  # then 4 micro-batches of 2 in each of the 3 steps
+    assert fitted["micro_batch"] == 2 and {r["micro_batch"] for r in MetricsLog(tmp_path / "fitted" / METRICS).rows() if "loss" in r} == {2}
+    assert losses(tmp_path / "fitted") == losses(tmp_path / "given")
+    assert fitted["val_loss"] == given["val_loss"]
+    tried.clear()
+    with pytest.raises(DepthcurseError, match="out of cpu memory in a training step of micro-batches of 4 sequences: try a smaller --micro-batch"):
+        train.run(TrainConfig(**{**cfg.to_dict(), "micro_batch": 4, "largest_micro_batch": True}), tmp_path / "too-big")
+    assert tried == [8, 4]
+    with pytest.raises(DepthcurseError, match="micro-batches of 4 sequences: try a smaller --micro-batch, or --activation-checkpointing, or --largest-micro-batch"):
+        train.run(TrainConfig(**{**cfg.to_dict(), "micro_batch": 4}), tmp_path / "given-too-big")
+
+
+def test_largest_micro_batch_compiles_the_size_that_fits_as_a_given_one(cfg, tmp_path, monkeypatch):
+    """Under --compile, a size that fits after sizes that ran out of memory gets static graphs, as a
+    run given that --micro-batch does: dynamo would otherwise fail its size guards and make the batch
+    size dynamic. It trains the same, loss for loss."""
+    from torch._dynamo.utils import guard_failures
+
+    cfg.steps, cfg.eval_every, cfg.save_every, cfg.batch_size = 2, 2, 2, 8
+    compiled = {**cfg.to_dict(), "compile": True, "kernels": "off", "layer_metrics_tokens": 0}
+    torch._dynamo.reset()
+    given = train.run(TrainConfig(**{**compiled, "micro_batch": 2}), tmp_path / "given")
+    build = train.build_model
+
+    def short_of_memory(*args, **kwargs):
+        model = build(*args, **kwargs)
+
+        def forward_hook(module, inputs, output):  # the final norm, after the compiled blocks ran at this size
+            if torch.is_grad_enabled() and inputs[0].shape[0] > 2:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+        model.model.norm.register_forward_hook(forward_hook)
+        return model
+
+    monkeypatch.setattr(train, "build_model", short_of_memory)
+    # Not a count of graphs: how many a run compiles depends on inductor's on-disk cache (a cold
+    # one specialises LNS's float scale once more).
+    size_guards = []
+    reset = torch._dynamo.reset
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: (size_guards.extend(_size_guards(guard_failures)), reset()))
+    torch._dynamo.reset()
+    size_guards.clear()
+    fitted = train.run(TrainConfig(**{**compiled, "micro_batch": 1, "largest_micro_batch": True}), tmp_path / "fitted")
+    size_guards.extend(_size_guards(guard_failures))
+    assert fitted["micro_batch"] == 2
+    assert size_guards == []
+    assert losses(tmp_path / "fitted") == losses(tmp_path / "given") and fitted["val_loss"] == given["val_loss"]
+
+
+def _size_guards(guard_failures) -> list[str]:
+    return [reason for reasons in guard_failures.values() for reason in reasons if "size mismatch" in str(reason)]
+
+
 def _poison(monkeypatch, bad, factor: float) -> None:
     """Training micro-batches numbered (from 1) so that `bad(n)` get their loss times `factor`."""
     build, calls = train.build_model, {"n": 0}

@@ -87,6 +87,8 @@ class TrainConfig:
     min_lr_ratio: float = _setting(0.1, "Cosine decays to this share of the peak.")
     batch_size: int | None = _setting(None, "Sequences per optimizer step.")
     micro_batch: int | None = _setting(None, "Sequences per forward/backward (gradient accumulation).")
+    largest_micro_batch: bool = _setting(False, "One process: start with the whole batch as one micro-batch and halve it while the GPU runs out of memory, "
+                                                "down to --micro-batch; the first step that fits fixes it for the run (chosen again on resume).", "--largest-micro-batch")
     optimizer: str = _setting("adam", "adam (the papers) or adamw.")
     weight_decay: float = _setting(0.0, "Weight decay.")
     beta1: float = field(default=0.9, metadata={"flag": None})  # the papers' Adam betas: not an option

@@ -16,7 +16,7 @@ import torch
 from depthcurse.errors import DepthcurseError
 from depthcurse.runtime import World, join_torchrun, launched_by_torchrun, pick_device
 from depthcurse.train.config import TrainConfig
-from depthcurse.train.model import Transformer
+from depthcurse.train.model import Transformer, cross_entropy_sum
 
 
 def setup_world(cfg: TrainConfig) -> tuple[World, torch.device]:
@@ -30,6 +30,8 @@ def setup_world(cfg: TrainConfig) -> tuple[World, torch.device]:
     size = int(os.environ["WORLD_SIZE"])
     if cfg.batch_size % size:
         raise DepthcurseError(f"--batch-size {cfg.batch_size} does not split evenly over {size} ranks: use a multiple of {size}")
+    if cfg.largest_micro_batch and size > 1:
+        raise DepthcurseError("--largest-micro-batch runs in one process (a rank out of memory would leave the others waiting for it): give --micro-batch")
     per_rank = cfg.batch_size // size
     if per_rank % min(cfg.micro_batch, per_rank):
         raise DepthcurseError(f"each of the {size} ranks gets {per_rank} sequences, not a multiple of --micro-batch {cfg.micro_batch}")
@@ -55,8 +57,8 @@ def parallelize(model: Transformer, cfg: TrainConfig, world: World, device: torc
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
             for block in model.model.layers:
                 block.forward = compile(block.forward)
-            if model.model.kernels == "off":
-                # The head and the loss too (torchtitan's "loss" component): inductor fuses the fp32
+            if model.loss_fn is cross_entropy_sum:
+                # The head and the plain loss too (torchtitan's "loss" component): inductor fuses the fp32
                 # upcast, log-softmax and its gradient over the [tokens, vocab] logits, which the
                 # eager loss writes and reads back in full several times.
                 model.loss_fn = compile(model.loss_fn)

@@ -46,3 +46,4 @@ class Progress:
     tokens: int
     tokens_per_s: float
     tflops: float  # the model's training FLOPs per second, all ranks together
+    micro_batch: int  # sequences per forward/backward on each rank

@@ -130,24 +130,15 @@ class RMSNorm(nn.Module):
         h = self.weight * h.to(dtype)
         return h * self.scale if self.scale != 1.0 else h
 
-    def fused(self, x: torch.Tensor, residual: torch.Tensor | None, kernels: str):
-        """The same norm through `depthcurse.train.kernels`; with `residual`, (norm(x + residual), x + residual)."""
-        if residual is None:
-            return _kernel_norm(kernels)(x, self.weight, self.eps, self.scale, use_triton=kernels == "triton")
-        return _kernel_norm(kernels)(x, self.weight, self.eps, self.scale, residual, use_triton=kernels == "triton")
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None, kernels: str, to_matmul: bool = False):
+        """The same norm through `depthcurse.train.kernels`; with `residual`, (norm(x + residual), x + residual).
+        `to_matmul`: the output only feeds matmuls, so under autocast it is written in their dtype
+        (the same values; the matmuls' input gradients are then summed in bf16, not fp32)."""
+        out_dtype = torch.get_autocast_dtype(x.device.type) if to_matmul and torch.is_autocast_enabled(x.device.type) else None
+        return K.rms_norm(x, self.weight, self.eps, self.scale, residual, use_triton=kernels == "triton", out_dtype=out_dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.numel()}, eps={self.eps}, scale={self.scale:.6g}"
-
-
-# The Triton norm is an autograd.Function launching Triton kernels from Python; compiled code
-# calls it eagerly (one graph break per norm) rather than trusting dynamo to trace its launcher.
-# The PyTorch path is plain tensor code that inductor traces and fuses itself.
-_triton_rms_norm = torch.compiler.disable(K.rms_norm)
-
-
-def _kernel_norm(kernels: str):
-    return _triton_rms_norm if kernels == "triton" else K.rms_norm
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,15 +265,15 @@ class Block(nn.Module):
             x, _ = self.post_attention_layernorm.fused(self.mlp(x), x * a, kernels)
             return x, None
         if pending is None:
-            h = self.input_layernorm.fused(x, None, kernels)
+            h = self.input_layernorm.fused(x, None, kernels, to_matmul=True)
         else:
-            h, x = self.input_layernorm.fused(pending, x, kernels)
+            h, x = self.input_layernorm.fused(pending, x, kernels, to_matmul=True)
         h = self.self_attn(h, cos, sin, mask)
         if kind == "sandwich":
             h = self.attn_out_norm.fused(h, None, kernels)
         if self.spec.branch_scale:
             h = h * self.attn_scale
-        h, x = self.post_attention_layernorm.fused(h, x, kernels)
+        h, x = self.post_attention_layernorm.fused(h, x, kernels, to_matmul=True)
         h = self.mlp(h)
         if kind == "sandwich":
             h = self.mlp_out_norm.fused(h, None, kernels)
@@ -318,6 +309,8 @@ class Body(nn.Module):
         pending = None
         for block in self.layers:
             x, pending = block(x, cos, sin, mask, pending, self.kernels)
+        # The final norm writes the stream's dtype: the chunked loss returns its gradient in its
+        # input's dtype, and scaled in bf16 that gradient would round where in fp32 it does not.
         if pending is None:
             return self.norm.fused(x, None, self.kernels)
         return self.norm.fused(pending, x, self.kernels)[0]
@@ -342,8 +335,9 @@ def cross_entropy_sum(hidden: torch.Tensor, head_weight: torch.Tensor, targets: 
 def resolve_kernels(kernels: str, device, compile: bool = False) -> str:
     """"auto" -> "triton" on CUDA (when Triton is installed, else "torch"), "off" elsewhere, and
     "off" under `compile`: on an H100 at 130M, inductor fusing the plain blocks trained 1.62x the
-    eager reference's tokens/s, our kernels inside compiled blocks 1.35x (Triton) and 1.40x
-    (torch path), docs/benchmarks.md. The kernels stay the choice for the least memory."""
+    eager reference's tokens/s, our kernels inside compiled blocks 1.35x (Triton, then with a
+    graph break at every norm) and 1.40x (torch path), docs/benchmarks.md. The kernels stay the
+    choice for the least memory."""
     if kernels not in KERNELS:
         raise DepthcurseError(f"unknown --kernels {kernels!r}: use one of {', '.join(KERNELS)}")
     if kernels == "triton" and not K.triton_available():

@@ -35,11 +35,15 @@ def _num_warps(block: int) -> int:
     return 4
 
 
+# The norm's backward runs this many programs per SM, each looping over a slice of rows and
+# keeping one partial sum of the weight's gradient (benchmarks/norm_kernels.py weighs it).
+BACKWARD_PROGRAMS_PER_SM = 1
+
+
 def _programs_for(device: torch.device) -> int:
-    # The weight-gradient reduction runs one program per SM, each looping over a slice of rows;
-    # the interpreter gains nothing from more than a few.
+    # The interpreter gains nothing from more than a few programs.
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return torch.cuda.get_device_properties(device).multi_processor_count * BACKWARD_PROGRAMS_PER_SM
     return 4
 
 
@@ -67,7 +71,8 @@ def _rms_norm_fwd(X, RES, R_OUT, Y, W, RSTD, stride_x, stride_res, stride_r, str
 
 
 @triton.jit
-def _rms_norm_bwd(DY, DR, R, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_dr, stride_r, stride_dx, n_rows, n_cols, scale, rows_per_program, HAS_DR: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_bwd(DY, DR, R, W, RSTD, DX, DX_LOW, DW_PARTIAL, stride_dy, stride_dr, stride_r, stride_dx, stride_low, n_rows, n_cols, scale, rows_per_program,
+                  HAS_DR: tl.constexpr, HAS_LOW: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -81,6 +86,7 @@ def _rms_norm_bwd(DY, DR, R, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_dr, stri
     DY += first * stride_dy
     DR += first * stride_dr
     DX += first * stride_dx
+    DX_LOW += first * stride_low
     for row in range(row_start, row_end):
         r = tl.load(R + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + cols, mask=mask, other=0.0).to(tl.float32)
@@ -91,22 +97,26 @@ def _rms_norm_bwd(DY, DR, R, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_dr, stri
         if HAS_DR:
             dx += tl.load(DR + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_LOW:  # the same gradient for a lower-precision x (a bf16 branch output added to an fp32 stream)
+            tl.store(DX_LOW + cols, dx.to(DX_LOW.dtype.element_ty), mask=mask)
         dw += dy * r_hat
         R += stride_r
         DY += stride_dy
         DR += stride_dr
         DX += stride_dx
+        DX_LOW += stride_low
     # One partial sum per program; the caller adds the programs' rows (deterministic, no atomics).
     tl.store(DW_PARTIAL + pid * n_cols + cols, dw * scale, mask=mask)
 
 
-def rms_norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, scale: float):
-    """x, residual: [rows, d] with unit column stride. Returns (y, r, rstd); r is x without residual."""
+def rms_norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, scale: float, out_dtype: torch.dtype | None = None):
+    """x, residual: [rows, d] with unit column stride. Returns (y, r, rstd); r is x without
+    residual; y in `out_dtype`, by default r's."""
     n_rows, n_cols = x.shape
     block = triton.next_power_of_2(n_cols)
     r_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     r = x if residual is None else torch.empty(n_rows, n_cols, dtype=r_dtype, device=x.device)
-    y = torch.empty(n_rows, n_cols, dtype=r_dtype, device=x.device)
+    y = torch.empty(n_rows, n_cols, dtype=out_dtype or r_dtype, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     res = x if residual is None else residual  # a placeholder pointer when HAS_RES is off
     _rms_norm_fwd[(n_rows,)](
@@ -116,20 +126,24 @@ def rms_norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     return y, r, rstd
 
 
-def rms_norm_backward(dy: torch.Tensor, dr: torch.Tensor | None, r: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, scale: float):
-    """Returns (dx, dw): dx in r's dtype (it is also d/d residual), dw in fp32."""
+def rms_norm_backward(dy: torch.Tensor, dr: torch.Tensor | None, r: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, scale: float,
+                      low_dtype: torch.dtype | None = None):
+    """Returns (dx, dx_low, dw): dx in r's dtype (it is also d/d residual), the same in
+    `low_dtype` (None without it: one store in the same pass instead of a cast after), dw in fp32."""
     n_rows, n_cols = r.shape
     block = triton.next_power_of_2(n_cols)
     rows_per_program = triton.cdiv(n_rows, _programs_for(r.device))
     n_programs = triton.cdiv(n_rows, rows_per_program)
     dx = torch.empty_like(r)
+    dx_low = None if low_dtype is None else torch.empty_like(r, dtype=low_dtype)
+    low = dx if dx_low is None else dx_low  # a placeholder pointer when HAS_LOW is off
     dw_partial = torch.empty(n_programs, n_cols, dtype=torch.float32, device=r.device)
     dr_ = dy if dr is None else dr
     _rms_norm_bwd[(n_programs,)](
-        dy, dr_, r, weight, rstd, dx, dw_partial, dy.stride(0), dr_.stride(0), r.stride(0), dx.stride(0),
-        n_rows, n_cols, scale, rows_per_program, HAS_DR=dr is not None, BLOCK=block, num_warps=_num_warps(block),
+        dy, dr_, r, weight, rstd, dx, low, dw_partial, dy.stride(0), dr_.stride(0), r.stride(0), dx.stride(0), low.stride(0),
+        n_rows, n_cols, scale, rows_per_program, HAS_DR=dr is not None, HAS_LOW=dx_low is not None, BLOCK=block, num_warps=_num_warps(block),
     )
-    return dx, dw_partial.sum(0)
+    return dx, dx_low, dw_partial.sum(0)
 
 
 # --------------------------------------------------------------------------------------------
