@@ -269,6 +269,32 @@ def _size_guards(guard_failures) -> list[str]:
     return [reason for reasons in guard_failures.values() for reason in reasons if "size mismatch" in str(reason)]
 
 
+def test_validation_out_of_memory_is_one_line_and_the_run_resumes_from_the_last_checkpoint(cfg, tmp_path, monkeypatch):
+    """A validation forward out of memory (at step 4, before its checkpoint) names the batch and the
+    checkpoint kept (step 2); resumed, the run ends as one never stopped."""
+    straight = train.run(cfg, tmp_path / "straight")
+    build = train.build_model
+
+    def short_of_memory(*args, **kwargs):
+        model = build(*args, **kwargs)
+
+        def forward_hook(module, inputs, output):
+            if not torch.is_grad_enabled():
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+        model.model.norm.register_forward_hook(forward_hook)
+        return model
+
+    with monkeypatch.context() as patch:
+        patch.setattr(train, "build_model", short_of_memory)
+        with pytest.raises(DepthcurseError, match=r"^out of cpu memory in validation, in batches of 2 sequences: try a smaller --micro-batch; "
+                                                  r"the last good checkpoint \(step 2\) is kept in "):
+            train.run(cfg, tmp_path / "b")
+    resumed = train.run(cfg, tmp_path / "b", resume=True)
+    assert losses(tmp_path / "b") == pytest.approx(losses(tmp_path / "straight"), rel=1e-6, abs=1e-6)
+    assert resumed["val_loss"] == pytest.approx(straight["val_loss"], rel=1e-6)
+
+
 def _poison(monkeypatch, bad, factor: float) -> None:
     """Training micro-batches numbered (from 1) so that `bad(n)` get their loss times `factor`."""
     build, calls = train.build_model, {"n": 0}

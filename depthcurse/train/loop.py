@@ -343,7 +343,7 @@ def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, st
                 break
             except torch.OutOfMemoryError as exc:
                 if len(to_try) == 1:
-                    raise _out_of_memory(cfg, device, to_try[0]) from exc
+                    raise _out_of_memory(cfg, device, to_try[0], out_dir, last_saved) from exc
             # Out of the handler, whose traceback holds the failed step's tensors until it ends.
             # The step failed before the optimizer's, so nothing but gradients is left to clear.
             optimizer.zero_grad(set_to_none=True)
@@ -380,7 +380,7 @@ def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, st
             if on_progress and world.main:
                 on_progress(Progress(step, cfg.steps, loss, lr, progress.tokens, rate, tflops, micro_batch))
         if step % cfg.eval_every == 0 and step < cfg.steps:
-            result = evaluate(model, data, eval_batch(cfg, micro_batch), amp, device)
+            result = _validate(model, data, cfg, micro_batch, amp, device, out_dir, last_saved)
             if profile_now:
                 result.update(_layer_metrics(cfg, raw, data, device, world, layer_grad_norms))
             if world.main:
@@ -393,7 +393,7 @@ def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, st
 
     if progress.step < cfg.steps:
         return {"finished": False, "step": progress.step}
-    final = evaluate(model, data, eval_batch(cfg, micro_batch), amp, device)
+    final = _validate(model, data, cfg, micro_batch, amp, device, out_dir, last_saved)
     if cfg.layer_metrics_tokens > 0 and progress.step > start_step:  # the last step's gradients are at hand
         final.update(_layer_metrics(cfg, raw, data, device, world, layer_grad_norms))
     model_state = ModelState(model).state_dict()  # every rank takes part
@@ -419,13 +419,28 @@ def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, st
     return summary
 
 
-def _out_of_memory(cfg: TrainConfig, device: torch.device, micro_batch: int) -> DepthcurseError:
+def _out_of_memory(cfg: TrainConfig, device: torch.device, micro_batch: int, out_dir: Path, last_saved: int | None) -> DepthcurseError:
     ways = ["a smaller --micro-batch"] + ([] if cfg.activation_checkpointing else ["--activation-checkpointing"])
     if not cfg.largest_micro_batch and micro_batch > 1:
         ways.append("--largest-micro-batch with a smaller --micro-batch as its floor")
-    return DepthcurseError(f"out of {device.type} memory in a training step of micro-batches of {micro_batch} sequences: try {', or '.join(ways)}")
+    return DepthcurseError(f"out of {device.type} memory in a training step of micro-batches of {micro_batch} sequences: try {', or '.join(ways)}; "
+                           f"{_kept(out_dir, last_saved)}")
+
+
+def _validate(model, data, cfg: TrainConfig, micro_batch: int, amp, device, out_dir: Path, last_saved: int | None) -> dict:
+    """`evaluate` at the run's validation batch; out of memory there is one line, not a traceback."""
+    batch = eval_batch(cfg, micro_batch)
+    try:
+        return evaluate(model, data, batch, amp, device)
+    except torch.OutOfMemoryError as exc:
+        way = "a smaller --micro-batch without --largest-micro-batch" if cfg.largest_micro_batch else "a smaller --micro-batch"
+        raise DepthcurseError(f"out of {device.type} memory in validation, in batches of {batch} sequences: try {way}; "
+                              f"{_kept(out_dir, last_saved)}") from exc
+
+
+def _kept(out_dir: Path, last_saved: int | None) -> str:
+    return f"the last good checkpoint (step {last_saved}) is kept in {out_dir}" if last_saved is not None else "no checkpoint had been written yet"
 
 
 def _diverged(exc: Diverged, out_dir: Path, last_saved: int | None) -> DepthcurseError:
-    kept = f"the last good checkpoint (step {last_saved}) is kept in {out_dir}" if last_saved is not None else "no checkpoint had been written yet"
-    return DepthcurseError(f"training diverged at step {exc.step} ({exc}); {kept}: lower --lr, raise --warmup or set --grad-clip")
+    return DepthcurseError(f"training diverged at step {exc.step} ({exc}); {_kept(out_dir, last_saved)}: lower --lr, raise --warmup or set --grad-clip")
