@@ -238,31 +238,36 @@ def test_largest_micro_batch_compiles_the_size_that_fits_as_a_given_one(cfg, tmp
     compiled = {**cfg.to_dict(), "compile": True, "kernels": "off", "layer_metrics_tokens": 0}
     torch._dynamo.reset()
     given = train.run(TrainConfig(**{**compiled, "micro_batch": 2}), tmp_path / "given")
-    build = train.build_model
-
-    def short_of_memory(*args, **kwargs):
-        model = build(*args, **kwargs)
-
-        def forward_hook(module, inputs, output):  # the final norm, after the compiled blocks ran at this size
-            if torch.is_grad_enabled() and inputs[0].shape[0] > 2:
-                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-
-        model.model.norm.register_forward_hook(forward_hook)
-        return model
-
-    monkeypatch.setattr(train, "build_model", short_of_memory)
+    # at the final norm, after the compiled blocks ran at this size
+    _out_of_memory_at_the_final_norm(monkeypatch, lambda hidden: torch.is_grad_enabled() and hidden.shape[0] > 2)
     # Not a count of graphs: how many a run compiles depends on inductor's on-disk cache (a cold
     # one specialises LNS's float scale once more).
     size_guards = []
     reset = torch._dynamo.reset
     monkeypatch.setattr(torch._dynamo, "reset", lambda: (size_guards.extend(_size_guards(guard_failures)), reset()))
-    torch._dynamo.reset()
-    size_guards.clear()
+    reset()  # the given run's guards are not counted
     fitted = train.run(TrainConfig(**{**compiled, "micro_batch": 1, "largest_micro_batch": True}), tmp_path / "fitted")
     size_guards.extend(_size_guards(guard_failures))
     assert fitted["micro_batch"] == 2
     assert size_guards == []
     assert losses(tmp_path / "fitted") == losses(tmp_path / "given") and fitted["val_loss"] == given["val_loss"]
+
+
+def _out_of_memory_at_the_final_norm(patch, when) -> None:
+    """Models built by the run raise a GPU's out-of-memory error at their final norm where `when(its input)`."""
+    build = train.build_model
+
+    def short_of_memory(*args, **kwargs):
+        model = build(*args, **kwargs)
+
+        def forward_hook(module, inputs, output):
+            if when(inputs[0]):
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+        model.model.norm.register_forward_hook(forward_hook)
+        return model
+
+    patch.setattr(train, "build_model", short_of_memory)
 
 
 def _size_guards(guard_failures) -> list[str]:
@@ -273,20 +278,8 @@ def test_validation_out_of_memory_is_one_line_and_the_run_resumes_from_the_last_
     """A validation forward out of memory (at step 4, before its checkpoint) names the batch and the
     checkpoint kept (step 2); resumed, the run ends as one never stopped."""
     straight = train.run(cfg, tmp_path / "straight")
-    build = train.build_model
-
-    def short_of_memory(*args, **kwargs):
-        model = build(*args, **kwargs)
-
-        def forward_hook(module, inputs, output):
-            if not torch.is_grad_enabled():
-                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-
-        model.model.norm.register_forward_hook(forward_hook)
-        return model
-
     with monkeypatch.context() as patch:
-        patch.setattr(train, "build_model", short_of_memory)
+        _out_of_memory_at_the_final_norm(patch, lambda hidden: not torch.is_grad_enabled())
         with pytest.raises(DepthcurseError, match=r"^out of cpu memory in validation, in batches of 2 sequences: try a smaller --micro-batch; "
                                                   r"the last good checkpoint \(step 2\) is kept in "):
             train.run(cfg, tmp_path / "b")

@@ -143,12 +143,6 @@ def train_step(model, optimizer, scheduler, batch, micro_batch: int, amp, grad_c
     return (total, grad_norm) if layer_norms is None else (total, grad_norm, layer_norms)
 
 
-def eval_batch(cfg: TrainConfig, micro_batch: int) -> int:
-    """Sequences per validation forward: --micro-batch, or the training micro-batch that
-    --largest-micro-batch found (a forward without gradients needs less memory than a step)."""
-    return micro_batch if cfg.largest_micro_batch else cfg.micro_batch
-
-
 def micro_batches_to_try(batch: int, floor: int) -> list[int]:
     """`--largest-micro-batch`'s candidates, largest first: the whole batch, halved while it stays
     a whole divisor of the batch and above `floor`, then `floor` (the preset's or --micro-batch)."""
@@ -428,8 +422,10 @@ def _out_of_memory(cfg: TrainConfig, device: torch.device, micro_batch: int, out
 
 
 def _validate(model, data, cfg: TrainConfig, micro_batch: int, amp, device, out_dir: Path, last_saved: int | None) -> dict:
-    """`evaluate` at the run's validation batch; out of memory there is one line, not a traceback."""
-    batch = eval_batch(cfg, micro_batch)
+    """`evaluate` in batches of --micro-batch sequences, or of the training micro-batch that
+    --largest-micro-batch found (a forward without gradients needs less memory than a step); out
+    of memory there is one line, not a traceback."""
+    batch = micro_batch if cfg.largest_micro_batch else cfg.micro_batch
     try:
         return evaluate(model, data, batch, amp, device)
     except torch.OutOfMemoryError as exc:
