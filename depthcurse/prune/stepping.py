@@ -119,9 +119,10 @@ class Stepper:
             raise Unsupported(f"{type(model).__name__}: no {', '.join(missing)} where Llama-like models keep it")
         self.model, self.layers = model, blocks.layers
         self.embed_tokens, self.norm, self.rotary, self.head = parts.values()
-        # The keyword a block takes its cache by: GPT-NeoX's `layer_past`, everyone else's `past_key_values`.
+        # The keyword a block takes its cache by: `cache` since transformers 5.24 (`past_key_values`
+        # still works there, with a warning, until 5.40), GPT-NeoX's `layer_past`, else `past_key_values`.
         params = inspect.signature(self.layers[0].forward).parameters
-        self.cache_arg = next((n for n in ("past_key_values", "layer_past", "past_key_value") if n in params), "past_key_values")
+        self.cache_arg = next((n for n in ("cache", "past_key_values", "layer_past", "past_key_value") if n in params), "past_key_values")
         if getattr(config, "alibi", False):
             raise Unsupported(f"{type(model).__name__}: ALiBi position biases, not rotary embeddings")
         self.extra = {"alibi": None} if "alibi" in params else {}  # rotary Falcon's blocks still take the argument
