@@ -7,6 +7,7 @@ sliding-window layer types, Gemma2 (sliding/full alternation, logit softcapping)
 """
 
 import dataclasses
+import inspect
 import json
 
 import pytest
@@ -53,6 +54,9 @@ def test_every_variant_equals_the_pruned_models_own_forward(kind, one_torch_thre
     model = _model(kind, 300)
     stepper = Stepper(model)
     stepper.check()
+    # by a keyword the block declares: one it does not would land in its **kwargs, unused, once
+    # transformers drops the deprecated name (`past_key_values` for `cache` in 5.24, gone in 5.40)
+    assert stepper.cache_arg in inspect.signature(model.model.layers[0].forward).parameters
     gen = torch.Generator().manual_seed(0)
     shared = torch.randint(0, 300, (40,), generator=gen).tolist()  # longer than the 24-token window
     requests = []
