@@ -7,6 +7,7 @@ Fixtures live in conftest.py; plain functions and data live here, imported by na
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -126,6 +127,34 @@ def built_without(model, path, removed):
 
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _triton_version() -> tuple[int, ...] | None:
+    try:
+        return tuple(int(part) for part in importlib.metadata.version("triton").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return None
+
+
+def under_triton_interpreter(test_file: str, select: str, expected: int, timeout: int = 600) -> None:
+    """Run the tests of `test_file` that `-k select` picks in a child pytest with TRITON_INTERPRET=1
+    (Triton picks interpreted or compiled kernels when they are defined, so the variable must be
+    set before anything imports them), and require that all `expected` of them pass."""
+    version = _triton_version()
+    if version is None:
+        pytest.skip("triton is not installed")
+    if version < (3, 7):
+        # The interpreter before 3.7 cannot run a loop whose bounds are tensors, as the norm's backward
+        # walks its rows ("only 0-dimensional arrays can be converted to Python scalars"); compiling is
+        # unaffected: test_kernels_compile_for_an_h100 builds every kernel with 3.4 to 3.9.
+        pytest.skip(f"Triton {'.'.join(map(str, version))}'s interpreter cannot run our kernels (3.7 or newer can)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", select, str(Path(test_file).resolve())],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, tail
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed and int(passed.group(1)) == expected, tail
 
 
 def torchrun(*args, nproc: int = 2) -> subprocess.CompletedProcess:

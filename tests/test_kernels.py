@@ -21,10 +21,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +28,7 @@ import torch.nn.functional as F
 
 from depthcurse.train import kernels
 from depthcurse.errors import DepthcurseError
+from helpers import under_triton_interpreter
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 # cuda_path: the compiled Triton kernels on a GPU, inputs copied there and results back (only where one exists)
@@ -452,15 +449,5 @@ def test_kernels_compile_for_an_h100(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(INTERPRETER, reason="this is the child run itself")
 def test_interpreter_subprocess():
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton_path", str(Path(__file__).resolve())],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600,
-    )
-    tail = (proc.stdout + proc.stderr)[-4000:]
-    assert proc.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", proc.stdout)
     # every Triton-path parametrisation above: 4 + 2 + 1 + 1 + 1 + 1 norm cases, 3 + 1 + 1 + 1 + 1 + 1 + 1 loss cases
-    assert passed and int(passed.group(1)) == 19, tail
+    under_triton_interpreter(__file__, "triton_path", expected=19)

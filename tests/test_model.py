@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +15,7 @@ from depthcurse.train import export as E
 from depthcurse.train import model as M
 from depthcurse.train.config import NORMS, TrainConfig
 from depthcurse.errors import DepthcurseError
+from helpers import under_triton_interpreter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -402,16 +399,8 @@ def test_resolve_kernels():
 
 @pytest.mark.skipif(INTERPRETER, reason="this is the child run itself")
 def test_kernels_under_the_triton_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernels_match and triton", str(Path(__file__).resolve())],
-        cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=900,
-    )
-    tail = (proc.stdout + proc.stderr)[-4000:]
-    assert proc.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) == 7, tail  # every norm of test_kernels_match_the_plain_model, and in compiled blocks
+    # every norm of test_kernels_match_the_plain_model, and in compiled blocks
+    under_triton_interpreter(__file__, "kernels_match and triton", expected=7, timeout=900)
 
 
 @pytest.mark.parametrize("norm", ["lns", "mix"])
