@@ -80,9 +80,12 @@ def _showing(progress: Progress):
         yield progress
     except Exception:
         progress.live.transient = True
+        progress.live.stop()  # not progress.stop(): off a terminal that adds a blank line to stdout
         raise
-    finally:
+    except BaseException:
         progress.stop()
+        raise
+    progress.stop()
 
 
 def _load(model: str, **options):
