@@ -24,7 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from depthcurse.errors import DepthcurseError, one_line
-from depthcurse.io import ensure_out_dir
+from depthcurse.io import ensure_out_dir, removing_empty_on_failure
 from depthcurse.train import incomparable, read_run, seed_groups, seeds_table, table1, write_compare
 from depthcurse.train.config import TrainConfig
 from depthcurse.train.config import options as train_options
@@ -88,6 +88,18 @@ def _showing(progress: Progress):
     progress.stop()
 
 
+def _once(say):
+    """`say`, made to run on its first call only."""
+    said = []
+
+    def once() -> None:
+        if not said:
+            said.append(True)
+            say()
+
+    return once
+
+
 def _load(model: str, **options):
     """`load_model` under a spinner; a trained alias (minilm-l6-squad) is fine-tuned first if it is not made yet."""
     from depthcurse.loading import load_model  # lazy: start-up
@@ -115,6 +127,7 @@ def prune(
     batch_size: int = typer.Option(8, "--batch-size", help="Sequences per forward pass."),
     data: str = typer.Option("auto", "--data", help="ppl/repr text: auto (C4 validation, or wiki offline), c4, wiki, or a .txt/.jsonl/.parquet file; squad: auto (hub validation, or offline), hub, offline, or a SQuAD .json/.jsonl file."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="ppl window length in tokens (default 512, or the model's maximum if less); repr passage length (default 128)."),
+    bos: bool = typer.Option(True, "--bos/--no-bos", help="ppl: begin each window with the token(s) the model's tokenizer puts first (BOS, where it adds one; the default), or cut the text with nothing first (--no-bos: the WikiText protocol of GPTQ, SparseGPT and Wanda)."),
     seed: int = typer.Option(1234, "--seed", help="Seed for few-shot sampling and torch."),
     engine: str = typer.Option("reuse", "--engine", help="reuse (all variants together, reusing the blocks before each removed layer and shared few-shot prefixes) or lm-eval (each variant evaluated on its own). Unsupported models/tasks fall back to lm-eval."),
     max_memory: str = typer.Option("auto", "--max-memory", help="reuse engine: memory for the kept residual streams and prefix keys/values of one batch: auto (2GB on a CPU, 80% of the GPU memory free after loading) or a size, e.g. 24GB."),
@@ -202,25 +215,28 @@ def prune(
             variants = parse_layers(layers, num_layers(loaded.model))
         with console.status(f"building task {task}..."):
             the_task = build_task(task, loaded.tokenizer, data=data, seq_len=seq_len, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size, seed=seed, model=loaded.model, model_source=loaded.source,
-                                  max_gen_toks=max_gen_toks)
-        console.print(f"{_model_line(loaded)} · task [bold]{task}[/] · results in {out_dir}")
+                                  max_gen_toks=max_gen_toks, bos=bos)
+        # Said when the work starts, after every check of the input: an error is then the one line printed.
+        header = _once(lambda: console.print(f"{_model_line(loaded)} · task [bold]{task}[/] · {sweeps.UNIT_NAMES[granularity]} removed · results in {out_dir}"))
 
         if chosen is not None:
-            _replay_orders(loaded, the_task, chosen, str(orders), out_dir, run_extra, world, **engine_options)
+            _replay_orders(loaded, the_task, chosen, str(orders), out_dir, run_extra, world, header, **engine_options)
             return
         if greedy is not None:
-            _prune_greedy(loaded, the_task, out_dir, greedy, granularity, max_drop, run_extra, world,
+            _prune_greedy(loaded, the_task, out_dir, greedy, granularity, max_drop, run_extra, world, header,
                           angular=lambda: sweeps.block_pass(loaded, out_dir, angular=angular, data=angular_data, tokens=angular_tokens,
                                                             measure=lambda **options: _measure_angular(loaded, out_dir, **options)), **engine_options)
             return
         progress = _progress_bar()
         bar = progress.add_task("baseline", total=len(variants) + 1)
+        unit = {"layer": "layer", "attn": "attention of layer", "mlp": "MLP of layer"}[granularity]
 
         def on_variant(label: str, done: int, total: int) -> None:
+            header()
             if label == "batches":  # the reuse engine: all variants at once, batch by batch
                 progress.update(bar, completed=done, total=total, description="all variants, batch by batch")
                 return
-            desc = "finished" if label == "done" else ("unpruned baseline" if label == "none" else f"without layer{'s' if ',' in label else ''} {label}")
+            desc = "finished" if label == "done" else ("unpruned baseline" if label == "none" else f"without {unit}{'s' if ',' in label else ''} {label}")
             progress.update(bar, completed=done, total=total, description=desc)
 
         try:
@@ -247,16 +263,21 @@ def prune(
         world.close()
 
 
-def _prune_greedy(loaded, task, out_dir, steps, granularity, max_drop, run_extra, world, angular, **engine_options) -> None:
+def _prune_greedy(loaded, task, out_dir, steps, granularity, max_drop, run_extra, world, header, angular, **engine_options) -> None:
     from depthcurse import prune as sweeps  # lazy: start-up
 
     progress = _progress_bar()
     outer = progress.add_task("greedy steps", total=steps)
     inner = progress.add_task("", total=None)
+
+    def on_step(label, done, total):
+        header()
+        progress.update(outer, completed=done, total=total, description=label)
+
     try:
         with _showing(progress):
             result = sweeps.run_greedy(loaded, task, out_dir, steps=steps, granularity=granularity, max_drop=max_drop, angular=angular, run_extra=run_extra, world=world, **engine_options,
-                                       on_step=lambda label, done, total: progress.update(outer, completed=done, total=total, description=label),
+                                       on_step=on_step,
                                        on_variant=lambda label, done, total: progress.update(inner, completed=done, total=total, description="  batches" if label == "batches" else f"  {label}"))
     except KeyboardInterrupt:
         if world.main:
@@ -265,15 +286,19 @@ def _prune_greedy(loaded, task, out_dir, steps, granularity, max_drop, run_extra
     _show_curves(result, out_dir)
 
 
-def _replay_orders(loaded, task, chosen, source, out_dir, run_extra, world, **engine_options) -> None:
+def _replay_orders(loaded, task, chosen, source, out_dir, run_extra, world, header, **engine_options) -> None:
     from depthcurse import prune as sweeps  # lazy: start-up
 
     progress = _progress_bar()
     bar = progress.add_task("the chosen orders", total=None)
+
+    def on_variant(label, done, total):
+        header()
+        progress.update(bar, completed=done, total=total, description="batches" if label == "batches" else label)
+
     try:
         with _showing(progress):
-            result = sweeps.replay_orders(loaded, task, chosen, out_dir, source=source, run_extra=run_extra, world=world, **engine_options,
-                                          on_variant=lambda label, done, total: progress.update(bar, completed=done, total=total, description="batches" if label == "batches" else label))
+            result = sweeps.replay_orders(loaded, task, chosen, out_dir, source=source, run_extra=run_extra, world=world, **engine_options, on_variant=on_variant)
     except KeyboardInterrupt:
         if world.main:
             err_console.print(Text(f"interrupted: finished work is kept in {out_dir}; rerun the same command to continue"), soft_wrap=True)
@@ -292,8 +317,108 @@ def _show_curves(result, out_dir: Path) -> None:
 
 
 @app.command()
+def heal(
+    model: str = ModelArg,
+    layers: Optional[str] = typer.Option(None, "--layers", help="Layers to remove, e.g. 20-23 or 3,7 (whole layers)."),
+    order: Optional[Path] = typer.Option(None, "--order", help="Instead of --layers: a healed depth curve along an earlier result's order (a prune --greedy, --block, angular-distance or prune folder), one heal per --ks."),
+    ks: Optional[str] = typer.Option(None, "--ks", help="With --order: numbers of layers removed, e.g. 2,4,8 (the first k of the order)."),
+    strategy: Optional[str] = typer.Option(None, "--strategy", help="With --order: which of its orders (greedy, one-shot, block-influence, angular, last; angular or deepest for an angular result)."),
+    loss: str = typer.Option("lm", "--loss", help="lm (next-token, as Gromov et al.) or distill (KL from the unpruned model: the same weights, layers back and adapters off)."),
+    targets: str = typer.Option("mlp", "--targets", help="Where the LoRA adapters go in each kept block: mlp (the paper's), attn or all."),
+    lora_rank: int = typer.Option(8, "--lora-rank", help="LoRA rank."),
+    lora_alpha: float = typer.Option(16.0, "--lora-alpha", help="LoRA alpha (the update is scaled by alpha / rank)."),
+    lora_dropout: float = typer.Option(0.05, "--lora-dropout", help="Dropout on the adapters' input."),
+    data: str = typer.Option("auto", "--data", help="Text to heal on and to hold windows out of: auto (C4 where the hub is reachable, else wiki), c4, wiki, or a .txt/.jsonl/.parquet file."),
+    steps: int = typer.Option(100, "--steps", help="Optimizer steps."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Sequences per step."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Sequences per forward and backward (default: the whole batch)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence, BOS first where the tokenizer adds one (default 512, or the model's maximum if less)."),
+    lr: float = typer.Option(2e-4, "--lr", help="Peak learning rate (AdamW, linear warm-up, cosine decay to a tenth)."),
+    warmup: Optional[int] = typer.Option(None, "--warmup", help="Warm-up steps (default: a tenth of --steps)."),
+    eval_windows: int = typer.Option(32, "--eval-windows", help="Held-out windows (of --seq-len tokens, from documents never trained on) the models are measured on."),
+    task: Optional[str] = typer.Option(None, "--task", "-t", help="Also measure on this task: any lm-eval task prune takes (arc_easy, mmlu, ...)."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="--task: examples per subtask (default all)."),
+    num_fewshot: int = typer.Option(0, "--num-fewshot", help="--task: few-shot examples in each prompt."),
+    granularity: str = typer.Option("layer", "--granularity", help="What is removed: layer (only whole layers are healed for now)."),
+    seed: int = typer.Option(1234, "--seed", help="Seed of the adapters' initial weights, the data order and dropout."),
+    save_every: int = typer.Option(25, "--save-every", help="Steps between resumable checkpoints."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Run folder (default runs/heal/<model>/<layers or order>-<loss>)."),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    trust_remote_code: bool = TrustOpt,
+    revision: Optional[str] = RevisionOpt,
+) -> None:
+    """Remove layers, heal the rest with LoRA adapters (peft), and measure what came back: the model unpruned, pruned and healed. Rerun to resume."""
+    from dataclasses import replace  # lazy: start-up
+
+    from depthcurse import heal as healing
+    from depthcurse.runtime import rank_gpus
+    from depthcurse.surgery import num_layers, parse_layers
+
+    if granularity != "layer":
+        raise DepthcurseError(f"heal removes whole layers for now: --granularity {granularity} is not supported")
+    if (layers is None) == (order is None):
+        raise DepthcurseError("give --layers L (the layers to remove), or --order DIR with --ks K,K,... (a healed depth curve), not both")
+    if (ks is None) != (order is None):
+        raise DepthcurseError("--ks and --order go together: the first k layers of the order, for each k")
+    if strategy is not None and order is None:
+        raise DepthcurseError("--strategy picks one of the orders in --order DIR")
+    cfg = healing.HealConfig(layers=(), loss=loss, targets=targets, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout, data=data,
+                             steps=steps, batch_size=batch_size, micro_batch=micro_batch, seq_len=seq_len, lr=lr, warmup=warmup,
+                             eval_windows=eval_windows, task=task, limit=limit, num_fewshot=num_fewshot, seed=seed, save_every=save_every)
+    cfg.resolved()  # every option checked before a model is loaded
+    wanted = healing.parse_ks(ks) if ks is not None else None
+    tag = f"{'order-' + _slug(str(order)) + '-k' + ks.replace(',', '-') if order else 'L' + layers.replace(',', '_')}-{loss}"
+    out_dir = out or Path("runs") / "heal" / _slug(model) / tag
+    ensure_out_dir(out_dir)
+    world = _join_ranks(device, "ddp")
+    try:
+        import torch  # lazy: start-up
+
+        gpus = rank_gpus()[:1] if world.parallel and device != "cpu" and torch.cuda.is_available() else None  # DDP: one GPU per rank
+        options = dict(head="causal-lm", dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision, gpus=gpus)
+        loaded = _load(model, **options)
+        n = num_layers(loaded.model)
+        if order is not None:
+            sets, source = healing.order_sets(order, wanted, n, strategy)
+        progress = _progress_bar(TextColumn("{task.fields[stats]}"), disable=not world.main)
+        bar = progress.add_task("starting", total=None, stats="")
+        header = _once(lambda: console.print(f"{_model_line(loaded)} · heal ({loss} loss, LoRA rank {lora_rank} on {targets}) · results in {out_dir}"))
+
+        def on_start(info: dict) -> None:
+            header()
+            progress.update(bar, total=info["steps"], completed=info["start_step"])
+
+        callbacks = dict(on_start=on_start, on_phase=lambda text: progress.update(bar, description=text),
+                         on_progress=lambda p: progress.update(bar, completed=p.step, stats=f"loss {p.loss:.4f} · lr {p.lr:.2e} · {p.tokens_per_s:,.0f} tok/s"))
+        try:
+            with _showing(progress):
+                if order is not None:
+                    record = healing.heal_curve(loaded, lambda: _load(model, **options), cfg, sets, source, out_dir, world=world,
+                                                on_point=lambda k, i, total: progress.console.print(f"k = {k} ({i + 1} of {total}): layers {','.join(map(str, sets[k]))}"),
+                                                **callbacks)
+                else:
+                    record = healing.heal(loaded, replace(cfg, layers=tuple(parse_layers(layers, n))), out_dir, world=world, **callbacks)
+        except KeyboardInterrupt:
+            if world.main:
+                err_console.print(Text(f"interrupted: the last checkpoint in {out_dir} is kept; rerun the same command to continue"), soft_wrap=True)
+            raise typer.Exit(130)
+        if record is None:  # another rank: rank 0 measures and writes
+            return
+        if order is not None:
+            figure = healing.plot_heal_curve(record, out_dir / "heal.png")
+            console.print(healing.curve_table(record))
+            console.print(f"wrote {out_dir / healing.HEAL_JSON}, {figure}, and each k's run in {out_dir}/kNNN/")
+        else:
+            console.print(healing.heal_table(record))
+            console.print(f"wrote {out_dir / healing.HEAL_JSON}, {out_dir / 'metrics.jsonl'}, {out_dir / 'loss.png'} and the healed checkpoint {record['hf']}")
+    finally:
+        world.close()
+
+
+@app.command()
 def report(
-    folders: list[Path] = typer.Argument(..., help="Results folders: prune sweeps, greedy curves (prune --greedy), angular-distance results, lns-train runs."),
+    folders: list[Path] = typer.Argument(..., help="Results folders: prune sweeps, greedy curves (prune --greedy), angular-distance results, heal runs and curves, lns-train runs."),
     out: Path = typer.Option(Path("report.md"), "--out", help="The Markdown page to write; its figures go to <name>_figures/ beside it."),
 ) -> None:
     """One Markdown page for several results folders: figures and tables side by side."""
@@ -304,13 +429,13 @@ def report(
     console.print(f"wrote {page} ({', '.join(f'{kinds.count(k)} {k}' for k in dict.fromkeys(kinds))}) and its figures in {page.parent / (page.stem + '_figures')}")
 
 
-def _join_ranks(device: str):
+def _join_ranks(device: str, parallel: str = "requests"):
     """This process's place: alone, or one rank of a torchrun launch (where only rank 0 talks)."""
     from depthcurse.runtime import World, join_torchrun, launched_by_torchrun, pick_device  # lazy: start-up
 
     if not launched_by_torchrun():
         return World()
-    world, _ = join_torchrun(pick_device(device), "requests")
+    world, _ = join_torchrun(pick_device(device), parallel)
     console.quiet = err_console.quiet = not world.main  # only rank 0 talks; another rank says only an error of its own (_fail)
     return world
 
@@ -335,7 +460,7 @@ def drop(
     model: str = ModelArg,
     layers: str = typer.Option(..., "--layers", help="Layers to remove, e.g. 20-25 or 3,7."),
     out: Path = typer.Option(..., "--out", help="Folder for the pruned checkpoint (safetensors + tokenizer)."),
-    dtype: str = DtypeOpt,
+    dtype: str = typer.Option("auto", "--dtype", help="auto (the checkpoint's own dtype, so a bf16 model is saved in bf16), bf16, fp16 or fp32."),
     device: str = typer.Option("cpu", "--device", help="Where to load the model for surgery (cpu is enough)."),
     trust_remote_code: bool = TrustOpt,
     revision: Optional[str] = RevisionOpt,
@@ -345,7 +470,7 @@ def drop(
 
     ensure_out_dir(out)
 
-    loaded = _load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
+    loaded = _load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision, keep_dtype=True)
     source = Path(loaded.source)
     if out.resolve() in (source.resolve(), source.parent.resolve() if source.suffix == ".gguf" else None):
         raise DepthcurseError(f"--out {out} is where {model} was loaded from: save the pruned copy to another folder")
@@ -407,6 +532,8 @@ def plot(
 
     if out.is_dir():
         raise DepthcurseError(f"--out {out} is a folder: give the figure's file name, e.g. {out / 'overlay.png'}")
+    if out.suffix.lower() != ".png":
+        raise DepthcurseError(f"--out {out}: the figure is a PNG image, give a .png path")
     path = plot_prune_overlay(folders, out)
     console.print(f"wrote {path}")
 
@@ -584,6 +711,11 @@ def lns_report(
     console.print(f"wrote {', '.join(str(p) for p in paths)}")
 
 
+def command_names() -> set[str]:
+    """The names of depthcurse's commands (prune, angular-distance, ...)."""
+    return {c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands}
+
+
 def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -598,7 +730,8 @@ def main() -> None:
         # inside ours otherwise.
         os.environ.setdefault("TQDM_DISABLE", "1")
     try:
-        app()
+        with removing_empty_on_failure():  # a failed command leaves no empty results folder behind
+            app()
     except DepthcurseError as exc:
         if debug:
             raise
@@ -624,6 +757,9 @@ def _fail(text: str) -> None:
     if rank != 0:
         import time  # lazy: only this path sleeps
 
+        # torchrun ends the other ranks (SIGTERM) when rank 0 exits with its error: then this one
+        # has nothing to add, and leaves without a word (no KeyboardInterrupt traceback).
+        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(1))
         time.sleep(RANK_0_GRACE_S)
         err_console.quiet = False
         text = f"rank {rank}: {text}"

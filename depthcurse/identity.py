@@ -8,7 +8,8 @@ the residual stream, [T, d]) and output f_l(x), the identity distance is
 
 estimated with a few random probes, each one Jacobian-vector product (forward-mode AD: one
 block forward with tangents: about 4x a plain forward of the block, measured on SmolLM2 on a CPU). The same probe's tangent
-at the output of the block's attention and MLP branches gives each branch's gain
+where the block's attention and MLP branches meet the stream (after a branch's own post-norm,
+in Gemma 2/3 and OLMo-2 blocks) gives each branch's gain
 E_v ||J_branch v|| / ||v||: how much of a perturbation of the stream the branch passes on (for a
 pre-norm block x + g(x), the identity distance is the gain of g as a whole).
 
@@ -26,7 +27,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.surgery import BRANCH_NAMES, find_branch
+from depthcurse.surgery import BRANCH_NAMES, branch_output
 
 
 @dataclass
@@ -43,15 +44,17 @@ class IdentityDistances:
         return {"identity_distance": self.identity, "attn_gain": self.attn_gain, "mlp_gain": self.mlp_gain,
                 "input_variance": self.variance, "tokens": self.tokens, "probes": self.probes, "seconds": self.seconds,
                 "definition": "E_v ||J v - v|| / ||v|| over random normal probes v of the real tokens of each sequence, J = d block(x) / dx; "
-                              "a branch's gain: E_v ||J_branch v|| / ||v||"}
+                              "a branch's gain: E_v ||J_branch v|| / ||v||, J_branch the Jacobian of what the branch adds to the stream (after its own post-norm, if it has one)"}
 
 
 def _first_tensor(output):
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
-def _branches(block: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    return {part: m for part in BRANCH_NAMES if (m := find_branch(block, part)) is not None}
+def _branches(block: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, torch.Tensor | None]]:
+    """Where each branch meets the stream (`branch_output`): after its post-norm in Gemma 2/3 and
+    OLMo-2 blocks, times its learned scale in LayerScale ones."""
+    return {part: m for part in BRANCH_NAMES if (m := branch_output(block, part)) is not None}
 
 
 class _Recorder:
@@ -94,8 +97,13 @@ def block_probes(block: torch.nn.Module, args: tuple, kwargs: dict, mask: torch.
     real = mask.to(x.device, x.dtype)[..., None]
     branches = _branches(block)
     tangents: dict[str, torch.Tensor] = {}
-    handles = [m.register_forward_hook(lambda mod, a, out, part=part: tangents.__setitem__(part, fwAD.unpack_dual(_first_tensor(out)).tangent))
-               for part, m in branches.items()]
+    def keep(part, scale):
+        def hook(module, args, output):
+            t = fwAD.unpack_dual(_first_tensor(output)).tangent
+            tangents[part] = t if t is None or scale is None else t * scale.detach()
+        return hook
+
+    handles = [m.register_forward_hook(keep(part, scale)) for part, (m, scale) in branches.items()]
     out = {"identity": [], "v": [], **{part: [] for part in branches}}
     try:
         with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):

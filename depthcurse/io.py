@@ -7,6 +7,7 @@ checkpoints, fine-tuning states and offline-cache entries alike.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -94,11 +95,17 @@ def _remove_stale(path: Path) -> None:
                 pass
 
 
+# Folders `ensure_out_dir` created while a command runs (`removing_empty_on_failure`), else None.
+_created: list[Path] | None = None
+
+
 def ensure_out_dir(path: Path, what: str = "--out") -> Path:
     """A folder that exists and can be written to, or one clear error about `what` it is."""
     path = Path(path).expanduser()
     if path.exists() and not path.is_dir():
         raise DepthcurseError(f"{what} {path} is a file, not a folder")
+    if _created is not None:
+        _created.extend(p for p in (path, *path.parents) if not p.exists())
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-", delete=True)
@@ -106,6 +113,34 @@ def ensure_out_dir(path: Path, what: str = "--out") -> Path:
     except OSError as exc:
         raise DepthcurseError(f"{what} {path} is not writable: {exc.strerror or exc}") from exc
     return path
+
+
+@contextlib.contextmanager
+def removing_empty_on_failure():
+    """Run a command so that the folders `ensure_out_dir` creates for it are removed again, deepest
+    first and only while empty, when it fails: a mistyped model leaves no empty
+    `runs/prune/<typo>/ppl/` behind, and a folder anything was written to stays."""
+    global _created
+    _created = []
+    try:
+        yield
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            _remove_empty(_created)
+        raise
+    except BaseException:
+        _remove_empty(_created)
+        raise
+    finally:
+        _created = None
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for folder in sorted(set(folders), key=lambda p: len(p.parts), reverse=True):
+        try:
+            folder.rmdir()
+        except OSError:
+            pass  # not empty (kept), or gone
 
 
 def finite(value):

@@ -128,6 +128,7 @@ def load_model(
     tokenizer: bool = True,
     new_head: bool = False,
     gpus: list[int] | None = None,
+    keep_dtype: bool = False,
 ) -> LoadedModel:
     """Load `name` (hub id, local folder, .gguf file or offline alias) in eval mode.
 
@@ -136,15 +137,20 @@ def load_model(
     node under torchrun).
 
     A head the checkpoint lacks would be initialised randomly by transformers, which makes the
-    measurement meaningless: that is refused unless `new_head` (for fine-tuning one).
+    measurement meaningless: that is refused unless `new_head` (for fine-tuning one). So is a
+    checkpoint missing any other weight, or holding weights the model has no place for.
+
+    `keep_dtype` makes `dtype="auto"` the checkpoint's dtype on a CPU too (`drop` saves what it loaded).
     """
     # Checkpoints exported by `lns-train` (Post-LN, Mix-LN, ...) use depthcurse's own model
     # class: registering it is what lets them load without trust_remote_code.
     register_with_transformers()
     dev = pick_device(device)
-    torch_dtype = pick_dtype(dtype, dev)
+    torch_dtype = pick_dtype(dtype, dev, keep_checkpoint=keep_dtype)
     source, kwargs = resolve_source(name)
     local = Path(source).exists()
+    if revision is not None and local:
+        raise DepthcurseError(f"--revision {revision} picks a version on the hub, but {name} is loaded from {source}, which has one: leave --revision out")
     offline = not local and not assets.hub_reachable()
     common = dict(trust_remote_code=trust_remote_code, revision=revision, local_files_only=offline, **kwargs)
 
@@ -167,12 +173,8 @@ def load_model(
         if gpus is not None:
             load_kwargs["max_memory"] = {i: torch.cuda.mem_get_info(i)[0] for i in gpus}
     try:
-        # The QA head is the one a plain encoder checkpoint lacks: ask which weights were missing.
         with _damaged_files_named(source, kwargs):
-            if head == "qa":
-                model, info = auto_cls.from_pretrained(source, output_loading_info=True, **load_kwargs)
-            else:
-                model, info = auto_cls.from_pretrained(source, **load_kwargs), {}
+            model, info = auto_cls.from_pretrained(source, output_loading_info=True, **load_kwargs)
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc):
             raise DepthcurseError(
@@ -182,18 +184,20 @@ def load_model(
         raise DepthcurseError(_explain_load_failure(name, source, offline, exc)) from exc
     except OSError as exc:
         raise DepthcurseError(_explain_load_failure(name, source, offline, exc)) from exc
-    if head == "qa" and not new_head:
-        _refuse_random_head(name, model, info)
+    _refuse_incomplete(name, source, model, info, head, new_head)
     if dev == "cpu":
         model.to("cpu")
     model.eval()
 
     tok = None
     if tokenizer:
+        if local and not kwargs and not any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
+            raise DepthcurseError(f"{source} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+                                  "copy the tokenizer files of the model it came from into it")
         try:
             tok = transformers.AutoTokenizer.from_pretrained(source, **common)
         except (OSError, ValueError) as exc:
-            raise DepthcurseError(f"cannot load the tokenizer of {name}: {first_line(exc)}") from exc
+            raise DepthcurseError(f"cannot load the tokenizer of {name}: {' '.join(str(exc).split())}") from exc
 
     input_device = model.get_input_embeddings().weight.device
     revision_seen = revision or getattr(config, "_commit_hash", None)
@@ -227,17 +231,54 @@ def _damaged_files_named(source: str, kwargs: dict):
         raise DepthcurseError(f"{path} is not a readable GGUF file: it looks truncated or corrupt ({one_line(exc)})") from exc
 
 
-def _refuse_random_head(name: str, model, info: dict) -> None:
-    """Head weights missing from the checkpoint were just drawn at random: refuse to measure them."""
+# What a folder's tokenizer is read from, by one tokenizer class or another.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+# Parts of a bare encoder that no measurement here runs (repr mean-pools the stream, angular reads
+# it): a checkpoint saved with a task head has no pooler, and its random one changes nothing.
+UNUSED_BASE_MODULES = ("pooler.",)
+
+
+def _refuse_incomplete(name: str, source: str, model, info: dict, head: Head, new_head: bool) -> None:
+    """Refuse a model whose checkpoint does not hold every weight it runs: transformers draws a
+    missing one at random (a layer missing from the file would be measured as free to remove), and
+    a weight the model has no place for (a layer beyond its config, a misnamed tensor) means the
+    file and the config disagree. Weights of another task's head (an `lm_head` when the base model
+    is asked for, a QA checkpoint's `qa_outputs`) are not the model's and are left out quietly.
+    The QA head itself may be missing with `new_head` (finetune-qa puts one on)."""
     prefix = getattr(model, "base_model_prefix", "") + "."
-    missing = [k for k in info.get("missing_keys", ()) if not k.startswith(prefix)]
-    if not missing:
-        return
-    shown = ", ".join(sorted(missing)[:3]) + ("..." if len(missing) > 3 else "")
-    raise DepthcurseError(
-        f"{name} has no trained question-answering head ({shown} missing from the checkpoint, so it would be random): "
-        f"fine-tune one with `depthcurse finetune-qa {name}`, or use a SQuAD-fine-tuned model"
-    )
+    missing = sorted(info.get("missing_keys", ()))
+    if head == "base":
+        missing = [k for k in missing if not k.startswith(UNUSED_BASE_MODULES)]
+    head_missing = [k for k in missing if head == "qa" and not k.startswith(prefix)]
+    if head_missing and not new_head:
+        raise DepthcurseError(
+            f"{name} has no trained question-answering head ({_keys_text(head_missing)} missing from the checkpoint, so it would be random): "
+            f"fine-tune one with `depthcurse finetune-qa {name}`, or use a SQuAD-fine-tuned model"
+        )
+    missing = [k for k in missing if k not in head_missing]
+    if missing:
+        raise DepthcurseError(f"{source} lacks weights the model needs: {_keys_text(missing)} are missing from the checkpoint "
+                              "(transformers would fill them at random); use a complete checkpoint")
+    own = {child for child, _ in model.named_children()}
+    unexpected = sorted(k for k in info.get("unexpected_keys", ()) if k.startswith(prefix) or k.partition(".")[0] in own)
+    if unexpected:
+        raise DepthcurseError(f"{source} holds weights the model has no place for: {_keys_text(unexpected)} "
+                              "(its config and its weights disagree: a layer count or a name that was edited?)")
+
+
+def _keys_text(keys: list[str], shown: int = 3) -> str:
+    """Checkpoint keys in a few words: each module with a layer index once (`model.layers.1.*, 9
+    tensors`), the first `shown` of them, and how many more."""
+    groups: dict[str, int] = {}
+    for key in keys:
+        parts = key.split(".")
+        cut = next((i + 1 for i, part in enumerate(parts) if part.isdigit()), None)
+        group = ".".join(parts[:cut]) + ".*" if cut is not None and cut < len(parts) else key
+        groups[group] = groups.get(group, 0) + 1
+    items = [f"{g} ({n} tensors)" if n > 1 else g for g, n in groups.items()]
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
 
 
 def _explain_load_failure(name: str, source: str, offline: bool, exc: BaseException) -> str:

@@ -3,7 +3,8 @@
 Each folder is read by the module that wrote it: prune sweeps (the paper's Figure 2 across models
 on relative depth, and how many single layers each model can lose within 1/5/10%), greedy depth
 curves (each strategy's curve, and the units removable within 1/5/10% against the model's depth),
-angular-distance results (the heatmap) and lns-train runs (the paper's Table 1). Figures go to a
+angular-distance results (the heatmap), heal runs and healed depth curves, and lns-train runs
+(the paper's Table 1). Figures go to a
 folder beside the page; the page links them by relative path, so the two move together.
 """
 
@@ -19,14 +20,15 @@ from depthcurse.angular import load_angular
 from depthcurse.angular.report import plot_angular
 from depthcurse.angular.result import ANGULAR_JSON
 from depthcurse.errors import DepthcurseError
+from depthcurse.heal import HEAL_JSON, curve_table, heal_table, plot_heal_curve, read_heal
 from depthcurse.io import atomic_write, ensure_out_dir, save_figure
 from depthcurse.prune.greedy import GREEDY_JSON, THRESHOLDS, DepthCurves, read_curves
-from depthcurse.prune.report import load_prune, plot_greedy, plot_prune_overlay
-from depthcurse.prune.results import RESULTS_JSON, Sweep
+from depthcurse.prune.report import curves_data_text, legend_below, load_prune, plot_greedy, plot_prune_overlay
+from depthcurse.prune.results import RESULTS_JSON, UNIT_NAMES, Sweep
 from depthcurse.train import read_run, table1
 from depthcurse.train.config import CONFIG
 
-KINDS = ("greedy", "prune", "angular", "train")
+KINDS = ("greedy", "prune", "angular", "heal", "train")
 
 
 def kind_of(folder: Path) -> str:
@@ -34,10 +36,10 @@ def kind_of(folder: Path) -> str:
     folder = Path(folder)
     if not folder.is_dir():
         raise DepthcurseError(f"{folder} is not a folder: give results folders that depthcurse wrote")
-    for kind, marker in (("greedy", GREEDY_JSON), ("prune", RESULTS_JSON), ("angular", ANGULAR_JSON), ("train", CONFIG)):
+    for kind, marker in (("greedy", GREEDY_JSON), ("prune", RESULTS_JSON), ("angular", ANGULAR_JSON), ("heal", HEAL_JSON), ("train", CONFIG)):
         if (folder / marker).is_file():
             return kind
-    raise DepthcurseError(f"{folder} holds no depthcurse result ({GREEDY_JSON}, {RESULTS_JSON}, {ANGULAR_JSON}, or an lns-train run's {CONFIG})")
+    raise DepthcurseError(f"{folder} holds no depthcurse result ({GREEDY_JSON}, {RESULTS_JSON}, {ANGULAR_JSON}, {HEAL_JSON}, or an lns-train run's {CONFIG})")
 
 
 def markdown_table(table: Table) -> str:
@@ -60,25 +62,56 @@ def _rows(headers: list[str], rows: list[list]) -> str:
     return markdown_table(table)
 
 
-def _singles_within(sweep: Sweep, threshold: float) -> int:
-    return sum(1 for v in sweep.single_removals if sweep.drop(v)[1] <= threshold)
+def _singles_within(sweep: Sweep, threshold: float) -> str:
+    """Single units whose removal costs at most `threshold`, out of those measured: `3 of 7` when
+    the sweep measured 7 of the model's units (a --layers subset, or an interrupted sweep)."""
+    singles = sweep.single_removals
+    within = sum(1 for v in singles if sweep.drop(v)[1] <= threshold)  # NaN is never within
+    return str(within) if len(singles) == sweep.n_layers else f"{within} of {len(singles)} measured"
+
+
+def _is_block(sweep: Sweep) -> bool:
+    return "block" in sweep.run
 
 
 def _prune_section(folders: list[Path], figures: Path) -> str:
     sweeps = [load_prune(f) for f in folders]
-    overlay = plot_prune_overlay(folders, figures / "prune_relative_depth.png")
+    singles = [(f, s) for f, s in zip(folders, sweeps) if not _is_block(s)]
+    blocks = [(f, s) for f, s in zip(folders, sweeps) if _is_block(s)]
+    parts = []
+    if singles:
+        overlay = plot_prune_overlay([f for f, _ in singles], figures / "prune_relative_depth.png")
+        rows = []
+        for folder, s in singles:
+            base = s.baseline
+            rows.append([s.run.get("model"), s.n_layers, s.unit, s.run.get("task"), s.data_text(), s.metric,
+                         f"{base.metrics[s.metric]:.4g}" if base else "-", *(_singles_within(s, t) for t in THRESHOLDS), s.status_text(), folder])
+        headers = ["model", "layers", "unit removed", "task", "data", "metric", "unpruned", *(f"single units within {t:.0%}" for t in THRESHOLDS), "result", "folder"]
+        parts += [
+            "## Prune sweeps: one unit removed at a time",
+            f"![relative drop against relative depth]({figures.name}/{overlay.name})",
+            "Each curve: the relative drop (up is worse for every metric) when the unit at that relative depth is removed, against each model's own unpruned score.",
+            _rows(headers, rows),
+        ]
+    if blocks:
+        parts += ["## Blocks of contiguous layers removed (prune --block)",
+                  "The block angular distance picks (Gromov et al.) against the same number of deepest layers before the final one.",
+                  _rows(["model", "layers", "task", "data", "n", "rule", "layers removed", "metric", "unpruned", "removed", "rel. drop", "result", "folder"],
+                        [row for folder, s in blocks for row in _block_rows(s, folder)])]
+    return "\n\n".join(parts)
+
+
+def _block_rows(sweep: Sweep, folder: Path) -> list[list]:
+    base = sweep.baseline
+    by_removed = {tuple(v.removed): v for v in sweep.variants}
     rows = []
-    for folder, s in zip(folders, sweeps):
-        base = s.baseline
-        rows.append([s.run.get("model"), s.n_layers, s.run.get("task"), s.run.get("granularity", "layer"), s.metric,
-                     f"{base.metrics[s.metric]:.4g}" if base else "-", *(_singles_within(s, t) for t in THRESHOLDS), folder])
-    headers = ["model", "layers", "task", "unit", "metric", "unpruned", *(f"single units within {t:.0%}" for t in THRESHOLDS), "folder"]
-    return "\n\n".join([
-        "## Prune sweeps: one unit removed at a time",
-        f"![relative drop against relative depth]({figures.name}/{overlay.name})",
-        "Each curve: the relative drop (up is worse for every metric) when the unit at that relative depth is removed, against each model's own unpruned score.",
-        _rows(headers, rows),
-    ])
+    for rule, layers in ((r, l) for r, l in sweep.run["block"].items() if r != "n"):
+        v = by_removed.get(tuple(layers))
+        value, rel = ("not run", "") if v is None else (f"{v.metrics[sweep.metric]:.4g}", f"{sweep.drop(v)[1]:+.1%}")
+        label = f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
+        rows.append([sweep.run.get("model"), sweep.n_layers, sweep.run.get("task"), sweep.data_text(), sweep.run["block"]["n"], rule, label, sweep.metric,
+                     f"{base.metrics[sweep.metric]:.4g}" if base else "-", value, rel, sweep.status_text(), folder])
+    return rows
 
 
 def _greedy_section(folders: list[Path], figures: Path) -> str:
@@ -87,10 +120,10 @@ def _greedy_section(folders: list[Path], figures: Path) -> str:
     rows = []
     for i, (folder, r) in enumerate(zip(folders, results)):
         figure = plot_greedy(r, figures / f"greedy_{i}.png")
-        parts.append(f"### {r.run.get('model')} · {r.run.get('task')} · {r.granularity}\n\n![greedy curves]({figures.name}/{figure.name})")
+        parts.append(f"### {r.run.get('model')} · {UNIT_NAMES[r.granularity]} · {curves_data_text(r)}\n\n![greedy curves]({figures.name}/{figure.name})")
         for name in r.curves:
-            rows.append([r.run.get("model"), r.n_units, r.run.get("task"), r.granularity, name, *(r.within_text(name, t) for t in THRESHOLDS), folder])
-    parts.append(_rows(["model", "units", "task", "unit", "strategy", *(f"removable within {t:.0%}" for t in THRESHOLDS), "folder"], rows))
+            rows.append([r.run.get("model"), r.n_units, UNIT_NAMES[r.granularity], curves_data_text(r), name, *(r.within_text(name, t) for t in THRESHOLDS), folder])
+    parts.append(_rows(["model", "units", "unit removed", "measured on", "strategy", *(f"removable within {t:.0%}" for t in THRESHOLDS), "folder"], rows))
     parts.append(f"![removable depth against model depth]({figures.name}/{_plot_removable(results, figures / 'removable_by_depth.png').name})")
     return "\n\n".join(parts)
 
@@ -112,8 +145,7 @@ def _plot_removable(results: list[DepthCurves], path: Path) -> Path:
     ax.set_ylabel("fraction removable (greedy)")
     ax.set_title("depth the greedy search removes before the drop passes each threshold", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
+    legend_below(fig, ax)
     return save_figure(fig, path)
 
 
@@ -123,6 +155,24 @@ def _angular_section(folders: list[Path], figures: Path) -> str:
         result = load_angular(folder)
         figure = plot_angular(result, figures / f"angular_{i}.png", title=f"{result.run.get('model')}: angular distance")
         parts.append(f"### {result.run.get('model')} ({folder})\n\n![angular distance]({figures.name}/{figure.name})")
+    return "\n\n".join(parts)
+
+
+def _heal_section(folders: list[Path], figures: Path) -> str:
+    parts = ["## Healing: what a little training wins back"]
+    for i, folder in enumerate(folders):
+        record = read_heal(folder)
+        if "points" in record:  # a healed depth curve
+            if not record["points"]:
+                parts.append(f"### {folder}: no point healed yet")
+                continue
+            figure = plot_heal_curve(record, figures / f"heal_{i}.png")
+            parts += [f"### {record['run']['model']} · healed depth curve · {folder}", f"![healed depth curve]({figures.name}/{figure.name})",
+                      markdown_table(curve_table(record))]
+        elif "recovered" in record:
+            parts += [f"### {record['run']['model']} · {folder}", markdown_table(heal_table(record))]
+        else:
+            parts.append(f"### {folder}: not finished (rerun its heal command to finish)")
     return "\n\n".join(parts)
 
 
@@ -151,6 +201,8 @@ def write_report(folders: list[Path], out: Path) -> Path:
         sections.append(_greedy_section(by_kind["greedy"], figures))
     if by_kind["angular"]:
         sections.append(_angular_section(by_kind["angular"], figures))
+    if by_kind["heal"]:
+        sections.append(_heal_section(by_kind["heal"], figures))
     if by_kind["train"]:
         sections.append(_train_section(by_kind["train"]))
     return atomic_write(out, "\n\n".join(sections) + "\n")

@@ -24,11 +24,12 @@ def pick_device(device: str) -> str:
     return device
 
 
-def pick_dtype(dtype: str, device: str) -> torch.dtype | str:
-    """`auto` keeps the checkpoint's dtype on a GPU; on a CPU it means fp32, since bf16 matmuls
-    there are slow and a sweep's small differences should not drown in rounding."""
+def pick_dtype(dtype: str, device: str, keep_checkpoint: bool = False) -> torch.dtype | str:
+    """`auto` keeps the checkpoint's dtype on a GPU (and, with `keep_checkpoint`, on a CPU); on a
+    CPU it means fp32, since bf16 matmuls there are slow and a sweep's small differences should not
+    drown in rounding."""
     if dtype == "auto":
-        return "auto" if device == "cuda" else torch.float32
+        return "auto" if device == "cuda" or keep_checkpoint else torch.float32
     if dtype not in DTYPES:
         raise DepthcurseError(f"unknown --dtype {dtype!r}: use auto, bf16, fp16 or fp32")
     return DTYPES[dtype]

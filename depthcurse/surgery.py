@@ -198,11 +198,14 @@ _RANGE = re.compile(r"(-?\d+)\s*-\s*(-?\d+)")
 def parse_layers(spec: str | None, n_layers: int) -> list[int]:
     """Parse a layer spec such as ``"0,3,5-8"`` or ``"-1"`` into sorted, unique indices.
 
-    None, "" and "all" mean every layer. Ranges are inclusive; negative indices count from the
-    end, in ranges too ("-3--1" is the last three layers).
+    None and "all" mean every layer; an empty spec is an error (a shell variable that came out
+    empty should not silently mean every layer). Ranges are inclusive; negative indices count
+    from the end, in ranges too ("-3--1" is the last three layers).
     """
-    if spec is None or spec.strip().lower() in ("", "all"):
+    if spec is None or spec.strip().lower() == "all":
         return list(range(n_layers))
+    if not spec.strip(" ,"):
+        raise DepthcurseError(f"--layers {spec!r} names no layer: give indices and ranges like 0,3,5-8, or leave it out for every layer")
     out: set[int] = set()
     for raw in spec.split(","):
         token = raw.strip()
@@ -393,6 +396,31 @@ def find_branch(block: nn.Module, part: str) -> nn.Module | None:
     if _post_ln_branch(block, part) is not None:
         return None
     return next((m for m in (getattr(block, name, None) for name in BRANCH_NAMES[part]) if isinstance(m, nn.Module)), None)
+
+
+# Blocks that normalise a branch's output before adding it to the stream, h + post(branch(pre(h))):
+# (the module marking the layout, the attention's post-norm, the MLP's). The mark is needed:
+# Llama's `post_attention_layernorm` is its MLP's input norm, Gemma's the attention's post-norm.
+BRANCH_POST_NORMS = (
+    ("post_feedforward_layernorm", {"attn": "post_attention_layernorm", "mlp": "post_feedforward_layernorm"}),  # Gemma 2/3, OLMo-2
+    ("mlp_out_norm", {"attn": "attn_out_norm", "mlp": "mlp_out_norm"}),  # lns-train's sandwich blocks
+)
+
+
+def branch_output(block: nn.Module, part: str) -> tuple[nn.Module, torch.Tensor | None] | None:
+    """Where a pre-norm block's `part` branch meets its stream: (the module whose output the block
+    adds, after the branch's own post-norm where it has one; a learned scale the block multiplies
+    it by first, as lns-train's LayerScale and SkipInit blocks do, or None). None for Post-LN blocks."""
+    branch = find_branch(block, part)
+    if branch is None:
+        return None
+    for mark, norms in BRANCH_POST_NORMS:
+        post = getattr(block, norms[part], None)
+        if isinstance(getattr(block, mark, None), nn.Module) and isinstance(post, nn.Module):
+            branch = post
+            break
+    scale = getattr(block, f"{part}_scale", None)
+    return branch, scale if isinstance(scale, nn.Parameter) else None
 
 
 def branch_of(block: nn.Module, part: str) -> nn.Module:

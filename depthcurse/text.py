@@ -1,6 +1,7 @@
 """Plain text for perplexity and representation measurements: C4, the offline Wikipedia, or a file.
 
-`load_texts` returns documents (strings); tokenising and windowing belong to whoever measures.
+`load_texts` returns documents (strings); tokenising and windowing belong to whoever measures,
+who puts `start_tokens` (the model's BOS) first where the model expects it.
 """
 
 from __future__ import annotations
@@ -19,14 +20,20 @@ C4_VALIDATION_FILE = "en/c4-validation.00000-of-00008.json.gz"
 TEXT_SOURCES = ("auto", "c4", "wiki")
 
 
+def text_source(data: str) -> str:
+    """`auto` as what it means here: C4 where the hub is reachable, the offline Wikipedia text otherwise."""
+    if data == "auto":
+        return "c4" if assets.hub_reachable() else "wiki"
+    return data
+
+
 def load_texts(data: str = "auto") -> tuple[list[str], str]:
     """Documents for `data` and a short label for the results files.
 
     `auto` is C4 validation where the hub is reachable and the offline Wikipedia text otherwise.
     Anything that is not a source name is read as a local .txt, .jsonl/.json or .parquet file.
     """
-    if data == "auto":
-        data = "c4" if assets.hub_reachable() else "wiki"
+    data = text_source(data)
     if data == "c4":
         return _c4_validation(), "c4-validation"
     if data == "wiki":
@@ -45,6 +52,22 @@ def load_texts(data: str = "auto") -> tuple[list[str], str]:
     if not texts:
         raise DepthcurseError(f"{path} holds no text")
     return texts, str(path)
+
+
+def start_tokens(tokenizer) -> list[int]:
+    """The ids a tokenizer puts before a text's own: BOS where it adds one (Llama, Gemma, Mistral),
+    none where it adds none (GPT-2, SmolLM2). It is what began every sequence the model was
+    trained on, so a window of text should begin with it too."""
+    probe = "The"
+    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    full = tokenizer(probe)["input_ids"]
+    at = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), 0)
+    return list(full[:at])
+
+
+def start_text(tokenizer, ids: list[int]) -> str | None:
+    """`start_tokens` as text for a results file (`<s>`), None for none."""
+    return "".join(tokenizer.convert_ids_to_tokens(ids)) if ids else None
 
 
 def _c4_validation() -> list[str]:
@@ -88,12 +111,20 @@ def _read_json_lines(path: Path) -> list[str]:
     with opener(path, "rt", encoding="utf-8") as fh:
         raw = fh.read()
     if path.suffix == ".json" and raw.lstrip().startswith("["):
-        rows = json.loads(raw)
+        rows = enumerate(json.loads(raw), 1)
+        where = "record"
     else:
-        rows = [json.loads(line) for line in raw.splitlines() if line.strip()]
+        rows, where = [], "line"
+        for number, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((number, json.loads(line)))
+            except json.JSONDecodeError as exc:  # its own "line 1" is the line's, not the file's
+                raise DepthcurseError(f"{path}: line {number} is not JSON ({exc.msg} at column {exc.colno})") from exc
     texts = []
-    for i, row in enumerate(rows):
+    for number, row in rows:
         if not isinstance(row, dict) or "text" not in row:
-            raise DepthcurseError(f"{path}: record {i + 1} has no 'text' field")
+            raise DepthcurseError(f"{path}: {where} {number} has no 'text' field")
         texts.append(row["text"])
     return texts

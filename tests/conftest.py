@@ -111,3 +111,15 @@ def tiny_bert_tokenizer():
     tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]",
                                    model_max_length=128, model_input_names=["input_ids", "token_type_ids", "attention_mask"])
+
+
+@pytest.fixture(scope="session")
+def bos_tokenizer(tiny_tokenizer):
+    """The tiny tokenizer, but putting <bos> before every text, as Llama's, Gemma's and Mistral's do."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer.from_str(tiny_tokenizer.backend_tokenizer.to_str())
+    backend.add_special_tokens(["<bos>"])
+    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", backend.token_to_id("<bos>"))])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")

@@ -90,7 +90,7 @@ def assert_one_line_error(code, out, err, match):
     assert code != 0
     assert "Traceback" not in out + err
     assert "━" not in out + err, out  # no progress bar left behind: the error is the one line
-    assert not out.endswith("\n\n") and out != "\n", repr(out)  # nor the blank line a bar ends with off a terminal
+    assert out == "", repr(out)  # nothing before it either: no header line, no table, not the blank line a bar ends with off a terminal
     lines = [line for line in err.strip().splitlines() if line.strip()]
     assert len(lines) == 1, err
     assert lines[0].startswith("error:") and match in lines[0], lines[0]

@@ -28,7 +28,8 @@ def test_prune_on_a_local_model_writes_table_and_files(run_cli, tiny_model_dir, 
     for v in data["variants"]:
         assert v["metrics"]["loss"] == pytest.approx(task.evaluate(built_without(full, "model.layers", v["removed"])).metrics["loss"], abs=1e-5)
     rows = (out / "prune.csv").read_text().splitlines()
-    assert rows[0] == "removed,loss,ppl,drop,rel_drop,examples,seconds" and rows[1].startswith("none,")
+    assert rows[0] == "unit,removed,data,loss,ppl,drop,rel_drop,examples,seconds" and rows[1].startswith("layer,none,3 windows x 16 tokens of ")
+    assert "layer removed" in stdout and "one layer removed at a time" in stdout
 
 
 def test_drop_saves_the_model_without_those_layers(run_cli, tiny_model_dir, tmp_path):
@@ -49,9 +50,8 @@ def test_assets_on_a_cache_that_cannot_be_written_says_why(run_cli, tmp_path, mo
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("x")
     monkeypatch.setenv("DEPTHCURSE_CACHE", str(blocker))
-    code, out, err = run_cli("assets")
-    assert code == 1 and "Traceback" not in out + err
-    assert "failed" in out and f"the offline cache (DEPTHCURSE_CACHE) {blocker} is a file, not a folder" in err
+    # one line, said once: not first a table with the same reason on every row
+    assert_one_line_error(*run_cli("assets"), f"the offline cache (DEPTHCURSE_CACHE) {blocker} is a file, not a folder")
 
 
 @pytest.mark.parametrize(
@@ -89,6 +89,15 @@ def test_assets_on_a_cache_that_cannot_be_written_says_why(run_cli, tmp_path, mo
         (["drop", "{model}", "--layers", "1", "--out", "{encoder}"], "already holds a checkpoint"),
         (["lns-train", "--tokenizer", "bpe:x", "--out", "{tmp}/run"], "--tokenizer bpe:x: write bpe:N"),  # printed as typed, never as :emoji:
         (["lns-train", "--data", "c4", "--out", "{tmp}/run"], "C4 is streamed from the hub, which is not reachable"),
+        (["prune", "{model}", "--layers", "", "--data", "{text}"], "--layers '' names no layer"),
+        (["prune", "{model}", "--revision", "main", "--data", "{text}"], "--revision main picks a version on the hub, but {model} is loaded from {model}"),
+        (["plot", "{tmp}/nothing", "--out", "{tmp}/fig.txt"], "the figure is a PNG image, give a .png path"),
+        (["prune", "{tmp}/no-tokenizer", "--data", "{text}"], "{tmp}/no-tokenizer holds no tokenizer (none of tokenizer.json"),
+        (["prune", "{tmp}/missing-layer", "--data", "{text}"], "{tmp}/missing-layer lacks weights the model needs: model.layers.1.* (9 tensors) are missing"),
+        (["angular-distance", "{tmp}/missing-layer", "--data", "{text}"], "{tmp}/missing-layer lacks weights the model needs: layers.1.* (9 tensors) are missing"),
+        (["prune", "{tmp}/extra-layer", "--data", "{text}"], "{tmp}/extra-layer holds weights the model has no place for: model.layers.4.* (9 tensors)"),
+        (["prune", "{model}", "--task", "ppl", "--data", "{tmp}/broken.jsonl"], "broken.jsonl: line 2 is not JSON"),
+        (["prune", "{model}", "--task", "repr", "--no-bos"], "--no-bos does not apply to --task repr: it is for ppl"),
     ],
 )
 def test_bad_input_gets_one_clear_line(run_cli, tiny_model_dir, text_file, tmp_path, args, match):
@@ -106,10 +115,34 @@ def test_bad_input_gets_one_clear_line(run_cli, tiny_model_dir, text_file, tmp_p
         (tmp_path / name / "model.safetensors").write_bytes(damaged)
     (tmp_path / "gguf").mkdir()
     (tmp_path / "gguf" / "eight-bytes.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    _checkpoint_variants(tiny_model_dir, tmp_path)
+    (tmp_path / "broken.jsonl").write_text('{"text": "fine"}\n{"text": "cut off\n')
     match = match.format(tmp=tmp_path, model=tiny_model_dir)
     fill = {"model": tiny_model_dir, "text": text_file, "tmp": tmp_path, "encoder": encoder}
     args = [a.format(**{k: str(v) for k, v in fill.items()}) for a in args]
     assert_one_line_error(*run_cli(*args), match)
+    assert not os.path.exists("runs")  # a failed command leaves no empty results folder (the default --out is under runs/)
+    assert not any(p.is_dir() and not any(p.iterdir()) for p in tmp_path.iterdir()), list(tmp_path.iterdir())  # nor under --out
+
+
+def _checkpoint_variants(model_dir, tmp_path):
+    """Copies of a checkpoint that transformers loads with a warning at most: without its
+    tokenizer, without every tensor of layer 1, and with a fifth layer's tensors it has no place for."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(model_dir / "model.safetensors")
+    for name, tensors in (("no-tokenizer", None),
+                          ("missing-layer", {k: v for k, v in weights.items() if not k.startswith("model.layers.1.")}),
+                          ("extra-layer", {**weights, **{k.replace("layers.3.", "layers.4."): v.clone() for k, v in weights.items() if "layers.3." in k}})):
+        shutil.copytree(model_dir, tmp_path / name)
+        if tensors is None:
+            for f in (tmp_path / name).glob("tokenizer*"):
+                f.unlink()
+            (tmp_path / name / "special_tokens_map.json").unlink(missing_ok=True)
+        else:
+            save_file(tensors, tmp_path / name / "model.safetensors", metadata={"format": "pt"})
 
 
 def test_debug_shows_the_traceback(run_cli):
@@ -178,3 +211,37 @@ def test_another_rank_says_an_error_of_its_own_after_rank_0_had_its_chance(monke
         cli._fail("CUDA out of memory")
     assert exited.value.code == 1
     assert "error: rank 1: CUDA out of memory" in capsys.readouterr().err
+
+
+def test_depthcurse_torchrun_puts_the_module_before_the_command():
+    from depthcurse.cli import command_names
+    from depthcurse.launch import torchrun_args
+
+    names = command_names()
+    assert {"prune", "angular-distance", "lns-train", "drop", "report"} <= names
+    assert torchrun_args(["--nproc-per-node", "8", "prune", "m", "--task", "mmlu"], names) == (["--nproc-per-node", "8", "-m", "depthcurse", "prune", "m", "--task", "mmlu"], False)
+    assert torchrun_args(["--debug", "--standalone", "lns-train", "--steps", "3"], names) == (["--standalone", "-m", "depthcurse", "--debug", "lns-train", "--steps", "3"], True)
+    with pytest.raises(ValueError, match="no depthcurse command"):
+        torchrun_args(["--nproc-per-node", "2"], names)
+
+
+def test_an_error_found_after_the_model_is_loaded_is_still_the_one_line(run_cli, tiny_model_dir, text_file, tmp_path):
+    """The header line (model, task, results folder) is printed when the work starts: an error
+    found once the model is loaded (a folder of another run, --greedy out of range) is alone."""
+    base = ["prune", tiny_model_dir, "--data", text_file, "--seq-len", "16", "--out", tmp_path / "out"]
+    assert run_cli(*base, "--limit", "2", "--layers", "0")[0] == 0
+    assert_one_line_error(*run_cli(*base, "--limit", "3", "--layers", "0"), "holds a different run")
+    assert_one_line_error(*run_cli(*base, "--greedy", "9"), "--greedy 9 is out of range")
+
+
+def test_drop_keeps_the_checkpoints_dtype(run_cli, tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    half = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).save_pretrained(half)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (half / name).write_bytes((tiny_model_dir / name).read_bytes())
+    assert run_cli("drop", half, "--layers", "1", "--out", tmp_path / "pruned")[0] == 0
+    pruned = AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", dtype="auto")
+    assert pruned.dtype == torch.bfloat16 and json.loads((tmp_path / "pruned" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert (tmp_path / "pruned" / "model.safetensors").stat().st_size < 0.6 * (tiny_model_dir / "model.safetensors").stat().st_size

@@ -569,3 +569,28 @@ def test_a_model_spread_over_devices_scores_as_on_one(split_kind, tiny_model_dir
     assert one.meta["engine"]["name"] == spread.meta["engine"]["name"] == "reuse"
     for a, b in zip(one.variants, spread.variants):
         assert b.metrics["loss"] == pytest.approx(a.metrics["loss"], abs=1e-6 if split_kind == "disk" else 1e-4)
+
+
+@pytest.mark.parametrize("broken", ["cached-prefix", "block-by-block"])
+def test_the_engines_check_refuses_a_model_it_would_score_wrongly(broken, monkeypatch, one_torch_thread):
+    """Stepper.check compares both of the engine's paths with the model's own forward: a prefix's
+    values lost from the suffix's attention (the cached-prefix path), or rotary
+    positions that are off (every path), each make it refuse the model before a sweep."""
+    from depthcurse.prune import stepping
+
+    model = tiny_llama(300)
+    Stepper(model).check()  # as it is: the engine's paths are the model's own
+    if broken == "cached-prefix":
+        real_update = stepping._LayerKV.update
+
+        def update(self, key, value, *args, **kwargs):  # the prefix's values lost (zeros in their place)
+            if self.prefix is not None:
+                self.prefix = (self.prefix[0], torch.zeros_like(self.prefix[1]))
+            return real_update(self, key, value, *args, **kwargs)
+
+        monkeypatch.setattr(stepping._LayerKV, "update", update)
+    else:
+        real = Stepper._rope
+        monkeypatch.setattr(Stepper, "_rope", lambda self, position_ids: real(self, 2 * position_ids))  # a shift would not do: rotary is relative
+    with pytest.raises(stepping.Unsupported, match=f"the {broken} forward differs from the model's own"):
+        Stepper(model).check()

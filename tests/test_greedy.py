@@ -117,14 +117,23 @@ def _plain_only_model(kind: str):
     torch.manual_seed(3)
     enc = dict(vocab_size=300, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64, max_position_embeddings=128)
     if kind == "bert":
-        return tiny_bert(300)
-    if kind == "deberta_v2":  # relative attention, its own layer classes
-        return tf.DebertaV2ForQuestionAnswering(tf.DebertaV2Config(**enc, relative_attention=True, pos_att_type=["c2p", "p2c"])).eval()
-    if kind == "distilbert":
-        return tf.DistilBertForQuestionAnswering(tf.DistilBertConfig(vocab_size=300, dim=32, n_layers=4, n_heads=4, hidden_dim=64, max_position_embeddings=128)).eval()
-    if kind == "mpnet":
-        return tf.MPNetForQuestionAnswering(tf.MPNetConfig(**enc)).eval()
-    raise ValueError(kind)
+        model = tiny_bert(300)
+    elif kind == "deberta_v2":  # relative attention, its own layer classes
+        model = tf.DebertaV2ForQuestionAnswering(tf.DebertaV2Config(**enc, relative_attention=True, pos_att_type=["c2p", "p2c"])).eval()
+    elif kind == "distilbert":
+        model = tf.DistilBertForQuestionAnswering(tf.DistilBertConfig(vocab_size=300, dim=32, n_layers=4, n_heads=4, hidden_dim=64, max_position_embeddings=128)).eval()
+    elif kind == "mpnet":
+        model = tf.MPNetForQuestionAnswering(tf.MPNetConfig(**enc)).eval()
+    else:
+        raise ValueError(kind)
+    # Trained norms, not the init's weight 1 and bias 0: a block's input is already the output of
+    # such a norm, which then leaves it as it is, and a removed branch that left h instead of
+    # norm(h) would pass unnoticed.
+    for module in model.modules():
+        if isinstance(module, torch.nn.LayerNorm):
+            module.weight.data = torch.rand(module.weight.shape) + 0.5
+            module.bias.data = 0.3 * torch.randn(module.bias.shape)
+    return model
 
 
 @pytest.mark.parametrize("kind", list(PLAIN_ONLY))
@@ -264,6 +273,32 @@ def test_the_last_n_order_stays_in_range_when_every_branch_goes(tiny_tokenizer, 
     assert sorted(orders["one-shot"][-1]) == [0, 1, 2]
 
 
+def test_the_heuristic_orders_take_the_lowest_block_influence_and_the_argmin_angular_block_first(tiny_tokenizer, tmp_path, one_torch_thread):
+    """ShortGPT removes the layers whose Block Influence, 1 - cos(x_l, x_l+1), is lowest first;
+    Gromov et al. the block l*..l*+n-1 with the smallest d(x_l, x_l+n). Both from an angular
+    pass whose numbers are chosen here, so that the right order and its reverse differ."""
+    from depthcurse.angular import AngularResult
+
+    L = 5
+    pairwise = [[abs(j - i) * 0.1 for j in range(L + 1)] for i in range(L + 1)]
+    pairwise[2][4] = pairwise[4][2] = 0.01  # layers 2-3 barely change the stream
+    angular = AngularResult(num_layers=L, max_n=L, position="last", pairwise=pairwise, samples=1, stat_tokens=1,
+                            block_influence=[0.9, 0.2, 0.05, 0.4, 0.7], relative_update=[0.0] * L, norm=[1.0] * (L + 1), variance=[1.0] * (L + 1))
+    sweep = run_sweep(_loaded(tiny_llama(len(tiny_tokenizer), layers=L), tiny_tokenizer), _ppl_task(tiny_tokenizer), range(L), tmp_path)
+    orders, notes = heuristic_orders(L, "layer", 3, sweep, angular)
+    assert orders["block-influence"] == [(2,), (1, 2), (1, 2, 3)]
+    assert orders["angular"][1] == (2, 3) and not notes
+
+
+def test_a_curve_point_that_is_not_a_number_ends_what_counts_as_within_the_drop():
+    """A variant whose score came out NaN (a loss that overflowed) is not a cheap removal."""
+    nan = float("nan")
+    points = [CurvePoint(k, list(range(k)), 1 + r, r, r) for k, r in enumerate((0.0, 0.001, nan, 0.002))]
+    result = DepthCurves({}, "layer", 5, "loss", False, {"greedy": points})
+    assert [result.units_within("greedy", t) for t in (0.01, 0.05, 0.10)] == [1, 1, 1]
+    assert result.to_json()["units_within"]["greedy"] == {"1%": 1, "5%": 1, "10%": 1}
+
+
 def test_units_within_a_drop_count_until_the_curve_passes_it_and_say_when_it_stopped_first():
     def curve(*rel):
         return [CurvePoint(k, list(range(k)), 1 + r, r, r) for k, r in enumerate((0.0, *rel))]
@@ -299,7 +334,7 @@ def test_cli_greedy_and_granularity(run_cli, tiny_model_dir, text_file, tmp_path
     assert code == 0, err
     replayed = json.loads((tmp_path / "held-out" / "greedy.json").read_text())
     assert replayed["granularity"] == "attn" and [p["removed"] for p in replayed["curves"]["greedy"]] == [p["removed"] for p in data["curves"]["greedy"]]
-    assert replayed["run"]["seq_len"] == 24 and "attention branches removable" in stdout and "orders chosen on" in stdout
+    assert replayed["run"]["seq_len"] == 24 and "attention branches removable" in stdout and "orders chosen on" in " ".join(stdout.split())
 
 
 def test_report_renders_one_page_from_folders_of_three_kinds(run_cli, tiny_model_dir, text_file, tmp_path):
@@ -322,3 +357,47 @@ def test_report_renders_one_page_from_folders_of_three_kinds(run_cli, tiny_model
     assert_one_line_error(*run_cli("report", tmp_path / "sweep" / "prune.png"), "is not a folder")
     assert_one_line_error(*run_cli("report", tmp_path / "greedy" / "steps"), "holds no depthcurse result")
     assert_one_line_error(*run_cli("report", tmp_path / "sweep", "--out", tmp_path / "page.html"), "give a .md path")
+
+
+def test_report_and_plot_say_what_each_folder_measured(run_cli, tiny_model_dir, text_file, tmp_path, monkeypatch):
+    """A layer sweep and an attention sweep of one model, a --block result, a greedy curve and its
+    orders replayed on other windows, a sweep of a few layers and an interrupted one: each is told
+    apart on the page, with its data, and counts only what it measured."""
+    import matplotlib
+
+    from depthcurse.prune import report as prune_report
+    from depthcurse.prune.results import read_sweep
+
+    base = ["prune", str(tiny_model_dir), "--data", str(text_file), "--seq-len", "32", "--limit", "3"]
+    for name, extra in (("layers", []), ("attn", ["--granularity", "attn"]), ("few", ["--layers", "1-2"]), ("cut", []),
+                        ("block", ["--block", "2", "--angular-data", str(text_file), "--angular-tokens", "300"]), ("greedy", ["--greedy", "1"])):
+        assert run_cli(*base, *extra, "--out", str(tmp_path / name))[0] == 0, name
+    assert run_cli("prune", tiny_model_dir, "--data", text_file, "--seq-len", "24", "--limit", "3", "--orders", tmp_path / "greedy", "--out", tmp_path / "orders")[0] == 0
+    cut = json.loads((tmp_path / "cut" / "prune.json").read_text())  # as a sweep interrupted after two variants leaves it
+    cut["variants"] = cut["variants"][:3]
+    (tmp_path / "cut" / "prune.json").write_text(json.dumps(cut))
+    assert read_sweep(tmp_path / "cut").status_text().startswith("partial: 3 of 5 variants measured")
+
+    labels = [prune_report.sweep_label(read_sweep(tmp_path / n)) for n in ("layers", "attn")]
+    assert "one layer removed" in labels[0] and "one attention branch removed" in labels[1]
+    figures = []
+    monkeypatch.setattr(prune_report, "save_figure", lambda fig, path: figures.append(fig) or path)
+    page = tmp_path / "page.md"
+    code, _, err = run_cli("report", *(tmp_path / n for n in ("layers", "attn", "few", "cut", "block", "greedy", "orders")), "--out", page)
+    assert code == 0, err  # a --block folder no longer refuses the page
+    text = page.read_text()
+    assert "## Blocks of contiguous layers removed" in text and "| angular |" in text and "| deepest |" in text
+    rows = {line.split(" | ")[-1].strip(" |"): line for line in text.splitlines() if line.startswith(f"| {tiny_model_dir} |")}
+    assert "| attention branch |" in rows[str(tmp_path / "attn")] and "| layer |" in rows[str(tmp_path / "layers")]
+    assert "3 windows x 32 tokens of" in rows[str(tmp_path / "layers")]
+    assert " of 2 measured |" in rows[str(tmp_path / "few")] and "| complete |" in rows[str(tmp_path / "few")]
+    assert " of 2 measured |" in rows[str(tmp_path / "cut")] and "| partial: 3 of 5 variants measured" in rows[str(tmp_path / "cut")]
+    headings = [line for line in text.splitlines() if line.startswith(f"### {tiny_model_dir}")]
+    assert len(headings) == 2 and headings[0] != headings[1] and "orders chosen on" in headings[1]  # greedy and its replay told apart
+    # every legend sits below its axes, where it hides no curve
+    for fig in figures:
+        fig.canvas.draw()
+        (ax,) = fig.axes
+        assert ax.get_legend() is None and fig.legends
+        assert fig.legends[0].get_window_extent().y1 <= ax.get_window_extent().y0 + 1
+        matplotlib.pyplot.close(fig)

@@ -22,13 +22,22 @@ def _recorded(model, ids, mask):
     return blocks, rec.calls
 
 
+def _stream_side(block, part):
+    """What a branch adds to the stream, named here without depthcurse's help: Gemma 2/3 and OLMo-2
+    put the branch through its own post-norm first, Llama adds the branch's output itself."""
+    if hasattr(block, "post_feedforward_layernorm"):
+        return getattr(block, {"attn": "post_attention_layernorm", "mlp": "post_feedforward_layernorm"}[part])
+    return getattr(block, {"attn": "self_attn", "mlp": "mlp"}[part])
+
+
 def _exact(block, call, part=None):
-    """The exact Jacobian (reverse mode, all of it) of the block's output, or of a branch's output, in its input stream."""
+    """The exact Jacobian (reverse mode, all of it) of the block's output, or of what a branch adds
+    to the stream, in its input stream."""
     x, call_with = _split_hidden(*call)
     seen = {}
     handle = None
     if part is not None:
-        module = getattr(block, {"attn": "self_attn", "mlp": "mlp"}[part])
+        module = _stream_side(block, part)
         handle = module.register_forward_hook(lambda m, a, out: seen.__setitem__("out", out[0] if isinstance(out, tuple) else out))
 
     def f(h):
@@ -43,7 +52,7 @@ def _exact(block, call, part=None):
             handle.remove()
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2"])
+@pytest.mark.parametrize("name", ["llama", "gemma2", "olmo2"])
 def test_each_probe_is_the_exact_jacobian_times_the_probe(name):
     model = family_model(name, attn="eager").double()
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(0))
@@ -67,10 +76,13 @@ def test_each_probe_is_the_exact_jacobian_times_the_probe(name):
                 torch.testing.assert_close(got[part][p].double(), want_b, rtol=1e-5, atol=1e-8)
 
 
-def test_a_pre_norm_block_without_its_mlp_is_its_attention_branch():
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gemma3", "olmo2"])
+def test_a_pre_norm_block_without_its_mlp_is_its_attention_branch(name):
     """f(x) = x + A(x) once the MLP is removed: J - I is the attention branch's Jacobian, so the
-    identity distance and the attention gain are the same number and the MLP gain is 0."""
-    model = family_model("llama", attn="eager")
+    identity distance and the attention gain are the same number and the MLP gain is 0. For
+    Gemma 2/3 and OLMo-2, A includes the branch's post-norm: a gain taken before it is not the
+    branch's part of the block's Jacobian (it was, by a factor of 2.3-2.5 on Gemma-3)."""
+    model = family_model(name, attn="eager")
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
     batches = [(ids, torch.ones_like(ids))]
     blocks = model.model.layers
@@ -132,3 +144,25 @@ def test_a_massive_activation_is_found_with_its_channel_and_left_out_of_the_bulk
     assert spiked.variance[3] > 100 * plain.variance[3]
     assert spiked.variance_bulk[:3] == plain.variance_bulk[:3]
     assert spiked.variance_bulk[3] < 10 * plain.variance_bulk[3]
+
+
+@pytest.mark.parametrize("norm", ["sandwich", "layerscale", "pre"])
+def test_lns_train_blocks_gains_are_taken_where_the_branch_meets_the_stream(norm):
+    """lns-train's own blocks: a sandwich block's branch passes its output norm and a LayerScale
+    block's its learned scale before the stream; without the MLP, the attention gain is the
+    block's whole identity distance in each."""
+    from depthcurse.train import model as M
+
+    torch.manual_seed(0)
+    model = M.Transformer(M.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, max_seq_len=32, norm=norm)).eval()
+    for block in model.model.layers:
+        if hasattr(block, "attn_scale"):
+            block.attn_scale.data = torch.rand(32) + 0.5  # not the init's 0.1: a gain taken before the scale would differ 10-fold
+        for norm_module in block.modules():
+            if isinstance(norm_module, M.RMSNorm):
+                norm_module.weight.data = torch.rand(32) + 0.5
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    with removed_units(model, [1], "mlp"):
+        got = identity_distances(model.model.layers, [(ids, torch.ones_like(ids))], lambda i, m: model.model(i), probes=3)
+    assert got.mlp_gain[1] == 0.0
+    assert got.identity[1] == pytest.approx(got.attn_gain[1], rel=1e-5)

@@ -220,7 +220,16 @@ def test_a_slow_variant_holds_up_only_its_own_rank(tiny_model_dir, tmp_path):
 
 
 def test_a_bad_launch_is_one_line_from_rank_0(tiny_model_dir, tmp_path):
+    """Every rank meets the bad input; rank 0 says it, and the others leave without a word when
+    torchrun stops them (no traceback of theirs). torchrun then reports the failure its own way,
+    which depthcurse-torchrun leaves out: the one line is all there is."""
     proc = _prune(torchrun, tiny_model_dir, "--task", "nonsense_task", "--out", tmp_path / "bad")
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: unknown task 'nonsense_task'"), proc.stderr[-2000:]
+    assert "[rank1]" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr[-3000:]
+    quiet = _one_process("-m", "depthcurse.launch", "--standalone", "--nproc-per-node", "2",
+                         "prune", tiny_model_dir, "--task", "nonsense_task", "--out", tmp_path / "bad")
+    assert quiet.returncode == 1 and quiet.stdout == ""
+    assert quiet.stderr.strip().splitlines() == errors, quiet.stderr[-3000:]
+    assert not (tmp_path / "bad").exists()  # nor an empty results folder

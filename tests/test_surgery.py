@@ -473,7 +473,6 @@ def test_encoder_decoder_refused():
         ("0,3,5-8", [0, 3, 5, 6, 7, 8]),
         ("8-5", None),
         (None, list(range(10))),
-        ("", list(range(10))),
         ("all", list(range(10))),
         (" ALL ", list(range(10))),
         ("3", [3]),
@@ -495,6 +494,9 @@ def test_parse_layers(spec, expected):
 
 
 def test_parse_layers_errors():
+    for empty in ("", " ", ",", " , "):  # an empty shell variable: never "every layer"
+        with pytest.raises(DepthcurseError, match="names no layer"):
+            parse_layers(empty, 10)
     with pytest.raises(DepthcurseError, match=r"^layer 40 is out of range: the model has 30 layers \(0-29\)$"):
         parse_layers("1,40", 30)
     with pytest.raises(DepthcurseError, match="layer -31 is out of range"):

@@ -8,7 +8,6 @@ from depthcurse.errors import DepthcurseError
 from depthcurse.io import ensure_out_dir
 from depthcurse.loading import LoadedModel
 from depthcurse.prune import kept_for_rerun, plot_prune, run_sweep
-from depthcurse.prune.report import data_amount
 from depthcurse.surgery import removed_layers
 from depthcurse.tasks import PerplexityTask
 
@@ -59,7 +58,9 @@ def test_sweep_writes_one_row_per_variant_with_drops(setup, tmp_path):
     plot_prune(sweep, tmp_path / "prune.png")
     assert (tmp_path / "prune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the figure says what each point rests on
-    assert data_amount(sweep) == f"{task.describe()['windows']} windows x {task.seq_len} tokens of {task.source}"
+    assert sweep.data_text() == f"{task.describe()['windows']} windows x {task.seq_len} tokens of {task.source}"
+    assert {r["unit"] for r in rows} == {"layer"} and {r["data"] for r in rows} == {sweep.data_text()}
+    assert data["unit"] == "layer" and data["complete"] is True and data["asked"] == [[], [0], [1], [2], [3]]
 
 
 def test_interrupted_sweep_keeps_finished_variants_and_resumes(setup, tmp_path):
@@ -149,3 +150,22 @@ def test_unwritable_out_dir_is_a_clear_error(tmp_path):
     blocker.write_text("x")
     with pytest.raises(DepthcurseError, match="not writable"):
         ensure_out_dir(blocker / "sub")
+
+
+def test_the_table_keeps_long_metric_names_apart_and_says_a_sweep_is_partial():
+    """gsm8k's two metrics both start with exact_match: cut to the width of a terminal they read
+    the same (`exact_match…`), so they are wrapped instead."""
+    from rich.console import Console
+
+    from depthcurse.prune import prune_table
+    from depthcurse.prune.results import Sweep, VariantResult
+
+    metrics = {"exact_match_strict-match": 0.25, "exact_match_flexible-extract": 0.31}
+    sweep = Sweep({"model": "m", "task": "gsm8k", "num_fewshot": 5}, "exact_match_strict-match", True, 4,
+                  [VariantResult([], metrics, 100, 1.0), VariantResult([1], metrics, 100, 1.0)], asked=[[], [0], [1]])
+    console = Console(width=80, record=True)
+    console.print(prune_table(sweep))
+    text = console.export_text()
+    assert "…" not in text and "strict" in text and "flexible" in text
+    assert "partial: 2 of 3 variants measured" in " ".join(text.split())
+    assert "100 examples of gsm8k, 5-shot" in " ".join(text.split())

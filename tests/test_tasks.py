@@ -21,6 +21,35 @@ def test_perplexity_equals_transformers_loss(tiny_tokenizer):
     assert score.examples == 5 and score.details["tokens"] == 5 * 23
 
 
+def test_ppl_windows_begin_with_bos_and_score_what_lm_evals_rolling_requests_score(bos_tokenizer):
+    """A window is BOS then text, every text token scored: lm-eval's rolling log-likelihood of the
+    same tokens (its first window starts from the model's prefix token, BOS), to rounding. With
+    --no-bos the text is cut as it comes, its first token unscored (GPTQ's WikiText windows)."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    model = tiny_llama(len(bos_tokenizer))
+    bos = bos_tokenizer.bos_token_id
+    text = CORPUS[0]
+    ids = bos_tokenizer(text, add_special_tokens=False)["input_ids"]
+    task = PerplexityTask(bos_tokenizer, [text], source="t", seq_len=len(ids) + 1, limit=1, batch_size=1)
+    assert task.windows.tolist() == [[bos] + ids] and task.describe()["bos"] == "<bos>"
+    ours = task.evaluate(model).metrics["loss"] * len(ids)
+    # add_bos_token=False: lm-eval encodes the text without BOS (left unset, it encodes the text with
+    # its BOS, then puts its prefix token, BOS again, before that)
+    lm = HFLM(pretrained=model, tokenizer=bos_tokenizer, max_length=len(ids) + 1, batch_size=1, add_bos_token=False)
+    [theirs] = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)
+    assert ours == pytest.approx(-theirs, rel=1e-5)
+
+    plain = PerplexityTask(bos_tokenizer, [text], source="t", seq_len=len(ids), limit=1, batch_size=1, bos=False)
+    assert plain.windows.tolist() == [ids] and plain.describe()["bos"] is None
+    with torch.no_grad():
+        assert plain.evaluate(model).metrics["loss"] == pytest.approx(model(input_ids=plain.windows, labels=plain.windows).loss.item(), rel=1e-5)
+    # every window of a longer text begins with BOS; a tokenizer that adds none gets none
+    many = PerplexityTask(bos_tokenizer, CORPUS * 4, source="t", seq_len=16, limit=5)
+    assert many.windows[:, 0].tolist() == [bos] * 5 and bos not in many.windows[:, 1:].tolist()[0]
+
+
 def test_perplexity_batch_size_does_not_change_the_result(tiny_tokenizer):
     model = tiny_llama(len(tiny_tokenizer))
     a = PerplexityTask(tiny_tokenizer, CORPUS * 4, source="c", seq_len=16, limit=6, batch_size=1).evaluate(model)

@@ -29,7 +29,7 @@ def test_jsonl_and_parquet_read_the_text_field(tmp_path):
     "name, content, message",
     [
         ("empty.txt", "\n\n  \n", "holds no text"),
-        ("bad.jsonl", '{"text": "ok"}\n{not json', "corrupt"),
+        ("bad.jsonl", '{"text": "ok"}\n\n{not json', "bad.jsonl: line 3 is not JSON"),  # the file's line, not the one JSON saw
         ("notext.jsonl", '{"body": "x"}\n', "no 'text' field"),
         ("bad.parquet", "this is not parquet", "corrupt"),
         ("data.csv", "text\nhello\n", "unsupported data file type"),

@@ -519,6 +519,26 @@ def _rows_one_document_at_a_time(tok, docs, seq_len, pack, batches, n):
     return out
 
 
+@pytest.mark.parametrize("pack", [True, False])
+def test_no_held_out_document_is_trained_on(tiny_tokenizer, tmp_path, pack):
+    """Every document is distinct (a numbered marker in it): the documents seen in the training
+    rows and those in the validation rows are two disjoint sets, together all of them."""
+    import re
+
+    docs = [f"marker{i}x {CORPUS[i % len(CORPUS)]}" for i in range(40)]
+    path = tmp_path / "docs.txt"
+    path.write_text("\n\n".join(docs), encoding="utf-8")
+    data = D.build_data(str(path), tiny_tokenizer, seq_len=16 if pack else 64, pack=pack, seed=0, val_tokens=10_000)
+
+    def markers(rows, lengths):
+        text = "".join(tiny_tokenizer.decode(row[:n]) for row, n in zip(rows.tolist(), lengths.tolist()))
+        return {int(m) for m in re.findall(r"marker(\d+)x", text)}
+
+    trained, held_out = markers(data.train.rows, data.train.lengths), markers(data.val_rows, data.val_lengths)
+    assert held_out and trained and not trained & held_out
+    assert len(trained | held_out) >= 38  # packing drops a last partial row, nothing more
+
+
 def test_documents_tokenised_many_per_call_are_those_of_one_at_a_time(tiny_tokenizer, monkeypatch):
     monkeypatch.setattr(D, "TOKENISE_DOCS", 7)
     texts = [" ".join(CORPUS[: 1 + i % len(CORPUS)]) for i in range(20)]

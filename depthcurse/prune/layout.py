@@ -255,9 +255,39 @@ class Batcher:
             pending, cut = sorted(g.rows, key=lambda r: (-len(r.inputs), r.inputs)), []
             while pending:
                 batch, bins, pending = self._fill(pending, g.prefix, budget)
-                cut.append((batch, bins))
+                cut += self._less_padding(batch, bins, g.prefix, budget)
             out += [Batch(gi, batch, bins, chunk) for chunk in chunks for batch, bins in cut]
         return out
+
+    def _padding(self, batch: list[Row], bins: list[list[int]], prefix: int) -> int:
+        """Tokens of padding a batch runs: its sequences are as long as its longest row."""
+        widths = [len(r.inputs) - prefix for r in batch]
+        return len(bins) * max(widths) - sum(widths)
+
+    def _less_padding(self, batch: list[Row], bins: list[list[int]], prefix: int, budget: int, depth: int = 3) -> list[tuple[list[Row], list[list[int]]]]:
+        """The batch, or its rows cut in two batches (each cut again, up to `depth` times) where
+        the padding that saves outweighs a batch's own cost (`small_batch_tokens`). Rows longer
+        than half the longest cannot share a sequence, so a batch of them pads every row to the
+        longest: 12 MMLU questions of 54-106 tokens ran 29% padding in one batch (a 0-shot
+        sweep 0.54x the lm-eval loop where sharing the prompt's header had given 0.44x, by cutting
+        the same rows into three batches). The cut is tried where the rows' lengths drop most."""
+        padding, call = self._padding(batch, bins, prefix), small_batch_tokens(self.s)
+        if depth == 0 or len(batch) < 2 or padding <= call:
+            return [(batch, bins)]
+        widths = [len(r.inputs) - prefix for r in batch]  # longest first, as `_fill` took them
+        drops = sorted(range(1, len(batch)), key=lambda k: (widths[k] - widths[k - 1], k))[:8]
+        best, best_cost = None, padding
+        for k in drops:
+            parts = [self._fill(rows, prefix, budget) for rows in (batch[:k], batch[k:])]
+            if any(left for _, _, left in parts):
+                continue  # cannot happen: a part of a batch that fit fits whole
+            parts = [(b, s) for b, s, _ in parts]
+            cost = sum(self._padding(b, s, prefix) for b, s in parts) + call
+            if cost < best_cost:
+                best, best_cost = parts, cost
+        if best is None:
+            return [(batch, bins)]
+        return [piece for b, s in best for piece in self._less_padding(b, s, prefix, budget, depth - 1)]
 
     def passes(self, b: Batch, groups: list[Group]) -> tuple[int, int]:
         """A batch's token-block passes: (its shared prefix's, which a process runs once for

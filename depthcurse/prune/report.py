@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 from rich.table import Table
@@ -11,7 +12,7 @@ from depthcurse.angular.result import BlockChoice
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import ensure_out_dir, save_figure
 from depthcurse.prune.greedy import THRESHOLDS, DepthCurves
-from depthcurse.prune.results import RESULTS_JSON, Sweep, prune_rows, read_sweep
+from depthcurse.prune.results import RESULTS_JSON, UNIT_NAMES, Sweep, data_text, prune_rows, read_sweep
 
 
 def plot_prune(sweep: Sweep, path: Path) -> Path:
@@ -21,14 +22,16 @@ def plot_prune(sweep: Sweep, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     singles = sweep.single_removals
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    fig, ax = plt.subplots(figsize=(8, 4.8), dpi=120)
     if singles:
-        ax.plot([v.removed[0] for v in singles], [v.metrics[sweep.metric] for v in singles], marker="o", ms=4, lw=1.5, label="layer removed")
+        ax.plot([v.removed[0] for v in singles], [v.metrics[sweep.metric] for v in singles], marker="o", ms=4, lw=1.5, label=f"{sweep.unit} removed")
     base = sweep.baseline
     worst = max((v.metrics[sweep.metric] for v in singles), default=None) if sweep.run.get("task") == "ppl" else None
+    where = "removed layer index" if sweep.granularity == "layer" else f"index of the layer whose {sweep.unit} is removed"
+    status = "" if sweep.complete else f"\n{sweep.status_text()}"
     return _finish(fig, ax, path, sweep.metric, sweep.higher_is_better, base.metrics[sweep.metric] if base else None, worst,
-                   f"removed layer index (0 to {sweep.n_layers - 1})",
-                   f"{sweep.run.get('model')}: {sweep.metric} with one layer removed at a time\neach point: {data_amount(sweep)}")
+                   f"{where} (0 to {sweep.n_layers - 1})",
+                   f"{sweep.run.get('model')}: {sweep.metric} with one {sweep.unit} removed at a time\neach point: {sweep.data_text()}{status}")
 
 
 def _finish(fig, ax, path: Path, metric: str, higher_is_better: bool, baseline: float | None, worst_loss: float | None, xlabel: str, title: str) -> Path:
@@ -39,23 +42,19 @@ def _finish(fig, ax, path: Path, metric: str, higher_is_better: bool, baseline: 
             ax.set_yscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(f"{metric} ({'higher' if higher_is_better else 'lower'} is better)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title("\n".join(textwrap.fill(line, 100) for line in title.split("\n")), fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
+    legend_below(fig, ax)
     return save_figure(fig, path)
 
 
-def data_amount(sweep: Sweep) -> str:
-    """What each variant's score rests on, in words: `16 windows x 512 tokens of wiki`, `570 examples of arc_easy, 5-shot`."""
-    run, base = sweep.run, sweep.baseline
-    task = run.get("task", "?")
-    if task == "ppl":
-        return f"{run.get('windows', '?')} windows x {run.get('seq_len', '?')} tokens of {run.get('data', '?')}"
-    unit = {"squad": "questions", "repr": "passages"}.get(task, "examples")
-    shots = run.get("num_fewshot")
-    source = run.get("data", "?") if task in ("squad", "repr") else task
-    return f"{base.examples if base else '?'} {unit} of {source}" + (f", {shots}-shot" if shots not in (None, 0, []) else "")
+def legend_below(fig, ax, fontsize: float | None = None) -> None:
+    """The legend under the axes, where it hides no point of any curve."""
+    fig.set_layout_engine("constrained")  # which makes room for a legend "outside" the axes
+    handles, labels = ax.get_legend_handles_labels()
+    columns = 1 if any(len(label) > 40 for label in labels) else min(3, len(handles)) or 1
+    labels = [textwrap.fill(label, 110) for label in labels]  # a long path stays on the figure
+    fig.legend(handles, labels, loc="outside lower center", ncols=columns, fontsize=fontsize, frameon=False)
 
 
 def load_prune(folder: Path) -> Sweep:
@@ -87,43 +86,54 @@ def plot_prune_overlay(folders: list[Path], path: Path) -> Path:
     if not folders:
         raise DepthcurseError("give at least one prune results folder")
     ensure_out_dir(Path(path).parent, what="the folder of --out")
-    fig, ax = plt.subplots(figsize=(8, 4.8), dpi=120)
-    largest = 0.0
-    for folder in folders:
-        sweep = load_prune(folder)
+    sweeps = [load_prune(folder) for folder in folders]
+    for folder, sweep in zip(folders, sweeps):
         if sweep.baseline is None:
             raise DepthcurseError(f"{folder}: the sweep has no unpruned baseline yet; rerun its prune command")
+        if not sweep.single_removals:
+            raise DepthcurseError(f"{folder}: the sweep has no single-unit removals to plot (a --block result?)")
+    fig, ax = plt.subplots(figsize=(8, 4.8 + 0.25 * len(sweeps)), dpi=120, layout="constrained")
+    largest = 0.0
+    for sweep in sweeps:
         xs, ys = relative_drop_curve(sweep)
-        if not xs:
-            raise DepthcurseError(f"{folder}: the sweep has no single-layer removals to plot")
         largest = max([largest, *(abs(y) for y in ys if math.isfinite(y))])
-        ax.plot(xs, ys, marker="o", ms=4, lw=1.5, label=f"{sweep.run.get('model')} ({sweep.n_layers} layers): {sweep.metric}, {data_amount(sweep)}")
+        ax.plot(xs, ys, marker="o", ms=4, lw=1.5, label=sweep_label(sweep))
     ax.axhline(0, color="k", lw=0.8)
     if largest > 150:  # a ruinous layer (a Pre-LN layer 0) would flatten every other point
         ax.set_yscale("symlog", linthresh=10)
         lowest = min(min(line.get_ydata()) for line in ax.get_lines()[:-1])
         ax.set_ylim(bottom=min(-2.0, 1.2 * lowest))  # symlog would otherwise show a decade below zero
-    ax.set_xlabel("removed layer / number of layers (0 = first layer)")
+    units = sorted({s.unit for s in sweeps})
+    ax.set_xlabel("index of the layer removed (or whose branch is) / number of layers (0 = first layer)" if units != ["layer"] else "removed layer / number of layers (0 = first layer)")
     ax.set_ylabel("relative drop vs. unpruned (%, up = worse)")
-    ax.set_title("one layer removed at a time, no fine-tuning")
+    ax.set_title(f"one {' or one '.join(units)} removed at a time, no fine-tuning")
     ax.set_xlim(-0.03, 1.0)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    legend_below(fig, ax, fontsize=8)
     return save_figure(fig, path)
+
+
+def sweep_label(sweep: Sweep) -> str:
+    """A sweep in one line: the model, what one removal takes out, the metric, the data, and how far it came."""
+    partial = "" if sweep.complete else f" [{sweep.status_text().split(' (')[0]}]"
+    return f"{sweep.run.get('model')} ({sweep.n_layers} layers), one {sweep.unit} removed: {sweep.metric}, {sweep.data_text()}{partial}"
 
 
 def prune_table(sweep: Sweep) -> Table:
     """The sweep as a rich table; the worst variants are highlighted."""
     rows = prune_rows(sweep)
-    title = f"{sweep.run.get('model')} · {sweep.run.get('task')} · {sweep.metric} ({'↑' if sweep.higher_is_better else '↓'} better)"
+    title = (f"{sweep.run.get('model')} · one {sweep.unit} removed at a time · {sweep.run.get('task')} on {sweep.data_text()} · "
+             f"{sweep.metric} ({'↑' if sweep.higher_is_better else '↓'} better)")
     shared = sweep.meta.get("engine", {}).get("name") == "reuse"
     caption = "s: seconds spent scoring the variant" + (" (the reuse engine scores them together: an equal share of its time)" if shared else "")
+    if not sweep.complete:
+        caption = f"{sweep.status_text()}\n{caption}"
     table = Table(title=title, caption=caption, header_style="bold")
-    extra = [m for m in (rows[0] if rows else {}) if m not in {"removed", "drop", "rel_drop", "examples", "seconds"}]
-    table.add_column("removed", justify="right")
+    extra = [m for m in (rows[0] if rows else {}) if m not in {"unit", "removed", "data", "drop", "rel_drop", "examples", "seconds"}]
+    table.add_column(f"{sweep.unit} removed", justify="right")
     for m in extra:
-        table.add_column(m, justify="right")
+        # lm-eval's metric names are long (exact_match_flexible-extract): wrapped, never cut to the same prefix
+        table.add_column(m.replace("_", " ") if len(m) > 12 else m, justify="right", overflow="fold", min_width=6)
     for name in ("drop", "rel. drop", "examples", "s"):
         table.add_column(name, justify="right")
     drops = sorted((r["drop"] for r in rows if r["removed"] != "none" and math.isfinite(r["drop"])), reverse=True)
@@ -172,9 +182,6 @@ def _fmt(value, signed: bool = False) -> str:
     return str(value)
 
 
-UNIT_NAMES = {"layer": "layers", "attn": "attention branches", "mlp": "MLP branches"}
-
-
 def greedy_table(result: DepthCurves) -> Table:
     """Per strategy: units removed before the relative drop first exceeds 1%, 5%, 10% (≥k: the curve
     stops first), and the last point."""
@@ -192,8 +199,7 @@ def greedy_table(result: DepthCurves) -> Table:
         table.add_row(name, *(result.within_text(name, t) for t in THRESHOLDS), f"{last.metric:.4g} (k={last.k})", " ".join(map(str, steps)))
     for name, why in result.notes.items():
         table.add_row(f"[dim]{name}[/]", *["-"] * len(THRESHOLDS), "-", f"[dim]{why}[/]")
-    if result.run.get("orders_from"):
-        table.caption = f"orders chosen on {result.run['orders_from']}, measured on {result.run.get('data', 'this data')}"
+    table.caption = f"measured on {curves_data_text(result)}"
     return table
 
 
@@ -211,4 +217,11 @@ def plot_greedy(result: DepthCurves, path: Path) -> Path:
     unit = UNIT_NAMES[result.granularity]
     worst = max(p.metric for pts in result.curves.values() for p in pts) if result.metric == "loss" else None
     return _finish(fig, ax, path, result.metric, result.higher_is_better, result.curves["greedy"][0].metric, worst,
-                   f"fraction of {unit} removed (of {result.n_units})", f"{result.run.get('model')}: {result.run.get('task')}, {unit} removed by each strategy")
+                   f"fraction of {unit} removed (of {result.n_units})", f"{result.run.get('model')}: {unit} removed by each strategy\n{curves_data_text(result)}")
+
+
+def curves_data_text(result: DepthCurves) -> str:
+    """What a depth curve was measured on, and where its orders were chosen when that was elsewhere."""
+    run = result.run
+    data = f"{run.get('task', '?')}, {data_text(run)}"
+    return f"{data}; orders chosen on {run['orders_from']}" if run.get("orders_from") else data

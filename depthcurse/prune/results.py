@@ -44,6 +44,11 @@ def variant_label(removed: Iterable[int]) -> str:
     return "none" if not removed else ",".join(map(str, removed))
 
 
+# What a removal takes out, in words: a whole layer, or one branch of it (`--granularity`).
+UNIT_NAMES = {"layer": "layers", "attn": "attention branches", "mlp": "MLP branches"}
+UNIT_NAME = {"layer": "layer", "attn": "attention branch", "mlp": "MLP branch"}
+
+
 @dataclass
 class Sweep:
     """Everything `prune.json` holds; `variants[0]` is the baseline once it has run."""
@@ -54,6 +59,36 @@ class Sweep:
     n_layers: int
     variants: list[VariantResult] = field(default_factory=list)
     meta: dict = field(default_factory=dict)  # versions, wall time: informative, not identity
+    asked: list[list[int]] | None = None  # what the last command asked for (None: written before this was kept)
+
+    @property
+    def granularity(self) -> str:
+        return self.run.get("granularity", "layer")
+
+    @property
+    def unit(self) -> str:
+        """What one removal takes out: "layer", "attention branch" or "MLP branch"."""
+        return UNIT_NAME[self.granularity]
+
+    @property
+    def pending(self) -> list[list[int]]:
+        """The variants asked for that have no result yet (an interrupted sweep's)."""
+        done = {tuple(v.removed) for v in self.variants}
+        return [a for a in self.asked or [] if tuple(a) not in done]
+
+    @property
+    def complete(self) -> bool:
+        return not self.pending
+
+    def status_text(self) -> str:
+        """"complete", or how far an interrupted sweep came."""
+        if self.complete:
+            return "complete"
+        return f"partial: {len(self.asked) - len(self.pending)} of {len(self.asked)} variants measured (rerun its command to finish)"
+
+    def data_text(self) -> str:
+        """What each variant's score rests on, in words: `16 windows x 512 tokens of wiki`, `570 examples of arc_easy, 5-shot`."""
+        return data_text(self.run, self.baseline.examples if self.baseline else None)
 
     @property
     def baseline(self) -> VariantResult | None:
@@ -74,11 +109,12 @@ class Sweep:
         return worse, (worse / abs(b) if b else float("nan"))
 
     def to_json(self) -> dict:
-        return {"run": self.run, "metric": self.metric, "higher_is_better": self.higher_is_better, "n_layers": self.n_layers, **self.meta, "variants": [asdict(v) for v in self.variants]}
+        return {"run": self.run, "metric": self.metric, "higher_is_better": self.higher_is_better, "n_layers": self.n_layers,
+                "unit": self.unit, "complete": self.complete, "asked": self.asked, **self.meta, "variants": [asdict(v) for v in self.variants]}
 
     @classmethod
     def from_json(cls, data: dict) -> "Sweep":
-        keys = {"run", "metric", "higher_is_better", "n_layers", "variants"}
+        keys = {"run", "metric", "higher_is_better", "n_layers", "variants", "unit", "complete", "asked"}
         return cls(
             run=data["run"],
             metric=data["metric"],
@@ -86,7 +122,21 @@ class Sweep:
             n_layers=data["n_layers"],
             variants=[VariantResult(**v) for v in data["variants"]],
             meta={k: v for k, v in data.items() if k not in keys},
+            asked=data.get("asked"),
         )
+
+
+def data_text(run: dict, examples: int | None = None) -> str:
+    """What a run's scores rest on, in words, from its record: `16 windows x 512 tokens of wiki`,
+    `570 examples of arc_easy, 5-shot` (`examples` of the task, where known)."""
+    task = run.get("task", "?")
+    if task == "ppl":
+        start = "" if run.get("bos") is None else f", each after {run['bos']}"
+        return f"{run.get('windows', '?')} windows x {run.get('seq_len', '?')} tokens of {run.get('data', '?')}{start}"
+    unit = {"squad": "questions", "repr": "passages"}.get(task, "examples")
+    shots = run.get("num_fewshot")
+    source = run.get("data", "?") if task in ("squad", "repr") else task
+    return f"{examples if examples is not None else 'the'} {unit} of {source}" + (f", {shots}-shot" if shots not in (None, 0, []) else "")
 
 
 def read_sweep(folder: Path) -> Sweep | None:
@@ -102,12 +152,14 @@ def read_sweep(folder: Path) -> Sweep | None:
 
 
 def prune_rows(sweep: Sweep) -> list[dict]:
-    """One flat row per variant: removed, metrics, drop, relative drop, examples, seconds."""
+    """One flat row per variant: the unit removed and which, metrics, drop, relative drop,
+    examples, seconds, and the data the scores rest on."""
     rows = []
     metric_names = list(dict.fromkeys(k for v in sweep.variants for k in v.metrics))
+    data = sweep.data_text()
     for v in sweep.variants:
         drop, rel = sweep.drop(v)
-        row = {"removed": v.label}
+        row = {"unit": sweep.unit, "removed": v.label, "data": data}
         row.update({m: v.metrics.get(m, float("nan")) for m in metric_names})
         row.update({"drop": drop, "rel_drop": rel, "examples": v.examples, "seconds": v.seconds})
         rows.append(row)
@@ -116,5 +168,5 @@ def prune_rows(sweep: Sweep) -> list[dict]:
 
 def write_sweep(sweep: Sweep, out_dir: Path) -> None:
     """prune.csv (one row per variant) and prune.json (everything), each written atomically."""
-    atomic_write(out_dir / RESULTS_CSV, csv_text(prune_rows(sweep), digits=6, empty_header=["removed"]))
+    atomic_write(out_dir / RESULTS_CSV, csv_text(prune_rows(sweep), digits=6, empty_header=["unit", "removed", "data"]))
     atomic_write(out_dir / RESULTS_JSON, json_text(sweep.to_json()))

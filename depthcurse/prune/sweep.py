@@ -86,6 +86,7 @@ def run_sweep(
     done = {tuple(v.removed) for v in sweep.variants}
     asked = [()] + [removal_key(v) for v in variants]
     asked = list(dict.fromkeys(asked))
+    sweep.asked = [list(a) for a in asked]
     todo = [r for r in asked if r not in done]
     total = len(asked)
     engine_info = {"name": "lm-eval" if todo else engine}

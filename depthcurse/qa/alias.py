@@ -52,7 +52,7 @@ TRAINED_ALIASES: dict[str, TrainedAsset] = {
         ),
         licence="Apache-2.0 (model); trained on SQuAD, CC BY-SA 4.0",
         recipe={"train_examples": 800, "eval_examples": 200, "epochs": 2, "data": "offline"},
-        minutes="about 8-15 minutes",
+        minutes="about 12 minutes on 2 CPU cores, 80 on heavily shared ones",
     ),
 }
 
@@ -72,7 +72,7 @@ def make_trained_alias(name: str, force: bool = False, on_step: Callable[[int, i
         return dest
     for pkg in asset.sources():
         pkg.require(f"model alias {asset.alias!r}")
-    logging.getLogger("depthcurse").warning("building %s: fine-tuning %s on SQuAD (%s on 2 CPU cores; resumable)", asset.alias, asset.base, asset.minutes)
+    logging.getLogger("depthcurse").warning("building %s: fine-tuning %s on SQuAD (%s; resumable)", asset.alias, asset.base, asset.minutes)
     work = asset.work_path()
     if force:
         shutil.rmtree(work, ignore_errors=True)

@@ -28,14 +28,15 @@ __all__ = ["Score", "Task", "TASKS", "build_task", "head_for_task", "PerplexityT
 class TaskEntry:
     head: str  # the model head `load_model` must give: "causal-lm", "qa" or "base"
     build: Callable[..., Task]  # (tokenizer, data=, seq_len=, limit=, batch_size=, model=, model_source=) -> Task
-    takes: frozenset = frozenset()  # which of the options `data`, `seq_len`, `num_fewshot` it uses
+    takes: frozenset = frozenset()  # which of the options `data`, `seq_len`, `num_fewshot`, `bos` it uses
 
 
-def _perplexity(tokenizer, *, data, seq_len, limit, batch_size, model, **_) -> PerplexityTask:
+def _perplexity(tokenizer, *, data, seq_len, limit, batch_size, model, bos=True, **_) -> PerplexityTask:
     seq_len = window_length(model, seq_len)
     started = time.perf_counter()
     texts, source = load_texts(data)
-    task = PerplexityTask(tokenizer, texts, source=source, seq_len=seq_len, limit=32 if limit is None else limit, batch_size=batch_size, warn_short=limit is not None)
+    task = PerplexityTask(tokenizer, texts, source=source, seq_len=seq_len, limit=32 if limit is None else limit, batch_size=batch_size, warn_short=limit is not None,
+                          bos=bos)
     logging.getLogger("depthcurse").debug("ppl windows built in %.1fs", time.perf_counter() - started)
     return task
 
@@ -54,12 +55,12 @@ def _representation(tokenizer, *, data, seq_len, limit, batch_size, model, **_) 
 
 #: depthcurse's own tasks; every other name is looked up among lm-eval's.
 TASKS: dict[str, TaskEntry] = {
-    "ppl": TaskEntry("causal-lm", _perplexity, frozenset({"data", "seq_len"})),
+    "ppl": TaskEntry("causal-lm", _perplexity, frozenset({"data", "seq_len", "bos"})),
     "squad": TaskEntry("qa", _squad, frozenset({"data"})),
     "repr": TaskEntry("base", _representation, frozenset({"data", "seq_len"})),
 }
 LM_EVAL_TAKES = frozenset({"num_fewshot", "max_gen_toks"})
-_FLAGS = {"data": "--data", "seq_len": "--seq-len", "num_fewshot": "--num-fewshot", "max_gen_toks": "--max-gen-toks"}
+_FLAGS = {"data": "--data", "seq_len": "--seq-len", "num_fewshot": "--num-fewshot", "max_gen_toks": "--max-gen-toks", "bos": "--no-bos"}
 
 
 def head_for_task(name: str) -> str:
@@ -69,14 +70,15 @@ def head_for_task(name: str) -> str:
 
 
 def build_task(name: str, tokenizer, *, data: str = "auto", seq_len: int | None = None, limit: int | None = None, num_fewshot: int | None = 0, batch_size: int = 8, seed: int = 1234, model=None, model_source: str | None = None,
-               max_gen_toks: int | None = None) -> Task:
+               max_gen_toks: int | None = None, bos: bool = True) -> Task:
     """The task called `name`: `ppl`, `squad`, `repr`, or any lm-eval task/group name (mmlu, arc_easy, ...).
 
     `seq_len` is the ppl window (default 512, or the model's maximum if less) or the repr passage
     length (default 128); one longer than the model accepts is refused.
     `limit` is the number of text windows for ppl (default 32), of questions for squad (default
     all), of passages for repr (default 256), and of examples per lm-eval subtask otherwise
-    (default: all). `repr` needs the unpruned `model` (it remembers its embeddings); `squad` skips
+    (default: all). `bos=False` cuts ppl's windows from the text with no BOS first (see
+    `PerplexityTask`). `repr` needs the unpruned `model` (it remembers its embeddings); `squad` skips
     the questions a `depthcurse finetune-qa` checkpoint at `model_source` was trained on.
     """
     if tokenizer is None:
@@ -88,11 +90,12 @@ def build_task(name: str, tokenizer, *, data: str = "auto", seq_len: int | None 
     entry = TASKS.get(name)
     if entry is None:
         check_task_name(name)  # an unknown name is the first thing to say, before what it cannot take
-    given = {"data": data != "auto", "seq_len": seq_len is not None, "num_fewshot": num_fewshot not in (None, 0), "max_gen_toks": max_gen_toks is not None}
+    given = {"data": data != "auto", "seq_len": seq_len is not None, "num_fewshot": num_fewshot not in (None, 0), "max_gen_toks": max_gen_toks is not None, "bos": not bos}
     takes = entry.takes if entry is not None else LM_EVAL_TAKES
     for option in (o for o, set_ in given.items() if set_ and o not in takes):
         users = [t for t, e in TASKS.items() if option in e.takes] + (["lm-eval tasks"] if option in LM_EVAL_TAKES else [])
         raise DepthcurseError(f"{_FLAGS[option]} does not apply to --task {name}: it is for {', '.join(users)}")
     if entry is not None:
-        return entry.build(tokenizer, data=data, seq_len=seq_len, limit=limit, batch_size=batch_size, model=model, model_source=model_source)
+        return entry.build(tokenizer, data=data, seq_len=seq_len, limit=limit, batch_size=batch_size, model=model, model_source=model_source,
+                           **({"bos": bos} if "bos" in entry.takes else {}))
     return LmEvalTask(name, tokenizer, num_fewshot=num_fewshot, limit=limit, batch_size=batch_size, seed=seed, max_gen_toks=max_gen_toks)

@@ -32,16 +32,17 @@ CHECKPOINT = "checkpoint.pt"
 
 
 class ModelState:
-    """The model's weights, gathered whole on the CPU (a collective under torchrun)."""
+    """The model's weights, gathered whole on the CPU (a collective under torchrun); with
+    `trainable_only`, only those that train (a healed model's adapters, not its frozen 7B)."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
+    def __init__(self, model: torch.nn.Module, trainable_only: bool = False):
+        self.model, self.trainable_only = model, trainable_only
 
     def state_dict(self) -> dict:
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.trainable_only))
 
     def load_state_dict(self, state: dict) -> None:
-        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
+        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=not self.trainable_only))
 
 
 class OptimizerState:

@@ -157,6 +157,18 @@ def check_architecture(norm: str, hidden_size: int, num_heads: int, mix_ratio: f
         raise DepthcurseError(f"--mix-ratio must be between 0 and 1, got {mix_ratio}")
 
 
+def check_schedule(lr: float, warmup: int, steps: int, min_lr_ratio: float, weight_decay: float, grad_clip: float) -> None:
+    """The optimiser's and the schedule's settings (lns-train's and heal's)."""
+    if not (lr > 0 and math.isfinite(lr)):
+        raise DepthcurseError(f"--lr must be a positive number, got {lr}")
+    if not 0 <= warmup <= steps:
+        raise DepthcurseError(f"--warmup must be between 0 and the number of steps ({steps}), got {warmup}")
+    if not 0 <= min_lr_ratio <= 1:
+        raise DepthcurseError(f"--min-lr-ratio must be between 0 and 1, got {min_lr_ratio}")
+    if weight_decay < 0 or grad_clip < 0:
+        raise DepthcurseError("--weight-decay and --grad-clip must not be negative")
+
+
 def _check(cfg: TrainConfig) -> None:
     positive = ("steps", "batch_size", "micro_batch", "seq_len", "max_seq_len", "hidden_size", "intermediate_size",
                 "num_layers", "num_heads", "val_tokens", "eval_every", "save_every", "log_every")
@@ -167,20 +179,13 @@ def _check(cfg: TrainConfig) -> None:
         raise DepthcurseError(f"--seq-len {cfg.seq_len} is longer than the model allows ({cfg.max_seq_len}): use a shorter --seq-len or raise --max-seq-len")
     if cfg.batch_size % cfg.micro_batch:
         raise DepthcurseError(f"--batch-size {cfg.batch_size} is not a multiple of --micro-batch {cfg.micro_batch}")
-    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
-        raise DepthcurseError(f"--lr must be a positive number, got {cfg.lr}")
-    if not 0 <= cfg.warmup <= cfg.steps:
-        raise DepthcurseError(f"--warmup must be between 0 and the number of steps ({cfg.steps}), got {cfg.warmup}")
-    if not 0 <= cfg.min_lr_ratio <= 1:
-        raise DepthcurseError(f"--min-lr-ratio must be between 0 and 1, got {cfg.min_lr_ratio}")
+    check_schedule(cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio, cfg.weight_decay, cfg.grad_clip)
     if cfg.optimizer not in OPTIMIZERS:
         raise DepthcurseError(f"unknown optimizer {cfg.optimizer!r}: use adam or adamw")
     if cfg.precision not in PRECISIONS:
         raise DepthcurseError(f"unknown precision {cfg.precision!r}: use one of {', '.join(PRECISIONS)}")
     if cfg.layer_metrics_tokens < 0 or cfg.layer_metrics_probes < 1:
         raise DepthcurseError("--layer-metrics-tokens must be 0 or more and --layer-metrics-probes at least 1")
-    if cfg.weight_decay < 0 or cfg.grad_clip < 0:
-        raise DepthcurseError("--weight-decay and --grad-clip must not be negative")
     if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
         raise DepthcurseError("Adam betas must be in [0, 1)")
     if cfg.kernels not in KERNELS:

@@ -117,16 +117,24 @@ def targets_for(rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return targets
 
 
-def make_rows(docs_ids: list[list[int]], seq_len: int, pad_id: int, eos_id: int | None, pack: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows [N, seq_len], lengths [N]) from tokenised documents."""
+def make_rows(docs_ids: list[list[int]], seq_len: int, pad_id: int, eos_id: int | None, pack: bool, start: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [N, seq_len], lengths [N]) from tokenised documents.
+
+    Packed, the documents are joined with EOS and cut into rows; each row begins with `start`
+    (a pretrained model's BOS, `text.start_tokens`: every sequence it saw began so) and then
+    `seq_len` minus those tokens of the stream. Pre-training from scratch packs with no `start`.
+    """
     if pack:
         stream: list[int] = []
         for ids in docs_ids:
             stream.extend(ids)
             if eos_id is not None:
                 stream.append(eos_id)
-        n = len(stream) // seq_len
-        rows = torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
+        body = seq_len - len(start)
+        n = len(stream) // body
+        rows = torch.tensor(stream[: n * body], dtype=torch.long).view(n, body)
+        if start:
+            rows = torch.cat([torch.tensor(list(start), dtype=torch.long).expand(n, -1), rows], dim=1)
         return rows, torch.full((n,), seq_len, dtype=torch.long)
     kept = [ids[:seq_len] for ids in docs_ids if len(ids) >= 2]  # a 1-token row has nothing to predict
     rows = torch.full((len(kept), seq_len), pad_id, dtype=torch.long)
@@ -210,13 +218,13 @@ class C4Rows:
     is close to, not identical with, an uninterrupted run.
     """
 
-    def __init__(self, tokenizer, seq_len: int, pack: bool, seed: int, rank: int = 0, world_size: int = 1, buffer: int = 10_000):
+    def __init__(self, tokenizer, seq_len: int, pack: bool, seed: int, rank: int = 0, world_size: int = 1, buffer: int = 10_000, start: list[int] = ()):
         import datasets  # lazy: as in build_data
         from datasets.distributed import split_dataset_by_node
 
         ds = datasets.load_dataset(C4_REPO, "en", split="train", streaming=True).shuffle(seed=seed, buffer_size=buffer)
         self.ds = split_dataset_by_node(ds, rank=rank, world_size=world_size)
-        self.tokenizer, self.seq_len, self.pack = tokenizer, seq_len, pack
+        self.tokenizer, self.seq_len, self.pack, self.start = tokenizer, seq_len, pack, list(start)
         self._iter = None
         self._pending: collections.deque[list[int]] = collections.deque()  # tokenised documents not yet in a row
         self._carry: list[int] = []  # packed tokens not yet in a row
@@ -239,9 +247,10 @@ class C4Rows:
             ids = self._pending.popleft()
             if self.pack:
                 self._carry.extend(ids + ([tok.eos_token_id] if tok.eos_token_id is not None else []))
-                while len(self._carry) >= self.seq_len and len(ids_list) < n:
-                    ids_list.append(self._carry[: self.seq_len])
-                    self._carry = self._carry[self.seq_len :]
+                body = self.seq_len - len(self.start)
+                while len(self._carry) >= body and len(ids_list) < n:
+                    ids_list.append(self.start + self._carry[:body])
+                    self._carry = self._carry[body:]
             elif len(ids) >= 2:
                 ids_list.append(ids)
         rows, lengths = make_rows(ids_list, self.seq_len, tok.pad_token_id, None, pack=False)
@@ -297,12 +306,16 @@ class TrainData:
 
 
 def build_data(data: str, tokenizer, *, seq_len: int, pack: bool, seed: int, val_tokens: int, rank: int = 0, world_size: int = 1,
-               warn_short: bool = True) -> TrainData:
+               warn_short: bool = True, start: list[int] = ()) -> TrainData:
     """Training stream and validation rows for `data`: c4, wiki, or a local text file.
 
     `val_tokens` is a budget: held-out text shorter than it is used whole, with a warning when
-    `warn_short` (the user asked for that many; a preset's default only caps).
+    `warn_short` (the user asked for that many; a preset's default only caps). Packed rows begin
+    with `start` (see `make_rows`); the held-out rows are then the windows `prune --task ppl`
+    scores, cut from held-out documents.
     """
+    if pack and seq_len < len(start) + 2:
+        raise DepthcurseError(f"--seq-len must be at least {len(start) + 2}")
     if seq_len < 2:
         raise DepthcurseError("--seq-len must be at least 2")
     if val_tokens < 1:
@@ -312,7 +325,7 @@ def build_data(data: str, tokenizer, *, seq_len: int, pack: bool, seed: int, val
         import datasets  # lazy: only C4 streams through datasets (1 s to import)
 
         try:
-            train = C4Rows(tokenizer, seq_len, pack, seed, rank, world_size)
+            train = C4Rows(tokenizer, seq_len, pack, seed, rank, world_size, start=start)
             val_stream = datasets.load_dataset(C4_REPO, "en", split="validation", streaming=True)
         except Exception as exc:  # network and hub errors come in many types
             raise DepthcurseError(f"cannot stream C4 from the hub: {exc}") from exc
@@ -324,17 +337,17 @@ def build_data(data: str, tokenizer, *, seq_len: int, pack: bool, seed: int, val
                 seen += min(len(ids), seq_len) - 1 if not pack else len(ids)
                 if seen >= val_tokens:
                     break
-        vr, vl = make_rows(val_ids, seq_len, tokenizer.pad_token_id, tokenizer.eos_token_id, pack)
+        vr, vl = make_rows(val_ids, seq_len, tokenizer.pad_token_id, tokenizer.eos_token_id, pack, start)
         vr, vl = _take_budget(vr, vl, val_tokens)
         return TrainData(train, vr, vl, "c4-en", tokenizer)
 
     texts, label = load_texts(data)
     train_texts, val_texts = _split_docs(texts)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    rows, lengths = make_rows(tokenise(tokenizer, train_texts, pack), seq_len, pad, eos, pack)
+    rows, lengths = make_rows(tokenise(tokenizer, train_texts, pack), seq_len, pad, eos, pack, start)
     if len(rows) == 0:
         raise DepthcurseError(f"{label} gives no training rows of {seq_len} tokens: use more text, a shorter --seq-len, or no --pack")
-    vr, vl = make_rows(tokenise(tokenizer, val_texts, pack), seq_len, pad, eos, pack)
+    vr, vl = make_rows(tokenise(tokenizer, val_texts, pack), seq_len, pad, eos, pack, start)
     if len(vr) == 0:
         raise DepthcurseError(f"the held-out part of {label} gives no validation rows of {seq_len} tokens: use more text or a shorter --seq-len")
     vr, vl = _take_budget(vr, vl, val_tokens)

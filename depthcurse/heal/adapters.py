@@ -1,0 +1,63 @@
+"""LoRA adapters on the blocks a removal keeps, with peft (not a LoRA of our own), and the healed
+model saved as a normal checkpoint: the adapters merged, the removed layers gone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from depthcurse.errors import DepthcurseError
+from depthcurse.io import atomic_write
+from depthcurse.surgery import branch_of, find_blocks, save_pruned
+
+PARTS = {"mlp": ("mlp",), "attn": ("attn",), "all": ("attn", "mlp")}
+
+
+def _is_linear(module: nn.Module) -> bool:
+    # GPT-2's projections are transformers' Conv1D (a linear with its weight transposed), which peft adapts too
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def target_modules(model: nn.Module, removed: tuple[int, ...], targets: str) -> list[str]:
+    """The full names of the linear layers in the `targets` branches of every kept block: where
+    the adapters go. Exact names, so that peft puts none on a removed block or outside the blocks."""
+    blocks = find_blocks(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    out = []
+    for i, block in enumerate(blocks.layers):
+        if i in removed:
+            continue
+        for part in PARTS[targets]:
+            branch = branch_of(block, part)
+            found = [names[id(m)] for m in branch.modules() if _is_linear(m)]
+            if not found:
+                kind = {"attn": "attention", "mlp": "MLP"}[part]
+                raise DepthcurseError(f"--targets {targets}: the {kind} of {type(block).__name__} has no linear layer for an adapter "
+                                      "(its weights are not nn.Linear modules, as in fused mixture-of-experts MLPs): try --targets attn")
+            out += found
+    return out
+
+
+def add_adapters(model: nn.Module, removed: tuple[int, ...], *, targets: str, rank: int, alpha: float, dropout: float):
+    """`model` with LoRA adapters (peft's `get_peft_model`) on its kept blocks' `targets`; only
+    the adapters train. Their B matrices start at zero, so the adapted model starts as the pruned one."""
+    from peft import LoraConfig, get_peft_model  # lazy: only heal needs peft
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, bias="none",
+                        target_modules=target_modules(model, removed, targets))
+    return get_peft_model(model, config)
+
+
+def save_healed(peft_model, tokenizer, removed: tuple[int, ...], out: Path) -> Path:
+    """The adapters merged into their layers and the removed layers left out, saved (atomically) as
+    a checkpoint `from_pretrained` loads with n - k layers. Merges in place: the model in memory
+    is the healed one afterwards, without adapters."""
+    model = peft_model.merge_and_unload()
+    atomic_write(Path(out), lambda tmp: save_pruned(model, tokenizer, removed, tmp), folder=True)
+    return Path(out)
+
+
+def trainable(model: nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]

@@ -1,0 +1,88 @@
+"""What a heal run is: the layers removed, the adapters, the data, the schedule, the loss and what
+it is measured on. No torch here: the command line checks a run's settings before loading a model."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from depthcurse.errors import DepthcurseError
+from depthcurse.train.config import check_schedule
+
+LOSSES = ("lm", "distill")
+TARGETS = ("mlp", "attn", "all")  # which branches of each kept block get adapters
+CONFIG = "config.json"
+
+
+@dataclass
+class HealConfig:
+    """One heal: `layers` removed, LoRA adapters (peft) on the kept blocks' `targets` trained for
+    `steps` on `data`, the model measured unpruned, pruned and healed on held-out windows of that
+    data and on `task`. Defaults follow Gromov et al.'s healing: adapters on the MLPs, a small
+    rank, dropout 0.05, next-token loss, a cosine schedule."""
+
+    layers: tuple[int, ...]
+    loss: str = "lm"
+    targets: str = "mlp"
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.05
+    data: str = "auto"
+    steps: int = 100
+    batch_size: int = 8
+    micro_batch: int | None = None  # sequences per forward and backward (None: the whole batch)
+    seq_len: int | None = None  # None: 512, or the model's maximum if less
+    lr: float = 2e-4
+    warmup: int | None = None  # None: a tenth of the steps
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    eval_windows: int = 32  # held-out windows of seq_len tokens
+    task: str | None = None
+    limit: int | None = None
+    num_fewshot: int = 0
+    seed: int = 1234
+    save_every: int = 25
+    log_every: int = 1
+
+    def resolved(self) -> "HealConfig":
+        """Checked (all but the layers, which `heal.loop.check` checks against the model), with the
+        defaults that depend on others filled in: what the run records."""
+        cfg = HealConfig(**asdict(self))
+        cfg.layers = tuple(sorted(set(self.layers)))
+        cfg.micro_batch = min(self.micro_batch or self.batch_size, self.batch_size)
+        cfg.warmup = max(1, round(0.1 * self.steps)) if self.warmup is None else self.warmup
+        _check(cfg)
+        return cfg
+
+    def identity(self) -> dict:
+        """What a resumed run must share with the one in the folder (how often it saves or logs may change)."""
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if k not in RESUMABLE_CHANGES}
+
+
+RESUMABLE_CHANGES = frozenset({"save_every", "log_every"})
+
+
+def _check(cfg: HealConfig) -> None:
+    if cfg.loss not in LOSSES:
+        raise DepthcurseError(f"unknown --loss {cfg.loss!r}: use lm (next-token) or distill (KL from the unpruned model)")
+    if cfg.targets not in TARGETS:
+        raise DepthcurseError(f"unknown --targets {cfg.targets!r}: use mlp (the paper's), attn or all")
+    if cfg.lora_rank < 1:
+        raise DepthcurseError(f"--lora-rank must be at least 1, got {cfg.lora_rank}")
+    if not (cfg.lora_alpha > 0 and math.isfinite(cfg.lora_alpha)):
+        raise DepthcurseError(f"--lora-alpha must be positive, got {cfg.lora_alpha}")
+    if not 0 <= cfg.lora_dropout < 1:
+        raise DepthcurseError(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout}")
+    for name in ("steps", "batch_size", "micro_batch", "eval_windows", "save_every", "log_every"):
+        if getattr(cfg, name) < 1:
+            raise DepthcurseError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.batch_size % cfg.micro_batch:
+        raise DepthcurseError(f"--batch-size {cfg.batch_size} is not a multiple of --micro-batch {cfg.micro_batch}")
+    if cfg.seq_len is not None and cfg.seq_len < 3:
+        raise DepthcurseError(f"--seq-len must be at least 3, got {cfg.seq_len}")
+    check_schedule(cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio, cfg.weight_decay, cfg.grad_clip)
+    if cfg.limit is not None and cfg.limit < 1:
+        raise DepthcurseError("--limit must be a positive number")
+    if cfg.num_fewshot < 0:
+        raise DepthcurseError(f"--num-fewshot must be 0 or more, got {cfg.num_fewshot}")

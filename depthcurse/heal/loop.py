@@ -1,0 +1,266 @@
+"""`depthcurse heal`: remove layers, train LoRA adapters on the rest, measure what came back.
+
+One run lives in one folder, as an `lns-train` run does, and is made of its pieces: the data
+(`train.data`, rows beginning with the model's BOS), the step (`train.loop.train_step`, which
+trains `heal.objective.HealObjective` like any model), the checkpoint (`CheckpointManager`: the
+adapters, optimizer, schedule, data position and RNG), the metrics log. The folder holds
+`config.json` (what the run is), `checkpoint.pt`, `metrics.jsonl`, `heal.json` (the model
+unpruned, pruned and healed, on held-out windows of the training data and on `--task`, each
+written as it is measured), `loss.png`, and `hf/`: the adapters merged and the layers gone.
+
+An interrupted run continues from its last checkpoint exactly where it would have been; under
+torchrun the ranks share each batch (DDP over the adapters) and rank 0 measures and writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from depthcurse.errors import DepthcurseError
+from depthcurse.heal.adapters import add_adapters, save_healed, target_modules, trainable
+from depthcurse.heal.config import CONFIG, RESUMABLE_CHANGES, HealConfig
+from depthcurse.heal.objective import HealObjective
+from depthcurse.io import atomic_write, ensure_out_dir, environment, json_text, refuse_other_run
+from depthcurse.loading import LoadedModel, window_length
+from depthcurse.runtime import World
+from depthcurse.surgery import num_layers, parse_layers, removed_layers
+from depthcurse.tasks import PerplexityTask, build_task, head_for_task
+from depthcurse.text import start_text, start_tokens, text_source
+from depthcurse.train.checkpoint import CHECKPOINT, CheckpointManager, ModelState, OptimizerState, RNGState, TrainState, load_checkpoint
+from depthcurse.train.data import build_data
+from depthcurse.train.loop import Diverged, StepLosses, autocast_for, lr_factor, train_step
+from depthcurse.train.metrics import METRICS, MetricsLog
+from depthcurse.train.report import plot_loss
+
+HEAL_JSON = "heal.json"
+HF_DIR = "hf"
+MODELS = ("unpruned", "pruned", "healed")
+
+
+@dataclass
+class Progress:
+    step: int
+    total: int
+    loss: float
+    lr: float
+    tokens_per_s: float
+
+
+def check(loaded: LoadedModel, cfg: HealConfig) -> HealConfig:
+    """`cfg` resolved and checked against the model: every bad input said before anything runs."""
+    cfg = replace(cfg.resolved(), data=text_source(cfg.data))
+    if not cfg.layers:
+        raise DepthcurseError("give the layers to remove (--layers) or an order to heal along (--order DIR --ks ...)")
+    n = num_layers(loaded.model)
+    parse_layers(",".join(map(str, cfg.layers)), n)  # in range
+    if any(i < 0 for i in cfg.layers):
+        raise DepthcurseError("give layer indices from 0")
+    if len(cfg.layers) >= n:
+        raise DepthcurseError(f"--layers removes all {n} layers: nothing would be left to heal")
+    if cfg.task is not None and head_for_task(cfg.task) != "causal-lm":
+        raise DepthcurseError(f"--task {cfg.task} measures an encoder; heal trains a decoder's next-token predictions: use ppl-style text or an lm-eval task")
+    target_modules(loaded.model, cfg.layers, cfg.targets)
+    window_length(loaded.model, cfg.seq_len)
+    return cfg
+
+
+def identity(loaded: LoadedModel, cfg: HealConfig) -> dict:
+    """What the run's folder records and a rerun must match."""
+    run = {**loaded.describe(), **cfg.identity(), "seq_len": window_length(loaded.model, cfg.seq_len)}
+    run.pop("device", None)  # a resumed run may move between machines
+    run["device_kind"] = loaded.device.type
+    return run
+
+
+def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = World(), unpruned: dict | None = None,
+         stop_after: int | None = None, on_start: Callable[[dict], None] | None = None, on_progress: Callable[[Progress], None] | None = None,
+         on_phase: Callable[[str], None] | None = None) -> dict | None:
+    """Heal `loaded` with `cfg`'s layers removed, in `out_dir` (continued if it holds this run);
+    returns the record `heal.json` holds, on rank 0 (None elsewhere, or when `stop_after` ended the
+    call after that many steps, as a preemption would).
+
+    The model is the one in memory, and leaves merged with its adapters (`hf/` holds it without
+    the removed layers). `unpruned` is the unpruned model's measurement if it was made already
+    (a healed curve measures it once for every k).
+    """
+    cfg = check(loaded, cfg)
+    run = identity(loaded, cfg)
+    out_dir = ensure_out_dir(out_dir)
+    state = _prepare(out_dir, run, world)
+    done = finished(out_dir, run)
+    if done is not None:
+        return done if world.main else None
+    record = read_heal(out_dir) if (out_dir / HEAL_JSON).exists() else {"run": run, "results": {}}
+    started = time.perf_counter()
+    phase = on_phase or (lambda text: None)
+
+    model, tokenizer = loaded.model, loaded.tokenizer
+    device = loaded.device
+    seq_len = run["seq_len"]
+    start = start_tokens(tokenizer)
+    phase("building the data")
+    # The same stream on every rank: each takes its slice of each batch (as lns-train does).
+    data = build_data(cfg.data, tokenizer, seq_len=seq_len, pack=True, seed=cfg.seed, val_tokens=cfg.eval_windows * (seq_len - 1), start=start)
+    held_out = PerplexityTask.of_windows(data.val_rows[: cfg.eval_windows], source=f"{data.label} (held out)", bos=start_text(tokenizer, start),
+                                         batch_size=cfg.micro_batch)
+    task = build_task(cfg.task, tokenizer, limit=cfg.limit, num_fewshot=cfg.num_fewshot, batch_size=cfg.micro_batch, seed=cfg.seed,
+                      model=model, model_source=loaded.source) if cfg.task else None
+
+    torch.manual_seed(cfg.seed)  # the adapters' A matrices: the same on every rank and every resume
+    peft_model = add_adapters(model, cfg.layers, targets=cfg.targets, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout)
+    objective = HealObjective(peft_model, cfg.layers, cfg.loss)
+    adapter_params = sum(p.numel() for p in trainable(objective))  # counted now: saving merges them away
+    wrapped = objective
+    if world.parallel:
+        from torch.nn.parallel import DistributedDataParallel  # lazy: only a torchrun launch needs it
+
+        wrapped = DistributedDataParallel(objective, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(trainable(objective), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup, cfg.steps, cfg.min_lr_ratio))
+    progress = TrainState()
+    checkpoints = CheckpointManager(out_dir, {
+        "adapters": ModelState(wrapped, trainable_only=True), "optimizer": OptimizerState(wrapped, optimizer), "scheduler": scheduler,
+        "data": data.train, "rng": RNGState(), "train_state": progress,
+    }, config=run, world=world)
+    metrics = MetricsLog(out_dir / METRICS)
+    if state is not None:
+        checkpoints.load(state)
+        if world.main:
+            metrics.truncate_after(progress.step)
+    elif world.main and (out_dir / METRICS).exists():
+        (out_dir / METRICS).unlink()  # a run that stopped before its first checkpoint starts over
+    del state
+    if world.main:
+        atomic_write(out_dir / CONFIG, json.dumps(run, indent=2) + "\n")
+    if on_start and world.main:
+        on_start({"start_step": progress.step, "steps": cfg.steps, "adapters": adapter_params,
+                  "data": data.label, "held_out_tokens": held_out.windows[:, 1:].numel(), "device": str(device), "world_size": world.size})
+
+    amp = autocast_for("bf16-mixed", device) if device.type == "cuda" else autocast_for("fp32", device)
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    losses = StepLosses(limit=2 * math.log(len(tokenizer)))
+    wrapped.train()
+    tick, tick_tokens = time.perf_counter(), 0
+    if progress.step < end:
+        phase("training")
+    while progress.step < end:
+        batch = data.train.next_batch(cfg.batch_size)
+        lr = optimizer.param_groups[0]["lr"]
+        t0 = time.perf_counter()
+        loss, grad_norm = train_step(wrapped, optimizer, scheduler, batch, cfg.micro_batch, amp, cfg.grad_clip, device, world)
+        progress.step += 1
+        progress.tokens += batch.tokens
+        tick_tokens += batch.tokens
+        losses.add(progress.step, loss, grad_norm)
+        step = progress.step
+        logged = step % cfg.log_every == 0 or step == end
+        if logged or step % cfg.save_every == 0:
+            try:
+                loss_value, norm_value = losses.read()
+            except Diverged as exc:
+                raise DepthcurseError(f"healing diverged at step {exc.step} ({exc}): lower --lr or raise --warmup") from exc
+        progress.seconds += time.perf_counter() - t0
+        if logged:
+            now = time.perf_counter()
+            rate = tick_tokens / max(now - tick, 1e-9)
+            tick, tick_tokens = now, 0
+            if world.main:
+                metrics.append({"step": step, "loss": loss_value, "lr": lr, "tokens": progress.tokens, "grad_norm": norm_value, "tokens_per_s": rate})
+                if on_progress:
+                    on_progress(Progress(step, cfg.steps, loss_value, lr, rate))
+        if step % cfg.save_every == 0 or step == end:
+            checkpoints.save()
+    if progress.step < cfg.steps or not world.main:
+        return None
+
+    # Measured after training, on rank 0 alone: the other ranks have nothing left to wait for.
+    model.eval()
+    results = record["results"]
+    if unpruned is not None:
+        results.setdefault("unpruned", unpruned)
+    for name in MODELS:
+        if name in results:
+            continue  # measured before an interruption
+        phase(f"measuring the {name} model")
+        with (peft_model.disable_adapter() if name != "healed" else contextlib.nullcontext()), removed_layers(model, cfg.layers if name != "unpruned" else ()):
+            results[name] = {"held_out": _score(held_out, model), **({"task": _score(task, model)} if task else {})}
+        _write(out_dir, record)
+    phase("saving the healed checkpoint")
+    record["hf"] = str(save_healed(peft_model, tokenizer, cfg.layers, out_dir / HF_DIR))
+    record["recovered"] = recovered(record)
+    record["training"] = {"steps": progress.step, "tokens": progress.tokens, "train_seconds": round(progress.seconds, 3),
+                          "tokens_per_s": progress.tokens / max(progress.seconds, 1e-9), "adapters": adapter_params}
+    record["held_out"] = held_out.describe()
+    record["environment"] = environment()
+    record["wall_time_s"] = round(record.get("wall_time_s", 0.0) + time.perf_counter() - started, 3)
+    _write(out_dir, record)
+    plot_loss(metrics.rows(), out_dir / "loss.png", title=f"{loaded.name} without layers {','.join(map(str, cfg.layers))}: healing ({cfg.loss} loss)")
+    return record
+
+
+def _score(task, model) -> dict:
+    score = task.evaluate(model)
+    return {"metric": task.metric, "higher_is_better": task.higher_is_better, "metrics": score.metrics, "examples": score.examples,
+            "data": task.describe().get("data", task.describe().get("task"))}
+
+
+def recovered(record: dict) -> dict:
+    """Per measurement (held-out loss and perplexity, the task's headline metric): the share of
+    what the removal cost that healing won back, (pruned - healed) / (pruned - unpruned); 1 is
+    all of it, 0 none, negative worse than pruned. None where the removal cost nothing."""
+    results = record["results"]
+    if not all(m in results for m in MODELS):
+        return {}
+    out = {}
+    for part in results["pruned"]:
+        for metric in ("loss", "ppl") if part == "held_out" else (results["pruned"][part]["metric"],):
+            u, p, h = (results[m][part]["metrics"].get(metric) for m in MODELS)
+            if None in (u, p, h):
+                continue
+            gap = p - u
+            out[f"{part}_{metric}" if part == "held_out" else f"task_{metric}"] = (p - h) / gap if gap and math.isfinite(gap) else None
+    return out
+
+
+def _prepare(out_dir: Path, run: dict, world: World) -> dict | None:
+    """The checkpoint to continue from (None: from the start); a folder of another run is refused."""
+    saved_cfg, ckpt = out_dir / CONFIG, out_dir / CHECKPOINT
+    if saved_cfg.exists():
+        refuse_other_run(out_dir, json.loads(saved_cfg.read_text()), run, ignore=RESUMABLE_CHANGES, what="heal run")
+    elif any(out_dir.iterdir()) and (out_dir / HEAL_JSON).exists():
+        refuse_other_run(out_dir, read_heal(out_dir)["run"], run, ignore=RESUMABLE_CHANGES, what="heal run")
+    world.barrier()  # every rank has checked the folder before rank 0 writes into it
+    return load_checkpoint(ckpt) if ckpt.exists() else None
+
+
+def finished(out_dir: Path, run: dict) -> dict | None:
+    """The record of `run` if `out_dir` holds it finished (measured and saved), else None."""
+    if not (out_dir / HEAL_JSON).is_file():
+        return None
+    record = read_heal(out_dir)
+    same = not [k for k in set(record["run"]) | set(run) if k not in RESUMABLE_CHANGES and record["run"].get(k) != run.get(k)]
+    return record if same and "recovered" in record and (out_dir / HF_DIR / "config.json").is_file() else None
+
+
+def _write(out_dir: Path, record: dict) -> None:
+    atomic_write(out_dir / HEAL_JSON, json_text(record))
+
+
+def read_heal(folder: Path) -> dict:
+    """A heal run's or a healed curve's `heal.json`, or one clear error."""
+    path = Path(folder)
+    path = path / HEAL_JSON if path.is_dir() else path
+    try:
+        record = json.loads(path.read_text())
+        record["run"]
+        return record
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DepthcurseError(f"{folder} holds no heal result ({HEAL_JSON}): {exc}") from None

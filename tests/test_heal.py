@@ -1,0 +1,208 @@
+"""`depthcurse heal`: LoRA healing of a pruned model, on tiny models built here.
+
+The references are independent of the code under test: the model's own forward (the teacher),
+a model built without the layers (`built_without`) with the adapters' updates added to its
+weights by hand (the merged checkpoint), one process (two gloo ranks), an uninterrupted run (a
+resumed one), a single heal (a curve's point).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+from helpers import CORPUS, assert_one_line_error, built_without, tiny_llama, torchrun
+
+from depthcurse.heal import HealConfig, heal, heal_curve, order_sets
+from depthcurse.heal.adapters import add_adapters, target_modules
+from depthcurse.heal.objective import HealObjective
+from depthcurse.loading import load_model
+from depthcurse.surgery import removed_layers
+from depthcurse.train.metrics import METRICS, MetricsLog
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture()
+def docs_file(tmp_path):
+    """40 distinct documents, so that held-out ones are never trained on."""
+    path = tmp_path / "docs.txt"
+    path.write_text("\n\n".join(f"marker{i}x {CORPUS[i % len(CORPUS)]} {CORPUS[(i + 2) % len(CORPUS)]}" for i in range(40)), encoding="utf-8")
+    return path
+
+
+@pytest.fixture()
+def model_dir(tmp_path, bos_tokenizer):
+    """A tiny Llama with 5 layers and a tokenizer that puts BOS first, as Llama's does."""
+    path = tmp_path / "tiny-bos"
+    tiny_llama(len(bos_tokenizer), layers=5, seed=1).save_pretrained(path)
+    bos_tokenizer.save_pretrained(path)
+    return path
+
+
+def _cfg(docs_file, **kw) -> HealConfig:
+    options = dict(layers=(1, 3), data=str(docs_file), steps=6, batch_size=4, seq_len=24, lr=5e-3, eval_windows=4, save_every=2, lora_rank=4)
+    return HealConfig(**{**options, **kw})
+
+
+def _adapters(folder):
+    state = torch.load(folder / "checkpoint.pt", map_location="cpu", weights_only=True)["adapters"]
+    return {k: v for k, v in state.items() if "lora_" in k}
+
+
+def test_the_teacher_is_the_unpruned_model_exactly_and_the_student_starts_as_the_pruned_one():
+    model = tiny_llama(300, layers=5)
+    ids = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        own = model(input_ids=ids).logits
+        pruned = built_without(model, "model.layers", [1, 3])(input_ids=ids).logits
+    # the adapters sit on the kept blocks only, each on all of its linears
+    names = target_modules(model, (1, 3), "all")
+    assert {int(re.search(r"layers\.(\d+)\.", n).group(1)) for n in names} == {0, 2, 4} and len(names) == 3 * 7
+    objective = HealObjective(add_adapters(model, (1, 3), targets="all", rank=4, alpha=8, dropout=0.0), (1, 3), "distill")
+    with torch.no_grad():
+        torch.testing.assert_close(objective.student_logits(ids), pruned, rtol=0, atol=0)  # B = 0: the pruned model
+        for name, p in objective.named_parameters():
+            if "lora_B" in name:
+                p.normal_()  # trained adapters: the teacher must not see them
+        torch.testing.assert_close(objective.teacher_logits(ids), own, rtol=0, atol=0)
+        assert not torch.allclose(objective.student_logits(ids), pruned, atol=1e-3)  # the adapters act on the student
+
+
+def test_a_heal_run_measures_three_models_and_saves_the_merged_checkpoint(model_dir, docs_file, tmp_path):
+    """The adapters' loss falls; the held-out windows start with BOS and come from documents never
+    trained on; hf/ reloads with n - k layers and gives the adapted model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = load_model(str(model_dir))
+    out = tmp_path / "run"
+    cfg = _cfg(docs_file, steps=12, save_every=4)
+    ids = torch.randint(3, 300, (2, 19), generator=torch.Generator().manual_seed(2))
+    captured = {}
+    original_save = __import__("depthcurse.heal.loop", fromlist=["save_healed"]).save_healed
+
+    def capture(peft_model, tokenizer, removed, folder):
+        peft_model.eval()
+        with torch.no_grad(), removed_layers(peft_model.base_model.model, removed):
+            captured["adapted"] = peft_model.base_model.model(input_ids=ids).logits
+        return original_save(peft_model, tokenizer, removed, folder)
+
+    import depthcurse.heal.loop as loop
+
+    loop.save_healed, saved = capture, loop.save_healed
+    try:
+        record = heal(loaded, cfg, out)
+    finally:
+        loop.save_healed = saved
+    rows = MetricsLog(out / METRICS).rows()
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
+    results = record["results"]
+    held = [results[m]["held_out"]["metrics"]["loss"] for m in ("unpruned", "pruned", "healed")]
+    assert held[2] < held[1]  # healing lowered the pruned model's held-out loss (a random model loses little by the removal)
+    assert record["recovered"]["held_out_loss"] == pytest.approx((held[1] - held[2]) / (held[1] - held[0]))
+    assert record["held_out"]["bos"] == "<bos>" and record["held_out"]["windows"] == 4
+    assert record["training"]["adapters"] == 3 * 3 * 4 * (32 + 64) and record["training"]["steps"] == 12  # rank 4 on the 3 kept MLPs' 3 linears
+    healed = AutoModelForCausalLM.from_pretrained(out / "hf").eval()
+    assert healed.config.num_hidden_layers == 3
+    with torch.no_grad():
+        torch.testing.assert_close(healed(input_ids=ids).logits, captured["adapted"], rtol=0, atol=1e-5)
+    assert (out / "loss.png").is_file() and json.loads((out / "config.json").read_text())["layers"] == [1, 3]
+
+
+def test_held_out_windows_are_prunes_ppl_windows_on_documents_never_trained_on(model_dir, docs_file, tmp_path):
+    from depthcurse.tasks import PerplexityTask
+    from depthcurse.text import load_texts
+    from depthcurse.train.data import _split_docs, build_data
+
+    loaded = load_model(str(model_dir))
+    texts, _ = load_texts(str(docs_file))
+    train_texts, val_texts = _split_docs(texts)
+    data = build_data(str(docs_file), loaded.tokenizer, seq_len=24, pack=True, seed=0, val_tokens=4 * 23, start=[loaded.tokenizer.bos_token_id])
+    ppl = PerplexityTask(loaded.tokenizer, val_texts, source="v", seq_len=24, limit=4)
+    assert torch.equal(data.val_rows[:4], ppl.windows)
+    trained = set(re.findall(r"marker\d+x", "".join(loaded.tokenizer.decode(r) for r in data.train.rows.tolist())))
+    assert trained and not trained & set(re.findall(r"marker\d+x", " ".join(val_texts)))
+    assert set(data.train.rows[:, 0].tolist()) == {loaded.tokenizer.bos_token_id}  # every training row starts as the model expects
+
+
+def test_an_interrupted_heal_resumed_equals_an_uninterrupted_one(model_dir, docs_file, tmp_path):
+    for loss in ("lm", "distill"):
+        cfg = _cfg(docs_file, loss=loss, lora_dropout=0.1)
+        whole = heal(load_model(str(model_dir)), cfg, tmp_path / f"whole-{loss}")
+        assert heal(load_model(str(model_dir)), cfg, tmp_path / f"cut-{loss}", stop_after=3) is None  # as a preemption after step 3 (checkpoint at 2)
+        resumed = heal(load_model(str(model_dir)), cfg, tmp_path / f"cut-{loss}")
+        a, b = _adapters(tmp_path / f"whole-{loss}"), _adapters(tmp_path / f"cut-{loss}")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        rows = [[{k: v for k, v in r.items() if k != "tokens_per_s"} for r in MetricsLog(tmp_path / f"{d}-{loss}" / METRICS).rows()] for d in ("whole", "cut")]
+        assert len(rows[0]) == 6 and rows[0] == rows[1]  # every step logged once, with the same numbers
+        assert whole["results"]["healed"] == resumed["results"]["healed"]
+
+
+def test_a_healed_curves_kth_point_is_a_single_heal_of_those_layers(model_dir, docs_file, tmp_path):
+    from depthcurse.prune import run_sweep
+    from depthcurse.tasks import PerplexityTask
+
+    loaded = load_model(str(model_dir))
+    task = PerplexityTask(loaded.tokenizer, CORPUS * 4, source="corpus", seq_len=24, limit=3)
+    run_sweep(loaded, task, range(5), tmp_path / "sweep")  # its one-shot order
+    sets, source = order_sets(tmp_path / "sweep", [1, 2], 5)
+    assert source.startswith("one-shot order of") and len(sets[2]) == 2 and set(sets[1]) <= set(sets[2])
+    cfg = _cfg(docs_file, steps=3)
+    curve = heal_curve(loaded, lambda: load_model(str(model_dir)), cfg, sets, source, tmp_path / "curve")
+    single = heal(load_model(str(model_dir)), replace(cfg, layers=sets[2]), tmp_path / "single")
+    from depthcurse.report import write_report
+
+    page = write_report([tmp_path / "curve", tmp_path / "single"], tmp_path / "page.md").read_text()
+    assert "## Healing" in page and "healed depth curve" in page and "| recovered |" in page
+    point = curve["points"][1]
+    assert point["k"] == 2 and point["layers"] == list(sets[2])
+    assert point["results"] == single["results"] and point["recovered"] == single["recovered"]
+    a, b = _adapters(tmp_path / "curve" / "k002"), _adapters(tmp_path / "single")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(Exception, match="--ks 9 goes beyond the order"):
+        order_sets(tmp_path / "sweep", [2, 9], 5)
+
+
+def test_two_gloo_ranks_heal_as_one_process(model_dir, docs_file, tmp_path):
+    """Each rank trains on its half of every batch. Without dropout (whose masks each rank draws
+    for its own half) the adapters and losses are one process's."""
+    two = torchrun("-m", "depthcurse", "heal", model_dir, "--layers", "1,3", "--data", docs_file, "--steps", "4", "--batch-size", "4", "--seq-len", "24",
+                   "--lr", "5e-3", "--eval-windows", "2", "--lora-rank", "4", "--lora-dropout", "0", "--device", "cpu", "--out", tmp_path / "two", nproc=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    heal(load_model(str(model_dir)), _cfg(docs_file, steps=4, eval_windows=2, lora_dropout=0.0), tmp_path / "one")
+    a, b = _adapters(tmp_path / "one"), _adapters(tmp_path / "two")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+    losses = [[r["loss"] for r in MetricsLog(tmp_path / d / METRICS).rows() if "loss" in r] for d in ("one", "two")]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+
+
+def test_heal_on_the_command_line_and_its_bad_input(run_cli, model_dir, docs_file, tmp_path):
+    base = ["heal", model_dir, "--data", docs_file, "--steps", "2", "--batch-size", "2", "--seq-len", "24", "--eval-windows", "2", "--lora-rank", "2"]
+    out = tmp_path / "cli"
+    code, stdout, err = run_cli(*base, "--layers", "2", "--out", out)
+    assert code == 0, err
+    text = " ".join(stdout.split())
+    assert "unpruned" in text and "pruned" in text and "healed" in text and "recovered" in text and (out / "hf" / "config.json").is_file()
+    assert_one_line_error(*run_cli(*base, "--layers", "0-4"), "removes all 5 layers")
+    assert_one_line_error(*run_cli(*base, "--layers", "1", "--targets", "heads"), "unknown --targets 'heads'")
+    assert_one_line_error(*run_cli(*base, "--layers", "1", "--lora-rank", "0"), "--lora-rank must be at least 1")
+    assert_one_line_error(*run_cli(*base, "--layers", "1", "--lora-alpha", "0"), "--lora-alpha must be positive")
+    assert_one_line_error(*run_cli(*base, "--layers", "1", "--steps", "0"), "--steps must be at least 1")
+    assert_one_line_error(*run_cli(*base, "--layers", "1", "--granularity", "attn"), "heal removes whole layers for now")
+    assert_one_line_error(*run_cli(*base, "--layers", "1", "--loss", "kl"), "unknown --loss 'kl'")
+    assert_one_line_error(*run_cli(*base, "--layers", "1", "--out", out), "holds a different heal run")
+    assert_one_line_error(*run_cli(*base), "give --layers L")
+    assert_one_line_error(*run_cli(*base, "--order", out, "--ks", "1"), "holds no order to heal along")
+    assert_one_line_error(*run_cli(*base, "--layers", "1", "--task", "squad"), "measures an encoder")
+
+
+def test_the_default_data_is_c4_with_the_hub_and_the_offline_wikipedia_without(model_dir):
+    from depthcurse.heal.loop import check
+
+    assert check(load_model(str(model_dir)), HealConfig(layers=(1,))).data == "wiki"  # the tests run offline
