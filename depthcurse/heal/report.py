@@ -82,11 +82,11 @@ def plot_heal_curve(curve: dict, path: Path) -> Path:
     cols = [c for c in _columns(points[0]["results"]) if c[1] != "ppl"] if points else []
     fig, axes = plt.subplots(1, max(1, len(cols)), figsize=(6 * max(1, len(cols)), 4.8), dpi=120, squeeze=False)
     for ax, (part, metric, header) in zip(axes[0], cols):
-        xs = [p["k"] / n for p in points]
-        for name, style in (("pruned", dict(marker="o", ls="--")), ("healed", dict(marker="s", lw=2))):
-            ax.plot(xs, [p["results"][name][part]["metrics"].get(metric) for p in points], label=f"{name}", **style)
         base = points[0]["results"]["unpruned"][part]["metrics"].get(metric)
-        ax.axhline(base, color="k", lw=1, ls=":", label=f"unpruned ({base:.4g})")
+        xs = [0.0] + [p["k"] / n for p in points]  # both curves start at the unpruned model
+        for name, style in (("pruned", dict(marker="o", ls="--")), ("healed", dict(marker="s", lw=2))):
+            ax.plot(xs, [base] + [p["results"][name][part]["metrics"].get(metric) for p in points], label=f"{name}", **style)
+        ax.axhline(base, color="k", lw=1, ls=":", label="unpruned")
         ax.set_xlabel(f"fraction of layers removed (of {n})")
         ax.set_ylabel(header)
         ax.grid(alpha=0.3)
