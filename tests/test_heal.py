@@ -19,7 +19,7 @@ from helpers import CORPUS, assert_one_line_error, built_without, tiny_llama, to
 
 from depthcurse.heal import HealConfig, heal, heal_curve, order_sets
 from depthcurse.heal.adapters import add_adapters, target_modules
-from depthcurse.heal.objective import HealObjective
+from depthcurse.heal.objective import HealObjective, distill_kl
 from depthcurse.loading import load_model
 from depthcurse.surgery import removed_layers
 from depthcurse.train.metrics import METRICS, MetricsLog
@@ -71,6 +71,25 @@ def test_the_teacher_is_the_unpruned_model_exactly_and_the_student_starts_as_the
                 p.normal_()  # trained adapters: the teacher must not see them
         torch.testing.assert_close(objective.teacher_logits(ids), own, rtol=0, atol=0)
         assert not torch.allclose(objective.student_logits(ids), pruned, atol=1e-3)  # the adapters act on the student
+
+
+def test_the_distillation_loss_and_its_gradient_are_kl_div_over_the_scored_positions():
+    """Chunked, with its gradient made in the forward: against F.kl_div over log-softmaxes, on
+    more rows than one chunk holds and with positions that have no target."""
+    torch.manual_seed(0)
+    student = torch.randn(3, 37, 50, dtype=torch.float64).mul(3).requires_grad_()
+    teacher = torch.randn(3, 37, 50, dtype=torch.float64).mul(3)
+    scored = torch.rand(3, 37) > 0.2
+    scored[1] = False  # a whole row without targets
+    ours = distill_kl(student, teacher, scored)
+    (grad,) = torch.autograd.grad(2 * ours, student)
+    rows = student[scored]
+    reference = torch.nn.functional.kl_div(rows.float().log_softmax(-1), teacher[scored].float().log_softmax(-1), log_target=True, reduction="sum")
+    (expected,) = torch.autograd.grad(2 * reference, student)
+    assert ours.dtype == torch.float32 and grad.dtype == torch.float64
+    torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6)
+    assert grad[1].abs().max() == 0
 
 
 def test_a_heal_run_measures_three_models_and_saves_the_merged_checkpoint(model_dir, docs_file, tmp_path):

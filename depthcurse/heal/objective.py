@@ -42,8 +42,45 @@ class HealObjective(nn.Module):
         """The summed loss over the positions with a target (-100: none), in fp32: next-token
         cross-entropy, or KL(teacher || student) of the next-token distributions."""
         logits = self.student_logits(ids)
-        scored = targets != -100
         if self.loss == "lm":
-            return F.cross_entropy(logits[scored].float(), targets[scored], reduction="sum")
-        teacher = self.teacher_logits(ids)[scored].float().log_softmax(-1)
-        return F.kl_div(logits[scored].float().log_softmax(-1), teacher, log_target=True, reduction="sum")
+            return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=-100, reduction="sum")
+        return distill_kl(logits, self.teacher_logits(ids), targets != -100)
+
+
+def distill_kl(student: torch.Tensor, teacher: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """sum over the `scored` positions of KL(softmax(teacher) || softmax(student)), in fp32;
+    `F.kl_div(student.log_softmax(-1), teacher.log_softmax(-1), log_target=True, reduction="sum")`
+    over those rows, with its gradient, in about half its time on a CPU."""
+    return _DistillKL.apply(student, teacher.detach(), scored)
+
+
+class _DistillKL(torch.autograd.Function):
+    # The gradient, softmax(student) - softmax(teacher), is made with the loss, a few rows at a
+    # time: each pass over the vocabulary then stays in cache, where log_softmax, kl_div and their
+    # backward pass over the whole [tokens, vocab] logits several times each (1.02 s against 0.53 s
+    # for 1,020 tokens of SmolLM2's 49,152, 2 CPU cores). The same on a GPU, in bigger chunks.
+    @staticmethod
+    def forward(ctx, student, teacher, scored):
+        vocab = student.shape[-1]
+        rows, teacher, scored = student.reshape(-1, vocab), teacher.reshape(-1, vocab), scored.reshape(-1)
+        grad = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
+        total = torch.zeros((), dtype=torch.float32, device=rows.device)
+        chunk = 32 if rows.device.type == "cpu" else 2048
+        for start in range(0, rows.shape[0], chunk):
+            keep = scored[start:start + chunk]
+            if not keep.any():
+                continue
+            log_s = rows[start:start + chunk].float().log_softmax(-1)
+            log_t = teacher[start:start + chunk].float().log_softmax(-1)
+            p_t = log_t.exp()
+            keep = keep.unsqueeze(-1)
+            total += (p_t * (log_t - log_s)).mul_(keep).sum()
+            grad[start:start + chunk] = log_s.exp_().sub_(p_t).mul_(keep)
+        ctx.save_for_backward(grad)
+        ctx.shape, ctx.dtype = student.shape, student.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_total).to(ctx.dtype).reshape(ctx.shape), None, None
