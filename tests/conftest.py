@@ -17,6 +17,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Workers share the cores (`make test` runs two on two): one thread each, and in the processes
+    # they start, or the thread pools spin against each other.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")

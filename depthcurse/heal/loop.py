@@ -18,7 +18,7 @@ import contextlib
 import json
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -37,21 +37,12 @@ from depthcurse.text import start_text, start_tokens, text_source
 from depthcurse.train.checkpoint import CHECKPOINT, CheckpointManager, ModelState, OptimizerState, RNGState, TrainState, load_checkpoint
 from depthcurse.train.data import build_data
 from depthcurse.train.loop import Diverged, StepLosses, autocast_for, lr_factor, train_step
-from depthcurse.train.metrics import METRICS, MetricsLog
+from depthcurse.train.metrics import METRICS, MetricsLog, Progress
 from depthcurse.train.report import plot_loss
 
 HEAL_JSON = "heal.json"
 HF_DIR = "hf"
 MODELS = ("unpruned", "pruned", "healed")
-
-
-@dataclass
-class Progress:
-    step: int
-    total: int
-    loss: float
-    lr: float
-    tokens_per_s: float
 
 
 def check(loaded: LoadedModel, cfg: HealConfig) -> HealConfig:
@@ -175,7 +166,7 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
             if world.main:
                 metrics.append({"step": step, "loss": loss_value, "lr": lr, "tokens": progress.tokens, "grad_norm": norm_value, "tokens_per_s": rate})
                 if on_progress:
-                    on_progress(Progress(step, cfg.steps, loss_value, lr, rate))
+                    on_progress(Progress(step, cfg.steps, loss_value, lr, progress.tokens, rate, None, cfg.micro_batch))
         if step % cfg.save_every == 0 or step == end:
             checkpoints.save()
     if progress.step < cfg.steps or not world.main:

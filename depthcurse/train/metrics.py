@@ -45,5 +45,5 @@ class Progress:
     lr: float
     tokens: int
     tokens_per_s: float
-    tflops: float  # the model's training FLOPs per second, all ranks together
+    tflops: float | None  # the model's training FLOPs per second, all ranks together (None: not counted, as in heal)
     micro_batch: int  # sequences per forward/backward on each rank
