@@ -376,7 +376,8 @@ def heal(
         import torch  # lazy: start-up
 
         gpus = rank_gpus()[:1] if world.parallel and device != "cpu" and torch.cuda.is_available() else None  # DDP: one GPU per rank
-        options = dict(head="causal-lm", dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision, gpus=gpus)
+        options = dict(head="causal-lm", dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision, gpus=gpus,
+                       not_encoder="heal trains a decoder's next-token predictions: give a decoder (Llama, Qwen, Mistral, SmolLM2...)")
         loaded = _load(model, **options)
         n = num_layers(loaded.model)
         if order is not None:
@@ -411,7 +412,8 @@ def heal(
             console.print(f"wrote {out_dir / healing.HEAL_JSON}, {figure}, and each k's run in {out_dir}/kNNN/")
         else:
             console.print(healing.heal_table(record))
-            console.print(f"wrote {out_dir / healing.HEAL_JSON}, {out_dir / 'metrics.jsonl'}, {out_dir / 'loss.png'} and the healed checkpoint {record['hf']}")
+            console.print(f"wrote {out_dir / healing.HEAL_JSON}, {out_dir / 'metrics.jsonl'}, {out_dir / 'loss.png'} and the healed checkpoint {record['hf']} "
+                          f"({record['hf_dtype']}, {record['hf_bytes'] / 1e6:,.1f} MB)")
     finally:
         world.close()
 

@@ -39,6 +39,14 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device  # where the inputs go (the embedding's device under device_map)
     revision: str | None = None
+    # The dtype the checkpoint stores its weights in (None: not one dtype, as a quantised GGUF):
+    # what a copy saved from this model keeps, whatever dtype it was loaded in to compute.
+    checkpoint_dtype: torch.dtype | None = None
+
+    @property
+    def save_dtype(self) -> torch.dtype:
+        """The dtype a checkpoint made from this model is saved in: the source's own."""
+        return self.checkpoint_dtype or self.dtype
 
     def describe(self) -> dict:
         return {
@@ -73,7 +81,7 @@ def check_sequence_length(model: torch.nn.Module, length: int, option: str = "--
         raise DepthcurseError(f"{option} {length} is longer than {type(model).__name__} accepts ({most} positions): use {option} {most} or less")
 
 
-def _auto_class(head: Head, config, new_head: bool = False):
+def _auto_class(head: Head, config, new_head: bool = False, not_encoder: str | None = None):
     if head == "qa":
         if config.model_type not in ENCODER_TYPES:
             if new_head:  # finetune-qa
@@ -91,7 +99,7 @@ def _auto_class(head: Head, config, new_head: bool = False):
     if config.model_type in ENCODER_TYPES:
         raise DepthcurseError(
             f"{config.model_type} is an encoder without a language-model head: "
-            "use an encoder task (e.g. --task squad with a QA model), or a decoder model for this task"
+            + (not_encoder or "use an encoder task (e.g. --task squad with a QA model), or a decoder model for this task")
         )
     return transformers.AutoModelForCausalLM
 
@@ -129,6 +137,7 @@ def load_model(
     new_head: bool = False,
     gpus: list[int] | None = None,
     keep_dtype: bool = False,
+    not_encoder: str | None = None,
 ) -> LoadedModel:
     """Load `name` (hub id, local folder, .gguf file or offline alias) in eval mode.
 
@@ -141,6 +150,8 @@ def load_model(
     checkpoint missing any other weight, or holding weights the model has no place for.
 
     `keep_dtype` makes `dtype="auto"` the checkpoint's dtype on a CPU too (`drop` saves what it loaded).
+    `not_encoder` is what to advise when a decoder is needed and `name` is an encoder (a command
+    that takes no encoder task says what it does take).
     """
     # Checkpoints exported by `lns-train` (Post-LN, Mix-LN, ...) use depthcurse's own model
     # class: registering it is what lets them load without trust_remote_code.
@@ -166,7 +177,8 @@ def load_model(
         common = dict(common, revision=None, local_files_only=False)
         config = transformers.AutoConfig.from_pretrained(source, **common)
 
-    auto_cls = _auto_class(head, config, new_head)
+    stored = _stored_dtype(config)
+    auto_cls = _auto_class(head, config, new_head, not_encoder)
     load_kwargs = dict(common, dtype=torch_dtype)
     if dev == "cuda":
         load_kwargs["device_map"] = "auto"
@@ -209,7 +221,17 @@ def load_model(
         dtype=next(model.parameters()).dtype,
         device=input_device,
         revision=revision_seen,
+        checkpoint_dtype=stored,
     )
+
+
+def _stored_dtype(config) -> torch.dtype | None:
+    """The dtype the config says the weights are stored in (`dtype`, `torch_dtype` before
+    transformers 5), read before loading, which overwrites it with the dtype loaded in."""
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value.removeprefix("torch."), None)
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else None
 
 
 @contextlib.contextmanager
@@ -258,7 +280,7 @@ def _refuse_incomplete(name: str, source: str, model, info: dict, head: Head, ne
         )
     missing = [k for k in missing if k not in head_missing]
     if missing:
-        raise DepthcurseError(f"{source} lacks weights the model needs: {_keys_text(missing)} are missing from the checkpoint "
+        raise DepthcurseError(f"{source} lacks weights the model needs: {_keys_text(missing)} {'is' if len(missing) == 1 else 'are'} missing from the checkpoint "
                               "(transformers would fill them at random); use a complete checkpoint")
     own = {child for child, _ in model.named_children()}
     unexpected = sorted(k for k in info.get("unexpected_keys", ()) if k.startswith(prefix) or k.partition(".")[0] in own)
@@ -268,15 +290,15 @@ def _refuse_incomplete(name: str, source: str, model, info: dict, head: Head, ne
 
 
 def _keys_text(keys: list[str], shown: int = 3) -> str:
-    """Checkpoint keys in a few words: each module with a layer index once (`model.layers.1.*, 9
-    tensors`), the first `shown` of them, and how many more."""
-    groups: dict[str, int] = {}
+    """Checkpoint keys in a few words: the tensors of a module with a layer index together
+    (`model.layers.1.* (9 tensors)`), a lone one by its full name, the first `shown` of them, and
+    how many more."""
+    groups: dict[str, list[str]] = {}
     for key in keys:
         parts = key.split(".")
         cut = next((i + 1 for i, part in enumerate(parts) if part.isdigit()), None)
-        group = ".".join(parts[:cut]) + ".*" if cut is not None and cut < len(parts) else key
-        groups[group] = groups.get(group, 0) + 1
-    items = [f"{g} ({n} tensors)" if n > 1 else g for g, n in groups.items()]
+        groups.setdefault(".".join(parts[:cut]) + ".*" if cut is not None and cut < len(parts) else key, []).append(key)
+    items = [f"{g} ({len(members)} tensors)" if len(members) > 1 else members[0] for g, members in groups.items()]
     more = f" and {len(items) - shown} more" if len(items) > shown else ""
     return ", ".join(items[:shown]) + more
 

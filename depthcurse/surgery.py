@@ -196,23 +196,25 @@ _RANGE = re.compile(r"(-?\d+)\s*-\s*(-?\d+)")
 
 
 def parse_layers(spec: str | None, n_layers: int) -> list[int]:
-    """Parse a layer spec such as ``"0,3,5-8"`` or ``"-1"`` into sorted, unique indices.
+    """Parse a layer spec such as ``"0,3,5-8"`` or ``"-1"`` into sorted indices.
 
     None and "all" mean every layer; an empty spec is an error (a shell variable that came out
-    empty should not silently mean every layer). Ranges are inclusive; negative indices count
-    from the end, in ranges too ("-3--1" is the last three layers).
+    empty should not silently mean every layer), and so is a layer named twice ("3,3", "2-5,4",
+    "-1,29" on 30 layers: a typo for another layer, which would go unremoved without a word).
+    Ranges are inclusive; negative indices count from the end, in ranges too ("-3--1" is the
+    last three layers).
     """
     if spec is None or spec.strip().lower() == "all":
         return list(range(n_layers))
     if not spec.strip(" ,"):
         raise DepthcurseError(f"--layers {spec!r} names no layer: give indices and ranges like 0,3,5-8, or leave it out for every layer")
-    out: set[int] = set()
+    named: list[int] = []
     for raw in spec.split(","):
         token = raw.strip()
         if not token:
             continue  # tolerate "1,2," and "1,,2"
         if _SINGLE.fullmatch(token):
-            out.add(_normalize_index(int(token), n_layers))
+            named.append(_normalize_index(int(token), n_layers))
             continue
         match = _RANGE.fullmatch(token)
         if match is None:
@@ -224,10 +226,13 @@ def parse_layers(spec: str | None, n_layers: int) -> list[int]:
         end = _normalize_index(int(match.group(2)), n_layers)
         if start > end:
             raise DepthcurseError(f"bad layer range {token!r}: the start comes after the end")
-        out.update(range(start, end + 1))
-    if not out:
+        named.extend(range(start, end + 1))
+    if not named:
         raise DepthcurseError(f"bad layer spec {spec!r}: no layers given")
-    return sorted(out)
+    twice = sorted({i for i in named if named.count(i) > 1})
+    if twice:
+        raise DepthcurseError(f"--layers {spec!r} names layer{'s' if len(twice) > 1 else ''} {','.join(map(str, twice))} more than once: name each layer once")
+    return sorted(named)
 
 
 def _configs_to_update(model: nn.Module, blocks: BlockList, n: int) -> list:

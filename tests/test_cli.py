@@ -96,6 +96,8 @@ def test_assets_on_a_cache_that_cannot_be_written_says_why(run_cli, tmp_path, mo
         (["prune", "{tmp}/missing-layer", "--data", "{text}"], "{tmp}/missing-layer lacks weights the model needs: model.layers.1.* (9 tensors) are missing"),
         (["angular-distance", "{tmp}/missing-layer", "--data", "{text}"], "{tmp}/missing-layer lacks weights the model needs: layers.1.* (9 tensors) are missing"),
         (["prune", "{tmp}/extra-layer", "--data", "{text}"], "{tmp}/extra-layer holds weights the model has no place for: model.layers.4.* (9 tensors)"),
+        (["prune", "{tmp}/missing-tensor", "--data", "{text}"], "{tmp}/missing-tensor lacks weights the model needs: model.layers.1.mlp.down_proj.weight is missing"),
+        (["heal", "{tmp}/missing-norm", "--layers", "2", "--data", "{text}"], "{tmp}/missing-norm lacks weights the model needs: model.layers.1.post_attention_layernorm.weight is missing"),
         (["prune", "{model}", "--task", "ppl", "--data", "{tmp}/broken.jsonl"], "broken.jsonl: line 2 is not JSON"),
         (["prune", "{model}", "--task", "repr", "--no-bos"], "--no-bos does not apply to --task repr: it is for ppl"),
     ],
@@ -127,7 +129,8 @@ def test_bad_input_gets_one_clear_line(run_cli, tiny_model_dir, text_file, tmp_p
 
 def _checkpoint_variants(model_dir, tmp_path):
     """Copies of a checkpoint that transformers loads with a warning at most: without its
-    tokenizer, without every tensor of layer 1, and with a fifth layer's tensors it has no place for."""
+    tokenizer, without every tensor of layer 1 or one of them, and with a fifth layer's tensors it
+    has no place for."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -135,7 +138,10 @@ def _checkpoint_variants(model_dir, tmp_path):
     weights = load_file(model_dir / "model.safetensors")
     for name, tensors in (("no-tokenizer", None),
                           ("missing-layer", {k: v for k, v in weights.items() if not k.startswith("model.layers.1.")}),
-                          ("extra-layer", {**weights, **{k.replace("layers.3.", "layers.4."): v.clone() for k, v in weights.items() if "layers.3." in k}})):
+                          ("extra-layer", {**weights, **{k.replace("layers.3.", "layers.4."): v.clone() for k, v in weights.items() if "layers.3." in k}}),
+                          # one tensor of a layer: a norm's gain would come back as ones, a projection at random
+                          ("missing-tensor", {k: v for k, v in weights.items() if k != "model.layers.1.mlp.down_proj.weight"}),
+                          ("missing-norm", {k: v for k, v in weights.items() if k != "model.layers.1.post_attention_layernorm.weight"})):
         shutil.copytree(model_dir, tmp_path / name)
         if tensors is None:
             for f in (tmp_path / name).glob("tokenizer*"):

@@ -104,11 +104,11 @@ def test_a_heal_run_measures_three_models_and_saves_the_merged_checkpoint(model_
     captured = {}
     original_save = __import__("depthcurse.heal.loop", fromlist=["save_healed"]).save_healed
 
-    def capture(peft_model, tokenizer, removed, folder):
+    def capture(peft_model, tokenizer, removed, folder, **options):
         peft_model.eval()
         with torch.no_grad(), removed_layers(peft_model.base_model.model, removed):
             captured["adapted"] = peft_model.base_model.model(input_ids=ids).logits
-        return original_save(peft_model, tokenizer, removed, folder)
+        return original_save(peft_model, tokenizer, removed, folder, **options)
 
     import depthcurse.heal.loop as loop
 
@@ -219,9 +219,138 @@ def test_heal_on_the_command_line_and_its_bad_input(run_cli, model_dir, docs_fil
     assert_one_line_error(*run_cli(*base), "give --layers L")
     assert_one_line_error(*run_cli(*base, "--order", out, "--ks", "1"), "holds no order to heal along")
     assert_one_line_error(*run_cli(*base, "--layers", "1", "--task", "squad"), "measures an encoder")
+    assert_one_line_error(*run_cli(*base, "--layers", "3,3"), "--layers '3,3' names layer 3 more than once: name each layer once")
+    short = tmp_path / "short.txt"
+    short.write_text("a few words\n\nand a few more")
+    code, stdout, err = run_cli(*base[:3], short, *base[4:], "--layers", "1")
+    assert_one_line_error(code, stdout, err, "gives no training rows of 24 tokens: use more text or a shorter --seq-len")
+    assert "--pack" not in err  # heal always packs: it has no such option
+    from transformers import BertConfig, BertModel
+
+    BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)).save_pretrained(tmp_path / "bert")
+    code, stdout, err = run_cli("heal", tmp_path / "bert", "--layers", "1", "--out", tmp_path / "bert-heal")
+    assert_one_line_error(code, stdout, err, "bert is an encoder without a language-model head: heal trains a decoder's next-token predictions")
+    assert "squad" not in err  # which heal refuses
 
 
 def test_the_default_data_is_c4_with_the_hub_and_the_offline_wikipedia_without(model_dir):
     from depthcurse.heal.loop import check
 
     assert check(load_model(str(model_dir)), HealConfig(layers=(1,))).data == "wiki"  # the tests run offline
+
+
+def _held_out_windows(tokenizer, docs_file, seq_len: int, count: int) -> torch.Tensor:
+    """The held-out windows made here, not by `build_data`: the held-out documents tokenised one by
+    one, joined with EOS and cut into BOS + seq_len - 1 tokens, as `prune --task ppl` cuts text."""
+    from depthcurse.text import load_texts
+    from depthcurse.train.data import _split_docs
+
+    _, val_texts = _split_docs(load_texts(str(docs_file))[0])
+    stream = [t for text in val_texts for t in tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]]
+    body = seq_len - 1
+    assert len(stream) >= count * body
+    return torch.tensor([[tokenizer.bos_token_id] + stream[i * body:(i + 1) * body] for i in range(count)])
+
+
+def test_heals_numbers_are_plain_transformers_on_the_held_out_documents(model_dir, docs_file, tmp_path, monkeypatch):
+    """Every number heal.json holds for the held-out windows, computed here by plain transformers
+    on windows made here: the unpruned model as saved, the pruned one built without the layers,
+    the healed one reloaded from hf/; the KL to the unpruned model's predictions and the share of
+    top-1 tokens they agree on, by F.kl_div. The adapters train with dropout 0.5 (so any left on
+    while measuring shows), with a warm-up the learning rates logged must follow, on rows that
+    all begin with BOS."""
+    import math
+
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    import depthcurse.heal.loop as loop
+
+    seen = []
+
+    class Recording(loop.HealObjective):
+        def forward(self, ids, targets):
+            seen.append(ids.clone())
+            return super().forward(ids, targets)
+
+    monkeypatch.setattr(loop, "HealObjective", Recording)
+    loaded = load_model(str(model_dir))
+    cfg = _cfg(docs_file, loss="distill", steps=8, warmup=3, lr=1e-2, lora_dropout=0.5)
+    record = heal(loaded, cfg, tmp_path / "run")
+    bos = loaded.tokenizer.bos_token_id
+    assert record["held_out"]["bos"] == "<bos>" and len(seen) == 8 and all((ids[:, 0] == bos).all() for ids in seen)
+
+    lrs = [r["lr"] for r in MetricsLog(tmp_path / "run" / METRICS).rows()]
+    expected_lrs = [1e-2 * ((s + 1) / 3 if s < 3 else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 3) / 5))) for s in range(8)]
+    assert lrs == pytest.approx(expected_lrs, rel=1e-6)
+
+    windows = _held_out_windows(loaded.tokenizer, docs_file, 24, 4)
+    unpruned = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    models = {"unpruned": unpruned, "pruned": built_without(unpruned, "model.layers", [1, 3]),
+              "healed": AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf").eval()}
+    with torch.no_grad():
+        logp = {name: m(windows).logits[:, :-1].log_softmax(-1).flatten(0, 1) for name, m in models.items()}
+    targets = windows[:, 1:].flatten()
+    for name in models:
+        got = record["results"][name]["held_out"]["metrics"]
+        assert got["loss"] == pytest.approx(F.nll_loss(logp[name], targets).item(), rel=1e-5), name
+        kl = F.kl_div(logp[name], logp["unpruned"], log_target=True, reduction="sum").item() / len(targets)
+        agreement = (logp[name].argmax(-1) == logp["unpruned"].argmax(-1)).float().mean().item()
+        assert got["kl"] == pytest.approx(kl, rel=1e-4, abs=1e-7) and got["agreement"] == pytest.approx(agreement), name
+    assert record["results"]["pruned"]["held_out"]["metrics"]["kl"] > 0
+    pruned_kl, healed_kl = (record["results"][m]["held_out"]["metrics"]["kl"] for m in ("pruned", "healed"))
+    assert record["recovered"]["held_out_kl"] == pytest.approx((pruned_kl - healed_kl) / pruned_kl)
+
+
+def test_a_healed_curve_along_a_greedy_result_removes_k_layers_at_k(model_dir, docs_file, tmp_path):
+    from transformers import AutoConfig
+
+    from depthcurse.prune import run_greedy
+    from depthcurse.tasks import PerplexityTask
+
+    loaded = load_model(str(model_dir))
+    task = PerplexityTask(loaded.tokenizer, CORPUS * 4, source="corpus", seq_len=24, limit=3)
+    greedy = run_greedy(loaded, task, tmp_path / "greedy", steps=2, compare=False)
+    sets, source = order_sets(tmp_path / "greedy", [1, 2], 5)
+    assert source.startswith("greedy order of")
+    assert sets == {k: tuple(greedy.curves["greedy"][k].removed) for k in (1, 2)} and [len(sets[k]) for k in (1, 2)] == [1, 2]
+    curve = heal_curve(loaded, lambda: load_model(str(model_dir)), _cfg(docs_file, steps=1), sets, source, tmp_path / "curve")
+    assert [p["layers"] for p in curve["points"]] == [list(sets[1]), list(sets[2])]
+    assert [AutoConfig.from_pretrained(tmp_path / "curve" / f"k00{k}" / "hf").num_hidden_layers for k in (1, 2)] == [4, 3]
+
+
+def test_a_bf16_model_with_tied_embeddings_heals_to_bf16_and_checkpoints_only_what_trains(bos_tokenizer, docs_file, tmp_path):
+    """Trained in fp32 on the CPU, saved in the source's bf16 (as `drop` saves it); the resumable
+    checkpoint holds the adapters and their moments, not the frozen output head a tied embedding
+    gives a second name (4,096 x 32 fp32 here: 512 KiB, more than all the rest)."""
+    from safetensors import safe_open
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=True, eos_token_id=1, pad_token_id=2)
+    source = tmp_path / "tied-bf16"
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(source)
+    bos_tokenizer.save_pretrained(source)
+    loaded = load_model(str(source))
+    assert loaded.dtype == torch.float32 and loaded.checkpoint_dtype == torch.bfloat16  # computed in fp32 on a CPU
+    out = tmp_path / "run"
+    record = heal(loaded, _cfg(docs_file, layers=(1,), steps=2), out)
+
+    with safe_open(out / "hf" / "model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    source_bytes, healed_bytes = ((d / "model.safetensors").stat().st_size for d in (source, out / "hf"))
+    assert record["hf_dtype"] == "bfloat16" and record["hf_bytes"] == healed_bytes
+    assert healed_bytes < source_bytes  # 3 of 4 layers, in the same dtype (fp32 would be about twice the source)
+
+    state = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)
+    adapters = record["training"]["adapters"]
+    assert all("lora_" in k for k in state["adapters"]) and sum(t.numel() for t in state["adapters"].values()) == adapters
+    moments = [t for s in state["optimizer"]["state"].values() for name, t in s.items() if name != "step"]
+    assert sum(t.numel() for t in moments) == 2 * adapters
+    assert (out / "checkpoint.pt").stat().st_size < 3 * 4 * adapters + 48 * 1024  # the frozen head alone is 512 KiB
+
+
+def test_adding_adapters_says_nothing_on_stderr(recwarn):
+    add_adapters(tiny_llama(300, layers=3), (1,), targets="mlp", rank=2, alpha=4, dropout=0.0)
+    assert not [str(w.message) for w in recwarn.list if "checkpointing" in str(w.message)]

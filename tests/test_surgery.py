@@ -480,7 +480,7 @@ def test_encoder_decoder_refused():
         ("-1,0", [0, 9]),
         ("-3--1", [7, 8, 9]),
         ("2-2", [2]),
-        ("5, 1 ,1,5", [1, 5]),
+        ("5, 1 ,3", [1, 3, 5]),
         ("1,2,", [1, 2]),
         ("0-9", list(range(10))),
     ],
@@ -503,6 +503,9 @@ def test_parse_layers_errors():
         parse_layers("-31", 30)
     with pytest.raises(DepthcurseError, match="layer 30 is out of range"):
         parse_layers("28-30", 30)
+    for twice, named in (("3,3", "layer 3"), ("5, 1 ,1,5", "layers 1,5"), ("2-5,4", "layer 4"), ("-1,29", "layer 29")):  # a typo, never silently one layer
+        with pytest.raises(DepthcurseError, match=f"^--layers '{twice}' names {named} more than once: name each layer once$"):
+            parse_layers(twice, 30)
     for garbage in ("abc", "1,x", "1.5", "3-", "1-2-3", "--1"):
         with pytest.raises(DepthcurseError) as err:
             parse_layers(garbage, 30)

@@ -39,6 +39,15 @@ def setup(tiny_tokenizer):
     return loaded, task
 
 
+@pytest.mark.parametrize("granularity, unit", [("layer", "layer"), ("attn", "attention branch"), ("mlp", "MLP branch")])
+def test_prune_csv_and_json_name_the_unit_removed(setup, tmp_path, granularity, unit):
+    loaded, task = setup
+    run_sweep(loaded, task, [0, 2], tmp_path, granularity=granularity)
+    rows = list(csv.DictReader(open(tmp_path / "prune.csv")))
+    assert [(r["unit"], r["removed"]) for r in rows] == [(unit, "none"), (unit, "0"), (unit, "2")]
+    assert json.loads((tmp_path / "prune.json").read_text())["unit"] == unit
+
+
 def test_sweep_writes_one_row_per_variant_with_drops(setup, tmp_path):
     loaded, task = setup
     sweep = run_sweep(loaded, task, [0, 1, 2, 3], tmp_path)

@@ -3,6 +3,7 @@ model saved as a normal checkpoint: the adapters merged, the removed layers gone
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -47,14 +48,22 @@ def add_adapters(model: nn.Module, removed: tuple[int, ...], *, targets: str, ra
 
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, bias="none",
                         target_modules=target_modules(model, removed, targets))
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft reads transformers' `is_gradient_checkpointing`, deprecated in transformers 5: a
+        # warning on every heal about code that is neither ours nor the user's
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
-def save_healed(peft_model, tokenizer, removed: tuple[int, ...], out: Path) -> Path:
+def save_healed(peft_model, tokenizer, removed: tuple[int, ...], out: Path, dtype: torch.dtype | None = None) -> Path:
     """The adapters merged into their layers and the removed layers left out, saved (atomically) as
-    a checkpoint `from_pretrained` loads with n - k layers. Merges in place: the model in memory
-    is the healed one afterwards, without adapters."""
+    a checkpoint `from_pretrained` loads with n - k layers, in `dtype` (the source checkpoint's:
+    a bf16 model trained in fp32 on a CPU is saved in bf16, as `drop` saves it). Merges in place,
+    in the dtype it trained in, then casts: the model in memory is the healed one afterwards,
+    without adapters, in `dtype`."""
     model = peft_model.merge_and_unload()
+    if dtype is not None:
+        model.to(dtype)
     atomic_write(Path(out), lambda tmp: save_pruned(model, tokenizer, removed, tmp), folder=True)
     return Path(out)
 

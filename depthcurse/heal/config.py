@@ -49,7 +49,10 @@ class HealConfig:
         """Checked (all but the layers, which `heal.loop.check` checks against the model), with the
         defaults that depend on others filled in: what the run records."""
         cfg = HealConfig(**asdict(self))
-        cfg.layers = tuple(sorted(set(self.layers)))
+        twice = sorted({i for i in self.layers if list(self.layers).count(i) > 1})
+        if twice:
+            raise DepthcurseError(f"layers {','.join(map(str, self.layers))} name layer {','.join(map(str, twice))} more than once: name each layer once")
+        cfg.layers = tuple(sorted(self.layers))
         cfg.micro_batch = min(self.micro_batch or self.batch_size, self.batch_size)
         cfg.warmup = max(1, round(0.1 * self.steps)) if self.warmup is None else self.warmup
         _check(cfg)

@@ -4,9 +4,11 @@ One run lives in one folder, as an `lns-train` run does, and is made of its piec
 (`train.data`, rows beginning with the model's BOS), the step (`train.loop.train_step`, which
 trains `heal.objective.HealObjective` like any model), the checkpoint (`CheckpointManager`: the
 adapters, optimizer, schedule, data position and RNG), the metrics log. The folder holds
-`config.json` (what the run is), `checkpoint.pt`, `metrics.jsonl`, `heal.json` (the model
-unpruned, pruned and healed, on held-out windows of the training data and on `--task`, each
-written as it is measured), `loss.png`, and `hf/`: the adapters merged and the layers gone.
+`config.json` (what the run is), `checkpoint.pt` (what trains, nothing frozen), `metrics.jsonl`,
+`heal.json` (the model unpruned, pruned and healed, on held-out windows of the training data,
+with how far each stays from the unpruned model's predictions, and on `--task`, each written as
+it is measured), `loss.png`, and `hf/`: the adapters merged and the layers gone, in the source
+checkpoint's dtype.
 
 An interrupted run continues from its last checkpoint exactly where it would have been; under
 torchrun the ranks share each batch (DDP over the adapters) and rank 0 measures and writes.
@@ -15,6 +17,7 @@ torchrun the ranks share each batch (DDP over the adapters) and rank 0 measures 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import time
@@ -43,6 +46,9 @@ from depthcurse.train.report import plot_loss
 HEAL_JSON = "heal.json"
 HF_DIR = "hf"
 MODELS = ("unpruned", "pruned", "healed")
+# On the held-out windows: next-token loss and perplexity, and how far from the unpruned model's
+# predictions (KL, in nats per token, and the share of top-1 tokens it agrees on).
+HELD_OUT_METRICS = ("loss", "ppl", "kl", "agreement")
 
 
 def check(loaded: LoadedModel, cfg: HealConfig) -> HealConfig:
@@ -99,7 +105,8 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
     start = start_tokens(tokenizer)
     phase("building the data")
     # The same stream on every rank: each takes its slice of each batch (as lns-train does).
-    data = build_data(cfg.data, tokenizer, seq_len=seq_len, pack=True, seed=cfg.seed, val_tokens=cfg.eval_windows * (seq_len - 1), start=start)
+    data = build_data(cfg.data, tokenizer, seq_len=seq_len, pack=True, seed=cfg.seed, val_tokens=cfg.eval_windows * (seq_len - 1), start=start,
+                      pack_optional=False)
     held_out = PerplexityTask.of_windows(data.val_rows[: cfg.eval_windows], source=f"{data.label} (held out)", bos=start_text(tokenizer, start),
                                          batch_size=cfg.micro_batch)
     task = build_task(cfg.task, tokenizer, limit=cfg.limit, num_fewshot=cfg.num_fewshot, batch_size=cfg.micro_batch, seed=cfg.seed,
@@ -173,19 +180,21 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
         return None
 
     # Measured after training, on rank 0 alone: the other ranks have nothing left to wait for.
-    model.eval()
+    model.eval()  # the adapters' dropout off: the healed model is measured as it is saved
     results = record["results"]
     if unpruned is not None:
         results.setdefault("unpruned", unpruned)
+    as_model = {name: functools.partial(variant, peft_model, cfg.layers, name) for name in MODELS}
     for name in MODELS:
         if name in results:
             continue  # measured before an interruption
         phase(f"measuring the {name} model")
-        with (peft_model.disable_adapter() if name != "healed" else contextlib.nullcontext()), removed_layers(model, cfg.layers if name != "unpruned" else ()):
-            results[name] = {"held_out": _score(held_out, model), **({"task": _score(task, model)} if task else {})}
+        results[name] = measure(as_model[name], device, held_out, task, reference=as_model["unpruned"] if name != "unpruned" else None)
         _write(out_dir, record)
     phase("saving the healed checkpoint")
-    record["hf"] = str(save_healed(peft_model, tokenizer, cfg.layers, out_dir / HF_DIR))
+    record["hf"] = str(save_healed(peft_model, tokenizer, cfg.layers, out_dir / HF_DIR, dtype=loaded.save_dtype))
+    record["hf_dtype"] = str(loaded.save_dtype).removeprefix("torch.")
+    record["hf_bytes"] = sum(f.stat().st_size for f in (out_dir / HF_DIR).glob("*.safetensors"))
     record["recovered"] = recovered(record)
     record["training"] = {"steps": progress.step, "tokens": progress.tokens, "train_seconds": round(progress.seconds, 3),
                           "tokens_per_s": progress.tokens / max(progress.seconds, 1e-9), "adapters": adapter_params}
@@ -197,22 +206,54 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
     return record
 
 
-def _score(task, model) -> dict:
-    score = task.evaluate(model)
+@contextlib.contextmanager
+def variant(peft_model, layers: tuple[int, ...], name: str):
+    """The model in memory as the `name` model: unpruned (every layer, no adapter), pruned (the
+    layers removed, no adapter) or healed (the layers removed, the adapters on)."""
+    model = peft_model.base_model.model
+    with (peft_model.disable_adapter() if name != "healed" else contextlib.nullcontext()), removed_layers(model, layers if name != "unpruned" else ()):
+        yield model
+
+
+def logits_in(as_model: Callable[[], contextlib.AbstractContextManager]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """ids -> the logits of the model that `as_model()` makes of the one in memory, entered for
+    each batch: one model in memory serves as several, alternately."""
+    def logits_of(ids: torch.Tensor) -> torch.Tensor:
+        with as_model() as model:
+            return model(input_ids=ids, use_cache=False).logits
+    return logits_of
+
+
+def measure(as_model: Callable[[], contextlib.AbstractContextManager], device, held_out: PerplexityTask, task, *,
+            reference: Callable[[], contextlib.AbstractContextManager] | None = None) -> dict:
+    """The model `as_model()` makes, on the held-out windows (against the `reference` model's
+    predictions where given: KL and top-1 agreement) and on the task."""
+    score = held_out.evaluate_logits(logits_in(as_model), device, logits_in(reference) if reference is not None else None)
+    out = {"held_out": _scored(held_out, score)}
+    if reference is None:
+        out["held_out"]["metrics"].update(kl=0.0, agreement=1.0)  # the reference itself
+    if task is not None:
+        with as_model() as model:
+            out["task"] = _scored(task, task.evaluate(model))
+    return out
+
+
+def _scored(task, score) -> dict:
     return {"metric": task.metric, "higher_is_better": task.higher_is_better, "metrics": score.metrics, "examples": score.examples,
             "data": task.describe().get("data", task.describe().get("task"))}
 
 
 def recovered(record: dict) -> dict:
-    """Per measurement (held-out loss and perplexity, the task's headline metric): the share of
-    what the removal cost that healing won back, (pruned - healed) / (pruned - unpruned); 1 is
-    all of it, 0 none, negative worse than pruned. None where the removal cost nothing."""
+    """Per measurement (`HELD_OUT_METRICS` on the held-out windows, the task's headline metric):
+    the share of what the removal cost that healing won back, (pruned - healed) / (pruned -
+    unpruned); 1 is all of it, 0 none, negative worse than pruned. None where the removal cost
+    nothing."""
     results = record["results"]
     if not all(m in results for m in MODELS):
         return {}
     out = {}
     for part in results["pruned"]:
-        for metric in ("loss", "ppl") if part == "held_out" else (results["pruned"][part]["metric"],):
+        for metric in HELD_OUT_METRICS if part == "held_out" else (results["pruned"][part]["metric"],):
             u, p, h = (results[m][part]["metrics"].get(metric) for m in MODELS)
             if None in (u, p, h):
                 continue

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from depthcurse.heal.loop import MODELS
+from depthcurse.heal.loop import HELD_OUT_METRICS, MODELS
 from depthcurse.io import save_figure
 from depthcurse.prune.report import legend_below
 
@@ -17,9 +17,15 @@ def _cell(value) -> str:
     return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{value:.4g}"
 
 
+HELD_OUT_HEADERS = {"loss": "held-out loss", "ppl": "held-out ppl", "kl": "held-out KL to unpruned (nats/token)",
+                    "agreement": "top-1 agreement with unpruned"}
+
+
 def _columns(results: dict) -> list[tuple[str, str, str]]:
-    """(part, metric, header) for each measurement: held-out loss and perplexity, the task's headline metric."""
-    cols = [("held_out", "loss", "held-out loss"), ("held_out", "ppl", "held-out ppl")]
+    """(part, metric, header) for each measurement: held-out loss and perplexity, KL to the
+    unpruned model and top-1 agreement with it (where measured), the task's headline metric."""
+    held = next((r["held_out"]["metrics"] for name, r in results.items() if name != "unpruned" and "held_out" in r), {})
+    cols = [("held_out", m, HELD_OUT_HEADERS[m]) for m in HELD_OUT_METRICS if m in held or m in ("loss", "ppl")]
     task = next((r["task"] for r in results.values() if "task" in r), None)
     if task is not None:
         cols.append(("task", task["metric"], f"{task['data']} {task['metric']}"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -70,18 +71,33 @@ class PerplexityTask:
         # "bos": what each window starts with; None (text cut as it comes) matches runs made before it was recorded
         return {"task": "ppl", "data": self.source, "seq_len": self.seq_len, "windows": len(self.windows), "tokens": self.windows.numel(), "bos": self.bos}
 
-    @torch.inference_mode()
     def evaluate(self, model: torch.nn.Module) -> Score:
-        device = model.get_input_embeddings().weight.device
+        return self.evaluate_logits(lambda ids: model(input_ids=ids, use_cache=False).logits, model.get_input_embeddings().weight.device)
+
+    @torch.inference_mode()
+    def evaluate_logits(self, logits_of: Callable[[torch.Tensor], torch.Tensor], device, reference_of: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Score:
+        """The score of the model whose logits for a batch of windows `logits_of` gives. With
+        `reference_of`, the logits of the model it is compared with (the unpruned one), also `kl`,
+        the mean KL(reference || model) of the next-token distributions per predicted token (nats),
+        and `agreement`, the share of positions where both put the same token first: how close the
+        model stays to the one it was made from, which a distillation is trained to minimise."""
         total, count = 0.0, 0
+        kl, agree = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.long)
         for batch in self.windows.split(self.batch_size):
             batch = batch.to(device)
-            logits = model(input_ids=batch, use_cache=False).logits[:, :-1]
+            reference = reference_of(batch)[:, :-1] if reference_of is not None else None
+            logits = logits_of(batch)[:, :-1]
             # fp32 for the loss: bf16 log-softmax over a 50k vocabulary loses the digits a sweep compares
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1).to(logits.device), reduction="sum")
             total += loss.item()
             count += batch[:, 1:].numel()
-        return self.score(total, count)
+            if reference is not None:
+                batch_kl, batch_agree = kl_and_agreement(logits, reference.to(logits.device))
+                kl, agree = kl + batch_kl.cpu(), agree + batch_agree.cpu()
+        score = self.score(total, count)
+        if reference_of is not None:
+            score.metrics.update(kl=float(kl) / count, agreement=int(agree) / count)
+        return score
 
     def score(self, total: float, count: int) -> Score:
         """The score for a summed next-token loss `total` over `count` predicted tokens."""
@@ -89,3 +105,19 @@ class PerplexityTask:
         if not math.isfinite(mean):
             return Score({"loss": float("nan"), "ppl": float("nan")}, len(self.windows), {"tokens": count})
         return Score({"loss": mean, "ppl": math.exp(min(mean, 700.0))}, len(self.windows), {"tokens": count})
+
+
+def kl_and_agreement(logits: torch.Tensor, reference: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed over positions: KL(softmax(reference) || softmax(logits)) in fp32, and the number of
+    positions whose top token is the same. A few rows at a time, so that no fp32 copy of the
+    whole [positions, vocab] logits is made."""
+    vocab = logits.shape[-1]
+    rows, ref = logits.reshape(-1, vocab), reference.reshape(-1, vocab)
+    kl = torch.zeros((), dtype=torch.float32, device=rows.device)
+    same = torch.zeros((), dtype=torch.long, device=rows.device)
+    for start in range(0, rows.shape[0], chunk):
+        r, t = rows[start:start + chunk], ref[start:start + chunk]
+        log_r, log_t = r.float().log_softmax(-1), t.float().log_softmax(-1)
+        kl += (log_t.exp() * (log_t - log_r)).sum()
+        same += (r.argmax(-1) == t.argmax(-1)).sum()
+    return kl, same

@@ -306,13 +306,14 @@ class TrainData:
 
 
 def build_data(data: str, tokenizer, *, seq_len: int, pack: bool, seed: int, val_tokens: int, rank: int = 0, world_size: int = 1,
-               warn_short: bool = True, start: list[int] = ()) -> TrainData:
+               warn_short: bool = True, start: list[int] = (), pack_optional: bool = True) -> TrainData:
     """Training stream and validation rows for `data`: c4, wiki, or a local text file.
 
     `val_tokens` is a budget: held-out text shorter than it is used whole, with a warning when
     `warn_short` (the user asked for that many; a preset's default only caps). Packed rows begin
     with `start` (see `make_rows`); the held-out rows are then the windows `prune --task ppl`
-    scores, cut from held-out documents.
+    scores, cut from held-out documents. `pack_optional`: the caller has a --pack to leave out
+    (lns-train; heal always packs), which an error may then advise.
     """
     if pack and seq_len < len(start) + 2:
         raise DepthcurseError(f"--seq-len must be at least {len(start) + 2}")
@@ -346,7 +347,8 @@ def build_data(data: str, tokenizer, *, seq_len: int, pack: bool, seed: int, val
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     rows, lengths = make_rows(tokenise(tokenizer, train_texts, pack), seq_len, pad, eos, pack, start)
     if len(rows) == 0:
-        raise DepthcurseError(f"{label} gives no training rows of {seq_len} tokens: use more text, a shorter --seq-len, or no --pack")
+        advice = "use more text, a shorter --seq-len, or no --pack" if pack and pack_optional else "use more text or a shorter --seq-len"
+        raise DepthcurseError(f"{label} gives no training rows of {seq_len} tokens: {advice}")
     vr, vl = make_rows(tokenise(tokenizer, val_texts, pack), seq_len, pad, eos, pack, start)
     if len(vr) == 0:
         raise DepthcurseError(f"the held-out part of {label} gives no validation rows of {seq_len} tokens: use more text or a shorter --seq-len")
