@@ -323,6 +323,11 @@ def heal(
     order: Optional[Path] = typer.Option(None, "--order", help="Instead of --layers: a healed depth curve along an earlier result's order (a prune --greedy, --block, angular-distance or prune folder), one heal per --ks."),
     ks: Optional[str] = typer.Option(None, "--ks", help="With --order: numbers of layers removed, e.g. 2,4,8 (the first k of the order)."),
     strategy: Optional[str] = typer.Option(None, "--strategy", help="With --order: which of its orders (greedy, one-shot, block-influence, angular, last; angular or deepest for an angular result)."),
+    method: str = typer.Option("lora", "--method", help="How the removal is won back: lora (adapters trained on text, Gromov et al.), linear (a least-squares map folded into the MLP before each removed run, no training: ReplaceMe), layer (one layer per removed run trained to give its output: LLM-Streamline), linear+lora (the map, then adapters)."),
+    methods: Optional[str] = typer.Option(None, "--methods", help="Instead of --method: several, side by side on the same removal, data and measurements, e.g. lora,linear,layer,linear+lora (each in <out>/<method>/)."),
+    adapt: str = typer.Option("all", "--adapt", help="Where the adapters go: all (every kept block) or after (only the blocks after the first removed layer: those before run once per batch, without a backward pass)."),
+    calib_tokens: int = typer.Option(16384, "--calib-tokens", help="linear: tokens of the training text the maps are estimated on."),
+    ridge: float = typer.Option(0.0, "--ridge", help="linear: pulls each map toward the identity (the plain removal); relative to the mean eigenvalue of its Gram matrix."),
     loss: str = typer.Option("lm", "--loss", help="lm (next-token, as Gromov et al.) or distill (KL from the unpruned model: the same weights, layers back and adapters off)."),
     targets: str = typer.Option("mlp", "--targets", help="Where the LoRA adapters go in each kept block: mlp (the paper's), attn or all."),
     lora_rank: int = typer.Option(8, "--lora-rank", help="LoRA rank."),
@@ -348,7 +353,7 @@ def heal(
     trust_remote_code: bool = TrustOpt,
     revision: Optional[str] = RevisionOpt,
 ) -> None:
-    """Remove layers, heal the rest with LoRA adapters (peft), and measure what came back: the model unpruned, pruned and healed. Rerun to resume."""
+    """Remove layers, win the removal back (LoRA adapters, a folded linear map, a trained layer), and measure what came back: the model unpruned, pruned and healed. Rerun to resume."""
     from dataclasses import replace  # lazy: start-up
 
     from depthcurse import heal as healing
@@ -363,12 +368,22 @@ def heal(
         raise DepthcurseError("--ks and --order go together: the first k layers of the order, for each k")
     if strategy is not None and order is None:
         raise DepthcurseError("--strategy picks one of the orders in --order DIR")
-    cfg = healing.HealConfig(layers=(), loss=loss, targets=targets, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout, data=data,
-                             steps=steps, batch_size=batch_size, micro_batch=micro_batch, seq_len=seq_len, lr=lr, warmup=warmup,
-                             eval_windows=eval_windows, task=task, limit=limit, num_fewshot=num_fewshot, seed=seed, save_every=save_every)
-    cfg.resolved()  # every option checked before a model is loaded
+    chosen = healing.parse_methods(methods) if methods is not None else None
+    if chosen is not None and method != "lora":
+        raise DepthcurseError("give --method M or --methods M,M,..., not both")
+    cfg = healing.HealConfig(layers=(), method=chosen[0] if chosen else method, loss=loss, targets=targets, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                             lora_dropout=lora_dropout, data=data, steps=steps, batch_size=batch_size, micro_batch=micro_batch, seq_len=seq_len, lr=lr,
+                             warmup=warmup, eval_windows=eval_windows, task=task, limit=limit, num_fewshot=num_fewshot, seed=seed, save_every=save_every,
+                             adapt=adapt, calib_tokens=calib_tokens, ridge=ridge)
+    if chosen is None or len(chosen) == 1:
+        cfg.resolved()  # every option checked before a model is loaded
+    else:
+        for m in chosen:
+            cfg.for_method(m).resolved()
+    several = chosen is not None and len(chosen) > 1
     wanted = healing.parse_ks(ks) if ks is not None else None
-    tag = f"{'order-' + _slug(str(order)) + '-k' + ks.replace(',', '-') if order else 'L' + layers.replace(',', '_')}-{loss}"
+    how = "-".join(chosen) if chosen else (method if method != "lora" else "")
+    tag = f"{'order-' + _slug(str(order)) + '-k' + ks.replace(',', '-') if order else 'L' + layers.replace(',', '_')}-{how + '-' if how else ''}{loss}"
     out_dir = out or Path("runs") / "heal" / _slug(model) / tag
     ensure_out_dir(out_dir)
     world = _join_ranks(device, "ddp")
@@ -384,7 +399,7 @@ def heal(
             sets, source = healing.order_sets(order, wanted, n, strategy)
         progress = _progress_bar(TextColumn("{task.fields[stats]}"), disable=not world.main)
         bar = progress.add_task("starting", total=None, stats="")
-        header = _once(lambda: console.print(f"{_model_line(loaded)} · heal ({loss} loss, LoRA rank {lora_rank} on {targets}) · results in {out_dir}"))
+        header = _once(lambda: console.print(f"{_model_line(loaded)} · heal by {', '.join(chosen or (method,))} · results in {out_dir}"))
 
         def on_start(info: dict) -> None:
             header()
@@ -392,12 +407,22 @@ def heal(
 
         callbacks = dict(on_start=on_start, on_phase=lambda text: progress.update(bar, description=text),
                          on_progress=lambda p: progress.update(bar, completed=p.step, stats=f"loss {p.loss:.4f} · lr {p.lr:.2e} · {p.tokens_per_s:,.0f} tok/s"))
+        if several:
+            def on_method(m: str, i: int, total: int) -> None:
+                header()
+                progress.console.print(f"  method {m} ({i + 1} of {total})")
+
+            callbacks["on_method"] = on_method
+        load_again = lambda: _load(model, **options)  # noqa: E731 (each heal changes the model it is given)
         try:
             with _showing(progress):
                 if order is not None:
-                    record = healing.heal_curve(loaded, lambda: _load(model, **options), cfg, sets, source, out_dir, world=world,
+                    record = healing.heal_curve(loaded, load_again, cfg, sets, source, out_dir, world=world, methods=chosen,
                                                 on_point=lambda k, i, total: progress.console.print(f"k = {k} ({i + 1} of {total}): layers {','.join(map(str, sets[k]))}"),
                                                 **callbacks)
+                elif several:
+                    record = healing.heal_methods(loaded, healing.Models(loaded, load_again), replace(cfg, layers=tuple(parse_layers(layers, n))), chosen,
+                                                  out_dir, world=world, **callbacks)
                 else:
                     record = healing.heal(loaded, replace(cfg, layers=tuple(parse_layers(layers, n))), out_dir, world=world, **callbacks)
         except KeyboardInterrupt:
@@ -409,7 +434,10 @@ def heal(
         if order is not None:
             figure = healing.plot_heal_curve(record, out_dir / "heal.png")
             console.print(healing.curve_table(record))
-            console.print(f"wrote {out_dir / healing.HEAL_JSON}, {figure}, and each k's run in {out_dir}/kNNN/")
+            console.print(f"wrote {out_dir / healing.HEAL_JSON}, {figure}, and each k's run in {out_dir}/kNNN/" + ("<method>/" if several else ""))
+        elif several:
+            console.print(healing.methods_table(record))
+            console.print(f"wrote {out_dir / healing.HEAL_JSON} and each method's run, with its healed checkpoint hf/, in {out_dir}/<method>/")
         else:
             console.print(healing.heal_table(record))
             console.print(f"wrote {out_dir / healing.HEAL_JSON}, {out_dir / 'metrics.jsonl'}, {out_dir / 'loss.png'} and the healed checkpoint {record['hf']} "

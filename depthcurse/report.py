@@ -20,7 +20,7 @@ from depthcurse.angular import load_angular
 from depthcurse.angular.report import plot_angular
 from depthcurse.angular.result import ANGULAR_JSON
 from depthcurse.errors import DepthcurseError
-from depthcurse.heal import HEAL_JSON, curve_table, heal_table, plot_heal_curve, read_heal
+from depthcurse.heal import HEAL_JSON, curve_table, heal_table, methods_table, plot_heal_curve, read_heal
 from depthcurse.io import atomic_write, ensure_out_dir, save_figure
 from depthcurse.prune.greedy import GREEDY_JSON, THRESHOLDS, DepthCurves, read_curves
 from depthcurse.prune.report import curves_data_text, legend_below, load_prune, plot_greedy, plot_prune_overlay
@@ -43,7 +43,7 @@ def kind_of(folder: Path) -> str:
 
 
 def markdown_table(table: Table) -> str:
-    """A rich table as a Markdown table (markup dropped)."""
+    """A rich table as a Markdown table (markup dropped), its title above and its caption below."""
     def plain(cell) -> str:
         return (Text.from_markup(cell).plain if isinstance(cell, str) else str(cell)).replace("|", "\\|").replace("\n", " ")
 
@@ -52,7 +52,8 @@ def markdown_table(table: Table) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(row) + " |" for row in zip(*columns)]
     title = f"*{plain(table.title)}*\n\n" if table.title else ""
-    return title + "\n".join(lines)
+    caption = f"\n\n{plain(table.caption)}" if table.caption else ""  # what was measured, on what: as the screen shows it
+    return title + "\n".join(lines) + caption
 
 
 def _rows(headers: list[str], rows: list[list]) -> str:
@@ -159,7 +160,7 @@ def _angular_section(folders: list[Path], figures: Path) -> str:
 
 
 def _heal_section(folders: list[Path], figures: Path) -> str:
-    parts = ["## Healing: what a little training wins back"]
+    parts = ["## Healing: what a removal's cost is won back by (LoRA, a linear map, a trained layer)"]
     for i, folder in enumerate(folders):
         record = read_heal(folder)
         if "points" in record:  # a healed depth curve
@@ -169,6 +170,10 @@ def _heal_section(folders: list[Path], figures: Path) -> str:
             figure = plot_heal_curve(record, figures / f"heal_{i}.png")
             parts += [f"### {record['run']['model']} · healed depth curve · {folder}", f"![healed depth curve]({figures.name}/{figure.name})",
                       markdown_table(curve_table(record))]
+        elif "methods" in record:  # several methods on one removal
+            done = [m for m in record["run"]["methods"] if m in record["methods"]]
+            status = "" if len(done) == len(record["run"]["methods"]) else f" · {len(done)} of {len(record['run']['methods'])} methods finished"
+            parts += [f"### {record['run']['model']} · methods compared · {folder}{status}", markdown_table(methods_table(record))]
         elif "recovered" in record:
             parts += [f"### {record['run']['model']} · {folder}", markdown_table(heal_table(record))]
         else:

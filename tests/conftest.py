@@ -128,3 +128,20 @@ def bos_tokenizer(tiny_tokenizer):
     backend.add_special_tokens(["<bos>"])
     backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", backend.token_to_id("<bos>"))])
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+
+
+@pytest.fixture()
+def docs_file(tmp_path):
+    """40 distinct documents, so that held-out ones (heal's, lns-train's) are never trained on."""
+    path = tmp_path / "docs.txt"
+    path.write_text("\n\n".join(f"marker{i}x {CORPUS[i % len(CORPUS)]} {CORPUS[(i + 2) % len(CORPUS)]}" for i in range(40)), encoding="utf-8")
+    return path
+
+
+@pytest.fixture()
+def bos_model_dir(tmp_path, bos_tokenizer):
+    """A tiny Llama with 5 layers and a tokenizer that puts BOS first, as Llama's does."""
+    path = tmp_path / "tiny-bos"
+    tiny_llama(len(bos_tokenizer), layers=5, seed=1).save_pretrained(path)
+    bos_tokenizer.save_pretrained(path)
+    return path

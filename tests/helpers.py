@@ -127,6 +127,19 @@ def built_without(model, path, removed):
     return ref
 
 
+def held_out_windows(tokenizer, docs_file, seq_len: int, count: int) -> torch.Tensor:
+    """The held-out windows made here, not by `build_data`: the held-out documents tokenised one by
+    one, joined with EOS and cut into BOS + seq_len - 1 tokens, as `prune --task ppl` cuts text."""
+    from depthcurse.text import load_texts
+    from depthcurse.train.data import _split_docs
+
+    _, val_texts = _split_docs(load_texts(str(docs_file))[0])
+    stream = [t for text in val_texts for t in tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]]
+    body = seq_len - 1
+    assert len(stream) >= count * body
+    return torch.tensor([[tokenizer.bos_token_id] + stream[i * body:(i + 1) * body] for i in range(count)])
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

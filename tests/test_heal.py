@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import CORPUS, assert_one_line_error, built_without, tiny_llama, torchrun
+from helpers import CORPUS, assert_one_line_error, built_without, held_out_windows, tiny_llama, torchrun
 
 from depthcurse.heal import HealConfig, heal, heal_curve, order_sets
 from depthcurse.heal.adapters import add_adapters, target_modules
@@ -25,23 +25,6 @@ from depthcurse.surgery import removed_layers
 from depthcurse.train.metrics import METRICS, MetricsLog
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture()
-def docs_file(tmp_path):
-    """40 distinct documents, so that held-out ones are never trained on."""
-    path = tmp_path / "docs.txt"
-    path.write_text("\n\n".join(f"marker{i}x {CORPUS[i % len(CORPUS)]} {CORPUS[(i + 2) % len(CORPUS)]}" for i in range(40)), encoding="utf-8")
-    return path
-
-
-@pytest.fixture()
-def model_dir(tmp_path, bos_tokenizer):
-    """A tiny Llama with 5 layers and a tokenizer that puts BOS first, as Llama's does."""
-    path = tmp_path / "tiny-bos"
-    tiny_llama(len(bos_tokenizer), layers=5, seed=1).save_pretrained(path)
-    bos_tokenizer.save_pretrained(path)
-    return path
 
 
 def _cfg(docs_file, **kw) -> HealConfig:
@@ -69,7 +52,7 @@ def test_the_teacher_is_the_unpruned_model_exactly_and_the_student_starts_as_the
         for name, p in objective.named_parameters():
             if "lora_B" in name:
                 p.normal_()  # trained adapters: the teacher must not see them
-        torch.testing.assert_close(objective.teacher_logits(ids), own, rtol=0, atol=0)
+        torch.testing.assert_close(objective.teacher_logits(ids)[0], own, rtol=0, atol=0)
         assert not torch.allclose(objective.student_logits(ids), pruned, atol=1e-3)  # the adapters act on the student
 
 
@@ -92,31 +75,31 @@ def test_the_distillation_loss_and_its_gradient_are_kl_div_over_the_scored_posit
     assert grad[1].abs().max() == 0
 
 
-def test_a_heal_run_measures_three_models_and_saves_the_merged_checkpoint(model_dir, docs_file, tmp_path):
+def test_a_heal_run_measures_three_models_and_saves_the_merged_checkpoint(bos_model_dir, docs_file, tmp_path):
     """The adapters' loss falls; the held-out windows start with BOS and come from documents never
     trained on; hf/ reloads with n - k layers and gives the adapted model's logits."""
     from transformers import AutoModelForCausalLM
 
-    loaded = load_model(str(model_dir))
+    loaded = load_model(str(bos_model_dir))
     out = tmp_path / "run"
     cfg = _cfg(docs_file, steps=12, save_every=4)
     ids = torch.randint(3, 300, (2, 19), generator=torch.Generator().manual_seed(2))
     captured = {}
-    original_save = __import__("depthcurse.heal.loop", fromlist=["save_healed"]).save_healed
+    from depthcurse.heal.healed import Healed
 
-    def capture(peft_model, tokenizer, removed, folder, **options):
-        peft_model.eval()
-        with torch.no_grad(), removed_layers(peft_model.base_model.model, removed):
-            captured["adapted"] = peft_model.base_model.model(input_ids=ids).logits
-        return original_save(peft_model, tokenizer, removed, folder, **options)
+    original_save = Healed.save
 
-    import depthcurse.heal.loop as loop
+    def capture(self, tokenizer, folder, **options):
+        self.model.eval()
+        with torch.no_grad(), self.as_model("healed") as model:
+            captured["adapted"] = model(input_ids=ids).logits
+        return original_save(self, tokenizer, folder, **options)
 
-    loop.save_healed, saved = capture, loop.save_healed
+    Healed.save = capture
     try:
         record = heal(loaded, cfg, out)
     finally:
-        loop.save_healed = saved
+        Healed.save = original_save
     rows = MetricsLog(out / METRICS).rows()
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
@@ -133,12 +116,12 @@ def test_a_heal_run_measures_three_models_and_saves_the_merged_checkpoint(model_
     assert (out / "loss.png").is_file() and json.loads((out / "config.json").read_text())["layers"] == [1, 3]
 
 
-def test_held_out_windows_are_prunes_ppl_windows_on_documents_never_trained_on(model_dir, docs_file, tmp_path):
+def test_held_out_windows_are_prunes_ppl_windows_on_documents_never_trained_on(bos_model_dir, docs_file, tmp_path):
     from depthcurse.tasks import PerplexityTask
     from depthcurse.text import load_texts
     from depthcurse.train.data import _split_docs, build_data
 
-    loaded = load_model(str(model_dir))
+    loaded = load_model(str(bos_model_dir))
     texts, _ = load_texts(str(docs_file))
     train_texts, val_texts = _split_docs(texts)
     data = build_data(str(docs_file), loaded.tokenizer, seq_len=24, pack=True, seed=0, val_tokens=4 * 23, start=[loaded.tokenizer.bos_token_id])
@@ -149,12 +132,12 @@ def test_held_out_windows_are_prunes_ppl_windows_on_documents_never_trained_on(m
     assert set(data.train.rows[:, 0].tolist()) == {loaded.tokenizer.bos_token_id}  # every training row starts as the model expects
 
 
-def test_an_interrupted_heal_resumed_equals_an_uninterrupted_one(model_dir, docs_file, tmp_path):
+def test_an_interrupted_heal_resumed_equals_an_uninterrupted_one(bos_model_dir, docs_file, tmp_path):
     for loss in ("lm", "distill"):
         cfg = _cfg(docs_file, loss=loss, lora_dropout=0.1)
-        whole = heal(load_model(str(model_dir)), cfg, tmp_path / f"whole-{loss}")
-        assert heal(load_model(str(model_dir)), cfg, tmp_path / f"cut-{loss}", stop_after=3) is None  # as a preemption after step 3 (checkpoint at 2)
-        resumed = heal(load_model(str(model_dir)), cfg, tmp_path / f"cut-{loss}")
+        whole = heal(load_model(str(bos_model_dir)), cfg, tmp_path / f"whole-{loss}")
+        assert heal(load_model(str(bos_model_dir)), cfg, tmp_path / f"cut-{loss}", stop_after=3) is None  # as a preemption after step 3 (checkpoint at 2)
+        resumed = heal(load_model(str(bos_model_dir)), cfg, tmp_path / f"cut-{loss}")
         a, b = _adapters(tmp_path / f"whole-{loss}"), _adapters(tmp_path / f"cut-{loss}")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         rows = [[{k: v for k, v in r.items() if k != "tokens_per_s"} for r in MetricsLog(tmp_path / f"{d}-{loss}" / METRICS).rows()] for d in ("whole", "cut")]
@@ -162,18 +145,18 @@ def test_an_interrupted_heal_resumed_equals_an_uninterrupted_one(model_dir, docs
         assert whole["results"]["healed"] == resumed["results"]["healed"]
 
 
-def test_a_healed_curves_kth_point_is_a_single_heal_of_those_layers(model_dir, docs_file, tmp_path):
+def test_a_healed_curves_kth_point_is_a_single_heal_of_those_layers(bos_model_dir, docs_file, tmp_path):
     from depthcurse.prune import run_sweep
     from depthcurse.tasks import PerplexityTask
 
-    loaded = load_model(str(model_dir))
+    loaded = load_model(str(bos_model_dir))
     task = PerplexityTask(loaded.tokenizer, CORPUS * 4, source="corpus", seq_len=24, limit=3)
     run_sweep(loaded, task, range(5), tmp_path / "sweep")  # its one-shot order
     sets, source = order_sets(tmp_path / "sweep", [1, 2], 5)
     assert source.startswith("one-shot order of") and len(sets[2]) == 2 and set(sets[1]) <= set(sets[2])
     cfg = _cfg(docs_file, steps=3)
-    curve = heal_curve(loaded, lambda: load_model(str(model_dir)), cfg, sets, source, tmp_path / "curve")
-    single = heal(load_model(str(model_dir)), replace(cfg, layers=sets[2]), tmp_path / "single")
+    curve = heal_curve(loaded, lambda: load_model(str(bos_model_dir)), cfg, sets, source, tmp_path / "curve")
+    single = heal(load_model(str(bos_model_dir)), replace(cfg, layers=sets[2]), tmp_path / "single")
     from depthcurse.report import write_report
 
     page = write_report([tmp_path / "curve", tmp_path / "single"], tmp_path / "page.md").read_text()
@@ -187,13 +170,13 @@ def test_a_healed_curves_kth_point_is_a_single_heal_of_those_layers(model_dir, d
         order_sets(tmp_path / "sweep", [2, 9], 5)
 
 
-def test_two_gloo_ranks_heal_as_one_process(model_dir, docs_file, tmp_path):
+def test_two_gloo_ranks_heal_as_one_process(bos_model_dir, docs_file, tmp_path):
     """Each rank trains on its half of every batch. Without dropout (whose masks each rank draws
     for its own half) the adapters and losses are one process's."""
-    two = torchrun("-m", "depthcurse", "heal", model_dir, "--layers", "1,3", "--data", docs_file, "--steps", "4", "--batch-size", "4", "--seq-len", "24",
+    two = torchrun("-m", "depthcurse", "heal", bos_model_dir, "--layers", "1,3", "--data", docs_file, "--steps", "4", "--batch-size", "4", "--seq-len", "24",
                    "--lr", "5e-3", "--eval-windows", "2", "--lora-rank", "4", "--lora-dropout", "0", "--device", "cpu", "--out", tmp_path / "two", nproc=2)
     assert two.returncode == 0, two.stderr[-3000:]
-    heal(load_model(str(model_dir)), _cfg(docs_file, steps=4, eval_windows=2, lora_dropout=0.0), tmp_path / "one")
+    heal(load_model(str(bos_model_dir)), _cfg(docs_file, steps=4, eval_windows=2, lora_dropout=0.0), tmp_path / "one")
     a, b = _adapters(tmp_path / "one"), _adapters(tmp_path / "two")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
@@ -201,8 +184,8 @@ def test_two_gloo_ranks_heal_as_one_process(model_dir, docs_file, tmp_path):
     assert losses[0] == pytest.approx(losses[1], abs=1e-6)
 
 
-def test_heal_on_the_command_line_and_its_bad_input(run_cli, model_dir, docs_file, tmp_path):
-    base = ["heal", model_dir, "--data", docs_file, "--steps", "2", "--batch-size", "2", "--seq-len", "24", "--eval-windows", "2", "--lora-rank", "2"]
+def test_heal_on_the_command_line_and_its_bad_input(run_cli, bos_model_dir, docs_file, tmp_path):
+    base = ["heal", bos_model_dir, "--data", docs_file, "--steps", "2", "--batch-size", "2", "--seq-len", "24", "--eval-windows", "2", "--lora-rank", "2"]
     out = tmp_path / "cli"
     code, stdout, err = run_cli(*base, "--layers", "2", "--out", out)
     assert code == 0, err
@@ -233,26 +216,13 @@ def test_heal_on_the_command_line_and_its_bad_input(run_cli, model_dir, docs_fil
     assert "squad" not in err  # which heal refuses
 
 
-def test_the_default_data_is_c4_with_the_hub_and_the_offline_wikipedia_without(model_dir):
+def test_the_default_data_is_c4_with_the_hub_and_the_offline_wikipedia_without(bos_model_dir):
     from depthcurse.heal.loop import check
 
-    assert check(load_model(str(model_dir)), HealConfig(layers=(1,))).data == "wiki"  # the tests run offline
+    assert check(load_model(str(bos_model_dir)), HealConfig(layers=(1,))).data == "wiki"  # the tests run offline
 
 
-def _held_out_windows(tokenizer, docs_file, seq_len: int, count: int) -> torch.Tensor:
-    """The held-out windows made here, not by `build_data`: the held-out documents tokenised one by
-    one, joined with EOS and cut into BOS + seq_len - 1 tokens, as `prune --task ppl` cuts text."""
-    from depthcurse.text import load_texts
-    from depthcurse.train.data import _split_docs
-
-    _, val_texts = _split_docs(load_texts(str(docs_file))[0])
-    stream = [t for text in val_texts for t in tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]]
-    body = seq_len - 1
-    assert len(stream) >= count * body
-    return torch.tensor([[tokenizer.bos_token_id] + stream[i * body:(i + 1) * body] for i in range(count)])
-
-
-def test_heals_numbers_are_plain_transformers_on_the_held_out_documents(model_dir, docs_file, tmp_path, monkeypatch):
+def test_heals_numbers_are_plain_transformers_on_the_held_out_documents(bos_model_dir, docs_file, tmp_path, monkeypatch):
     """Every number heal.json holds for the held-out windows, computed here by plain transformers
     on windows made here: the unpruned model as saved, the pruned one built without the layers,
     the healed one reloaded from hf/; the KL to the unpruned model's predictions and the share of
@@ -274,7 +244,7 @@ def test_heals_numbers_are_plain_transformers_on_the_held_out_documents(model_di
             return super().forward(ids, targets)
 
     monkeypatch.setattr(loop, "HealObjective", Recording)
-    loaded = load_model(str(model_dir))
+    loaded = load_model(str(bos_model_dir))
     cfg = _cfg(docs_file, loss="distill", steps=8, warmup=3, lr=1e-2, lora_dropout=0.5)
     record = heal(loaded, cfg, tmp_path / "run")
     bos = loaded.tokenizer.bos_token_id
@@ -284,8 +254,8 @@ def test_heals_numbers_are_plain_transformers_on_the_held_out_documents(model_di
     expected_lrs = [1e-2 * ((s + 1) / 3 if s < 3 else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 3) / 5))) for s in range(8)]
     assert lrs == pytest.approx(expected_lrs, rel=1e-6)
 
-    windows = _held_out_windows(loaded.tokenizer, docs_file, 24, 4)
-    unpruned = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    windows = held_out_windows(loaded.tokenizer, docs_file, 24, 4)
+    unpruned = AutoModelForCausalLM.from_pretrained(bos_model_dir).eval()
     models = {"unpruned": unpruned, "pruned": built_without(unpruned, "model.layers", [1, 3]),
               "healed": AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf").eval()}
     with torch.no_grad():
@@ -302,19 +272,19 @@ def test_heals_numbers_are_plain_transformers_on_the_held_out_documents(model_di
     assert record["recovered"]["held_out_kl"] == pytest.approx((pruned_kl - healed_kl) / pruned_kl)
 
 
-def test_a_healed_curve_along_a_greedy_result_removes_k_layers_at_k(model_dir, docs_file, tmp_path):
+def test_a_healed_curve_along_a_greedy_result_removes_k_layers_at_k(bos_model_dir, docs_file, tmp_path):
     from transformers import AutoConfig
 
     from depthcurse.prune import run_greedy
     from depthcurse.tasks import PerplexityTask
 
-    loaded = load_model(str(model_dir))
+    loaded = load_model(str(bos_model_dir))
     task = PerplexityTask(loaded.tokenizer, CORPUS * 4, source="corpus", seq_len=24, limit=3)
     greedy = run_greedy(loaded, task, tmp_path / "greedy", steps=2, compare=False)
     sets, source = order_sets(tmp_path / "greedy", [1, 2], 5)
     assert source.startswith("greedy order of")
     assert sets == {k: tuple(greedy.curves["greedy"][k].removed) for k in (1, 2)} and [len(sets[k]) for k in (1, 2)] == [1, 2]
-    curve = heal_curve(loaded, lambda: load_model(str(model_dir)), _cfg(docs_file, steps=1), sets, source, tmp_path / "curve")
+    curve = heal_curve(loaded, lambda: load_model(str(bos_model_dir)), _cfg(docs_file, steps=1), sets, source, tmp_path / "curve")
     assert [p["layers"] for p in curve["points"]] == [list(sets[1]), list(sets[2])]
     assert [AutoConfig.from_pretrained(tmp_path / "curve" / f"k00{k}" / "hf").num_hidden_layers for k in (1, 2)] == [4, 3]
 

@@ -1,16 +1,22 @@
-"""`heal`: how much of what a removal costs can a little training win back (Gromov et al.'s healing).
+"""`heal`: how much of what a removal costs can be won back, and by which method.
 
-The public face: `HealConfig` (what a run is), `heal` (one run: layers removed, LoRA adapters
-trained with peft, the model measured unpruned, pruned and healed, saved merged), `heal_curve`
-and `order_sets` (the first k layers of an earlier result's order, healed for each k),
-`read_heal`, and the report (`heal_table`, `curve_table`, `plot_heal_curve`). The pieces:
-`config`, `adapters` (peft), `objective` (the loss `train.loop.train_step` trains), `loop`,
-`curve`, `report`.
+The public face: `HealConfig` (what a run is), `heal` (one run: layers removed, the removal won
+back by LoRA adapters trained with peft, a training-free linear map folded into the weights
+(ReplaceMe), a trained replacement layer (LLM-Streamline), or the map then LoRA; the model
+measured unpruned, pruned and healed, saved), `heal_methods` (several methods side by side),
+`heal_curve` and `order_sets` (the first k layers of an earlier result's order, healed for each
+k), `read_heal`, and the report (`heal_table`, `methods_table`, `curve_table`,
+`plot_heal_curve`). The pieces: `config`, `adapters` (peft), `linear` (the maps), `replacement`
+(the new layers), `objective` (the loss `train.loop.train_step` trains for adapters),
+`healed` (one model in memory as the unpruned, pruned or healed one; saving), `loop`,
+`compare`, `curve`, `report`.
 """
 
-from depthcurse.heal.config import HealConfig
+from depthcurse.heal.compare import Models, heal_methods, methods_of, parse_methods
+from depthcurse.heal.config import METHODS, HealConfig
 from depthcurse.heal.curve import heal_curve, order_sets, parse_ks
 from depthcurse.heal.loop import HEAL_JSON, heal, read_heal
-from depthcurse.heal.report import curve_table, heal_table, plot_heal_curve
+from depthcurse.heal.report import curve_table, heal_table, methods_table, plot_heal_curve
 
-__all__ = ["HealConfig", "heal", "heal_curve", "order_sets", "parse_ks", "read_heal", "HEAL_JSON", "heal_table", "curve_table", "plot_heal_curve"]
+__all__ = ["HealConfig", "METHODS", "heal", "heal_methods", "Models", "methods_of", "parse_methods", "heal_curve", "order_sets", "parse_ks", "read_heal",
+           "HEAL_JSON", "heal_table", "methods_table", "curve_table", "plot_heal_curve"]

@@ -1,17 +1,15 @@
-"""LoRA adapters on the blocks a removal keeps, with peft (not a LoRA of our own), and the healed
-model saved as a normal checkpoint: the adapters merged, the removed layers gone."""
+"""LoRA adapters on the blocks a removal keeps, with peft (not a LoRA of our own); `heal.healed`
+merges them when the healed model is saved."""
 
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.io import atomic_write
-from depthcurse.surgery import branch_of, find_blocks, save_pruned
+from depthcurse.surgery import branch_of, find_blocks
 
 PARTS = {"mlp": ("mlp",), "attn": ("attn",), "all": ("attn", "mlp")}
 
@@ -21,14 +19,15 @@ def _is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
 
 
-def target_modules(model: nn.Module, removed: tuple[int, ...], targets: str) -> list[str]:
-    """The full names of the linear layers in the `targets` branches of every kept block: where
-    the adapters go. Exact names, so that peft puts none on a removed block or outside the blocks."""
+def target_modules(model: nn.Module, removed: tuple[int, ...], targets: str, after: int | None = None) -> list[str]:
+    """The full names of the linear layers in the `targets` branches of every kept block (with
+    `after`, of the kept blocks after that layer only): where the adapters go. Exact names, so
+    that peft puts none on a removed block or outside the blocks."""
     blocks = find_blocks(model)
     names = {id(m): n for n, m in model.named_modules()}
     out = []
     for i, block in enumerate(blocks.layers):
-        if i in removed:
+        if i in removed or (after is not None and i <= after):
             continue
         for part in PARTS[targets]:
             branch = branch_of(block, part)
@@ -38,34 +37,25 @@ def target_modules(model: nn.Module, removed: tuple[int, ...], targets: str) -> 
                 raise DepthcurseError(f"--targets {targets}: the {kind} of {type(block).__name__} has no linear layer for an adapter "
                                       "(its weights are not nn.Linear modules, as in fused mixture-of-experts MLPs): try --targets attn")
             out += found
+    if not out:
+        raise DepthcurseError(f"--adapt after puts adapters on the kept blocks after layer {after}, and there is none: "
+                              "use --adapt all, or remove layers before the last")
     return out
 
 
-def add_adapters(model: nn.Module, removed: tuple[int, ...], *, targets: str, rank: int, alpha: float, dropout: float):
-    """`model` with LoRA adapters (peft's `get_peft_model`) on its kept blocks' `targets`; only
-    the adapters train. Their B matrices start at zero, so the adapted model starts as the pruned one."""
+def add_adapters(model: nn.Module, removed: tuple[int, ...], *, targets: str, rank: int, alpha: float, dropout: float, after: int | None = None):
+    """`model` with LoRA adapters (peft's `get_peft_model`) on its kept blocks' `targets` (with
+    `after`, those after that layer only); only the adapters train. Their B matrices start at
+    zero, so the adapted model starts as the pruned one."""
     from peft import LoraConfig, get_peft_model  # lazy: only heal needs peft
 
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, bias="none",
-                        target_modules=target_modules(model, removed, targets))
+                        target_modules=target_modules(model, removed, targets, after))
     with warnings.catch_warnings():
         # peft reads transformers' `is_gradient_checkpointing`, deprecated in transformers 5: a
         # warning on every heal about code that is neither ours nor the user's
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         return get_peft_model(model, config)
-
-
-def save_healed(peft_model, tokenizer, removed: tuple[int, ...], out: Path, dtype: torch.dtype | None = None) -> Path:
-    """The adapters merged into their layers and the removed layers left out, saved (atomically) as
-    a checkpoint `from_pretrained` loads with n - k layers, in `dtype` (the source checkpoint's:
-    a bf16 model trained in fp32 on a CPU is saved in bf16, as `drop` saves it). Merges in place,
-    in the dtype it trained in, then casts: the model in memory is the healed one afterwards,
-    without adapters, in `dtype`."""
-    model = peft_model.merge_and_unload()
-    if dtype is not None:
-        model.to(dtype)
-    atomic_write(Path(out), lambda tmp: save_pruned(model, tokenizer, removed, tmp), folder=True)
-    return Path(out)
 
 
 def trainable(model: nn.Module) -> list[torch.nn.Parameter]:

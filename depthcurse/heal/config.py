@@ -1,5 +1,6 @@
-"""What a heal run is: the layers removed, the adapters, the data, the schedule, the loss and what
-it is measured on. No torch here: the command line checks a run's settings before loading a model."""
+"""What a heal run is: the layers removed, how the removal is won back (the method), the adapters,
+the data, the schedule, the loss and what it is measured on. No torch here: the command line
+checks a run's settings before loading a model."""
 
 from __future__ import annotations
 
@@ -11,6 +12,12 @@ from depthcurse.train.config import check_schedule
 
 LOSSES = ("lm", "distill")
 TARGETS = ("mlp", "attn", "all")  # which branches of each kept block get adapters
+# How a removal is won back: LoRA adapters trained on text (Gromov et al.); a least-squares linear
+# map folded into the MLP output of the block before each cut (ReplaceMe, training-free); one
+# layer per cut trained to give what the removed run gave (LLM-Streamline); the map, then LoRA.
+METHODS = ("lora", "linear", "layer", "linear+lora")
+TRAINED = ("lora", "layer", "linear+lora")
+ADAPT = ("all", "after")  # adapters on every kept block, or only on those after the first removed layer
 CONFIG = "config.json"
 
 
@@ -22,6 +29,7 @@ class HealConfig:
     rank, dropout 0.05, next-token loss, a cosine schedule."""
 
     layers: tuple[int, ...]
+    method: str = "lora"
     loss: str = "lm"
     targets: str = "mlp"
     lora_rank: int = 8
@@ -44,6 +52,25 @@ class HealConfig:
     seed: int = 1234
     save_every: int = 25
     log_every: int = 1
+    adapt: str = "all"  # where the adapters go: every kept block, or only the blocks after the first removed layer
+    calib_tokens: int = 16384  # linear: tokens of the training text the maps are estimated on
+    ridge: float = 0.0  # linear: pulls each map toward the identity (the plain removal), relative to the mean eigenvalue of its Gram matrix
+
+    def for_method(self, method: str) -> "HealConfig":
+        """This run by `method` (in a comparison: `loss` is the adapters' and applies to the methods that train some)."""
+        return HealConfig(**{**asdict(self), "method": method, "loss": self.loss if method in ("lora", "linear+lora") else "lm"})
+
+    @property
+    def trains(self) -> bool:
+        return self.method in TRAINED
+
+    @property
+    def maps(self) -> bool:
+        return self.method in ("linear", "linear+lora")
+
+    @property
+    def adapters(self) -> bool:
+        return self.method in ("lora", "linear+lora")
 
     def resolved(self) -> "HealConfig":
         """Checked (all but the layers, which `heal.loop.check` checks against the model), with the
@@ -59,16 +86,29 @@ class HealConfig:
         return cfg
 
     def identity(self) -> dict:
-        """What a resumed run must share with the one in the folder (how often it saves or logs may change)."""
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if k not in RESUMABLE_CHANGES}
+        """What a resumed run must share with the one in the folder (how often it saves or logs may
+        change). Settings the method does not use at their defaults are left out, so that a run
+        made before they existed is the same run."""
+        unused = {"method": self.method == "lora", "adapt": self.adapt == "all", "calib_tokens": not self.maps, "ridge": not self.maps}
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if k not in RESUMABLE_CHANGES and not unused.get(k)}
 
 
 RESUMABLE_CHANGES = frozenset({"save_every", "log_every"})
 
 
 def _check(cfg: HealConfig) -> None:
+    if cfg.method not in METHODS:
+        raise DepthcurseError(f"unknown --method {cfg.method!r}: use {', '.join(METHODS)}")
+    if cfg.adapt not in ADAPT:
+        raise DepthcurseError(f"unknown --adapt {cfg.adapt!r}: use all (every kept block) or after (the blocks after the first removed layer)")
+    if cfg.calib_tokens < 1:
+        raise DepthcurseError(f"--calib-tokens must be at least 1, got {cfg.calib_tokens}")
+    if not (cfg.ridge >= 0 and math.isfinite(cfg.ridge)):
+        raise DepthcurseError(f"--ridge must be 0 or more, got {cfg.ridge}")
     if cfg.loss not in LOSSES:
         raise DepthcurseError(f"unknown --loss {cfg.loss!r}: use lm (next-token) or distill (KL from the unpruned model)")
+    if cfg.loss != "lm" and not cfg.adapters:
+        raise DepthcurseError(f"--loss {cfg.loss} trains adapters: --method {cfg.method} " + ("trains its new layers on the removed runs' output (MSE)" if cfg.method == "layer" else "trains nothing"))
     if cfg.targets not in TARGETS:
         raise DepthcurseError(f"unknown --targets {cfg.targets!r}: use mlp (the paper's), attn or all")
     if cfg.lora_rank < 1:

@@ -4,8 +4,8 @@ order removed and healed, for each k, against the same removals unhealed.
 The order comes from a results folder: a `prune --greedy` result (a strategy's sets, `greedy` by
 default), a `prune --block` or `angular-distance` result (for each k the angular block of k
 layers, or the k deepest before the last), or a single-layer sweep (its layers, cheapest first).
-Each k is a heal run of its own in `kNNN/`, resumable as any is; the unpruned model is measured
-once, by the first.
+Each k is a heal run of its own in `kNNN/` (with several methods, a comparison of them, each in
+`kNNN/<method>/`), resumable as any is; the unpruned model is measured once, by the first.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from depthcurse.angular import load_angular
 from depthcurse.angular.result import ANGULAR_JSON
 from depthcurse.errors import DepthcurseError
 from depthcurse.heal.config import RESUMABLE_CHANGES, HealConfig
+from depthcurse.heal.compare import Models, heal_methods
 from depthcurse.heal.loop import HEAL_JSON, check, finished, heal, identity, read_heal
 from depthcurse.io import atomic_write, ensure_out_dir, json_text, refuse_other_run
 from depthcurse.loading import LoadedModel
@@ -80,30 +81,39 @@ def order_sets(folder: Path, ks: list[int], n_layers: int, strategy: str | None 
 
 
 def heal_curve(loaded: LoadedModel, load: Callable[[], LoadedModel], cfg: HealConfig, sets: dict[int, tuple[int, ...]], source: str, out_dir: Path, *,
-               world: World = World(), on_point: Callable[[int, int, int], None] | None = None, **callbacks) -> dict | None:
-    """Heal each of `sets` (k -> layers) in `out_dir/kNNN/`, `loaded` for the first and `load()`
-    for each next (healing merges the adapters into the model in memory); the curve's record,
-    `heal.json` in `out_dir`, on rank 0."""
+               world: World = World(), methods: tuple[str, ...] | None = None, on_point: Callable[[int, int, int], None] | None = None,
+               on_method: Callable[[str, int, int], None] | None = None, **callbacks) -> dict | None:
+    """Heal each of `sets` (k -> layers) in `out_dir/kNNN/` (with several `methods`, each in
+    `out_dir/kNNN/<method>/`), `loaded` for the first and `load()` for each next (healing
+    changes the model in memory); the curve's record, `heal.json` in `out_dir`, on rank 0."""
     out_dir = ensure_out_dir(out_dir)
-    checked = {k: identity(loaded, check(loaded, replace(cfg, layers=layers))) for k, layers in sets.items()}  # every k's input, before the first trains
-    first = next(iter(checked.values()))
-    run = {**{key: v for key, v in first.items() if key != "layers"}, "order": source, "ks": list(sets)}
+    methods = tuple(methods or (cfg.method,))
+    checked = {(k, m): identity(loaded, check(loaded, replace(cfg, layers=layers).for_method(m))) for k, layers in sets.items() for m in methods}  # every input, before the first trains
+    run = {key: v for identity_ in checked.values() for key, v in identity_.items() if key not in ("layers", "method")} | {"order": source, "ks": list(sets)}
+    if len(methods) > 1 or methods[0] != "lora":
+        run["methods"] = list(methods)
     if (out_dir / HEAL_JSON).exists():
         refuse_other_run(out_dir, read_heal(out_dir)["run"], run, ignore=RESUMABLE_CHANGES, what="healed curve")
     record = {"run": run, "n_layers": num_layers(loaded.model), "points": []}
-    unpruned, fresh = None, [loaded]  # healing merges its adapters into the model it is given: one model per k
+    unpruned, models = None, Models(loaded, load)
     for i, (k, layers) in enumerate(sets.items()):
         if on_point:
             on_point(k, i, len(sets))
         folder = out_dir / f"k{k:03d}"
-        point = finished(folder, checked[k])  # finished before an interruption: not loaded again
-        if point is None:
-            model = fresh.pop() if fresh else load()
-            point = heal(model, replace(cfg, layers=layers), folder, world=world, unpruned=unpruned, **callbacks)
-        if not world.main:
-            continue
-        unpruned = point["results"]["unpruned"]
-        record["points"].append({"k": k, "layers": list(layers), "results": point["results"], "recovered": point["recovered"], "folder": f"k{k:03d}"})
+        if len(methods) > 1:
+            compared = heal_methods(loaded, models, replace(cfg, layers=layers), methods, folder, world=world, unpruned=unpruned, on_method=on_method, **callbacks)
+            if not world.main:
+                continue
+            unpruned = compared["results"]["unpruned"]
+            point = {"k": k, "layers": list(layers), "results": compared["results"], "methods": compared["methods"], "folder": f"k{k:03d}"}
+        else:
+            done = finished(folder, checked[(k, methods[0])])  # finished before an interruption: not loaded again
+            if done is None:
+                done = heal(models.next(), replace(cfg, layers=layers).for_method(methods[0]), folder, world=world, unpruned=unpruned, **callbacks)
+            if not world.main:
+                continue
+            unpruned = done["results"]["unpruned"]
+            point = {"k": k, "layers": list(layers), "results": done["results"], "recovered": done["recovered"], "cost": done.get("cost"), "folder": f"k{k:03d}"}
+        record["points"].append(point)
         atomic_write(out_dir / HEAL_JSON, json_text(record))
     return record if world.main else None
-

@@ -28,9 +28,12 @@ from typing import Callable
 import torch
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.heal.adapters import add_adapters, save_healed, target_modules, trainable
+from depthcurse.heal.adapters import add_adapters, target_modules, trainable
+from depthcurse.heal.healed import MODELS, Healed
+from depthcurse.heal.linear import check_linear, estimate_maps, runs_of
 from depthcurse.heal.config import CONFIG, RESUMABLE_CHANGES, HealConfig
 from depthcurse.heal.objective import HealObjective
+from depthcurse.heal.replacement import ReplacementObjective
 from depthcurse.io import atomic_write, ensure_out_dir, environment, json_text, refuse_other_run
 from depthcurse.loading import LoadedModel, window_length
 from depthcurse.runtime import World
@@ -45,7 +48,6 @@ from depthcurse.train.report import plot_loss
 
 HEAL_JSON = "heal.json"
 HF_DIR = "hf"
-MODELS = ("unpruned", "pruned", "healed")
 # On the held-out windows: next-token loss and perplexity, and how far from the unpruned model's
 # predictions (KL, in nats per token, and the share of top-1 tokens it agrees on).
 HELD_OUT_METRICS = ("loss", "ppl", "kl", "agreement")
@@ -64,7 +66,10 @@ def check(loaded: LoadedModel, cfg: HealConfig) -> HealConfig:
         raise DepthcurseError(f"--layers removes all {n} layers: nothing would be left to heal")
     if cfg.task is not None and head_for_task(cfg.task) != "causal-lm":
         raise DepthcurseError(f"--task {cfg.task} measures an encoder; heal trains a decoder's next-token predictions: use ppl-style text or an lm-eval task")
-    target_modules(loaded.model, cfg.layers, cfg.targets)
+    if cfg.adapters:
+        target_modules(loaded.model, cfg.layers, cfg.targets, _adapted_after(cfg))
+    if cfg.maps:
+        check_linear(loaded.model, cfg.layers)
     window_length(loaded.model, cfg.seq_len)
     return cfg
 
@@ -77,16 +82,17 @@ def identity(loaded: LoadedModel, cfg: HealConfig) -> dict:
     return run
 
 
-def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = World(), unpruned: dict | None = None,
+def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = World(), unpruned: dict | None = None, pruned: dict | None = None,
          stop_after: int | None = None, on_start: Callable[[dict], None] | None = None, on_progress: Callable[[Progress], None] | None = None,
          on_phase: Callable[[str], None] | None = None) -> dict | None:
-    """Heal `loaded` with `cfg`'s layers removed, in `out_dir` (continued if it holds this run);
-    returns the record `heal.json` holds, on rank 0 (None elsewhere, or when `stop_after` ended the
-    call after that many steps, as a preemption would).
+    """Heal `loaded` with `cfg`'s layers removed, by `cfg.method`, in `out_dir` (continued if it
+    holds this run); returns the record `heal.json` holds, on rank 0 (None elsewhere, or when
+    `stop_after` ended the call after that many steps, as a preemption would).
 
-    The model is the one in memory, and leaves merged with its adapters (`hf/` holds it without
-    the removed layers). `unpruned` is the unpruned model's measurement if it was made already
-    (a healed curve measures it once for every k).
+    The model is the one in memory, and leaves healed (merged, folded: `hf/` holds it without the
+    removed layers). `unpruned` and `pruned` are those models' measurements if they were made
+    already (a healed curve measures the unpruned model once for every k, a comparison of methods
+    both models once for every method).
     """
     cfg = check(loaded, cfg)
     run = identity(loaded, cfg)
@@ -99,8 +105,7 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
     started = time.perf_counter()
     phase = on_phase or (lambda text: None)
 
-    model, tokenizer = loaded.model, loaded.tokenizer
-    device = loaded.device
+    model, tokenizer, device = loaded.model, loaded.tokenizer, loaded.device
     seq_len = run["seq_len"]
     start = start_tokens(tokenizer)
     phase("building the data")
@@ -111,11 +116,141 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
                                          batch_size=cfg.micro_batch)
     task = build_task(cfg.task, tokenizer, limit=cfg.limit, num_fewshot=cfg.num_fewshot, batch_size=cfg.micro_batch, seed=cfg.seed,
                       model=model, model_source=loaded.source) if cfg.task else None
+    if world.main:
+        atomic_write(out_dir / CONFIG, json.dumps(run, indent=2) + "\n")
 
-    torch.manual_seed(cfg.seed)  # the adapters' A matrices: the same on every rank and every resume
-    peft_model = add_adapters(model, cfg.layers, targets=cfg.targets, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout)
-    objective = HealObjective(peft_model, cfg.layers, cfg.loss)
-    adapter_params = sum(p.numel() for p in trainable(objective))  # counted now: saving merges them away
+    healed = Healed(model, cfg.layers)
+    calibration = None
+    if cfg.maps:
+        phase("estimating the linear maps")
+        healed.maps, calibration = _linear_maps(model, cfg, data, out_dir, world, phase)
+    objective = None
+    if cfg.adapters:
+        torch.manual_seed(cfg.seed)  # the adapters' A matrices: the same on every rank and every resume
+        healed.peft = add_adapters(model, cfg.layers, targets=cfg.targets, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                                   after=_adapted_after(cfg))
+        objective = HealObjective(healed.peft, cfg.layers, cfg.loss, maps=healed.maps, shared_blocks=shared_blocks(cfg))
+    elif cfg.method == "layer":
+        torch.manual_seed(cfg.seed)
+        objective = ReplacementObjective(model, cfg.layers)
+        healed.replacements = objective.replaced()
+    trained = sum(p.numel() for p in trainable(objective)) if objective is not None else 0  # counted now: saving merges adapters away
+    if on_start and world.main:
+        on_start({"start_step": 0, "steps": cfg.steps if objective is not None else 0, "trained": trained, "data": data.label,
+                  "held_out_tokens": held_out.windows[:, 1:].numel(), "device": str(device), "world_size": world.size})
+    progress = None
+    if objective is not None:
+        progress = _train(objective, cfg, data, out_dir, run, state, world, device, len(tokenizer), stop_after, on_progress, phase)
+        if progress.step < cfg.steps:
+            return None
+    del state
+    if not world.main:
+        return None
+
+    # Measured after training, on rank 0 alone: the other ranks have nothing left to wait for.
+    (objective or model).eval()  # dropout off, the adapters' too: the healed model is measured as it is saved
+    results = record["results"]
+    for name, given in (("unpruned", unpruned), ("pruned", pruned)):
+        if given is not None:
+            results.setdefault(name, given)
+    as_model = {name: functools.partial(healed.as_model, name) for name in MODELS}
+    for name in MODELS:
+        if name in results:
+            continue  # measured before an interruption
+        phase(f"measuring the {name} model")
+        results[name] = measure(as_model[name], device, held_out, task, reference=as_model["unpruned"] if name != "unpruned" else None)
+        _write(out_dir, record)
+    phase("saving the healed checkpoint")
+    n = num_layers(model)
+    record["hf"] = str(healed.save(tokenizer, out_dir / HF_DIR, dtype=loaded.save_dtype))
+    record["hf_layers"] = healed.layer_count(n)
+    record["hf_dtype"] = str(loaded.save_dtype).removeprefix("torch.")
+    record["hf_bytes"] = sum(f.stat().st_size for f in (out_dir / HF_DIR).glob("*.safetensors"))
+    record["recovered"] = recovered(record)
+    if progress is not None:
+        record["training"] = {"steps": progress.step, "tokens": progress.tokens, "train_seconds": round(progress.seconds, 3),
+                              "tokens_per_s": progress.tokens / max(progress.seconds, 1e-9), "trained_params": trained}
+        if cfg.adapters:
+            record["training"]["adapters"] = trained
+    record["cost"] = _cost(cfg, calibration, progress, trained, model)
+    record["held_out"] = held_out.describe()
+    record["environment"] = environment()
+    record["wall_time_s"] = round(record.get("wall_time_s", 0.0) + time.perf_counter() - started, 3)
+    _write(out_dir, record)
+    if progress is not None:
+        plot_loss(MetricsLog(out_dir / METRICS).rows(), out_dir / "loss.png",
+                  title=f"{loaded.name} without layers {','.join(map(str, cfg.layers))}: {cfg.method} ({_loss_name(cfg)})")
+    return record
+
+
+def _loss_name(cfg: HealConfig) -> str:
+    return "MSE to the removed runs' output" if cfg.method == "layer" else f"{cfg.loss} loss"
+
+
+def _adapted_after(cfg: HealConfig) -> int | None:
+    """The adapters go on the kept blocks after this one (None: on every kept block)."""
+    return min(cfg.layers) if cfg.adapt == "after" else None
+
+
+def shared_blocks(cfg: HealConfig) -> int:
+    """How many first blocks the student and the teacher run alike: none holds an adapter or a
+    map and none is removed (`--adapt after`: those before the first removed layer, less the one
+    whose MLP output a map changes)."""
+    if cfg.adapt != "after":
+        return 0
+    return max(0, min(cfg.layers) - (1 if cfg.maps else 0))
+
+
+def _cost(cfg: HealConfig, calibration: dict | None, progress: TrainState | None, trained: int, model) -> dict:
+    """What the method cost: seconds of its own work (estimating, training; not the measurements),
+    the tokens it read, and the parameters it trained, added to the model, or estimated."""
+    hidden = model.get_input_embeddings().weight.shape[-1]
+    seconds = (calibration["seconds"] if calibration else 0.0) + (progress.seconds if progress else 0.0)
+    tokens = (calibration["tokens"] if calibration else 0) + (progress.tokens if progress else 0)
+    return {"method": cfg.method, "seconds": round(seconds, 3), "tokens": tokens, "calibration": calibration,
+            "training": {"steps": progress.step, "tokens": progress.tokens, "seconds": round(progress.seconds, 3)} if progress else None,
+            "trained_params": trained, "added_params": trained if cfg.method == "layer" else 0,
+            "estimated_params": len(runs_of(cfg.layers)) * hidden * hidden if cfg.maps else 0}
+
+
+MAPS = "maps.pt"
+
+
+def _linear_maps(model, cfg: HealConfig, data, out_dir: Path, world: World, phase) -> tuple[dict[int, torch.Tensor], dict]:
+    """The linear maps of `cfg`'s runs, and what estimating them cost: from `maps.pt` in the run's
+    folder, or estimated on `calib_tokens` of the training text (each rank a share of the rows,
+    the sums added up) and kept there."""
+    path = out_dir / MAPS
+    if not path.exists():
+        started = time.perf_counter()
+        rows = calibration_rows(data.train, cfg.calib_tokens, cfg.seed)
+        batches = list(rows.split(cfg.micro_batch))[world.rank :: world.size]
+        maps = estimate_maps(model, cfg.layers, batches, ridge=cfg.ridge, reduce=world.sum,
+                             on_batch=lambda done, total: phase(f"estimating the linear maps ({done}/{total} batches)"))
+        record = {"maps": {str(k): t for k, t in maps.items()}, "seconds": time.perf_counter() - started, "tokens": rows.numel()}
+        if world.main:
+            atomic_write(path, lambda tmp: torch.save(record, tmp))
+        world.barrier()
+    saved = load_checkpoint(path)
+    return {int(k): t for k, t in saved["maps"].items()}, {"seconds": round(float(saved["seconds"]), 3), "tokens": int(saved["tokens"])}
+
+
+def calibration_rows(train, tokens: int, seed: int) -> torch.Tensor:
+    """Rows of the training text holding at least `tokens` tokens (all of it if it holds fewer):
+    local text in a seeded order of its own, not the training order's; C4's next rows."""
+    if hasattr(train, "rows"):
+        n = min(len(train.rows), math.ceil(tokens / train.rows.shape[1]))
+        order = torch.randperm(len(train.rows), generator=torch.Generator().manual_seed(seed + 1))
+        return train.rows[order[:n]]
+    rows = [train.next_batch(1).input_ids]
+    while sum(r.numel() for r in rows) < tokens:
+        rows.append(train.next_batch(1).input_ids)
+    return torch.cat(rows)
+
+
+def _train(objective, cfg: HealConfig, data, out_dir: Path, run: dict, state: dict | None, world: World, device, vocab: int,
+           stop_after: int | None, on_progress, phase) -> TrainState:
+    """The trained methods' loop: `train.loop.train_step` on `objective`, resumable from `state`."""
     wrapped = objective
     if world.parallel:
         from torch.nn.parallel import DistributedDataParallel  # lazy: only a torchrun launch needs it
@@ -125,8 +260,8 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup, cfg.steps, cfg.min_lr_ratio))
     progress = TrainState()
     checkpoints = CheckpointManager(out_dir, {
-        "adapters": ModelState(wrapped, trainable_only=True), "optimizer": OptimizerState(wrapped, optimizer), "scheduler": scheduler,
-        "data": data.train, "rng": RNGState(), "train_state": progress,
+        "adapters" if cfg.adapters else "layers": ModelState(wrapped, trainable_only=True), "optimizer": OptimizerState(wrapped, optimizer),
+        "scheduler": scheduler, "data": data.train, "rng": RNGState(), "train_state": progress,
     }, config=run, world=world)
     metrics = MetricsLog(out_dir / METRICS)
     if state is not None:
@@ -135,16 +270,11 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
             metrics.truncate_after(progress.step)
     elif world.main and (out_dir / METRICS).exists():
         (out_dir / METRICS).unlink()  # a run that stopped before its first checkpoint starts over
-    del state
-    if world.main:
-        atomic_write(out_dir / CONFIG, json.dumps(run, indent=2) + "\n")
-    if on_start and world.main:
-        on_start({"start_step": progress.step, "steps": cfg.steps, "adapters": adapter_params,
-                  "data": data.label, "held_out_tokens": held_out.windows[:, 1:].numel(), "device": str(device), "world_size": world.size})
 
     amp = autocast_for("bf16-mixed", device) if device.type == "cuda" else autocast_for("fp32", device)
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    losses = StepLosses(limit=2 * math.log(len(tokenizer)))
+    # a next-token loss this high is lost; an MSE has no such scale: only a non-finite one is
+    losses = StepLosses(limit=2 * math.log(vocab) if cfg.method != "layer" else math.inf)
     wrapped.train()
     tick, tick_tokens = time.perf_counter(), 0
     if progress.step < end:
@@ -176,43 +306,7 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
                     on_progress(Progress(step, cfg.steps, loss_value, lr, progress.tokens, rate, None, cfg.micro_batch))
         if step % cfg.save_every == 0 or step == end:
             checkpoints.save()
-    if progress.step < cfg.steps or not world.main:
-        return None
-
-    # Measured after training, on rank 0 alone: the other ranks have nothing left to wait for.
-    model.eval()  # the adapters' dropout off: the healed model is measured as it is saved
-    results = record["results"]
-    if unpruned is not None:
-        results.setdefault("unpruned", unpruned)
-    as_model = {name: functools.partial(variant, peft_model, cfg.layers, name) for name in MODELS}
-    for name in MODELS:
-        if name in results:
-            continue  # measured before an interruption
-        phase(f"measuring the {name} model")
-        results[name] = measure(as_model[name], device, held_out, task, reference=as_model["unpruned"] if name != "unpruned" else None)
-        _write(out_dir, record)
-    phase("saving the healed checkpoint")
-    record["hf"] = str(save_healed(peft_model, tokenizer, cfg.layers, out_dir / HF_DIR, dtype=loaded.save_dtype))
-    record["hf_dtype"] = str(loaded.save_dtype).removeprefix("torch.")
-    record["hf_bytes"] = sum(f.stat().st_size for f in (out_dir / HF_DIR).glob("*.safetensors"))
-    record["recovered"] = recovered(record)
-    record["training"] = {"steps": progress.step, "tokens": progress.tokens, "train_seconds": round(progress.seconds, 3),
-                          "tokens_per_s": progress.tokens / max(progress.seconds, 1e-9), "adapters": adapter_params}
-    record["held_out"] = held_out.describe()
-    record["environment"] = environment()
-    record["wall_time_s"] = round(record.get("wall_time_s", 0.0) + time.perf_counter() - started, 3)
-    _write(out_dir, record)
-    plot_loss(metrics.rows(), out_dir / "loss.png", title=f"{loaded.name} without layers {','.join(map(str, cfg.layers))}: healing ({cfg.loss} loss)")
-    return record
-
-
-@contextlib.contextmanager
-def variant(peft_model, layers: tuple[int, ...], name: str):
-    """The model in memory as the `name` model: unpruned (every layer, no adapter), pruned (the
-    layers removed, no adapter) or healed (the layers removed, the adapters on)."""
-    model = peft_model.base_model.model
-    with (peft_model.disable_adapter() if name != "healed" else contextlib.nullcontext()), removed_layers(model, layers if name != "unpruned" else ()):
-        yield model
+    return progress
 
 
 def logits_in(as_model: Callable[[], contextlib.AbstractContextManager]) -> Callable[[torch.Tensor], torch.Tensor]:

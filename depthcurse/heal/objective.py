@@ -1,50 +1,96 @@
 """What healing minimises, as a module `train.loop.train_step` trains: `(ids, targets) -> summed loss`.
 
-The student is the pruned model with its adapters; the layers are taken out for each forward
+The student is the pruned model with its adapters (and, for `--method linear+lora`, the linear
+maps applied after the MLPs they belong to); the layers are taken out for each forward
 (`surgery.removed_layers`: no weight copied) and put back after it. So the teacher of `--loss
-distill` is the same weights in memory: the layers back, the adapters switched off (peft's
-`disable_adapter`), the unpruned model exactly. Healing a 7B model by distillation needs one
-copy of it, not two.
+distill` is the same weights in memory: the layers back, the maps and the adapters switched off
+(peft's `disable_adapter`), the unpruned model exactly. Healing a 7B model by distillation needs
+one copy of it, not two.
+
+Where the first blocks are the same in both (no adapter, no map, nothing removed before them:
+`--adapt after`), the teacher runs first and the student starts from the stream it left there:
+those blocks run once per batch, and without a gradient.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from depthcurse.surgery import removed_layers
+from depthcurse.heal.linear import mapped
+from depthcurse.surgery import find_blocks, removed_layers
 
 
 class HealObjective(nn.Module):
-    def __init__(self, peft_model, removed: tuple[int, ...], loss: str):
+    def __init__(self, peft_model, removed: tuple[int, ...], loss: str, *, maps: dict[int, torch.Tensor] | None = None, shared_blocks: int = 0):
         super().__init__()
         self.model = peft_model.base_model.model  # the transformers model, its linears wrapped by peft
-        self.removed, self.loss = tuple(removed), loss
+        self.removed, self.loss, self.maps = tuple(removed), loss, dict(maps or {})
+        self.shared_blocks = shared_blocks if loss == "distill" else 0  # only a teacher's forward has them to share
         self.__dict__["peft"] = peft_model  # not a submodule: its parameters are the model's
 
-    def student_logits(self, ids: torch.Tensor) -> torch.Tensor:
-        with removed_layers(self.model, self.removed):
+    def student_logits(self, ids: torch.Tensor, prefix: torch.Tensor | tuple | None = None) -> torch.Tensor:
+        """The pruned model's logits with its adapters and maps; given the stream the first
+        `shared_blocks` leave (`prefix`, from the teacher), it starts from there."""
+        replay = _replayed(self.model, self.shared_blocks, prefix) if prefix is not None else contextlib.nullcontext()
+        with replay, mapped(self.model, self.maps), removed_layers(self.model, self.removed):
             return self.model(input_ids=ids, use_cache=False).logits
 
     @torch.no_grad()
-    def teacher_logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """The unpruned model's logits: every layer, no adapter, no dropout."""
+    def teacher_logits(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | tuple | None]:
+        """The unpruned model's logits (every layer, no adapter, no map, no dropout), and the
+        stream its first `shared_blocks` leave (None when none are shared)."""
         training = self.model.training
         self.model.eval()
+        seen = {}
+        hook = None
+        if self.shared_blocks:
+            hook = find_blocks(self.model).layers[self.shared_blocks - 1].register_forward_hook(lambda m, a, output: seen.__setitem__("out", output))
         try:
             with self.peft.disable_adapter():
-                return self.model(input_ids=ids, use_cache=False).logits
+                return self.model(input_ids=ids, use_cache=False).logits, seen.get("out")
         finally:
+            if hook is not None:
+                hook.remove()
             self.model.train(training)
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The summed loss over the positions with a target (-100: none), in fp32: next-token
         cross-entropy, or KL(teacher || student) of the next-token distributions."""
-        logits = self.student_logits(ids)
         if self.loss == "lm":
+            logits = self.student_logits(ids)
             return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=-100, reduction="sum")
-        return distill_kl(logits, self.teacher_logits(ids), targets != -100)
+        teacher, prefix = self.teacher_logits(ids)
+        return distill_kl(self.student_logits(ids, prefix), teacher, targets != -100)
+
+
+class _Replay(nn.Module):
+    """Stands for a block whose output is known already: gives it back, computing nothing."""
+
+    def __init__(self, output):
+        super().__init__()
+        self.output = output
+
+    def forward(self, *args, **kwargs):
+        return self.output
+
+
+@contextlib.contextmanager
+def _replayed(model: nn.Module, n: int, output):
+    """`model` with its first `n` blocks standing in by `output`, what the n-th leaves (the blocks
+    in between return it too: each next one ignores its input); put back afterwards."""
+    blocks = find_blocks(model).layers
+    old = [blocks[i] for i in range(n)]
+    try:
+        for i in range(n):
+            blocks[i] = _Replay(output)
+        yield model
+    finally:
+        for i, block in enumerate(old):
+            blocks[i] = block
 
 
 def distill_kl(student: torch.Tensor, teacher: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
@@ -67,14 +113,17 @@ class _DistillKL(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=rows.device)
         chunk = 32 if rows.device.type == "cpu" else 2048
         # No test of `scored` on the host (a wait for the GPU per chunk): the rows without a
-        # target are selected away, not skipped.
+        # target are weighted by zero, per row for the loss and in place for the gradient
+        # (torch.where over the whole chunk, twice, was 12% of a distilling step on a CPU).
+        weight = scored.to(torch.float32)
         for start in range(0, rows.shape[0], chunk):
-            keep = scored[start:start + chunk].unsqueeze(-1)
+            keep = weight[start:start + chunk]
             log_s = rows[start:start + chunk].float().log_softmax(-1)
             log_t = teacher[start:start + chunk].float().log_softmax(-1)
             p_t = log_t.exp()
-            total += torch.where(keep, p_t * (log_t - log_s), 0.0).sum()
-            grad[start:start + chunk] = torch.where(keep, log_s.exp_().sub_(p_t), 0.0)
+            per_row = (p_t * (log_t - log_s)).sum(-1)
+            total += torch.where(keep > 0, per_row, 0.0).sum()  # a row of non-finite logits without a target adds nothing
+            grad[start:start + chunk] = log_s.exp_().sub_(p_t).mul_(keep.unsqueeze(-1))
         ctx.save_for_backward(grad)
         ctx.shape, ctx.dtype = student.shape, student.dtype
         return total

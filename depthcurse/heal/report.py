@@ -1,5 +1,6 @@
-"""Heal results on screen and as figures: the unpruned, pruned and healed model side by side, and
-the healed depth curve against the unhealed one (Gromov et al.'s Figure 1d)."""
+"""Heal results on screen and as figures: the unpruned, pruned and healed model side by side (one
+method, or several methods on the same removal with what each cost), and the healed depth curve
+against the unhealed one (Gromov et al.'s Figure 1d), a line per method."""
 
 from __future__ import annotations
 
@@ -8,17 +9,23 @@ from pathlib import Path
 
 from rich.table import Table
 
-from depthcurse.heal.loop import HELD_OUT_METRICS, MODELS
+from depthcurse.heal.compare import methods_of
+from depthcurse.heal.healed import MODELS
+from depthcurse.heal.loop import HELD_OUT_METRICS
 from depthcurse.io import save_figure
 from depthcurse.prune.report import legend_below
+
+HELD_OUT_HEADERS = {"loss": "held-out loss", "ppl": "held-out ppl", "kl": "held-out KL to unpruned (nats/token)",
+                    "agreement": "top-1 agreement with unpruned"}
+METHOD_NAMES = {"lora": "LoRA", "linear": "linear map (ReplaceMe)", "layer": "trained layer (LLM-Streamline)", "linear+lora": "linear map, then LoRA"}
 
 
 def _cell(value) -> str:
     return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{value:.4g}"
 
 
-HELD_OUT_HEADERS = {"loss": "held-out loss", "ppl": "held-out ppl", "kl": "held-out KL to unpruned (nats/token)",
-                    "agreement": "top-1 agreement with unpruned"}
+def _share(value) -> str:
+    return "-" if value is None else f"{value:.0%}"
 
 
 def _columns(results: dict) -> list[tuple[str, str, str]]:
@@ -32,14 +39,46 @@ def _columns(results: dict) -> list[tuple[str, str, str]]:
     return cols
 
 
+def _recovered_key(part: str, metric: str) -> str:
+    return f"held_out_{metric}" if part == "held_out" else f"task_{metric}"
+
+
+def method_text(run: dict, method: str) -> str:
+    """How `method` healed, in a few words (the settings it used)."""
+    lora = f"LoRA rank {run['lora_rank']} on {run['targets']}" + (" after the first removed layer" if run.get("adapt") == "after" else "")
+    trained = f"{run['steps']} steps of {run['loss']} loss"
+    linear = f"a linear map per removed run on {run.get('calib_tokens', 0):,} calibration tokens" + (f", ridge {run['ridge']}" if run.get("ridge") else "")
+    return {"lora": f"{lora}, {trained}", "linear": linear, "layer": f"a trained layer per removed run, {run['steps']} steps of MSE",
+            "linear+lora": f"{linear}, then {lora}, {trained}"}[method]
+
+
+def cost_text(cost: dict | None) -> str:
+    if not cost:
+        return "cost not recorded"
+    parts = [f"{cost['seconds']:,.1f} s", f"{cost['tokens']:,} tokens"]
+    if cost.get("trained_params"):
+        parts.append(f"{cost['trained_params']:,} parameters trained")
+    if cost.get("added_params"):
+        parts.append(f"{cost['added_params']:,} added")
+    if cost.get("estimated_params"):
+        parts.append(f"{cost['estimated_params']:,} estimated and folded in")
+    return ", ".join(parts)
+
+
+def _held_out_caption(record: dict, results: dict) -> str:
+    run = record["run"]
+    held = next((r["held_out"] for r in results.values() if "held_out" in r), None)
+    windows = record["held_out"]["windows"] if record.get("held_out") else "?"
+    return f"held out: {windows} windows x {run['seq_len']} tokens of {held['data'] if held else run['data']}; recovered: (pruned - healed) / (pruned - unpruned)"
+
+
 def heal_table(record: dict) -> Table:
-    """The unpruned, pruned and healed model on the held-out windows and the task, and the share of the removal's cost won back."""
+    """The unpruned, pruned and healed model on the held-out windows and the task, the share of the
+    removal's cost won back, and what the method cost."""
     run, results = record["run"], record["results"]
-    title = (f"{run['model']} without layers {','.join(map(str, run['layers']))}: healed {record.get('training', {}).get('steps', run['steps'])} steps, "
-             f"{run['loss']} loss, LoRA rank {run['lora_rank']} on {run['targets']}")
-    held = next((r["held_out"] for r in results.values()), None)
-    caption = f"held out: {record['held_out']['windows'] if 'held_out' in record else '?'} windows x {run['seq_len']} tokens of {held['data'] if held else run['data']}"
-    caption += "; recovered: (pruned - healed) / (pruned - unpruned)"
+    method = run.get("method", "lora")
+    title = f"{run['model']} without layers {','.join(map(str, run['layers']))}: healed by {METHOD_NAMES[method]} ({method_text(run, method)})"
+    caption = f"{_held_out_caption(record, results)}; cost: {cost_text(record.get('cost'))}"
     table = Table(title=title, caption=caption, header_style="bold")
     cols = _columns(results)
     table.add_column("model")
@@ -49,36 +88,66 @@ def heal_table(record: dict) -> Table:
         r = results.get(name)
         table.add_row(name, *(_cell(r[part]["metrics"].get(m)) if r and part in r else "not measured" for part, m, _ in cols))
     rec = record.get("recovered", {})
-    table.add_row("recovered", *(_share(rec.get(f"held_out_{m}" if part == "held_out" else f"task_{m}")) for part, m, _ in cols), style="bold")
+    table.add_row("recovered", *(_share(rec.get(_recovered_key(part, m))) for part, m, _ in cols), style="bold")
     return table
 
 
-def _share(value) -> str:
-    return "-" if value is None else f"{value:.0%}"
+def methods_table(record: dict) -> Table:
+    """Several methods on the same removal: each healed model's measurements with the share of the
+    cost it won back, and what the method cost (seconds, tokens, parameters trained or added)."""
+    run, results, methods = record["run"], record["results"], methods_of(record)
+    every = {**results, **{m: e["results"] for m, e in methods.items()}}
+    cols = _columns(every)
+    named = "; ".join(f"{m}: {METHOD_NAMES[m]}, {method_text(run, m)}" for m in methods)
+    table = Table(title=f"{run['model']} without layers {','.join(map(str, run['layers']))}: every method on the same removal",
+                  caption=f"{_held_out_caption(record, results)}; each method's cell: healed (recovered). {named}", header_style="bold")
+    table.add_column("model")
+    for _, _, header in cols:
+        table.add_column(header, justify="right")
+    for name in ("seconds", "tokens", "parameters trained / added"):
+        table.add_column(name, justify="right")
+    for name in ("unpruned", "pruned"):
+        r = results.get(name, {})
+        table.add_row(name, *(_cell(r[part]["metrics"].get(m)) if part in r else "-" for part, m, _ in cols), "", "", "")
+    for method, entry in methods.items():
+        r, rec, cost = entry["results"], entry.get("recovered", {}), entry.get("cost") or {}
+        table.add_row(method, *(f"{_cell(r[part]['metrics'].get(m))} ({_share(rec.get(_recovered_key(part, m)))})" if part in r else "-"
+                                              for part, m, _ in cols),
+                      f"{cost.get('seconds', float('nan')):,.1f}", f"{cost.get('tokens', 0):,}",
+                      f"{cost.get('trained_params', 0):,} / {cost.get('added_params', 0):,}")
+    return table
 
 
 def curve_table(curve: dict) -> Table:
-    """Per k: the layers removed and, on each measurement, pruned against healed and the share won back."""
+    """Per k: the layers removed and, on each measurement, the pruned model and each method's
+    healed one with the share won back."""
     run, points = curve["run"], curve["points"]
-    table = Table(title=f"{run['model']}: healed depth curve ({run['order']}), {run['steps']} steps of {run['loss']} loss each", header_style="bold")
+    methods = list(methods_of(points[0])) if points else run.get("methods", ["lora"])
+    table = Table(title=f"{run['model']}: healed depth curve ({run['order']}); " + "; ".join(f"{METHOD_NAMES[m]}: {method_text(run, m)}" for m in methods),
+                  header_style="bold")
     cols = _columns(points[0]["results"]) if points else []
     table.add_column("k", justify="right")
     table.add_column("layers removed")
+    table.add_column("model")
     for _, _, header in cols:
-        table.add_column(f"{header}: pruned → healed (recovered)", justify="right")
+        table.add_column(header, justify="right")
+    table.add_column("seconds", justify="right")
     if points:
         base = points[0]["results"]["unpruned"]
-        table.add_row("0", "none", *(_cell(base[part]["metrics"].get(m)) if part in base else "-" for part, m, _ in cols), style="bold")
+        table.add_row("0", "none", "unpruned", *(_cell(base[part]["metrics"].get(m)) if part in base else "-" for part, m, _ in cols), "", style="bold")
     for p in points:
-        r, rec = p["results"], p["recovered"]
-        table.add_row(str(p["k"]), ",".join(map(str, p["layers"])),
-                      *(f"{_cell(r['pruned'][part]['metrics'].get(m))} → {_cell(r['healed'][part]['metrics'].get(m))} "
-                        f"({_share(rec.get(f'held_out_{m}' if part == 'held_out' else f'task_{m}'))})" for part, m, _ in cols))
+        pruned = p["results"]["pruned"]
+        table.add_row(str(p["k"]), ",".join(map(str, p["layers"])), "pruned", *(_cell(pruned[part]["metrics"].get(m)) for part, m, _ in cols), "")
+        for method, entry in methods_of(p).items():
+            r, rec = entry["results"], entry.get("recovered", {})
+            table.add_row("", "", method, *(f"{_cell(r[part]['metrics'].get(m))} ({_share(rec.get(_recovered_key(part, m)))})" for part, m, _ in cols),
+                          f"{(entry.get('cost') or {}).get('seconds', float('nan')):,.1f}")
     return table
 
 
 def plot_heal_curve(curve: dict, path: Path) -> Path:
-    """Each measurement against the fraction of layers removed: pruned, healed, and the unpruned line."""
+    """Each measurement against the fraction of layers removed: pruned, each method's healed
+    model, and the unpruned line."""
     import matplotlib  # lazy: only figures need matplotlib (1 s to import)
 
     matplotlib.use("Agg")
@@ -86,17 +155,20 @@ def plot_heal_curve(curve: dict, path: Path) -> Path:
 
     run, points, n = curve["run"], curve["points"], curve["n_layers"]
     cols = [c for c in _columns(points[0]["results"]) if c[1] != "ppl"] if points else []
-    fig, axes = plt.subplots(1, max(1, len(cols)), figsize=(6 * max(1, len(cols)), 4.8), dpi=120, squeeze=False)
+    methods = list(methods_of(points[0])) if points else []
+    fig, axes = plt.subplots(1, max(1, len(cols)), figsize=(5.5 * max(1, len(cols)), 4.8), dpi=120, squeeze=False)
     for ax, (part, metric, header) in zip(axes[0], cols):
         base = points[0]["results"]["unpruned"][part]["metrics"].get(metric)
-        xs = [0.0] + [p["k"] / n for p in points]  # both curves start at the unpruned model
-        for name, style in (("pruned", dict(marker="o", ls="--")), ("healed", dict(marker="s", lw=2))):
-            ax.plot(xs, [base] + [p["results"][name][part]["metrics"].get(metric) for p in points], label=f"{name}", **style)
+        xs = [0.0] + [p["k"] / n for p in points]  # every curve starts at the unpruned model
+        ax.plot(xs, [base] + [p["results"]["pruned"][part]["metrics"].get(metric) for p in points], marker="o", ls="--", label="pruned")
+        for method in methods:
+            ys = [methods_of(p)[method]["results"][part]["metrics"].get(metric) for p in points]
+            ax.plot(xs, [base] + ys, marker="s", lw=2, label=f"healed: {METHOD_NAMES[method]}" if len(methods) > 1 else "healed")
         ax.axhline(base, color="k", lw=1, ls=":", label="unpruned")
         ax.set_xlabel(f"fraction of layers removed (of {n})")
         ax.set_ylabel(header)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{run['model']}: layers removed by the {run['order']}\nhealed with {run['steps']} steps of {run['loss']} loss, "
-                 f"LoRA rank {run['lora_rank']} on {run['targets']}, on {run['data']}", fontsize=9)
+    fig.suptitle(f"{run['model']}: layers removed by the {run['order']}, on {run['data']}\n"
+                 + "\n".join(f"{METHOD_NAMES[m]}: {method_text(run, m)}" for m in methods), fontsize=9)
     legend_below(fig, axes[0][0])
     return save_figure(fig, path)

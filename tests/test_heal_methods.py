@@ -1,0 +1,325 @@
+"""Every way `heal` wins back a removal: a linear map folded into the weights (ReplaceMe), a trained
+replacement layer (LLM-Streamline), LoRA after the map, adapters after the first removed layer,
+and the comparison of them all, on tiny models built here.
+
+The references are independent of the code under test: least squares on activations captured
+here, a model built without the layers with the map as a separate module or the trained layer
+copied in by hand, an uninterrupted run, a single heal by each method.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from families import FAMILIES, family_model
+from helpers import assert_one_line_error, built_without, held_out_windows, tiny_llama
+
+from depthcurse.heal import HealConfig, heal, heal_methods, Models
+from depthcurse.heal.adapters import add_adapters, target_modules
+from depthcurse.heal.linear import estimate_maps, fold_maps, mapped, runs_of, solve_map
+from depthcurse.heal.objective import HealObjective
+from depthcurse.loading import load_model
+from depthcurse.train.metrics import METRICS, MetricsLog
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _cfg(docs_file, **kw) -> HealConfig:
+    options = dict(layers=(2, 3), data=str(docs_file), steps=6, batch_size=4, seq_len=24, lr=5e-3, eval_windows=4, save_every=2, lora_rank=4, calib_tokens=240)
+    return HealConfig(**{**options, **kw})
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_the_solver_recovers_a_known_map_exactly():
+    """Targets made as the stream plus the MLP output times a map: the map comes back."""
+    gen = torch.Generator().manual_seed(0)
+    d, tokens = 12, 200
+    m, y = torch.randn(tokens, d, generator=gen, dtype=torch.float64), torch.randn(tokens, d, generator=gen, dtype=torch.float64)
+    t = torch.randn(d, d, generator=gen, dtype=torch.float64)
+    target = y + m @ t
+    torch.testing.assert_close(solve_map(m.T @ m, m.T @ (target - y - m)), t, rtol=0, atol=1e-9)
+    # a ridge pulls the map toward the identity, the plain removal
+    far = solve_map(m.T @ m, m.T @ (target - y - m), ridge=1e6)
+    assert (far - torch.eye(d)).abs().max() < 1e-4
+    # fewer tokens than dimensions: still a map that gives the targets (the smallest correction)
+    few = m[:5]
+    fitted = solve_map(few.T @ few, few.T @ (target[:5] - y[:5] - few))
+    torch.testing.assert_close(y[:5] + few @ fitted, target[:5], rtol=0, atol=1e-8)
+
+
+def test_the_maps_are_least_squares_on_the_models_own_activations_each_run_after_the_earlier_ones():
+    """Runs (1,) and (3, 4) of a 6-layer model. Each map, by least squares on the data matrix
+    (torch.linalg.lstsq on the tokens, not the normal equations), from activations taken here with
+    output_hidden_states and a hook: the first on the unpruned model, the second on a model built
+    without layer 1 with the first map folded in by hand, both against the unpruned model's stream."""
+    model = tiny_llama(300, layers=6, seed=3)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(3, 300, (2, 20), generator=gen) for _ in range(3)]  # 120 tokens for 32 dimensions
+    maps = estimate_maps(model, (1, 3, 4), batches)
+    assert set(maps) == {1, 3}
+
+    def reference(net, before: int, target_index: int, unpruned) -> torch.Tensor:
+        ms, outs = [], []
+        with torch.no_grad():
+            targets = [unpruned(input_ids=ids, output_hidden_states=True).hidden_states[target_index] for ids in batches]
+        handle = net.model.layers[before].mlp.register_forward_hook(lambda mod, a, out: ms.append(out))
+        try:
+            for ids in batches:
+                with torch.no_grad():
+                    outs.append(net(input_ids=ids, output_hidden_states=True).hidden_states[before + 1])
+        finally:
+            handle.remove()
+        m, out, target = (torch.cat(x).flatten(0, 1).double() for x in (ms, outs, targets))
+        return torch.eye(m.shape[1], dtype=torch.float64) + torch.linalg.lstsq(m, target - out).solution
+
+    first = reference(model, 0, 2, model)
+    torch.testing.assert_close(maps[1], first, rtol=1e-5, atol=1e-6)
+    without_1 = built_without(model, "model.layers", [1])
+    down = without_1.model.layers[0].mlp.down_proj
+    with torch.no_grad():
+        down.weight.copy_((first.T @ down.weight.double()).float())
+    torch.testing.assert_close(maps[3], reference(without_1, 1, 5, model), rtol=1e-4, atol=1e-5)  # the map folded into fp32 weights here, applied after the MLP there
+
+
+def _with_map_module(model, removed, maps):
+    """The reference for a folded checkpoint: built without the layers, each map a Linear after its MLP."""
+    ref = built_without(model, "model.layers", list(removed))
+    kept = [i for i in range(len(model.model.layers)) if i not in removed]
+    for first, t in maps.items():
+        at = kept.index(first - 1)
+        linear = nn.Linear(t.shape[0], t.shape[0], bias=False)
+        with torch.no_grad():
+            linear.weight.copy_(t.T.float())  # x -> x W^T = x T
+        ref.model.layers[at].mlp = nn.Sequential(ref.model.layers[at].mlp, linear)
+    return ref.eval()
+
+
+def test_linear_folds_its_maps_into_a_checkpoint_with_n_minus_k_layers(bos_model_dir, docs_file, tmp_path):
+    """The folded checkpoint's logits are the unpruned architecture less k layers with each map as
+    a separate module (fp32, 1e-5), and the held-out loss heal.json gives is that model's."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "linear"
+    record = heal(load_model(str(bos_model_dir)), _cfg(docs_file, method="linear", layers=(1, 3)), out)
+    maps = {int(k): t for k, t in torch.load(out / "maps.pt", weights_only=True)["maps"].items()}
+    assert set(maps) == {1, 3} and not (out / "checkpoint.pt").exists()  # nothing trained, nothing to resume
+    reference = _with_map_module(AutoModelForCausalLM.from_pretrained(bos_model_dir).eval(), (1, 3), maps)
+    folded = AutoModelForCausalLM.from_pretrained(out / "hf").eval()
+    assert folded.config.num_hidden_layers == 3 and record["hf_layers"] == 3
+    assert not any("Sequential" in type(m).__name__ for m in folded.modules())  # no new module
+    ids = torch.randint(3, 300, (2, 19), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(_logits(folded, ids), _logits(reference, ids), rtol=0, atol=1e-5)
+    windows = held_out_windows(load_model(str(bos_model_dir)).tokenizer, docs_file, 24, 4)
+    logp = _logits(reference, windows)[:, :-1].log_softmax(-1).flatten(0, 1)
+    expected = torch.nn.functional.nll_loss(logp, windows[:, 1:].flatten()).item()
+    assert record["results"]["healed"]["held_out"]["metrics"]["loss"] == pytest.approx(expected, rel=1e-5)  # what was measured is what was saved
+    cost = record["cost"]
+    assert cost["method"] == "linear" and cost["tokens"] == 240 and cost["seconds"] > 0 and cost["trained_params"] == cost["added_params"] == 0
+    assert cost["estimated_params"] == 2 * 32 * 32 and cost["calibration"]["tokens"] == 240 and cost["training"] is None
+    assert record["results"]["healed"]["held_out"]["metrics"]["kl"] < record["results"]["pruned"]["held_out"]["metrics"]["kl"]
+
+
+# where a map cannot be folded into the MLP before the cut (layer 1 of the tiny models), and why
+CANNOT_FOLD = {"gemma2": "puts a norm (Gemma2RMSNorm) between its MLP and the stream", "gemma3": "puts a norm (Gemma3RMSNorm) between its MLP and the stream",
+               "olmo2": "puts a norm (Olmo2RMSNorm) between its MLP and the stream", "glm4": "does not add its MLP's output to the stream as it is",
+               "granite": "does not add its MLP's output to the stream as it is", **{f: "as a dense linear layer (fused experts?)" for f in (
+                   "gpt_oss", "granitemoe", "llama4", "mixtral", "olmoe", "qwen3_moe")}}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_folded_map_equals_the_map_as_a_module_in_every_family_or_one_line_says_why(family, tmp_path):
+    """Folding on each family's own MLP (Llama's down_proj, GPT-NeoX's dense_4h_to_h, Phi's fc2,
+    Falcon's parallel blocks...), or the reason it cannot: post-norms (Gemma 2/3, OLMo-2) and
+    experts (Mixtral, Qwen-MoE, DeepSeek...)."""
+    from depthcurse.errors import DepthcurseError
+    from depthcurse.surgery import find_blocks, removed_layers
+
+    model = family_model(family)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    try:
+        maps = estimate_maps(model, (2,), [ids])
+    except DepthcurseError as exc:
+        assert family in CANNOT_FOLD and CANNOT_FOLD[family] in str(exc) and "use --method lora or layer" in str(exc), exc
+        return
+    assert family not in CANNOT_FOLD
+    with mapped(model, maps), removed_layers(model, (2,)):
+        separate = _logits(model, ids)
+    fold_maps(model, maps)
+    with removed_layers(model, (2,)):
+        folded = _logits(model, ids)
+    torch.testing.assert_close(folded, separate, rtol=1e-4, atol=1e-4)
+    assert len(find_blocks(model).layers) == 5
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_replacement_layer_is_called_as_the_model_calls_its_first_layer_in_every_family(family):
+    """A copy of layer 1 put in for the run (1,) gives what layer 1 gives: a zero loss and the
+    model's own logits; for the run (1, 2) it is the run's output it is measured against."""
+    from depthcurse.heal.replacement import ReplacementObjective, replaced
+
+    model = family_model(family)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    targets = torch.roll(ids, -1, 1)
+    own = _logits(model, ids)
+    one = ReplacementObjective(model, (1,)).eval()
+    assert one(ids, targets).item() == 0
+    with replaced(model, one.replaced(), (1,)):
+        torch.testing.assert_close(_logits(model, ids), own, rtol=0, atol=0)
+    assert ReplacementObjective(model, (1, 2)).eval()(ids, targets).item() > 0
+
+
+def test_layer_trains_one_layer_per_run_saves_it_in_place_and_resumes_exactly(bos_model_dir, docs_file, tmp_path):
+    """Runs (1,) and (3, 4)... here (2, 3): one new layer where layer 2 stood. The saved checkpoint
+    (n - k + 1 layers) is a model built without layer 3 with the trained weights copied into layer 2
+    by hand; an interrupted run resumed equals an uninterrupted one."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = _cfg(docs_file, method="layer", steps=6, save_every=2, lr=1e-2)
+    whole = heal(load_model(str(bos_model_dir)), cfg, tmp_path / "whole")
+    assert heal(load_model(str(bos_model_dir)), cfg, tmp_path / "cut", stop_after=3) is None  # checkpoint at step 2
+    resumed = heal(load_model(str(bos_model_dir)), cfg, tmp_path / "cut")
+    trained = [torch.load(tmp_path / d / "checkpoint.pt", weights_only=True)["layers"] for d in ("whole", "cut")]
+    assert trained[0].keys() == trained[1].keys() and all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0])
+    rows = [[{k: v for k, v in r.items() if k != "tokens_per_s"} for r in MetricsLog(tmp_path / d / METRICS).rows()] for d in ("whole", "cut")]
+    assert len(rows[0]) == 6 and rows[0] == rows[1]
+    assert whole["results"]["healed"] == resumed["results"]["healed"]
+
+    reference = built_without(AutoModelForCausalLM.from_pretrained(bos_model_dir).eval(), "model.layers", [3])
+    prefix = "replacements.2."
+    state = {k.removeprefix(prefix): v for k, v in trained[0].items()}
+    assert all(k.startswith(prefix) for k in trained[0])
+    reference.model.layers[2].load_state_dict(state)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "whole" / "hf").eval()
+    assert saved.config.num_hidden_layers == 4 and whole["hf_layers"] == 4
+    ids = torch.randint(3, 300, (2, 19), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(_logits(saved, ids), _logits(reference, ids), rtol=0, atol=1e-5)
+    layer_params = sum(p.numel() for p in reference.model.layers[2].parameters())
+    cost = whole["cost"]
+    assert cost["trained_params"] == cost["added_params"] == layer_params and cost["tokens"] == 6 * 4 * 23 and cost["training"]["steps"] == 6
+
+
+def test_the_distillation_teacher_is_the_unpruned_model_with_maps_and_shared_blocks():
+    """`linear+lora` distilling after the first removed layer: the teacher is the unpruned model
+    exactly (no map, no adapter, every layer); sharing the first blocks with it gives the student
+    the same loss and gradients as running them again, and runs them once per batch."""
+    model = tiny_llama(300, layers=6, seed=2)
+    ids = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))
+    targets = torch.roll(ids, -1, 1)
+    own = _logits(model, ids)
+    maps = estimate_maps(model, (3, 4), [ids])
+    peft_model = add_adapters(model, (3, 4), targets="all", rank=4, alpha=8, dropout=0.0, after=3)
+    assert {int(n.split("layers.")[1].split(".")[0]) for n in target_modules(model, (3, 4), "all", after=3)} == {5}
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name:
+            with torch.no_grad():
+                p.normal_()
+    from depthcurse.heal.loop import shared_blocks
+
+    chosen = {(m, a): shared_blocks(HealConfig(layers=(3, 4), method=m, adapt=a, loss="distill")) for m in ("lora", "linear+lora") for a in ("all", "after")}
+    assert chosen == {("lora", "all"): 0, ("linear+lora", "all"): 0, ("lora", "after"): 3, ("linear+lora", "after"): 2}
+    runs = {}
+    calls = []
+    handle = model.model.layers[0].register_forward_hook(lambda *a: calls.append(1))
+    try:
+        for shared in (0, 2):  # blocks 0-1: before block 2, whose MLP output the map changes
+            objective = HealObjective(peft_model, (3, 4), "distill", maps=maps, shared_blocks=shared)
+            teacher, _ = objective.teacher_logits(ids)
+            torch.testing.assert_close(teacher, own, rtol=0, atol=0)
+            calls.clear()
+            loss = objective(ids, targets)
+            grads = torch.autograd.grad(loss, [p for p in objective.parameters() if p.requires_grad])
+            runs[shared] = (loss.detach(), grads, len(calls))
+    finally:
+        handle.remove()
+    torch.testing.assert_close(runs[2][0], runs[0][0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(runs[2][1], runs[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert (runs[0][2], runs[2][2]) == (2, 1)  # block 0 ran for the teacher and the student, then once
+
+
+def test_adapters_after_the_cut_train_only_there_and_the_comparison_is_each_method_alone(bos_model_dir, docs_file, tmp_path):
+    """`heal_methods`: each method's entry is what a heal by that method alone gives, on the same
+    unpruned and pruned measurements; `--adapt after` puts adapters on the blocks after layer 2 only."""
+    cfg = _cfg(docs_file, steps=3, adapt="after")
+    compared = heal_methods(load_model(str(bos_model_dir)), Models(load_model(str(bos_model_dir)), lambda: load_model(str(bos_model_dir))),
+                            cfg, ("lora", "linear"), tmp_path / "both")
+    assert compared["run"]["methods"] == ["lora", "linear"] and set(compared["methods"]) == {"lora", "linear"}
+    for method in ("lora", "linear"):
+        alone = heal(load_model(str(bos_model_dir)), cfg.for_method(method), tmp_path / method)
+        entry = compared["methods"][method]
+        assert entry["results"] == alone["results"]["healed"] and entry["recovered"] == alone["recovered"]
+        assert compared["results"]["pruned"] == alone["results"]["pruned"] and compared["results"]["unpruned"] == alone["results"]["unpruned"]
+    adapters = torch.load(tmp_path / "both" / "lora" / "checkpoint.pt", weights_only=True)["adapters"]
+    assert {int(k.split("layers.")[1].split(".")[0]) for k in adapters} == {4}  # of 0, 1, 4 kept: after layer 2 only
+    from depthcurse.report import write_report
+
+    page = write_report([tmp_path / "both"], tmp_path / "page.md").read_text()
+    assert "every method on the same removal" in page and "linear map (ReplaceMe)" in page and "seconds" in page
+
+
+def test_a_healed_curve_takes_several_methods(bos_model_dir, docs_file, tmp_path):
+    from depthcurse.heal import heal_curve, plot_heal_curve
+
+    sets = {1: (3,), 2: (2, 3)}
+    curve = heal_curve(load_model(str(bos_model_dir)), lambda: load_model(str(bos_model_dir)), _cfg(docs_file, steps=2), sets, "by hand",
+                       tmp_path / "curve", methods=("linear", "layer"))
+    assert [sorted(p["methods"]) for p in curve["points"]] == [["layer", "linear"]] * 2
+    assert (tmp_path / "curve" / "k002" / "layer" / "hf" / "config.json").is_file()
+    assert plot_heal_curve(curve, tmp_path / "heal.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_heal_methods_on_the_command_line_and_their_bad_input(run_cli, bos_model_dir, docs_file, tmp_path):
+    base = ["heal", bos_model_dir, "--data", docs_file, "--steps", "2", "--batch-size", "2", "--seq-len", "24", "--eval-windows", "2", "--lora-rank", "2",
+            "--calib-tokens", "96"]
+    code, stdout, err = run_cli(*base, "--layers", "2", "--methods", "linear,layer", "--out", tmp_path / "cli")
+    assert code == 0, err
+    text = " ".join(stdout.split())
+    assert "every method on the same removal" in text and (tmp_path / "cli" / "layer" / "hf" / "config.json").is_file()
+    assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "magic"), "unknown --method 'magic': use lora, linear, layer, linear+lora")
+    assert_one_line_error(*run_cli(*base, "--layers", "2", "--methods", "lora,magic"), "--methods 'lora,magic': give methods among lora, linear, layer, linear+lora")
+    assert_one_line_error(*run_cli(*base, "--layers", "0,1", "--method", "linear"), "layer 0 (removed with layers 0-1) has none before it")
+    assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "linear", "--calib-tokens", "0"), "--calib-tokens must be at least 1, got 0")
+    assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "linear", "--ridge", "-1"), "--ridge must be 0 or more, got -1.0")
+    assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "linear", "--loss", "distill"), "--loss distill trains adapters: --method linear trains nothing")
+    assert_one_line_error(*run_cli(*base, "--layers", "4", "--adapt", "after"), "--adapt after puts adapters on the kept blocks after layer 4, and there is none")
+    assert_one_line_error(*run_cli(*base, "--layers", "2", "--adapt", "before"), "unknown --adapt 'before'")
+    assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "linear", "--methods", "lora,layer"), "give --method M or --methods M,M,..., not both")
+
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    gemma = tmp_path / "gemma2"
+    Gemma2ForCausalLM(Gemma2Config(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=8, pad_token_id=2, bos_token_id=3, eos_token_id=1)).save_pretrained(gemma)
+    (bos_model_dir / "tokenizer.json").exists() and [__import__("shutil").copy(f, gemma) for f in bos_model_dir.glob("*token*")]
+    assert_one_line_error(*run_cli(*base[:1], gemma, *base[2:], "--layers", "2", "--method", "linear"),
+                          "puts a norm (Gemma2RMSNorm) between its MLP and the stream, which a folded linear map cannot pass")
+
+
+def test_two_gloo_ranks_estimate_and_train_as_one_process(bos_model_dir, docs_file, tmp_path):
+    """`linear` shares its calibration rows among the ranks and adds up their sums; `layer` trains
+    its new layers under DDP on each rank's half of every batch: both as one process does."""
+    from helpers import torchrun
+
+    two = torchrun("-m", "depthcurse", "heal", bos_model_dir, "--layers", "2,3", "--methods", "linear,layer", "--data", docs_file, "--steps", "4",
+                   "--batch-size", "4", "--seq-len", "24", "--lr", "5e-3", "--eval-windows", "2", "--calib-tokens", "240", "--device", "cpu",
+                   "--out", tmp_path / "two", nproc=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    cfg = _cfg(docs_file, steps=4, eval_windows=2)
+    compared = json.loads((tmp_path / "two" / "heal.json").read_text())["methods"]
+    ones = {method: heal(load_model(str(bos_model_dir)), cfg.for_method(method), tmp_path / method) for method in ("linear", "layer")}
+    maps = [torch.load(d / "maps.pt", weights_only=True)["maps"]["2"] for d in (tmp_path / "linear", tmp_path / "two" / "linear")]
+    torch.testing.assert_close(maps[0], maps[1], rtol=0, atol=1e-9)
+    layers = [torch.load(d / "checkpoint.pt", weights_only=True)["layers"] for d in (tmp_path / "layer", tmp_path / "two" / "layer")]
+    for k in layers[0]:
+        torch.testing.assert_close(layers[0][k], layers[1][k], rtol=0, atol=1e-5)  # Adam: a gradient summed in another order, normalised
+    for method, one in ones.items():
+        held = [r["held_out"]["metrics"] for r in (one["results"]["healed"], compared[method]["results"])]
+        assert held[0] == pytest.approx(held[1], rel=1e-4, abs=1e-7), method
