@@ -208,13 +208,13 @@ def test_another_rank_says_an_error_of_its_own_after_rank_0_had_its_chance(monke
     """Under torchrun a failure on every rank is said once, by rank 0 (torchrun ends the others
     when it exits: `test_a_bad_launch_is_one_line_from_rank_0`); a rank still running after the
     grace period failed alone, and says so with its rank instead of exiting silently."""
-    from depthcurse import cli
+    from depthcurse.cli import shared as cli
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setattr(cli, "RANK_0_GRACE_S", 0.0)
-    monkeypatch.setattr(cli.err_console, "quiet", True)  # as _join_ranks leaves a rank other than 0
+    monkeypatch.setattr(cli.err_console, "quiet", True)  # as join_ranks leaves a rank other than 0
     with pytest.raises(SystemExit) as exited:
-        cli._fail("CUDA out of memory")
+        cli.fail("CUDA out of memory")
     assert exited.value.code == 1
     assert "error: rank 1: CUDA out of memory" in capsys.readouterr().err
 

@@ -1,0 +1,146 @@
+"""`heal`: win back a removal (LoRA, a folded linear map, a trained layer), one method, several side by side, or along an order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.progress import TextColumn
+from rich.text import Text
+
+from depthcurse.cli.shared import (
+    DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, err_console, join_ranks, load,
+    model_line, once, progress_bar, showing, slug,
+)
+from depthcurse.errors import DepthcurseError
+from depthcurse.io import ensure_out_dir
+
+
+def heal(
+    model: str = ModelArg,
+    layers: Optional[str] = typer.Option(None, "--layers", help="Layers to remove, e.g. 20-23 or 3,7 (whole layers)."),
+    order: Optional[Path] = typer.Option(None, "--order", help="Instead of --layers: a healed depth curve along an earlier result's order (a prune --greedy, --block, angular-distance or prune folder), one heal per --ks."),
+    ks: Optional[str] = typer.Option(None, "--ks", help="With --order: numbers of layers removed, e.g. 2,4,8 (the first k of the order)."),
+    strategy: Optional[str] = typer.Option(None, "--strategy", help="With --order: which of its orders (greedy, one-shot, block-influence, angular, last; angular or deepest for an angular result)."),
+    method: str = typer.Option("lora", "--method", help="How the removal is won back: lora (adapters trained on text, Gromov et al.), linear (a least-squares map folded into the MLP before each removed run, no training: ReplaceMe), layer (one layer per removed run trained to give its output: LLM-Streamline), linear+lora (the map, then adapters)."),
+    methods: Optional[str] = typer.Option(None, "--methods", help="Instead of --method: several, side by side on the same removal, data and measurements, e.g. lora,linear,layer,linear+lora (each in <out>/<method>/)."),
+    adapt: str = typer.Option("all", "--adapt", help="Where the adapters go: all (every kept block) or after (only the blocks after the first removed layer: those before run once per batch, without a backward pass)."),
+    calib_tokens: int = typer.Option(16384, "--calib-tokens", help="linear: tokens of the training text the maps are estimated on."),
+    ridge: float = typer.Option(0.0, "--ridge", help="linear: pulls each map toward the identity (the plain removal); relative to the mean eigenvalue of its Gram matrix."),
+    loss: str = typer.Option("lm", "--loss", help="lm (next-token, as Gromov et al.) or distill (KL from the unpruned model: the same weights, layers back and adapters off)."),
+    targets: str = typer.Option("mlp", "--targets", help="Where the LoRA adapters go in each kept block: mlp (the paper's), attn or all."),
+    lora_rank: int = typer.Option(8, "--lora-rank", help="LoRA rank."),
+    lora_alpha: float = typer.Option(16.0, "--lora-alpha", help="LoRA alpha (the update is scaled by alpha / rank)."),
+    lora_dropout: float = typer.Option(0.05, "--lora-dropout", help="Dropout on the adapters' input."),
+    data: str = typer.Option("auto", "--data", help="Text to heal on and to hold windows out of: auto (C4 where the hub is reachable, else wiki), c4, wiki, or a .txt/.jsonl/.parquet file."),
+    steps: int = typer.Option(100, "--steps", help="Optimizer steps."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Sequences per step."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Sequences per forward and backward (default: the whole batch)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence, BOS first where the tokenizer adds one (default 512, or the model's maximum if less)."),
+    lr: float = typer.Option(2e-4, "--lr", help="Peak learning rate (AdamW, linear warm-up, cosine decay to a tenth)."),
+    warmup: Optional[int] = typer.Option(None, "--warmup", help="Warm-up steps (default: a tenth of --steps)."),
+    eval_windows: int = typer.Option(32, "--eval-windows", help="Held-out windows (of --seq-len tokens, from documents never trained on) the models are measured on."),
+    task: Optional[str] = typer.Option(None, "--task", "-t", help="Also measure on this task: any lm-eval task prune takes (arc_easy, mmlu, ...)."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="--task: examples per subtask (default all)."),
+    num_fewshot: int = typer.Option(0, "--num-fewshot", help="--task: few-shot examples in each prompt."),
+    granularity: str = typer.Option("layer", "--granularity", help="What is removed: layer (only whole layers are healed for now)."),
+    seed: int = typer.Option(1234, "--seed", help="Seed of the adapters' initial weights, the data order and dropout."),
+    save_every: int = typer.Option(25, "--save-every", help="Steps between resumable checkpoints."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Run folder (default runs/heal/<model>/<layers or order>-<loss>)."),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    trust_remote_code: bool = TrustOpt,
+    revision: Optional[str] = RevisionOpt,
+) -> None:
+    """Remove layers, win the removal back (LoRA adapters, a folded linear map, a trained layer), and measure what came back: the model unpruned, pruned and healed. Rerun to resume."""
+    from dataclasses import replace  # lazy: start-up
+
+    from depthcurse import heal as healing
+    from depthcurse.runtime import rank_gpus
+    from depthcurse.surgery import num_layers, parse_layers
+
+    if granularity != "layer":
+        raise DepthcurseError(f"heal removes whole layers for now: --granularity {granularity} is not supported")
+    if (layers is None) == (order is None):
+        raise DepthcurseError("give --layers L (the layers to remove), or --order DIR with --ks K,K,... (a healed depth curve), not both")
+    if (ks is None) != (order is None):
+        raise DepthcurseError("--ks and --order go together: the first k layers of the order, for each k")
+    if strategy is not None and order is None:
+        raise DepthcurseError("--strategy picks one of the orders in --order DIR")
+    chosen = healing.parse_methods(methods) if methods is not None else None
+    if chosen is not None and method != "lora":
+        raise DepthcurseError("give --method M or --methods M,M,..., not both")
+    cfg = healing.HealConfig(layers=(), method=chosen[0] if chosen else method, loss=loss, targets=targets, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                             lora_dropout=lora_dropout, data=data, steps=steps, batch_size=batch_size, micro_batch=micro_batch, seq_len=seq_len, lr=lr,
+                             warmup=warmup, eval_windows=eval_windows, task=task, limit=limit, num_fewshot=num_fewshot, seed=seed, save_every=save_every,
+                             adapt=adapt, calib_tokens=calib_tokens, ridge=ridge)
+    if chosen is None or len(chosen) == 1:
+        cfg.resolved()  # every option checked before a model is loaded
+    else:
+        for m in chosen:
+            cfg.for_method(m).resolved()
+    several = chosen is not None and len(chosen) > 1
+    wanted = healing.parse_ks(ks) if ks is not None else None
+    how = "-".join(chosen) if chosen else (method if method != "lora" else "")
+    tag = f"{'order-' + slug(str(order)) + '-k' + ks.replace(',', '-') if order else 'L' + layers.replace(',', '_')}-{how + '-' if how else ''}{loss}"
+    out_dir = out or Path("runs") / "heal" / slug(model) / tag
+    ensure_out_dir(out_dir)
+    world = join_ranks(device, "ddp")
+    try:
+        import torch  # lazy: start-up
+
+        gpus = rank_gpus()[:1] if world.parallel and device != "cpu" and torch.cuda.is_available() else None  # DDP: one GPU per rank
+        options = dict(head="causal-lm", dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision, gpus=gpus,
+                       not_encoder="heal trains a decoder's next-token predictions: give a decoder (Llama, Qwen, Mistral, SmolLM2...)")
+        loaded = load(model, **options)
+        n = num_layers(loaded.model)
+        if order is not None:
+            sets, source = healing.order_sets(order, wanted, n, strategy)
+        progress = progress_bar(TextColumn("{task.fields[stats]}"), disable=not world.main)
+        bar = progress.add_task("starting", total=None, stats="")
+        header = once(lambda: console.print(f"{model_line(loaded)} · heal by {', '.join(chosen or (method,))} · results in {out_dir}"))
+
+        def on_start(info: dict) -> None:
+            header()
+            progress.update(bar, total=info["steps"], completed=info["start_step"])
+
+        callbacks = dict(on_start=on_start, on_phase=lambda text: progress.update(bar, description=text),
+                         on_progress=lambda p: progress.update(bar, completed=p.step, stats=f"loss {p.loss:.4f} · lr {p.lr:.2e} · {p.tokens_per_s:,.0f} tok/s"))
+        if several:
+            def on_method(m: str, i: int, total: int) -> None:
+                header()
+                progress.console.print(f"  method {m} ({i + 1} of {total})")
+
+            callbacks["on_method"] = on_method
+        load_again = lambda: load(model, **options)  # noqa: E731 (each heal changes the model it is given)
+        try:
+            with showing(progress):
+                if order is not None:
+                    record = healing.heal_curve(loaded, load_again, cfg, sets, source, out_dir, world=world, methods=chosen,
+                                                on_point=lambda k, i, total: progress.console.print(f"k = {k} ({i + 1} of {total}): layers {','.join(map(str, sets[k]))}"),
+                                                **callbacks)
+                elif several:
+                    record = healing.heal_methods(loaded, healing.Models(loaded, load_again), replace(cfg, layers=tuple(parse_layers(layers, n))), chosen,
+                                                  out_dir, world=world, **callbacks)
+                else:
+                    record = healing.heal(loaded, replace(cfg, layers=tuple(parse_layers(layers, n))), out_dir, world=world, **callbacks)
+        except KeyboardInterrupt:
+            if world.main:
+                err_console.print(Text(f"interrupted: the last checkpoint in {out_dir} is kept; rerun the same command to continue"), soft_wrap=True)
+            raise typer.Exit(130)
+        if record is None:  # another rank: rank 0 measures and writes
+            return
+        if order is not None:
+            figure = healing.plot_heal_curve(record, out_dir / "heal.png")
+            console.print(healing.curve_table(record))
+            console.print(f"wrote {out_dir / healing.HEAL_JSON}, {figure}, and each k's run in {out_dir}/kNNN/" + ("<method>/" if several else ""))
+        elif several:
+            console.print(healing.methods_table(record))
+            console.print(f"wrote {out_dir / healing.HEAL_JSON} and each method's run, with its healed checkpoint hf/, in {out_dir}/<method>/")
+        else:
+            console.print(healing.heal_table(record))
+            console.print(f"wrote {out_dir / healing.HEAL_JSON}, {out_dir / 'metrics.jsonl'}, {out_dir / 'loss.png'} and the healed checkpoint {record['hf']} "
+                          f"({record['hf_dtype']}, {record['hf_bytes'] / 1e6:,.1f} MB)")
+    finally:
+        world.close()

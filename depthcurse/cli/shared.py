@@ -1,0 +1,139 @@
+"""The command line's one typer app, its consoles, the options several commands share, and the
+helpers every command uses: progress bars, one-line errors, loading a model under a spinner."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.text import Text
+
+app = typer.Typer(
+    help="Which layers of a language model actually do anything? Layer-pruning sweeps and depth diagnostics.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+ModelArg = typer.Argument(..., help="Hub id (meta-llama/Llama-2-7b-hf), local folder, .gguf file, or offline alias (smollm2-135m).")
+DtypeOpt = typer.Option("auto", "--dtype", help="auto (checkpoint dtype on GPU, fp32 on CPU), bf16, fp16 or fp32.")
+DeviceOpt = typer.Option("auto", "--device", help="auto, cpu or cuda (cuda spreads a large model over all GPUs).")
+TrustOpt = typer.Option(False, "--trust-remote-code", help="Run the model repository's own Python code. Off unless you ask.")
+RevisionOpt = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit).")
+
+
+@app.callback()
+def _main(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks and library logs.")) -> None:
+    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not debug:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        from depthcurse.tasks.harness import quiet_lm_eval  # lazy: start-up (module docstring)
+
+        quiet_lm_eval()
+
+
+def say(label: str, text: str, style: str = "yellow") -> None:
+    """`label: text` on stderr; the text is printed as it is (no rich markup, no :emoji: codes),
+    since it holds paths, option values and messages from other libraries."""
+    err_console.print(Text.assemble((f"{label}:", style), " ", text), highlight=False, soft_wrap=True)
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(text).name if os.path.exists(text) else text.split("/")[-1]).strip("-").lower() or "model"
+
+
+def progress_bar(*extra_columns, **kwargs) -> Progress:
+    """The bar every long command shows: spinner, description, bar, done/total, extra columns, times."""
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), *extra_columns,
+                    TimeElapsedColumn(), TimeRemainingColumn(), console=console, **kwargs)
+
+
+@contextlib.contextmanager
+def showing(progress: Progress):
+    """Show `progress` while the body runs. An error erases it, so that the error is the one line
+    printed; an interruption keeps it (it says how far the work came)."""
+    progress.start()
+    try:
+        yield progress
+    except Exception:
+        progress.live.transient = True
+        progress.live.stop()  # not progress.stop(): off a terminal that adds a blank line to stdout
+        raise
+    except BaseException:
+        progress.stop()
+        raise
+    progress.stop()
+
+
+def once(say):
+    """`say`, made to run on its first call only."""
+    said = []
+
+    def once() -> None:
+        if not said:
+            said.append(True)
+            say()
+
+    return once
+
+
+def load(model: str, **options):
+    """`load_model` under a spinner; a trained alias (minilm-l6-squad) is fine-tuned first if it is not made yet."""
+    from depthcurse.loading import load_model  # lazy: start-up
+    from depthcurse.qa import make_trained_alias
+
+    with console.status(f"loading {model}..."):
+        make_trained_alias(model)
+        return load_model(model, **options)
+
+
+def model_line(loaded) -> str:
+    from depthcurse.surgery import num_layers  # lazy: start-up
+
+    return f"[bold]{loaded.name}[/] ({type(loaded.model).__name__}, {num_layers(loaded.model)} layers, {str(loaded.dtype).removeprefix('torch.')}, {loaded.device})"
+
+
+def join_ranks(device: str, parallel: str = "requests"):
+    """This process's place: alone, or one rank of a torchrun launch (where only rank 0 talks)."""
+    from depthcurse.runtime import World, join_torchrun, launched_by_torchrun, pick_device  # lazy: start-up
+
+    if not launched_by_torchrun():
+        return World()
+    world, _ = join_torchrun(pick_device(device), parallel)
+    console.quiet = err_console.quiet = not world.main  # only rank 0 talks; another rank says only an error of its own (fail)
+    return world
+
+
+RANK_0_GRACE_S = 5.0
+
+
+RANK_0_GRACE_S = 5.0
+
+
+def fail(text: str) -> None:
+    """`error: text` and exit 1. Under torchrun only rank 0 talks: bad input fails every rank at
+    once, rank 0 says why, and torchrun stops the others when it exits. So another rank waits
+    first, and says its error, with its rank, only if it is still running then: a failure of its
+    own (a variant that ran out of memory on its GPU), which rank 0 cannot know."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        import time  # lazy: only this path sleeps
+
+        # torchrun ends the other ranks (SIGTERM) when rank 0 exits with its error: then this one
+        # has nothing to add, and leaves without a word (no KeyboardInterrupt traceback).
+        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(1))
+        time.sleep(RANK_0_GRACE_S)
+        err_console.quiet = False
+        text = f"rank {rank}: {text}"
+    say("error", text, "bold red")
+    sys.exit(1)
