@@ -18,34 +18,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-
-def _status_bytes(key: str) -> int:
-    text = Path("/proc/self/status").read_text()
-    return int(re.search(rf"^{key}:\s+(\d+) kB", text, re.M).group(1)) * 1024
-
-
-class PeakMemory:
-    """`start()` opens a measuring window, `rise()` gives the peak bytes above its start."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self.before = 0
-
-    def start(self) -> None:
-        import torch
-
-        if self.cuda:
-            self.before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts at the current size
-            self.before = _status_bytes("VmRSS")
-
-    def rise(self) -> int:
-        import torch
-
-        peak = torch.cuda.max_memory_allocated() if self.cuda else _status_bytes("VmHWM")
-        return peak - self.before
+from depthcurse.speed.measure import PeakMemory  # noqa: F401 (the benchmarks' measure of memory is the library's)
 
 
 def error_line(stderr: str, returncode: int) -> str:

@@ -3,8 +3,9 @@
 Each folder is read by the module that wrote it: prune sweeps (the paper's Figure 2 across models
 on relative depth, and how many single layers each model can lose within 1/5/10%), greedy depth
 curves (each strategy's curve, and the units removable within 1/5/10% against the model's depth),
-angular-distance results (the heatmap), heal runs and healed depth curves, and lns-train runs
-(the paper's Table 1). Figures go to a
+angular-distance results (the heatmap), heal runs and healed depth curves, what a removal buys
+(`speed`, alone or in a heal run or a `drop` checkpoint), and lns-train runs (the paper's Table
+1). Figures go to a
 folder beside the page; the page links them by relative path, so the two move together.
 """
 
@@ -25,10 +26,11 @@ from depthcurse.io import atomic_write, ensure_out_dir, save_figure
 from depthcurse.prune.greedy import GREEDY_JSON, THRESHOLDS, DepthCurves, read_curves
 from depthcurse.prune.report import curves_data_text, legend_below, load_prune, plot_greedy, plot_prune_overlay
 from depthcurse.prune.results import RESULTS_JSON, UNIT_NAMES, Sweep
+from depthcurse.speed import SPEED_JSON, read_speed, speed_table
 from depthcurse.train import read_run, table1
 from depthcurse.train.config import CONFIG
 
-KINDS = ("greedy", "prune", "angular", "heal", "train")
+KINDS = ("greedy", "prune", "angular", "heal", "speed", "train")
 
 
 def kind_of(folder: Path) -> str:
@@ -36,10 +38,12 @@ def kind_of(folder: Path) -> str:
     folder = Path(folder)
     if not folder.is_dir():
         raise DepthcurseError(f"{folder} is not a folder: give results folders that depthcurse wrote")
-    for kind, marker in (("greedy", GREEDY_JSON), ("prune", RESULTS_JSON), ("angular", ANGULAR_JSON), ("heal", HEAL_JSON), ("train", CONFIG)):
+    for kind, marker in (("greedy", GREEDY_JSON), ("prune", RESULTS_JSON), ("angular", ANGULAR_JSON), ("heal", HEAL_JSON), ("speed", SPEED_JSON),
+                         ("train", CONFIG)):
         if (folder / marker).is_file():
             return kind
-    raise DepthcurseError(f"{folder} holds no depthcurse result ({GREEDY_JSON}, {RESULTS_JSON}, {ANGULAR_JSON}, {HEAL_JSON}, or an lns-train run's {CONFIG})")
+    raise DepthcurseError(f"{folder} holds no depthcurse result ({GREEDY_JSON}, {RESULTS_JSON}, {ANGULAR_JSON}, {HEAL_JSON}, {SPEED_JSON}, "
+                          f"or an lns-train run's {CONFIG})")
 
 
 def markdown_table(table: Table) -> str:
@@ -176,8 +180,18 @@ def _heal_section(folders: list[Path], figures: Path) -> str:
             parts += [f"### {record['run']['model']} · methods compared · {folder}{status}", markdown_table(methods_table(record))]
         elif "recovered" in record:
             parts += [f"### {record['run']['model']} · {folder}", markdown_table(heal_table(record))]
+            if (folder / SPEED_JSON).is_file():
+                parts.append(markdown_table(speed_table(read_speed(folder))))
         else:
             parts.append(f"### {folder}: not finished (rerun its heal command to finish)")
+    return "\n\n".join(parts)
+
+
+def _speed_section(folders: list[Path]) -> str:
+    parts = ["## What a removal buys: speed and memory, pruned against unpruned"]
+    for folder in folders:
+        record = read_speed(folder)
+        parts += [f"### {record['run'].get('pruned', folder)} · {folder}", markdown_table(speed_table(record))]
     return "\n\n".join(parts)
 
 
@@ -208,6 +222,8 @@ def write_report(folders: list[Path], out: Path) -> Path:
         sections.append(_angular_section(by_kind["angular"], figures))
     if by_kind["heal"]:
         sections.append(_heal_section(by_kind["heal"], figures))
+    if by_kind["speed"]:
+        sections.append(_speed_section(by_kind["speed"]))
     if by_kind["train"]:
         sections.append(_train_section(by_kind["train"]))
     return atomic_write(out, "\n\n".join(sections) + "\n")

@@ -62,6 +62,14 @@ class World:
             torch.distributed.all_reduce(value)
         return value
 
+    def broadcast(self, obj):
+        """Rank 0's `obj`, on every rank (what rank 0 decided)."""
+        if not self.parallel:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
     def gather(self, obj) -> list | None:
         """Every rank's `obj`, in rank order, on rank 0 (None elsewhere); [obj] alone."""
         if not self.parallel:

@@ -13,6 +13,7 @@ from depthcurse.cli.shared import (
     DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, err_console, join_ranks, load,
     model_line, once, progress_bar, showing, slug,
 )
+from depthcurse.cli.models import measure_checkpoint, push
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import ensure_out_dir
 
@@ -21,7 +22,8 @@ def heal(
     model: str = ModelArg,
     layers: Optional[str] = typer.Option(None, "--layers", help="Layers to remove, e.g. 20-23 or 3,7 (whole layers)."),
     order: Optional[Path] = typer.Option(None, "--order", help="Instead of --layers: a healed depth curve along an earlier result's order (a prune --greedy, --block, angular-distance or prune folder), one heal per --ks."),
-    ks: Optional[str] = typer.Option(None, "--ks", help="With --order: numbers of layers removed, e.g. 2,4,8 (the first k of the order)."),
+    ks: Optional[str] = typer.Option(None, "--ks", help="With --order: numbers of layers removed, e.g. 2,4,8, or shares of the depth, e.g. 25%,50% (the first k of the order)."),
+    max_drop: Optional[str] = typer.Option(None, "--max-drop", help="With --order: find the largest k whose healed held-out loss stays within this share of the unpruned model's, e.g. 5% (a bisection over the order's prefixes, or over --ks)."),
     strategy: Optional[str] = typer.Option(None, "--strategy", help="With --order: which of its orders (greedy, one-shot, block-influence, angular, last; angular or deepest for an angular result)."),
     method: str = typer.Option("lora", "--method", help="How the removal is won back: lora (adapters trained on text, Gromov et al.), linear (a least-squares map folded into the MLP before each removed run, no training: ReplaceMe), layer (one layer per removed run trained to give its output: LLM-Streamline), linear+lora (the map, then adapters)."),
     methods: Optional[str] = typer.Option(None, "--methods", help="Instead of --method: several, side by side on the same removal, data and measurements, e.g. lora,linear,layer,linear+lora (each in <out>/<method>/)."),
@@ -48,6 +50,9 @@ def heal(
     seed: int = typer.Option(1234, "--seed", help="Seed of the adapters' initial weights, the data order and dropout."),
     save_every: int = typer.Option(25, "--save-every", help="Steps between resumable checkpoints."),
     out: Optional[Path] = typer.Option(None, "--out", help="Run folder (default runs/heal/<model>/<layers or order>-<loss>)."),
+    speed: bool = typer.Option(False, "--speed", help="Also measure what the removal buys (depthcurse speed): the healed checkpoint against its source, in speed.json and the model card."),
+    push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="Also upload the healed checkpoint (hf/, with its card and adapters) to this hub repository."),
+    private: bool = typer.Option(False, "--private", help="With --push-to-hub: make the repository private."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     trust_remote_code: bool = TrustOpt,
@@ -64,8 +69,19 @@ def heal(
         raise DepthcurseError(f"heal removes whole layers for now: --granularity {granularity} is not supported")
     if (layers is None) == (order is None):
         raise DepthcurseError("give --layers L (the layers to remove), or --order DIR with --ks K,K,... (a healed depth curve), not both")
-    if (ks is None) != (order is None):
+    if max_drop is not None and order is None:
+        raise DepthcurseError("--max-drop searches an order for the largest k within the budget: give --order DIR")
+    if order is not None and ks is None and max_drop is None:
+        raise DepthcurseError("--order DIR takes --ks K,K,... (a healed depth curve) or --max-drop 5% (the largest k within a budget)")
+    if ks is not None and order is None:
         raise DepthcurseError("--ks and --order go together: the first k layers of the order, for each k")
+    budget = healing.parse_share(max_drop) if max_drop is not None else None
+    if (speed or push_to_hub is not None) and (order is not None or (methods is not None and len(healing.parse_methods(methods)) > 1)):
+        raise DepthcurseError("--speed and --push-to-hub take the one healed checkpoint of --layers L with one --method")
+    if push_to_hub is not None:
+        from depthcurse.hub import check_repo
+
+        check_repo(push_to_hub)
     if strategy is not None and order is None:
         raise DepthcurseError("--strategy picks one of the orders in --order DIR")
     chosen = healing.parse_methods(methods) if methods is not None else None
@@ -81,9 +97,11 @@ def heal(
         for m in chosen:
             cfg.for_method(m).resolved()
     several = chosen is not None and len(chosen) > 1
-    wanted = healing.parse_ks(ks) if ks is not None else None
+    if ks is not None:
+        healing.parse_ks(ks)  # checked now; shares of the depth become numbers once the model is loaded
     how = "-".join(chosen) if chosen else (method if method != "lora" else "")
-    tag = f"{'order-' + slug(str(order)) + '-k' + ks.replace(',', '-') if order else 'L' + layers.replace(',', '_')}-{how + '-' if how else ''}{loss}"
+    along = f"order-{slug(str(order))}-" + (f"k{ks.replace(',', '-').replace('%', 'pc')}" if ks else f"within{max_drop.replace('%', 'pc')}") if order else ""
+    tag = f"{along or 'L' + layers.replace(',', '_')}-{how + '-' if how else ''}{loss}"
     out_dir = out or Path("runs") / "heal" / slug(model) / tag
     ensure_out_dir(out_dir)
     world = join_ranks(device, "ddp")
@@ -96,7 +114,7 @@ def heal(
         loaded = load(model, **options)
         n = num_layers(loaded.model)
         if order is not None:
-            sets, source = healing.order_sets(order, wanted, n, strategy)
+            sets, source = healing.order_sets(order, healing.parse_ks(ks, n) if ks is not None else None, n, strategy)
         progress = progress_bar(TextColumn("{task.fields[stats]}"), disable=not world.main)
         bar = progress.add_task("starting", total=None, stats="")
         header = once(lambda: console.print(f"{model_line(loaded)} · heal by {', '.join(chosen or (method,))} · results in {out_dir}"))
@@ -116,7 +134,12 @@ def heal(
         load_again = lambda: load(model, **options)  # noqa: E731 (each heal changes the model it is given)
         try:
             with showing(progress):
-                if order is not None:
+                if budget is not None:
+                    record = healing.heal_within(loaded, load_again, cfg, sets, source, out_dir, budget, world=world,
+                                                 on_point=lambda k, i, total: progress.console.print(f"trying k = {k} (bisection step {i + 1} of at most {total}): "
+                                                                                                     f"layers {','.join(map(str, sets[k]))}"),
+                                                 **callbacks)
+                elif order is not None:
                     record = healing.heal_curve(loaded, load_again, cfg, sets, source, out_dir, world=world, methods=chosen,
                                                 on_point=lambda k, i, total: progress.console.print(f"k = {k} ({i + 1} of {total}): layers {','.join(map(str, sets[k]))}"),
                                                 **callbacks)
@@ -134,6 +157,8 @@ def heal(
         if order is not None:
             figure = healing.plot_heal_curve(record, out_dir / "heal.png")
             console.print(healing.curve_table(record))
+            if "budget" in record:
+                console.print(f"[bold]within {record['budget']['max_drop']:.1%}:[/] {record['budget']['why']}")
             console.print(f"wrote {out_dir / healing.HEAL_JSON}, {figure}, and each k's run in {out_dir}/kNNN/" + ("<method>/" if several else ""))
         elif several:
             console.print(healing.methods_table(record))
@@ -141,6 +166,11 @@ def heal(
         else:
             console.print(healing.heal_table(record))
             console.print(f"wrote {out_dir / healing.HEAL_JSON}, {out_dir / 'metrics.jsonl'}, {out_dir / 'loss.png'} and the healed checkpoint {record['hf']} "
-                          f"({record['hf_dtype']}, {record['hf_bytes'] / 1e6:,.1f} MB)")
+                          f"({record['hf_dtype']}, {record['hf_bytes'] / 1e6:,.1f} MB, with its model card)")
+            if speed:
+                del loaded  # the source is loaded again beside the checkpoint, in the dtype both are timed in
+                measure_checkpoint(Path(record["hf"]), out_dir, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+            if push_to_hub is not None:
+                push(Path(record["hf"]), push_to_hub, private)
     finally:
         world.close()

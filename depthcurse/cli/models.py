@@ -1,4 +1,5 @@
-"""Commands that make or fetch models: `drop` (a pruned checkpoint), `finetune-qa`, `assets` (the offline cache)."""
+"""Commands that make, time or fetch models: `drop` (a pruned checkpoint with its card, shared on the hub if asked), `speed` (what a removal
+buys), `finetune-qa`, `assets` (the offline cache)."""
 
 from __future__ import annotations
 
@@ -17,18 +18,32 @@ from depthcurse.errors import DepthcurseError
 from depthcurse.io import ensure_out_dir
 
 
+PushOpt = typer.Option(None, "--push-to-hub", help="Also upload the saved folder to this hub repository (namespace/name), with the token huggingface_hub finds (HF_TOKEN, `hf auth login`).")
+PrivateOpt = typer.Option(False, "--private", help="With --push-to-hub: make the repository private.")
+SpeedFlag = typer.Option(False, "--speed", help="Also measure what the removal buys (depthcurse speed): this checkpoint against its source, written to speed.json and the model card.")
+
+
 def drop(
     model: str = ModelArg,
     layers: str = typer.Option(..., "--layers", help="Layers to remove, e.g. 20-25 or 3,7."),
-    out: Path = typer.Option(..., "--out", help="Folder for the pruned checkpoint (safetensors + tokenizer)."),
+    out: Path = typer.Option(..., "--out", help="Folder for the pruned checkpoint (safetensors + tokenizer + model card)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (the checkpoint's own dtype, so a bf16 model is saved in bf16), bf16, fp16 or fp32."),
     device: str = typer.Option("cpu", "--device", help="Where to load the model for surgery (cpu is enough)."),
+    speed: bool = SpeedFlag,
+    push_to_hub: Optional[str] = PushOpt,
+    private: bool = PrivateOpt,
     trust_remote_code: bool = TrustOpt,
     revision: Optional[str] = RevisionOpt,
 ) -> None:
-    """Save MODEL with LAYERS removed as a normal checkpoint that from_pretrained reloads."""
-    from depthcurse.surgery import num_layers, parse_layers, save_pruned  # lazy: start-up
+    """Save MODEL with LAYERS removed as a normal checkpoint that from_pretrained reloads, with a model card saying how it was made."""
+    import shlex  # lazy: start-up
 
+    from depthcurse.card import provenance, write_card
+    from depthcurse.hub import check_repo
+    from depthcurse.surgery import num_layers, parse_layers, save_pruned
+
+    if push_to_hub is not None:
+        check_repo(push_to_hub)
     ensure_out_dir(out)
 
     loaded = load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision, keep_dtype=True)
@@ -42,7 +57,89 @@ def drop(
     if len(removed) == n:
         raise DepthcurseError(f"--layers {layers} removes all {n} layers")
     path = save_pruned(loaded.model, loaded.tokenizer, removed, out)
-    console.print(f"saved {loaded.name} without layers {','.join(map(str, removed))} ({n - len(removed)} of {n} layers left) to {path}")
+    command = shlex.join(["depthcurse", "drop", model, "--layers", ",".join(map(str, removed)), "--out", str(out)])
+    write_card(path, provenance(loaded, removed, n, why="chosen by hand (--layers)", made_by="depthcurse drop", command=command))
+    console.print(f"saved {loaded.name} without layers {','.join(map(str, removed))} ({n - len(removed)} of {n} layers left) and its model card to {path}")
+    if speed:
+        del loaded  # the source is loaded again beside the checkpoint, in the dtype both are timed in
+        measure_checkpoint(path, out, device=device, dtype="auto", trust_remote_code=trust_remote_code)
+    if push_to_hub is not None:
+        push(path, push_to_hub, private)
+
+
+def push(folder: Path, repo: str, private: bool) -> None:
+    from depthcurse.hub import push_folder  # lazy: start-up
+
+    with console.status(f"uploading {folder} to the hub repository {repo}..."):
+        url = push_folder(folder, repo, private=private)
+    console.print(f"pushed {folder} to {url}")
+
+
+def measure_checkpoint(checkpoint: Path, out: Path, *, device: str, dtype: str, trust_remote_code: bool = False, cfg=None) -> dict:
+    """`checkpoint` (made by drop or heal) against the model it came from, timed in turns; the
+    record written to `out`/speed.json and the checkpoint's card, and shown."""
+    from depthcurse import speed as speeds  # lazy: start-up
+    from depthcurse.card import add_speed
+
+    folder, record = speeds.made_from(checkpoint)
+    options = dict(dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    base, pruned = load(record.get("load_as") or record["model"], **options), load(str(folder), **options)
+    progress = progress_bar()
+    bar = progress.add_task("timing, in turns", total=None)
+    with showing(progress):
+        result = speeds.speed_against(base, pruned, cfg or speeds.SpeedConfig(),
+                                      on_step=lambda name, done, total: progress.update(bar, completed=done, total=total, description=f"timing the {name} model"))
+    result["run"].update(removed=record["removed_layers"], pruned=f"{record['model']} without layers {','.join(map(str, record['removed_layers']))} ({folder})")
+    written = speeds.write_speed(result, out)
+    add_speed(folder, [("figure", "unpruned", "pruned", "pruned / unpruned", "floor"), *speeds.speed_rows(result)])
+    console.print(speeds.speed_table(result))
+    console.print(f"wrote {written} and the speed table into {folder}/README.md")
+    return result
+
+
+def speed(
+    model: str = typer.Argument(..., help="A model (hub id, folder, alias) with --layers; or a checkpoint drop or heal made (its folder, or a heal run's), measured against the model it came from."),
+    layers: Optional[str] = typer.Option(None, "--layers", help="Layers to remove in memory, e.g. 20-23 (not with a checkpoint made here)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Folder for speed.json (default runs/speed/<model>)."),
+    prefill_batch: int = typer.Option(1, "--prefill-batch", help="Prompts per prefill."),
+    prefill_len: int = typer.Option(512, "--prefill-len", help="Tokens per prefill prompt."),
+    decode_batches: str = typer.Option("1,8", "--decode-batches", help="Batch sizes of the decoding measurements."),
+    prompt_len: int = typer.Option(128, "--prompt-len", help="Tokens of the prompt before decoding."),
+    new_tokens: int = typer.Option(32, "--new-tokens", help="Tokens generated, one at a time with the KV cache, per decoding measurement."),
+    repeats: int = typer.Option(5, "--repeats", help="Measurements of each model, taken in turns (after one to warm up)."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (the checkpoint's dtype on a GPU, fp32 on a CPU), bf16, fp16 or fp32."),
+    device: str = DeviceOpt,
+    trust_remote_code: bool = TrustOpt,
+    revision: Optional[str] = RevisionOpt,
+) -> None:
+    """What a removal buys: prefill tokens/s, decoding time per token, peak memory, parameters and KV cache, pruned against unpruned, in turns."""
+    from depthcurse import speed as speeds  # lazy: start-up
+    from depthcurse.surgery import num_layers, parse_layers
+
+    cfg = speeds.SpeedConfig(prefill_batch=prefill_batch, prefill_len=prefill_len, decode_batches=speeds.parse_batches(decode_batches),
+                             prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats).checked()
+    made = speeds.made_here(Path(model)) if Path(model).is_dir() else None
+    if made is not None and layers is not None:
+        raise DepthcurseError(f"{model} was made by depthcurse without layers {','.join(map(str, made[1]['removed_layers']))}: it is measured against "
+                              "the model it came from; leave --layers out")
+    if made is None and layers is None:
+        raise DepthcurseError("give --layers L (removed in memory), or a checkpoint drop or heal made (measured against its source)")
+    out_dir = ensure_out_dir(out or Path("runs") / "speed" / slug(model))
+    if made is not None:
+        measure_checkpoint(Path(model), out_dir, device=device, dtype=dtype, trust_remote_code=trust_remote_code, cfg=cfg)
+        return
+    loaded = load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
+    removed = parse_layers(layers, num_layers(loaded.model))
+    if len(removed) == num_layers(loaded.model):
+        raise DepthcurseError(f"--layers {layers} removes all {len(removed)} layers")
+    progress = progress_bar()
+    bar = progress.add_task("timing, in turns", total=None)
+    with showing(progress):
+        result = speeds.speed_in_memory(loaded, removed, cfg,
+                                        on_step=lambda name, done, total: progress.update(bar, completed=done, total=total, description=f"timing the {name} model"))
+    written = speeds.write_speed(result, out_dir)
+    console.print(speeds.speed_table(result))
+    console.print(f"wrote {written}")
 
 
 def finetune_qa(

@@ -12,11 +12,11 @@ k), `read_heal`, and the report (`heal_table`, `methods_table`, `curve_table`,
 `compare`, `curve`, `report`.
 """
 
-from depthcurse.heal.compare import Models, heal_methods, methods_of, parse_methods
+from depthcurse.heal.compare import Models, heal_methods, parse_methods
 from depthcurse.heal.config import METHODS, HealConfig
-from depthcurse.heal.curve import heal_curve, order_sets, parse_ks
+from depthcurse.heal.curve import heal_curve, heal_within, order_sets, parse_ks, parse_share
 from depthcurse.heal.loop import HEAL_JSON, heal, read_heal
-from depthcurse.heal.report import curve_table, heal_table, methods_table, plot_heal_curve
+from depthcurse.heal.report import curve_table, heal_rows, heal_table, methods_of, methods_table, plot_heal_curve
 
-__all__ = ["HealConfig", "METHODS", "heal", "heal_methods", "Models", "methods_of", "parse_methods", "heal_curve", "order_sets", "parse_ks", "read_heal",
-           "HEAL_JSON", "heal_table", "methods_table", "curve_table", "plot_heal_curve"]
+__all__ = ["HealConfig", "METHODS", "heal", "heal_methods", "Models", "methods_of", "parse_methods", "heal_curve", "heal_within", "order_sets", "parse_ks", "parse_share", "read_heal",
+           "HEAL_JSON", "heal_rows", "heal_table", "methods_table", "curve_table", "plot_heal_curve"]

@@ -1,15 +1,16 @@
-"""LoRA adapters on the blocks a removal keeps, with peft (not a LoRA of our own); `heal.healed`
-merges them when the healed model is saved."""
+"""LoRA adapters on the blocks a removal keeps, with peft (not a LoRA of our own), and saved in
+peft's format for the pruned model; `heal.healed` merges them when the healed model is saved."""
 
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.surgery import branch_of, find_blocks
+from depthcurse.surgery import branch_of, find_blocks, removed_layers
 
 PARTS = {"mlp": ("mlp",), "attn": ("attn",), "all": ("attn", "mlp")}
 
@@ -60,3 +61,19 @@ def add_adapters(model: nn.Module, removed: tuple[int, ...], *, targets: str, ra
 
 def trainable(model: nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def save_adapters(peft_model, removed: tuple[int, ...], folder: Path) -> Path:
+    """The adapters in peft's own format, numbered for the pruned model (its layers run 0..n-k-1):
+    `PeftModel.from_pretrained` on a checkpoint `drop` saved without the same layers loads them
+    into the model `heal` measured."""
+    config = peft_model.peft_config["default"]
+    model = peft_model.base_model.model
+    targets = config.target_modules
+    with removed_layers(model, removed):
+        config.target_modules = sorted(name for name, module in model.named_modules() if isinstance(getattr(module, "lora_A", None), nn.ModuleDict))
+        try:
+            peft_model.save_pretrained(str(folder))
+        finally:
+            config.target_modules = targets
+    return Path(folder)

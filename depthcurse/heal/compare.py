@@ -32,14 +32,6 @@ def method_entry(point: dict) -> dict:
             "hf_layers": point.get("hf_layers"), "hf_bytes": point.get("hf_bytes")}
 
 
-def methods_of(record: dict) -> dict[str, dict]:
-    """Each method's entry in a comparison, a healed curve's point or a single heal's record."""
-    if "methods" in record:
-        return record["methods"]
-    method = record.get("run", {}).get("method", "lora")
-    return {method: {"results": record["results"]["healed"], "recovered": record.get("recovered", {}), "cost": record.get("cost")}}
-
-
 class Models:
     """The models to heal, one per heal (healing changes the model it is given): `loaded` first,
     then a fresh `load()` each time; none is loaded for a heal finished before."""
@@ -52,8 +44,8 @@ class Models:
 
 
 def heal_methods(loaded: LoadedModel, models: Models, cfg: HealConfig, methods: tuple[str, ...], out_dir: Path, *,
-                 world: World = World(), unpruned: dict | None = None, on_method: Callable[[str, int, int], None] | None = None,
-                 **callbacks) -> dict | None:
+                 world: World = World(), unpruned: dict | None = None, why: str | None = None,
+                 on_method: Callable[[str, int, int], None] | None = None, **callbacks) -> dict | None:
     """Heal `cfg.layers` by each of `methods`, each on `models.next()`, checked against `loaded`
     first; the comparison's record, `heal.json` in `out_dir`, on rank 0. `unpruned`: that model's
     measurement if it was made already (a healed curve's)."""
@@ -70,7 +62,7 @@ def heal_methods(loaded: LoadedModel, models: Models, cfg: HealConfig, methods: 
         folder = out_dir / method
         point = finished(folder, checked[method])  # finished before an interruption: not loaded again
         if point is None:
-            point = heal(models.next(), cfg.for_method(method), folder, world=world, **shared, **callbacks)
+            point = heal(models.next(), cfg.for_method(method), folder, world=world, why=why, **shared, **callbacks)
         if not world.main:
             continue
         shared = {name: point["results"][name] for name in ("unpruned", "pruned")}

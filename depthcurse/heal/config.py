@@ -5,7 +5,8 @@ checks a run's settings before loading a model."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+import shlex
+from dataclasses import asdict, dataclass, fields
 
 from depthcurse.errors import DepthcurseError
 from depthcurse.train.config import check_schedule
@@ -60,6 +61,33 @@ class HealConfig:
         """This run by `method` (in a comparison: `loss` is the adapters' and applies to the methods that train some)."""
         return HealConfig(**{**asdict(self), "method": method, "loss": self.loss if method in ("lora", "linear+lora") else "lm"})
 
+    def command(self, model: str) -> str:
+        """The `depthcurse heal` command that makes this run again: every setting not at its default
+        (and the data, the steps and the seed always)."""
+        defaults = HealConfig(layers=())
+        parts = ["depthcurse", "heal", shlex.quote(model), "--layers", ",".join(map(str, self.layers))]
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("layers", "save_every", "log_every") or value is None or (value == getattr(defaults, f.name) and f.name not in ALWAYS_SAID):
+                continue
+            if f.name in NOT_OPTIONS:
+                parts.append(f"# and {f.name}={value} (set in Python)")
+                continue
+            parts += [f"--{f.name.replace('_', '-')}", shlex.quote(str(value))]
+        return " ".join(p for p in parts if not p.startswith("#")) + "".join(f"  {p}" for p in parts if p.startswith("#"))
+
+    def healing(self) -> dict:
+        """How the removal was won back, in the settings that mattered to the method (a model card's)."""
+        out = {"method": self.method, "data": self.data, "seed": self.seed}
+        if self.maps:
+            out.update(calib_tokens=self.calib_tokens, ridge=self.ridge)
+        if self.trains:
+            out.update(steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len, lr=self.lr, warmup=self.warmup)
+        if self.adapters:
+            out.update(loss=self.loss, lora_rank=self.lora_rank, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout, targets=self.targets,
+                       adapt=self.adapt)
+        return out
+
     @property
     def trains(self) -> bool:
         return self.method in TRAINED
@@ -94,6 +122,8 @@ class HealConfig:
 
 
 RESUMABLE_CHANGES = frozenset({"save_every", "log_every"})
+ALWAYS_SAID = frozenset({"method", "data", "steps", "seed"})  # in a run's command even at their defaults
+NOT_OPTIONS = frozenset({"min_lr_ratio", "weight_decay", "grad_clip"})  # settings `depthcurse heal` takes no option for
 
 
 def _check(cfg: HealConfig) -> None:

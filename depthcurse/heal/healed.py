@@ -18,12 +18,17 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from depthcurse.heal.adapters import save_adapters
 from depthcurse.heal.linear import fold_maps, mapped
 from depthcurse.heal.replacement import removed_with, replaced
 from depthcurse.io import atomic_write
 from depthcurse.surgery import removed_layers, save_pruned
 
 MODELS = ("unpruned", "pruned", "healed")
+ADAPTERS = "adapters"  # inside hf/: the LoRA adapters in peft's format
+# On the held-out windows: next-token loss and perplexity, and how far from the unpruned model's
+# predictions (KL, in nats per token, and the share of top-1 tokens it agrees on).
+HELD_OUT_METRICS = ("loss", "ppl", "kl", "agreement")
 
 
 @dataclass
@@ -57,20 +62,26 @@ class Healed:
 
     def save(self, tokenizer, out: Path, dtype: torch.dtype | None = None) -> Path:
         """The healed model saved (atomically) as a checkpoint `from_pretrained` loads, in `dtype`
-        (the source checkpoint's). Changes the model in memory: afterwards it is the healed one,
+        (the source checkpoint's); LoRA adapters alone on the pruned model also in peft's format,
+        in `ADAPTERS/` inside it. Changes the model in memory: afterwards it is the healed one,
         merged, folded and cast."""
-        model = self.peft.merge_and_unload() if self.peft is not None else self.model  # merged in the dtype it trained in
-        self.peft, self.model = None, model
-        if self.maps:
-            fold_maps(model, self.maps)
-            self.maps = {}
-        if dtype is not None:
-            model.to(dtype)
-            for layer in self.replacements.values():
-                layer.to(dtype)
-        if self.replacements:
-            with replaced(model, self.replacements, self.layers):
-                atomic_write(Path(out), lambda tmp: save_pruned(model, tokenizer, (), tmp), folder=True)
-        else:
-            atomic_write(Path(out), lambda tmp: save_pruned(model, tokenizer, self.layers, tmp), folder=True)
+        def write(tmp: Path) -> None:
+            if self.peft is not None and not self.maps:  # on a map, the adapters belong to the mapped model, not to `drop`'s
+                save_adapters(self.peft, self.layers, tmp / ADAPTERS)
+            model = self.peft.merge_and_unload() if self.peft is not None else self.model  # merged in the dtype it trained in
+            self.peft, self.model = None, model
+            if self.maps:
+                fold_maps(model, self.maps)
+                self.maps = {}
+            if dtype is not None:
+                model.to(dtype)
+                for layer in self.replacements.values():
+                    layer.to(dtype)
+            if self.replacements:
+                with replaced(model, self.replacements, self.layers):
+                    save_pruned(model, tokenizer, (), tmp)
+            else:
+                save_pruned(model, tokenizer, self.layers, tmp)
+
+        atomic_write(Path(out), write, folder=True)
         return Path(out)

@@ -27,17 +27,19 @@ from typing import Callable
 
 import torch
 
+from depthcurse.card import provenance, write_card
 from depthcurse.errors import DepthcurseError
 from depthcurse.heal.adapters import add_adapters, target_modules, trainable
-from depthcurse.heal.healed import MODELS, Healed
+from depthcurse.heal.healed import ADAPTERS, HELD_OUT_METRICS, MODELS, Healed
 from depthcurse.heal.linear import check_linear, estimate_maps, runs_of
 from depthcurse.heal.config import CONFIG, RESUMABLE_CHANGES, HealConfig
 from depthcurse.heal.objective import HealObjective
 from depthcurse.heal.replacement import ReplacementObjective
+from depthcurse.heal.report import heal_rows
 from depthcurse.io import atomic_write, ensure_out_dir, environment, json_text, refuse_other_run
 from depthcurse.loading import LoadedModel, window_length
 from depthcurse.runtime import World
-from depthcurse.surgery import num_layers, parse_layers, removed_layers
+from depthcurse.surgery import num_layers, parse_layers
 from depthcurse.tasks import PerplexityTask, build_task, head_for_task
 from depthcurse.text import start_text, start_tokens, text_source
 from depthcurse.train.checkpoint import CHECKPOINT, CheckpointManager, ModelState, OptimizerState, RNGState, TrainState, load_checkpoint
@@ -48,9 +50,6 @@ from depthcurse.train.report import plot_loss
 
 HEAL_JSON = "heal.json"
 HF_DIR = "hf"
-# On the held-out windows: next-token loss and perplexity, and how far from the unpruned model's
-# predictions (KL, in nats per token, and the share of top-1 tokens it agrees on).
-HELD_OUT_METRICS = ("loss", "ppl", "kl", "agreement")
 
 
 def check(loaded: LoadedModel, cfg: HealConfig) -> HealConfig:
@@ -83,16 +82,17 @@ def identity(loaded: LoadedModel, cfg: HealConfig) -> dict:
 
 
 def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = World(), unpruned: dict | None = None, pruned: dict | None = None,
-         stop_after: int | None = None, on_start: Callable[[dict], None] | None = None, on_progress: Callable[[Progress], None] | None = None,
-         on_phase: Callable[[str], None] | None = None) -> dict | None:
+         why: str | None = None, stop_after: int | None = None, on_start: Callable[[dict], None] | None = None,
+         on_progress: Callable[[Progress], None] | None = None, on_phase: Callable[[str], None] | None = None) -> dict | None:
     """Heal `loaded` with `cfg`'s layers removed, by `cfg.method`, in `out_dir` (continued if it
     holds this run); returns the record `heal.json` holds, on rank 0 (None elsewhere, or when
     `stop_after` ended the call after that many steps, as a preemption would).
 
     The model is the one in memory, and leaves healed (merged, folded: `hf/` holds it without the
-    removed layers). `unpruned` and `pruned` are those models' measurements if they were made
-    already (a healed curve measures the unpruned model once for every k, a comparison of methods
-    both models once for every method).
+    removed layers, and a model card saying how it was made: `why` these layers, if not by hand).
+    `unpruned` and `pruned` are those models' measurements if they were made already (a healed
+    curve measures the unpruned model once for every k, a comparison of methods both models once
+    for every method).
     """
     cfg = check(loaded, cfg)
     run = identity(loaded, cfg)
@@ -176,6 +176,9 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
     record["held_out"] = held_out.describe()
     record["environment"] = environment()
     record["wall_time_s"] = round(record.get("wall_time_s", 0.0) + time.perf_counter() - started, 3)
+    card = provenance(loaded, list(cfg.layers), n, why=why or "chosen by hand (--layers)", made_by="depthcurse heal", command=cfg.command(loaded.name),
+                      layers_left=record["hf_layers"], healing={**cfg.healing(), "adapters": ADAPTERS if (out_dir / HF_DIR / ADAPTERS).is_dir() else None})
+    write_card(out_dir / HF_DIR, {**card, "measured": heal_rows(record)})  # before heal.json says finished
     _write(out_dir, record)
     if progress is not None:
         plot_loss(MetricsLog(out_dir / METRICS).rows(), out_dir / "loss.png",

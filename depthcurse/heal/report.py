@@ -9,15 +9,21 @@ from pathlib import Path
 
 from rich.table import Table
 
-from depthcurse.heal.compare import methods_of
-from depthcurse.heal.healed import MODELS
-from depthcurse.heal.loop import HELD_OUT_METRICS
+from depthcurse.heal.healed import HELD_OUT_METRICS, MODELS
 from depthcurse.io import save_figure
 from depthcurse.prune.report import legend_below
 
 HELD_OUT_HEADERS = {"loss": "held-out loss", "ppl": "held-out ppl", "kl": "held-out KL to unpruned (nats/token)",
                     "agreement": "top-1 agreement with unpruned"}
 METHOD_NAMES = {"lora": "LoRA", "linear": "linear map (ReplaceMe)", "layer": "trained layer (LLM-Streamline)", "linear+lora": "linear map, then LoRA"}
+
+
+def methods_of(record: dict) -> dict[str, dict]:
+    """Each method's entry in a comparison, a healed curve's point or a single heal's record."""
+    if "methods" in record:
+        return record["methods"]
+    method = record.get("run", {}).get("method", "lora")
+    return {method: {"results": record["results"]["healed"], "recovered": record.get("recovered", {}), "cost": record.get("cost")}}
 
 
 def _cell(value) -> str:
@@ -72,23 +78,33 @@ def _held_out_caption(record: dict, results: dict) -> str:
     return f"held out: {windows} windows x {run['seq_len']} tokens of {held['data'] if held else run['data']}; recovered: (pruned - healed) / (pruned - unpruned)"
 
 
+def heal_rows(record: dict) -> list[tuple[str, ...]]:
+    """The header, then the unpruned, pruned and healed model on each measurement, then the share
+    of the removal's cost won back: what `heal_table` shows and the model card holds."""
+    results = record["results"]
+    cols = _columns(results)
+    rows = [("model", *(header for _, _, header in cols))]
+    for name in MODELS:
+        r = results.get(name)
+        rows.append((name, *(_cell(r[part]["metrics"].get(m)) if r and part in r else "not measured" for part, m, _ in cols)))
+    rec = record.get("recovered", {})
+    rows.append(("recovered", *(_share(rec.get(_recovered_key(part, m))) for part, m, _ in cols)))
+    return rows
+
+
 def heal_table(record: dict) -> Table:
     """The unpruned, pruned and healed model on the held-out windows and the task, the share of the
     removal's cost won back, and what the method cost."""
-    run, results = record["run"], record["results"]
+    run = record["run"]
     method = run.get("method", "lora")
     title = f"{run['model']} without layers {','.join(map(str, run['layers']))}: healed by {METHOD_NAMES[method]} ({method_text(run, method)})"
-    caption = f"{_held_out_caption(record, results)}; cost: {cost_text(record.get('cost'))}"
+    caption = f"{_held_out_caption(record, record['results'])}; cost: {cost_text(record.get('cost'))}"
     table = Table(title=title, caption=caption, header_style="bold")
-    cols = _columns(results)
-    table.add_column("model")
-    for _, _, header in cols:
-        table.add_column(header, justify="right")
-    for name in MODELS:
-        r = results.get(name)
-        table.add_row(name, *(_cell(r[part]["metrics"].get(m)) if r and part in r else "not measured" for part, m, _ in cols))
-    rec = record.get("recovered", {})
-    table.add_row("recovered", *(_share(rec.get(_recovered_key(part, m))) for part, m, _ in cols), style="bold")
+    header, *rows = heal_rows(record)
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row, style="bold" if row[0] == "recovered" else None)
     return table
 
 

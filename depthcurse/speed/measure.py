@@ -1,0 +1,261 @@
+"""What a removal buys: the unpruned model against the pruned one, timed in one process, alternated.
+
+For each model: prefill (a batch of prompts through the model, building its KV cache) in tokens
+per second; decoding with the KV cache, one greedy token at a time after a prompt, in seconds
+per generated token, at batch 1 and a larger batch; the memory each of those needs above the
+model at rest; the parameters; the KV cache's bytes per token (read off the cache itself). The
+two models take turns (A B A B ...), each measurement repeated, so that a machine that slows
+down slows both; the median is reported with its spread (the extremes and the quartiles).
+
+On a GPU the times are CUDA events and the memory the allocator's peak above what was allocated
+before; on a CPU, wall time and the rise of the process's resident high-water mark (Linux). The
+ratios come from the same run's figures, and beside them the floor a removal could reach: the
+share of the arithmetic (matrix products of the blocks and the head, attention over the context)
+and of the parameters the kept model still has. Embeddings and head do not shrink.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from depthcurse.errors import DepthcurseError
+from depthcurse.surgery import find_blocks
+
+MODELS = ("unpruned", "pruned")
+
+
+@dataclass
+class SpeedConfig:
+    prefill_batch: int = 1
+    prefill_len: int = 512
+    decode_batches: tuple[int, ...] = (1, 8)
+    prompt_len: int = 128
+    new_tokens: int = 32
+    repeats: int = 5
+    warmup: int = 1
+    seed: int = 0
+
+    def checked(self) -> "SpeedConfig":
+        for name in ("prefill_batch", "prefill_len", "prompt_len", "new_tokens", "repeats"):
+            if getattr(self, name) < 1:
+                raise DepthcurseError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise DepthcurseError(f"--warmup must be 0 or more, got {self.warmup}")
+        if not self.decode_batches or min(self.decode_batches) < 1:
+            raise DepthcurseError(f"--decode-batches must be batch sizes of at least 1, got {','.join(map(str, self.decode_batches)) or 'none'}")
+        return self
+
+
+def parse_batches(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(b) for b in text.split(",") if b.strip())
+    except ValueError:
+        raise DepthcurseError(f"--decode-batches {text!r}: give batch sizes, e.g. 1,8") from None
+
+
+class _Clock:
+    """Seconds of what runs between `start` and `stop`: CUDA events on a GPU, wall time on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.begin.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            return self.begin.elapsed_time(self.end) / 1000
+        return time.perf_counter() - self.t0
+
+
+class PeakMemory:
+    """`start()` opens a measuring window, `rise()` gives the peak bytes above its start: the CUDA
+    allocator's peak, or on a CPU the process's resident high-water mark (Linux VmHWM, restarted
+    by writing 5 to /proc/self/clear_refs)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.before = 0
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts at the current size
+            self.before = _status_bytes("VmRSS")
+
+    def rise(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() if self.cuda else _status_bytes("VmHWM")
+        return max(0, peak - self.before)
+
+
+def _status_bytes(key: str) -> int:
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(rf"^{key}:\s+(\d+) kB", text, re.M).group(1)) * 1024
+
+
+def _cache_name(model: nn.Module) -> str:
+    """The keyword a model takes its KV cache by: `cache` (transformers 5.24 on) or `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _cache_of(output):
+    return getattr(output, "cache", None) or output.past_key_values
+
+
+def _kv_bytes(cache) -> int:
+    """The bytes of every key and value tensor a KV cache holds."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return sum(t.numel() * t.element_size() for layer in layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                   if isinstance(t, torch.Tensor))
+    return sum(t.numel() * t.element_size() for kv in cache for t in kv if isinstance(t, torch.Tensor))
+
+
+def arithmetic(model: nn.Module, context: float) -> float:
+    """Multiply-adds times two per token of the model as it is now: every linear layer in its
+    blocks and its output head (embedding lookups cost none), and attention's scores and sums over
+    `context` earlier positions in each block."""
+    blocks = find_blocks(model).layers
+    linear = sum(m.weight.numel() for block in blocks for m in block.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_weights = head.weight.numel() if head is not None else 0
+    config = model.config
+    heads = getattr(config, "num_attention_heads", 0) or 0
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)
+    return 2.0 * (linear + head_weights) + 4.0 * len(blocks) * heads * head_dim * context
+
+
+def _spread(values: list[float]) -> dict:
+    values = sorted(values)
+    quartiles = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+    return {"median": statistics.median(values), "min": values[0], "max": values[-1], "quartiles": [quartiles[0], quartiles[2]], "runs": values}
+
+
+def _tokens(vocab: int, shape: tuple[int, int], seed: int, device) -> torch.Tensor:
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+@torch.inference_mode()
+def _prefill(model: nn.Module, ids: torch.Tensor, clock: _Clock, memory: PeakMemory) -> tuple[float, int, int]:
+    """(seconds, memory rise, KV-cache bytes) of one prefill of `ids`, building the cache."""
+    memory.start()
+    clock.start()
+    out = model(input_ids=ids, use_cache=True)
+    seconds = clock.stop()
+    return seconds, memory.rise(), _kv_bytes(_cache_of(out))
+
+
+@torch.inference_mode()
+def _decode(model: nn.Module, prompt: torch.Tensor, new_tokens: int, clock: _Clock, memory: PeakMemory) -> tuple[float, int]:
+    """(seconds per generated token, memory rise) of greedy decoding after `prompt`, one token
+    at a time with the KV cache; the prompt's own prefill is not timed."""
+    key = _cache_name(model)
+    memory.start()
+    out = model(input_ids=prompt, use_cache=True)
+    clock.start()
+    for _ in range(new_tokens):
+        nxt = out.logits[:, -1:].argmax(-1)
+        out = model(input_ids=nxt, use_cache=True, **{key: _cache_of(out)})
+    seconds = clock.stop()
+    return seconds / new_tokens, memory.rise()
+
+
+def measure_speed(as_model: dict[str, Callable[[], contextlib.AbstractContextManager]], device: torch.device, cfg: SpeedConfig, vocab: int,
+                  on_step: Callable[[str, int, int], None] | None = None, clock=None) -> dict:
+    """The two models `as_model` makes ("unpruned", "pruned": each a context in which the model
+    it gives is that one), measured in turns; the figures, their ratios and the floor. `clock`:
+    what times a measurement (`start()`, `stop() -> seconds`), CUDA events or wall time by default."""
+    cfg = cfg.checked()
+    clock, memory = clock or _Clock(device), PeakMemory(device)
+    prefill_ids = _tokens(vocab, (cfg.prefill_batch, cfg.prefill_len), cfg.seed, device)
+    prompts = {b: _tokens(vocab, (b, cfg.prompt_len), cfg.seed + b, device) for b in cfg.decode_batches}
+    names = list(as_model)
+    out = {name: {"prefill_s": [], "prefill_rise": [], "decode_s": {b: [] for b in cfg.decode_batches}, "decode_rise": {b: [] for b in cfg.decode_batches}}
+           for name in names}
+    steps = (cfg.warmup + cfg.repeats) * len(names)
+    done = 0
+    for r in range(cfg.warmup + cfg.repeats):
+        for name in names if r % 2 == 0 else reversed(names):  # A B, then B A: neither always goes first
+            with as_model[name]() as model:
+                seconds, rise, kv = _prefill(model, prefill_ids, clock, memory)
+                decoded = {b: _decode(model, prompts[b], cfg.new_tokens, clock, memory) for b in cfg.decode_batches}
+                if r >= cfg.warmup:
+                    record = out[name]
+                    record["prefill_s"].append(seconds)
+                    record["prefill_rise"].append(rise)
+                    record["kv_bytes_per_token"] = kv / prefill_ids.numel()
+                    for b, (per_token, rise_b) in decoded.items():
+                        record["decode_s"][b].append(per_token)
+                        record["decode_rise"][b].append(rise_b)
+                if r == 0:
+                    out[name]["params"] = sum(p.numel() for p in model.parameters())
+                    out[name]["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+                    out[name]["layers"] = len(find_blocks(model).layers)
+                    out[name]["flops_per_token"] = {"prefill": arithmetic(model, (cfg.prefill_len + 1) / 2),
+                                                    "decode": arithmetic(model, cfg.prompt_len + (cfg.new_tokens + 1) / 2)}
+            done += 1
+            if on_step:
+                on_step(name, done, steps)
+    models = {}
+    for name, r in out.items():
+        prefill = _spread(r["prefill_s"])
+        models[name] = {
+            "layers": r["layers"], "params": r["params"], "weight_bytes": r["weight_bytes"], "kv_bytes_per_token": r["kv_bytes_per_token"],
+            "flops_per_token": r["flops_per_token"],
+            "prefill": {"seconds": prefill, "tokens_per_s": prefill_ids.numel() / prefill["median"], "peak_rise_bytes": max(r["prefill_rise"])},
+            "decode": {str(b): {"seconds_per_token": _spread(r["decode_s"][b]), "peak_rise_bytes": max(r["decode_rise"][b])} for b in cfg.decode_batches},
+        }
+    return {"config": {**asdict(cfg), "decode_batches": list(cfg.decode_batches)}, "device": str(device), "models": models,
+            **_ratios(models, cfg), "includes": _includes(device)}
+
+
+def _ratios(models: dict, cfg: SpeedConfig) -> dict:
+    """Pruned over unpruned, for each figure of the same run, and the floor of each."""
+    u, p = models["unpruned"], models["pruned"]
+    ratios = {"prefill_time": p["prefill"]["seconds"]["median"] / u["prefill"]["seconds"]["median"],
+              "prefill_tokens_per_s": p["prefill"]["tokens_per_s"] / u["prefill"]["tokens_per_s"],
+              **{f"decode_time_b{b}": p["decode"][str(b)]["seconds_per_token"]["median"] / u["decode"][str(b)]["seconds_per_token"]["median"]
+                 for b in cfg.decode_batches},
+              "params": p["params"] / u["params"], "weight_bytes": p["weight_bytes"] / u["weight_bytes"],
+              "kv_bytes_per_token": p["kv_bytes_per_token"] / u["kv_bytes_per_token"] if u["kv_bytes_per_token"] else None,
+              "peak_memory_prefill": (p["weight_bytes"] + p["prefill"]["peak_rise_bytes"]) / (u["weight_bytes"] + u["prefill"]["peak_rise_bytes"])}
+    floor = {"prefill_time": p["flops_per_token"]["prefill"] / u["flops_per_token"]["prefill"],
+             "decode_time": p["flops_per_token"]["decode"] / u["flops_per_token"]["decode"],
+             "params": ratios["params"], "kv_bytes_per_token": p["layers"] / u["layers"]}
+    return {"ratios": ratios, "floor": floor}
+
+
+def _includes(device: torch.device) -> str:
+    if device.type == "cuda":
+        return ("times: CUDA events around the model's forward calls (prefill: one forward building the KV cache; decoding: the greedy "
+                "loop after an untimed prompt); memory: the allocator's peak above what was allocated before, plus the weights")
+    return ("times: wall time around the model's forward calls (prefill: one forward building the KV cache; decoding: the greedy loop "
+            "after an untimed prompt); memory: the rise of the process's resident high-water mark (Linux VmHWM) above its size before, "
+            "plus the weights' bytes; both models are in memory, so the resting size holds both")
+
+
+@contextlib.contextmanager
+def as_is(model: nn.Module) -> Iterator[nn.Module]:
+    yield model

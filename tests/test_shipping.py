@@ -1,0 +1,253 @@
+"""What a removal buys and a model you can ship: `speed`, the model card, peft adapters, the hub,
+a budget instead of a count. Tiny models built here.
+
+The references are independent of the code under test: a clock that counts the blocks run (so a
+model against itself is exactly 1.0x and 4 of 6 layers exactly 4/6, with no timing in a test),
+plain transformers and peft loading what was saved, YAML parsing the card, the pruned models'
+losses computed here for the budget's answer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import built_without, held_out_windows, tiny_llama
+
+from depthcurse.loading import load_model
+from depthcurse.speed import SpeedConfig, measure_speed, speed_rows
+from depthcurse.speed.measure import as_is
+from depthcurse.surgery import find_blocks, removed_layers
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SMALL = SpeedConfig(prefill_batch=2, prefill_len=12, decode_batches=(1, 3), prompt_len=5, new_tokens=4, repeats=3, warmup=1)
+
+
+class BlockClock:
+    """A clock whose 'seconds' are the blocks run between start and stop: the work, not the time."""
+
+    def __init__(self, *models):
+        self.count, self.mark = 0, 0
+        for model in models:
+            for block in find_blocks(model).layers:
+                block.register_forward_hook(lambda *a: setattr(self, "count", self.count + 1))
+
+    def start(self):
+        self.mark = self.count
+
+    def stop(self):
+        return float(self.count - self.mark)
+
+
+def _speed(as_model, model, clock):
+    return measure_speed(as_model, torch.device("cpu"), SMALL, 300, clock=clock)
+
+
+def test_a_model_against_itself_is_one_and_four_of_six_layers_are_four_sixths():
+    """The timed regions hold each model's own calls, the same work for both (prefill: one forward;
+    decoding: one forward per new token), whoever goes first; every ratio is the quotient of the
+    same run's figures; the deterministic figures are exact."""
+    model = tiny_llama(300, layers=6)
+    clock = BlockClock(model)
+    itself = _speed({"unpruned": lambda: as_is(model), "pruned": lambda: as_is(model)}, model, clock)
+    assert all(v == 1.0 for k, v in itself["ratios"].items() if k != "peak_memory_prefill") and all(v == 1.0 for v in itself["floor"].values())
+    pruned = _speed({"unpruned": lambda: as_is(model), "pruned": lambda: removed_layers(model, (1, 4))}, model, clock)
+    u, p, ratios = pruned["models"]["unpruned"], pruned["models"]["pruned"], pruned["ratios"]
+    assert u["prefill"]["seconds"]["runs"] == [6.0] * 3 and p["prefill"]["seconds"]["runs"] == [4.0] * 3  # blocks per prefill
+    assert u["decode"]["1"]["seconds_per_token"]["median"] == 6.0  # blocks per generated token
+    for key in ("prefill_time", "decode_time_b1", "decode_time_b3"):
+        assert ratios[key] == pytest.approx(4 / 6)
+    assert ratios["prefill_tokens_per_s"] == pytest.approx(6 / 4)
+    assert ratios["prefill_time"] == p["prefill"]["seconds"]["median"] / u["prefill"]["seconds"]["median"]
+    params = sum(p.numel() for p in model.parameters())
+    block = sum(p.numel() for p in model.model.layers[1].parameters())
+    assert (u["params"], p["params"]) == (params, params - 2 * block) and ratios["params"] == pytest.approx((params - 2 * block) / params)
+    assert u["kv_bytes_per_token"] == 6 * 2 * 2 * 8 * 4 and ratios["kv_bytes_per_token"] == pytest.approx(4 / 6)  # layers x K,V x 2 heads x 8 x fp32
+    assert pruned["floor"]["kv_bytes_per_token"] == pytest.approx(4 / 6) and 4 / 6 < pruned["floor"]["prefill_time"] < 1  # the head does not shrink
+    assert [row[0].split(":")[0] for row in speed_rows(pruned)] == ["layers", "prefill, 2 x 12 tokens", "prefill", "decoding, batch 1, 4 tokens after 5",
+                                                                    "decoding, batch 3, 4 tokens after 5", "parameters", "peak memory in prefill",
+                                                                    "KV cache"]
+
+
+def test_speed_on_the_command_line_measures_a_checkpoint_against_its_source(run_cli, tiny_model_dir, tmp_path):
+    from depthcurse.report import write_report
+
+    code, stdout, err = run_cli("drop", tiny_model_dir, "--layers", "1,2", "--out", tmp_path / "dropped")
+    assert code == 0, err
+    code, stdout, err = run_cli("speed", tmp_path / "dropped", "--repeats", "2", "--prefill-len", "16", "--prompt-len", "4", "--new-tokens", "3",
+                                "--decode-batches", "1,2", "--out", tmp_path / "speed")
+    assert code == 0, err
+    record = json.loads((tmp_path / "speed" / "speed.json").read_text())
+    models = record["models"]
+    assert (models["unpruned"]["layers"], models["pruned"]["layers"]) == (4, 2) and record["run"]["removed"] == [1, 2]
+    for name in ("unpruned", "pruned"):
+        assert models[name]["prefill"]["tokens_per_s"] > 0 and len(models[name]["prefill"]["seconds"]["runs"]) == 2
+        assert set(models[name]["decode"]) == {"1", "2"} and models[name]["prefill"]["peak_rise_bytes"] >= 0
+    assert "what the removal buys" in " ".join(stdout.split())
+    card = (tmp_path / "dropped" / "README.md").read_text()
+    assert "## What the removal buys" in card and "KV cache: bytes per token" in card
+    page = write_report([tmp_path / "speed"], tmp_path / "page.md").read_text()
+    assert "## What a removal buys" in page and "prefill" in page
+
+
+def _front_matter(path: Path) -> dict:
+    import yaml
+
+    text = path.read_text()
+    assert text.startswith("---\n")
+    return yaml.safe_load(text.split("---", 2)[1])
+
+
+def test_the_card_front_matter_is_yaml_naming_the_base_model_and_the_removed_layers(tmp_path):
+    from depthcurse.card import card_text, provenance
+    from depthcurse.loading import LoadedModel
+
+    loaded = LoadedModel(model=None, tokenizer=None, name="smollm2-135m", source=str(tmp_path), dtype=torch.float32, device=torch.device("cpu"))
+    record = provenance(loaded, [12, 13, 14, 15], 30, why="the first 4 layers of the angular blocks of runs/angular", made_by="depthcurse heal",
+                        command="depthcurse heal smollm2-135m --layers 12,13,14,15", healing={"method": "linear", "data": "wiki", "calib_tokens": 16384})
+    (tmp_path / "README.md").write_text(card_text({**record, "measured": [("model", "held-out ppl"), ("unpruned", "17.3"), ("healed", "20.5")]}))
+    front = _front_matter(tmp_path / "README.md")
+    assert front["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and front["license"] == "apache-2.0" and front["library_name"] == "transformers"
+    assert front["depthcurse"]["removed_layers"] == [12, 13, 14, 15] and front["depthcurse"]["layers_left"] == 26 and "healed" in front["tags"]
+    body = (tmp_path / "README.md").read_text()
+    assert "without layers 12-15" in body and "angular blocks of runs/angular" in body and "| healed | 20.5 |" in body
+    assert "depthcurse heal smollm2-135m --layers 12,13,14,15" in body
+
+
+def test_heal_saves_peft_adapters_that_load_on_drops_checkpoint_to_the_merged_model(run_cli, bos_model_dir, docs_file, tmp_path):
+    """`adapters/` in peft's format, numbered for the pruned model: PeftModel.from_pretrained on
+    `drop`'s checkpoint of the same removal gives hf/'s logits; the card says how it was made."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from depthcurse.heal import HealConfig, heal
+
+    out = tmp_path / "run"
+    heal(load_model(str(bos_model_dir)), HealConfig(layers=(1, 3), data=str(docs_file), steps=4, batch_size=4, seq_len=24, lr=5e-3, eval_windows=2,
+                                                    lora_rank=4, lora_dropout=0.0), out)
+    code, _, err = run_cli("drop", bos_model_dir, "--layers", "1,3", "--out", tmp_path / "dropped")
+    assert code == 0, err
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "dropped"), out / "hf" / "adapters").eval()
+    merged = AutoModelForCausalLM.from_pretrained(out / "hf").eval()
+    ids = torch.randint(3, 300, (2, 15), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=0, atol=1e-5)
+    front = _front_matter(out / "hf" / "README.md")
+    assert front["depthcurse"]["removed_layers"] == [1, 3] and front["depthcurse"]["method"] == "lora" and "base_model" not in front  # a local folder
+    made = json.loads((out / "hf" / "depthcurse.json").read_text())
+    assert made["command"].startswith(f"depthcurse heal {bos_model_dir} --layers 1,3 --method lora") and made["healing"]["adapters"] == "adapters"
+
+
+def test_the_folder_handed_to_the_hub_is_complete_and_no_hub_is_one_line(run_cli, bos_model_dir, docs_file, tmp_path, monkeypatch):
+    import depthcurse.hub as hub
+    from huggingface_hub import HfApi
+
+    handed = {}
+    monkeypatch.setattr(hub.assets, "hub_reachable", lambda: True)
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo, **kw: handed.setdefault("created", (repo, kw)))
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, folder_path, repo_id, **kw: handed.update(
+        {repo_id: sorted(str(p.relative_to(folder_path)) for p in Path(folder_path).rglob("*") if p.is_file())}))
+    base = ["heal", bos_model_dir, "--layers", "2", "--data", docs_file, "--steps", "2", "--batch-size", "2", "--seq-len", "24", "--eval-windows", "2",
+            "--lora-rank", "2"]
+    code, _, err = run_cli(*base, "--out", tmp_path / "run", "--push-to-hub", "me/healed", "--private")
+    assert code == 0, err
+    assert handed["created"] == ("me/healed", {"private": True, "exist_ok": True})
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md", "depthcurse.json", "adapters/adapter_config.json",
+            "adapters/adapter_model.safetensors"} <= set(handed["me/healed"])
+    code, _, err = run_cli("drop", bos_model_dir, "--layers", "2", "--out", tmp_path / "dropped", "--push-to-hub", "me/dropped")
+    assert code == 0, err
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md", "depthcurse.json"} <= set(handed["me/dropped"])
+
+    monkeypatch.setattr(hub.assets, "hub_reachable", lambda: False)  # as on the machines we build on
+    code, stdout, err = run_cli("drop", bos_model_dir, "--layers", "2", "--out", tmp_path / "kept", "--push-to-hub", "me/kept")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 1 and len(lines) == 1 and "Traceback" not in err
+    assert lines[0].startswith("error: cannot push to the hub repository me/kept: the hub is not reachable") and "kept in" in lines[0]
+    assert (tmp_path / "kept" / "model.safetensors").is_file()  # the local folder stays
+
+
+def _trained_tiny(tokenizer, docs_file, path: Path, layers: int = 6, steps: int = 150) -> Path:
+    """A tiny Llama trained here on the documents (plain next-token loss, Adam): unlike a random
+    one, it loses more the more of its layers go."""
+    from depthcurse.text import load_texts
+
+    model = tiny_llama(len(tokenizer), layers=layers, seed=0).train()
+    text = " ".join(load_texts(str(docs_file))[0])
+    ids = torch.tensor(tokenizer(text)["input_ids"])
+    rows = ids[: len(ids) // 24 * 24].view(-1, 24)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        batch = rows[torch.randint(0, len(rows), (16,), generator=gen)]
+        loss = model(input_ids=batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_a_budget_picks_the_largest_k_within_it_by_bisection(bos_tokenizer, docs_file, tmp_path):
+    """With a learning rate of 1e-12 the healed model is the pruned one, whose held-out loss at each
+    k of the order is computed here; the budget falls between two of them, so the answer is known:
+    the largest k whose loss and every smaller k's stay under it."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from depthcurse.heal import HealConfig, heal_within, order_sets
+    from depthcurse.prune import run_sweep
+    from depthcurse.tasks import PerplexityTask
+
+    model_dir = _trained_tiny(bos_tokenizer, docs_file, tmp_path / "trained")
+    loaded = load_model(str(model_dir))
+    run_sweep(loaded, PerplexityTask(loaded.tokenizer, [docs_file.read_text()], source="docs", seq_len=24, limit=4), range(6), tmp_path / "sweep")
+    sets, source = order_sets(tmp_path / "sweep", None, 6)
+    assert sorted(sets) == [1, 2, 3, 4, 5]
+    windows = held_out_windows(loaded.tokenizer, docs_file, 24, 4)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+    def loss(layers):
+        model = built_without(reference, "model.layers", list(layers)) if layers else reference
+        with torch.no_grad():
+            logits = model(input_ids=windows).logits[:, :-1]
+        return F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item()
+
+    base = loss(())
+    losses = {k: loss(layers) for k, layers in sets.items()}
+    split = [k for k in range(1, 5) if max(losses[j] for j in losses if j <= k) < min(losses[j] for j in losses if j > k)]
+    assert split, losses  # trained, the model has a prefix of its order that costs less than every longer one
+    answer = split[len(split) // 2]
+    limit = (max(losses[j] for j in losses if j <= answer) + min(losses[j] for j in losses if j > answer)) / 2
+    cfg = HealConfig(layers=(), data=str(docs_file), steps=1, batch_size=2, seq_len=24, lr=1e-12, eval_windows=4, lora_rank=2)
+    record = heal_within(loaded, lambda: load_model(str(model_dir)), cfg, sets, source, tmp_path / "within", limit / base - 1)
+    budget = record["budget"]
+    assert budget["chosen"] == answer, (losses, base, budget)
+    assert len(budget["probes"]) <= 3 and [p["k"] for p in record["points"]] == sorted(p["k"] for p in budget["probes"])  # log2(5 + 1), not 5 heals
+    assert all(p["healed_loss"] == pytest.approx(losses[p["k"]], rel=1e-5) for p in budget["probes"])
+    assert f"k = {answer}" in budget["why"] and f"k = {min(k for k in losses if k > answer and any(p['k'] == k for p in budget['probes']))} is not" in budget["why"]
+    again = heal_within(loaded, lambda: load_model(str(model_dir)), cfg, sets, source, tmp_path / "within", limit / base - 1)
+    assert again["budget"] == budget  # every heal found made, none made again
+
+
+def test_shares_of_the_depth_and_the_budget_bad_inputs(run_cli, bos_model_dir, docs_file, tmp_path):
+    from helpers import assert_one_line_error
+
+    from depthcurse.heal import parse_ks, parse_share
+
+    assert parse_ks("25%,2", 30) == [2, 8] and parse_ks("100%", 5) == [5] and parse_ks("1%", 30) == [1]
+    assert parse_share("5%") == pytest.approx(0.05) and parse_share("0.05") == pytest.approx(0.05)
+    base = ["heal", bos_model_dir, "--data", docs_file, "--steps", "1", "--batch-size", "2", "--seq-len", "24", "--eval-windows", "2"]
+    assert_one_line_error(*run_cli(*base, "--layers", "1", "--max-drop", "5%"), "--max-drop searches an order for the largest k within the budget: give --order DIR")
+    assert_one_line_error(*run_cli(*base, "--order", tmp_path, "--max-drop", "150%"), "--max-drop 150%: a share is more than 0% and at most 100%")
+    assert_one_line_error(*run_cli(*base, "--order", tmp_path, "--ks", "150%"), "--ks 150%: a share of the depth is more than 0% and at most 100%")
+    assert_one_line_error(*run_cli(*base, "--order", tmp_path), "--order DIR takes --ks K,K,... (a healed depth curve) or --max-drop 5%")
+    assert_one_line_error(*run_cli(*base, "--layers", "1", "--push-to-hub", "me/has spaces"), "--push-to-hub 'me/has spaces' is not a hub repository name")
+    assert_one_line_error(*run_cli("drop", bos_model_dir, "--layers", "1", "--out", tmp_path / "d", "--push-to-hub", "a b"), "--push-to-hub 'a b' is not a hub repository name")
+    assert_one_line_error(*run_cli(*base, "--order", tmp_path, "--ks", "2", "--speed"), "--speed and --push-to-hub take the one healed checkpoint of --layers L")
+    assert_one_line_error(*run_cli("speed", bos_model_dir), "give --layers L (removed in memory), or a checkpoint drop or heal made")
+    assert_one_line_error(*run_cli("speed", bos_model_dir, "--layers", "1", "--repeats", "0"), "--repeats must be at least 1, got 0")
