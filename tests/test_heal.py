@@ -21,7 +21,6 @@ from depthcurse.heal import HealConfig, heal, heal_curve, order_sets
 from depthcurse.heal.adapters import add_adapters, target_modules
 from depthcurse.heal.objective import HealObjective, distill_kl
 from depthcurse.loading import load_model
-from depthcurse.surgery import removed_layers
 from depthcurse.train.metrics import METRICS, MetricsLog
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -20,7 +20,7 @@ from helpers import assert_one_line_error, built_without, held_out_windows, tiny
 
 from depthcurse.heal import HealConfig, heal, heal_methods, Models
 from depthcurse.heal.adapters import add_adapters, target_modules
-from depthcurse.heal.linear import estimate_maps, fold_maps, mapped, runs_of, solve_map
+from depthcurse.heal.linear import estimate_maps, fold_maps, mapped, solve_map
 from depthcurse.heal.objective import HealObjective
 from depthcurse.loading import load_model
 from depthcurse.train.metrics import METRICS, MetricsLog
@@ -274,6 +274,26 @@ def test_a_healed_curve_takes_several_methods(bos_model_dir, docs_file, tmp_path
     assert [sorted(p["methods"]) for p in curve["points"]] == [["layer", "linear"]] * 2
     assert (tmp_path / "curve" / "k002" / "layer" / "hf" / "config.json").is_file()
     assert plot_heal_curve(curve, tmp_path / "heal.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_healed_curve_by_one_method_names_that_method(bos_model_dir, docs_file, tmp_path):
+    """A curve healed by `linear` alone says `linear` in its table, its points and its figure, and
+    a curve written before its points named their method reads the curve's `run`."""
+    from rich.console import Console
+
+    from depthcurse.heal import curve_table, heal_curve, methods_of
+
+    curve = heal_curve(load_model(str(bos_model_dir)), lambda: load_model(str(bos_model_dir)), _cfg(docs_file, steps=2, method="linear"), {1: (3,)},
+                       "by hand", tmp_path / "curve")
+    console = Console(record=True, width=400)
+    console.print(curve_table(curve))
+    text = console.export_text()
+    assert "linear map (ReplaceMe)" in text and " linear " in text and "lora" not in text.lower()
+    assert [list(methods_of(p)) for p in curve["points"]] == [["linear"]]
+    older = {**curve, "points": [{k: v for k, v in p.items() if k != "method"} for p in curve["points"]]}
+    console = Console(record=True, width=400)
+    console.print(curve_table(older))
+    assert "lora" not in console.export_text().lower()
 
 
 def test_heal_methods_on_the_command_line_and_their_bad_input(run_cli, bos_model_dir, docs_file, tmp_path):

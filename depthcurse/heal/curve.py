@@ -211,7 +211,8 @@ class _Curve:
                             unpruned=self.unpruned, why=why, **self.callbacks)
             if not self.world.main:
                 return None
-            point = {"k": k, "layers": list(layers), "results": done["results"], "recovered": done["recovered"], "cost": done.get("cost"), "folder": folder.name}
+            point = {"k": k, "layers": list(layers), "method": self.methods[0], "results": done["results"], "recovered": done["recovered"], "cost": done.get("cost"),
+                     "folder": folder.name}
         self.unpruned = point["results"]["unpruned"]
         self.record["points"] = sorted([p for p in self.record["points"] if p["k"] != k] + [point], key=lambda p: p["k"])
         self.write()

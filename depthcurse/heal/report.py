@@ -18,11 +18,12 @@ HELD_OUT_HEADERS = {"loss": "held-out loss", "ppl": "held-out ppl", "kl": "held-
 METHOD_NAMES = {"lora": "LoRA", "linear": "linear map (ReplaceMe)", "layer": "trained layer (LLM-Streamline)", "linear+lora": "linear map, then LoRA"}
 
 
-def methods_of(record: dict) -> dict[str, dict]:
-    """Each method's entry in a comparison, a healed curve's point or a single heal's record."""
+def methods_of(record: dict, method: str | None = None) -> dict[str, dict]:
+    """Each method's entry in a comparison, a healed curve's point or a single heal's record; a
+    one-method curve's points name their method (or the curve's `run` does: pass it as `method`)."""
     if "methods" in record:
         return record["methods"]
-    method = record.get("run", {}).get("method", "lora")
+    method = record.get("method") or record.get("run", {}).get("method") or method or "lora"
     return {method: {"results": record["results"]["healed"], "recovered": record.get("recovered", {}), "cost": record.get("cost")}}
 
 
@@ -134,11 +135,16 @@ def methods_table(record: dict) -> Table:
     return table
 
 
+def _curve_method(run: dict) -> str:
+    """The method of a curve healed one way (a curve of several keeps each point's `methods`)."""
+    return (run.get("methods") or ["lora"])[0]
+
+
 def curve_table(curve: dict) -> Table:
     """Per k: the layers removed and, on each measurement, the pruned model and each method's
     healed one with the share won back."""
     run, points = curve["run"], curve["points"]
-    methods = list(methods_of(points[0])) if points else run.get("methods", ["lora"])
+    methods = list(methods_of(points[0], _curve_method(run))) if points else run.get("methods", ["lora"])
     table = Table(title=f"{run['model']}: healed depth curve ({run['order']}); " + "; ".join(f"{METHOD_NAMES[m]}: {method_text(run, m)}" for m in methods),
                   header_style="bold")
     cols = _columns(points[0]["results"]) if points else []
@@ -154,7 +160,7 @@ def curve_table(curve: dict) -> Table:
     for p in points:
         pruned = p["results"]["pruned"]
         table.add_row(str(p["k"]), ",".join(map(str, p["layers"])), "pruned", *(_cell(pruned[part]["metrics"].get(m)) for part, m, _ in cols), "")
-        for method, entry in methods_of(p).items():
+        for method, entry in methods_of(p, _curve_method(run)).items():
             r, rec = entry["results"], entry.get("recovered", {})
             table.add_row("", "", method, *(f"{_cell(r[part]['metrics'].get(m))} ({_share(rec.get(_recovered_key(part, m)))})" for part, m, _ in cols),
                           f"{(entry.get('cost') or {}).get('seconds', float('nan')):,.1f}")
@@ -171,14 +177,14 @@ def plot_heal_curve(curve: dict, path: Path) -> Path:
 
     run, points, n = curve["run"], curve["points"], curve["n_layers"]
     cols = [c for c in _columns(points[0]["results"]) if c[1] != "ppl"] if points else []
-    methods = list(methods_of(points[0])) if points else []
+    methods = list(methods_of(points[0], _curve_method(run))) if points else []
     fig, axes = plt.subplots(1, max(1, len(cols)), figsize=(5.5 * max(1, len(cols)), 4.8), dpi=120, squeeze=False)
     for ax, (part, metric, header) in zip(axes[0], cols):
         base = points[0]["results"]["unpruned"][part]["metrics"].get(metric)
         xs = [0.0] + [p["k"] / n for p in points]  # every curve starts at the unpruned model
         ax.plot(xs, [base] + [p["results"]["pruned"][part]["metrics"].get(metric) for p in points], marker="o", ls="--", label="pruned")
         for method in methods:
-            ys = [methods_of(p)[method]["results"][part]["metrics"].get(metric) for p in points]
+            ys = [methods_of(p, _curve_method(run))[method]["results"][part]["metrics"].get(metric) for p in points]
             ax.plot(xs, [base] + ys, marker="s", lw=2, label=f"healed: {METHOD_NAMES[method]}" if len(methods) > 1 else "healed")
         ax.axhline(base, color="k", lw=1, ls=":", label="unpruned")
         ax.set_xlabel(f"fraction of layers removed (of {n})")
