@@ -33,6 +33,15 @@ def base_model_id(name: str, source: str) -> str | None:
     return None
 
 
+def weights_note(name: str, source: str) -> str | None:
+    """What a reader of the card must know of the weights themselves: an alias's offline copy is
+    not the hub's checkpoint its `base_model` names (SmolLM2's is dequantised from a 4-bit GGUF)."""
+    asset = assets.MODEL_ALIASES.get(name.lower())
+    if asset is None or Path(source).expanduser().resolve() != asset.local_path().resolve():
+        return None
+    return asset.notes
+
+
 def licence_of(name: str, source: str) -> str | None:
     """The source's licence where it is known: an alias's, a local folder's card front matter, a
     checkpoint made here (its source's), or the hub's model card where the hub is reachable."""
@@ -75,7 +84,7 @@ def provenance(loaded, removed: list[int], n_layers: int, *, why: str, made_by: 
     typed = Path(loaded.name).expanduser()
     load_as = loaded.name if loaded.name.lower() in assets.MODEL_ALIASES or not typed.exists() else str(typed.resolve())
     return {"made_by": made_by, "model": loaded.name, "load_as": load_as, "source": loaded.describe()["source"],
-            "base_model": base_model_id(loaded.name, loaded.source),
+            "base_model": base_model_id(loaded.name, loaded.source), "weights": weights_note(loaded.name, loaded.source),
             "license": licence_of(loaded.name, loaded.source), "n_layers": n_layers, "removed_layers": list(removed),
             "layers_left": n_layers - len(removed) if layers_left is None else layers_left, "why": why, "healing": healing, "command": command}
 
@@ -86,6 +95,9 @@ def write_card(folder: Path, record: dict) -> Path:
     and healed model) and `speed` (rows, header first, of what the removal buys)."""
     folder = Path(folder)
     atomic_write(folder / PROVENANCE, json_text(record))
+    adapters = (record.get("healing") or {}).get("adapters")
+    if adapters and (folder / adapters).is_dir():
+        atomic_write(folder / adapters / CARD, adapter_card_text(record))  # in place of peft's empty template
     return atomic_write(folder / CARD, card_text(record))
 
 
@@ -120,6 +132,8 @@ def card_text(record: dict) -> str:
              f"`{name}` with {len(removed)} of its {record['n_layers']} layers removed ({', '.join(map(str, removed))}): {record['layers_left']} "
              f"layers left, a normal `transformers` checkpoint (`AutoModelForCausalLM.from_pretrained` loads it).", "",
              f"**Why these layers:** {record['why']}", ""]
+    if record.get("weights"):
+        lines += [f"**The weights:** {record['weights']}", ""]
     if healing:
         lines += ["## How it was healed", "", *[f"- {k.replace('_', ' ')}: {v}" for k, v in healing.items() if v is not None and k != "adapters"], ""]
     if measured:
@@ -127,11 +141,30 @@ def card_text(record: dict) -> str:
     if speed:
         lines += ["## What the removal buys", "", *_markdown(speed), ""]
     if healing and healing.get("adapters"):
-        lines += ["## The adapters", "", f"`{healing['adapters']}/` holds the LoRA adapters in peft's format, numbered for the pruned model: on "
-                  f"`depthcurse drop {record['model']} --layers {','.join(map(str, removed))}`'s checkpoint, "
-                  f"`PeftModel.from_pretrained(model, this_folder, subfolder=\"{healing['adapters']}\")` gives this model.", ""]
+        lines += ["## The adapters", "", f"`{healing['adapters']}/` holds the LoRA adapters in peft's format, {_adapters_text(record)}", ""]
     lines += ["## Made with", "", "depthcurse made it, and this command makes it again:", "", "```bash", record["command"], "```", ""]
     return "\n".join(lines)
+
+
+def _adapters_text(record: dict) -> str:
+    removed = ",".join(map(str, record["removed_layers"]))
+    return (f"numbered for the pruned model: on `depthcurse drop {record['model']} --layers {removed}`'s checkpoint, "
+            f"`PeftModel.from_pretrained(model, this_folder, subfolder=\"{record['healing']['adapters']}\")` gives this model.")
+
+
+def adapter_card_text(record: dict) -> str:
+    """The adapters' own card. No `base_model`: the hub would take the adapters for ones of the
+    unpruned model, whose layers they do not number (their config names none either)."""
+    import yaml  # lazy: only cards are written
+
+    name = record.get("base_model") or record["model"]
+    front = {"library_name": "peft", "tags": ["depthcurse", "layer-pruning", "lora"]}
+    return "\n".join(["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
+                      f"# LoRA adapters for {name} without layers {_ranges(record['removed_layers'])}", "",
+                      f"The adapters `depthcurse heal` trained, numbered for the pruned model: on `depthcurse drop {record['model']} --layers "
+                      f"{','.join(map(str, record['removed_layers']))}`'s checkpoint, `PeftModel.from_pretrained(model, this_folder)` gives the "
+                      "healed model of the folder above, where they are also merged.",
+                      "They do not fit the unpruned model: its layers after the first removed one have other numbers.", ""])
 
 
 def _ranges(layers: list[int]) -> str:

@@ -116,6 +116,13 @@ def test_the_card_front_matter_is_yaml_naming_the_base_model_and_the_removed_lay
     body = (tmp_path / "README.md").read_text()
     assert "without layers 12-15" in body and "angular blocks of runs/angular" in body and "| healed | 20.5 |" in body
     assert "depthcurse heal smollm2-135m --layers 12,13,14,15" in body
+    # the alias's offline copy is not the hub's checkpoint its base_model names, and the card says so
+    from depthcurse.assets import MODEL_ALIASES
+
+    offline = LoadedModel(model=None, tokenizer=None, name="smollm2-135m", source=str(MODEL_ALIASES["smollm2-135m"].local_path()), dtype=torch.float32,
+                          device=torch.device("cpu"))
+    note = card_text(provenance(offline, [3], 30, why="by hand", made_by="depthcurse drop", command="depthcurse drop smollm2-135m --layers 3"))
+    assert "**The weights:** Offline copy dequantised from the Q4_1 GGUF" in note and "**The weights:**" not in body
 
 
 def test_heal_saves_peft_adapters_that_load_on_drops_checkpoint_to_the_merged_model(run_cli, bos_model_dir, docs_file, tmp_path):
@@ -140,6 +147,11 @@ def test_heal_saves_peft_adapters_that_load_on_drops_checkpoint_to_the_merged_mo
     assert front["depthcurse"]["removed_layers"] == [1, 3] and front["depthcurse"]["method"] == "lora" and "base_model" not in front  # a local folder
     made = json.loads((out / "hf" / "depthcurse.json").read_text())
     assert made["command"].startswith(f"depthcurse heal {bos_model_dir} --layers 1,3 --method lora") and made["healing"]["adapters"] == "adapters"
+    # the adapters name no base model: the unpruned one is not theirs, and AutoPeftModel must not load them onto it
+    assert json.loads((out / "hf" / "adapters" / "adapter_config.json").read_text())["base_model_name_or_path"] is None
+    adapter_card = _front_matter(out / "hf" / "adapters" / "README.md")
+    assert adapter_card["library_name"] == "peft" and "base_model" not in adapter_card
+    assert "without layers 1,3" in (out / "hf" / "adapters" / "README.md").read_text() and str(bos_model_dir) not in str(adapter_card)
 
 
 def test_the_folder_handed_to_the_hub_is_complete_and_no_hub_is_one_line(run_cli, bos_model_dir, docs_file, tmp_path, monkeypatch):

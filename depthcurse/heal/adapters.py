@@ -3,6 +3,7 @@ peft's format for the pruned model; `heal.healed` merges them when the healed mo
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -76,4 +77,8 @@ def save_adapters(peft_model, removed: tuple[int, ...], folder: Path) -> Path:
             peft_model.save_pretrained(str(folder))
         finally:
             config.target_modules = targets
+    # peft records the unpruned model's path as the base: AutoPeftModel would load the adapters onto
+    # it without a word, every layer after the cut one off; with none named it refuses instead
+    path = Path(folder) / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "base_model_name_or_path": None}, indent=2))
     return Path(folder)
