@@ -195,6 +195,14 @@ _SINGLE = re.compile(r"-?\d+")
 _RANGE = re.compile(r"(-?\d+)\s*-\s*(-?\d+)")
 
 
+def parse_removal(spec: str, n_layers: int) -> list[int]:
+    """`parse_layers` for layers to remove: at least one must stay."""
+    removed = parse_layers(spec, n_layers)
+    if len(removed) == n_layers:
+        raise DepthcurseError(f"--layers {spec} removes all {n_layers} layers")
+    return removed
+
+
 def parse_layers(spec: str | None, n_layers: int) -> list[int]:
     """Parse a layer spec such as ``"0,3,5-8"`` or ``"-1"`` into sorted indices.
 

@@ -40,7 +40,7 @@ def drop(
 
     from depthcurse.card import provenance, write_card
     from depthcurse.hub import check_repo
-    from depthcurse.surgery import num_layers, parse_layers, save_pruned
+    from depthcurse.surgery import num_layers, parse_removal, save_pruned
 
     if push_to_hub is not None:
         check_repo(push_to_hub)
@@ -53,9 +53,7 @@ def drop(
     if (out / "config.json").exists():
         raise DepthcurseError(f"--out {out} already holds a checkpoint: choose an empty or new folder")
     n = num_layers(loaded.model)
-    removed = parse_layers(layers, n)
-    if len(removed) == n:
-        raise DepthcurseError(f"--layers {layers} removes all {n} layers")
+    removed = parse_removal(layers, n)
     path = save_pruned(loaded.model, loaded.tokenizer, removed, out)
     command = shlex.join(["depthcurse", "drop", model, "--layers", ",".join(map(str, removed)), "--out", str(out)])
     write_card(path, provenance(loaded, removed, n, why="chosen by hand (--layers)", made_by="depthcurse drop", command=command))
@@ -75,6 +73,14 @@ def push(folder: Path, repo: str, private: bool) -> None:
     console.print(f"pushed {folder} to {url}")
 
 
+def _in_turns(measure) -> dict:
+    """`measure(on_step)`, the two models' turns shown on a progress bar."""
+    progress = progress_bar()
+    bar = progress.add_task("timing, in turns", total=None)
+    with showing(progress):
+        return measure(lambda name, done, total: progress.update(bar, completed=done, total=total, description=f"timing the {name} model"))
+
+
 def measure_checkpoint(checkpoint: Path, out: Path, *, device: str, dtype: str, trust_remote_code: bool = False, cfg=None) -> dict:
     """`checkpoint` (made by drop or heal) against the model it came from, timed in turns; the
     record written to `out`/speed.json and the checkpoint's card, and shown."""
@@ -84,11 +90,7 @@ def measure_checkpoint(checkpoint: Path, out: Path, *, device: str, dtype: str, 
     folder, record = speeds.made_from(checkpoint)
     options = dict(dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     base, pruned = load(record.get("load_as") or record["model"], **options), load(str(folder), **options)
-    progress = progress_bar()
-    bar = progress.add_task("timing, in turns", total=None)
-    with showing(progress):
-        result = speeds.speed_against(base, pruned, cfg or speeds.SpeedConfig(),
-                                      on_step=lambda name, done, total: progress.update(bar, completed=done, total=total, description=f"timing the {name} model"))
+    result = _in_turns(lambda on_step: speeds.speed_against(base, pruned, cfg or speeds.SpeedConfig(), on_step=on_step))
     result["run"].update(removed=record["removed_layers"], pruned=f"{record['model']} without layers {','.join(map(str, record['removed_layers']))} ({folder})")
     written = speeds.write_speed(result, out)
     add_speed(folder, [("figure", "unpruned", "pruned", "pruned / unpruned", "floor"), *speeds.speed_rows(result)])
@@ -114,7 +116,7 @@ def speed(
 ) -> None:
     """What a removal buys: prefill tokens/s, decoding time per token, peak memory, parameters and KV cache, pruned against unpruned, in turns."""
     from depthcurse import speed as speeds  # lazy: start-up
-    from depthcurse.surgery import num_layers, parse_layers
+    from depthcurse.surgery import num_layers, parse_removal
 
     cfg = speeds.SpeedConfig(prefill_batch=prefill_batch, prefill_len=prefill_len, decode_batches=speeds.parse_batches(decode_batches),
                              prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats).checked()
@@ -129,14 +131,8 @@ def speed(
         measure_checkpoint(Path(model), out_dir, device=device, dtype=dtype, trust_remote_code=trust_remote_code, cfg=cfg)
         return
     loaded = load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
-    removed = parse_layers(layers, num_layers(loaded.model))
-    if len(removed) == num_layers(loaded.model):
-        raise DepthcurseError(f"--layers {layers} removes all {len(removed)} layers")
-    progress = progress_bar()
-    bar = progress.add_task("timing, in turns", total=None)
-    with showing(progress):
-        result = speeds.speed_in_memory(loaded, removed, cfg,
-                                        on_step=lambda name, done, total: progress.update(bar, completed=done, total=total, description=f"timing the {name} model"))
+    removed = parse_removal(layers, num_layers(loaded.model))
+    result = _in_turns(lambda on_step: speeds.speed_in_memory(loaded, removed, cfg, on_step=on_step))
     written = speeds.write_speed(result, out_dir)
     console.print(speeds.speed_table(result))
     console.print(f"wrote {written}")

@@ -32,10 +32,8 @@ from depthcurse.surgery import num_layers
 def parse_ks(text: str, n_layers: int | None = None) -> list[int]:
     """--ks: numbers of layers (2,4,8) or shares of the depth (25%, 12.5%), as numbers of layers of
     a model of `n_layers` (a share is rounded, and at least 1). Without `n_layers`, only checked."""
-    ks = set()
-    for token in (t.strip() for t in text.split(",")):
-        if not token:
-            continue
+    ks, tokens = set(), [t.strip() for t in text.split(",") if t.strip()]
+    for token in tokens:
         if token.endswith("%"):
             share = _number(token[:-1], f"--ks {text!r}: give numbers of layers or shares of the depth, e.g. 2,4,8 or 25%")
             if not 0 < share <= 100:
@@ -47,7 +45,7 @@ def parse_ks(text: str, n_layers: int | None = None) -> list[int]:
             ks.add(int(token))
         except ValueError:
             raise DepthcurseError(f"--ks {text!r}: give numbers of layers or shares of the depth, e.g. 2,4,8 or 25%") from None
-    if (not ks and n_layers is not None) or not any(t.strip() for t in text.split(",")) or (ks and min(ks) < 1):
+    if not tokens or min(ks, default=1) < 1:
         raise DepthcurseError(f"--ks {text!r}: give numbers of layers, each at least 1, or shares of the depth, e.g. 2,4,8 or 25%")
     return sorted(ks)
 
@@ -166,8 +164,8 @@ def heal_within(loaded: LoadedModel, load: Callable[[], LoadedModel], cfg: HealC
     above = [t["k"] for t in tried if not t["within"]]
     why = (f"k = {chosen}: its healed held-out loss {next(t['healed_loss'] for t in tried if t['k'] == chosen):.4f} is within {max_drop:.1%} of the "
            f"unpruned model's {unpruned:.4f} (at most {limit:.4f})" if chosen else f"no k of the order stays within {max_drop:.1%} of the unpruned model's loss {unpruned:.4f}")
-    if above:
-        why += f"; k = {min(k for k in above if k > chosen)} is not" if any(k > chosen for k in above) else ""
+    if above:  # a bisection only fails above the k it keeps
+        why += f"; k = {min(above)} is not"
     elif chosen == ks[-1]:
         why += f"; it is the order's longest prefix tried ({ks[-1]})"
     curve.record["budget"] = {"max_drop": max_drop, "measure": "held-out loss", "unpruned": unpruned, "limit": limit, "probes": tried, "chosen": chosen,
