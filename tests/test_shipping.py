@@ -94,6 +94,19 @@ def test_speed_on_the_command_line_measures_a_checkpoint_against_its_source(run_
     assert "## What a removal buys" in page and "prefill" in page
 
 
+def test_speeds_bad_inputs_get_one_line(run_cli, tiny_model_dir, tmp_path):
+    from helpers import assert_one_line_error
+
+    code, _, err = run_cli("drop", tiny_model_dir, "--layers", "1", "--out", tmp_path / "dropped")
+    assert code == 0, err
+    assert_one_line_error(*run_cli("speed", tiny_model_dir, "--out", tmp_path / "a"), "give --layers L (removed in memory), or a checkpoint drop or heal made")
+    assert_one_line_error(*run_cli("speed", tmp_path / "dropped", "--layers", "2", "--out", tmp_path / "b"), "without layers 1: it is measured against the model it came from")
+    assert_one_line_error(*run_cli("speed", tiny_model_dir, "--layers", "0-3", "--out", tmp_path / "c"), "--layers 0-3 removes all 4 layers")
+    assert_one_line_error(*run_cli("speed", tiny_model_dir, "--layers", "1", "--repeats", "0"), "--repeats must be at least 1, got 0")
+    assert_one_line_error(*run_cli("speed", tiny_model_dir, "--layers", "1", "--decode-batches", "1,x"), "--decode-batches '1,x': give batch sizes, e.g. 1,8")
+    assert_one_line_error(*run_cli("speed", tiny_model_dir, "--layers", "1", "--decode-batches", "0"), "--decode-batches must be batch sizes of at least 1, got 0")
+
+
 def _front_matter(path: Path) -> dict:
     import yaml
 
