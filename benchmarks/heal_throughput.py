@@ -33,6 +33,8 @@ from pathlib import Path
 
 from peak_memory import PeakMemory, run_variants, write_json
 
+from depthcurse.speed.paired import PairedRatio, judge
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -234,11 +236,13 @@ def interleaved(args) -> dict:
     trainer = times["trainer-lm"][measured]
     summary = {}
     for way, ts in times.items():
-        ratios = sorted(t / b for t, b in zip(ts[measured], trainer))
+        pairs = PairedRatio([t / b for t, b in zip(ts[measured], trainer)])  # each step against the Trainer's step beside it
+        ratios = sorted(pairs.ratios)
         q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
-        summary[way] = {"median_step_s": statistics.median(ts[measured]), "ratio_median": statistics.median(ratios), "ratio_quartiles": [q[0], q[2]],
-                        "ratio_range": [ratios[0], ratios[-1]], "steps_s": ts, "losses": losses[way],
-                        "trained_params": ours[way][1] if way in ours else None}
+        verdict = judge(pairs)
+        summary[way] = {"median_step_s": statistics.median(ts[measured]), "ratio_median": pairs.median, "ratio_interval": pairs.interval,
+                        "ratio_quartiles": [q[0], q[2]], "ratio_range": [ratios[0], ratios[-1]], "verdict": verdict.status, "verdict_reason": verdict.reason,
+                        "steps_s": ts, "losses": losses[way], "trained_params": ours[way][1] if way in ours else None}
     return {"ways": summary, "profiles": profiles, "tokens_per_step": rows[0].tokens, "threads": torch.get_num_threads()}
 
 
@@ -278,8 +282,10 @@ def main() -> None:
               f"interleaved step by step in one process; {platform.machine()}, {os.cpu_count()} cores, {result['threads']} threads")
         for way, r in result["ways"].items():
             lo, hi = r["ratio_quartiles"]
+            interval = "no 95% interval" if r["ratio_interval"] is None else "95% interval {:.3f}-{:.3f}".format(*r["ratio_interval"])
             print(f"{way:<13} median step {r['median_step_s']:7.3f} s   / the Trainer's: median {r['ratio_median']:.3f}x "
-                  f"(quartiles {lo:.3f}-{hi:.3f}, range {r['ratio_range'][0]:.3f}-{r['ratio_range'][1]:.3f})")
+                  f"({interval}, quartiles {lo:.3f}-{hi:.3f}, range {r['ratio_range'][0]:.3f}-{r['ratio_range'][1]:.3f})"
+                  + ("" if r["verdict"] == "ok" or way == "trainer-lm" else f"  NOT A FINDING: {r['verdict']}: {r['verdict_reason']}"))
         for way, table in result["profiles"].items():
             print(f"\n=== one step of {way} ===\n{table}")
         summary = {"args": {k: v for k, v in vars(args).items() if k not in ("variant", "out")}, **result, "date": time.strftime("%Y-%m-%d")}

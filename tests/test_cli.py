@@ -251,3 +251,31 @@ def test_drop_keeps_the_checkpoints_dtype(run_cli, tiny_model_dir, tmp_path):
     pruned = AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", dtype="auto")
     assert pruned.dtype == torch.bfloat16 and json.loads((tmp_path / "pruned" / "config.json").read_text())["dtype"] == "bfloat16"
     assert (tmp_path / "pruned" / "model.safetensors").stat().st_size < 0.6 * (tiny_model_dir / "model.safetensors").stat().st_size
+
+
+def test_long_work_off_a_terminal_says_a_line_per_finished_step(run_cli, tiny_model_dir, text_file, tmp_path, capsys):
+    """Redirected to a file, a live bar shows nothing until it stops: each finished step is a line
+    on stderr instead (at most one every few seconds, and always the last), and stdout keeps the results."""
+    from depthcurse.cli.shared import LineProgress, progress_bar, showing
+
+    capsys.readouterr()  # what the fixtures printed
+    bar = progress_bar()
+    assert isinstance(bar, LineProgress)
+    bar.every_s = 0.0
+    task = bar.add_task("variants", total=3)
+    with showing(bar):
+        for done in (1, 1, 2, 3):  # an update that finishes nothing says nothing
+            bar.update(task, completed=done)
+    said = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert [line.split(" (")[0] for line in said] == ["variants: 1/3", "variants: 2/3", "variants: 3/3"]
+    bar = progress_bar()
+    task = bar.add_task("variants", total=3)
+    with showing(bar):
+        for done in (1, 2, 3):  # faster than one line in every_s: the first and the last
+            bar.update(task, completed=done)
+    assert [line.split(" (")[0] for line in capsys.readouterr().err.splitlines() if line.strip()] == ["variants: 1/3", "variants: 3/3"]
+    code, out, err = run_cli("prune", tiny_model_dir, "--task", "ppl", "--data", text_file, "--limit", "2", "--seq-len", "16", "--out", tmp_path / "p")
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[-1].startswith("finished: 5/5 ("), err  # the unpruned model and 4 variants
+    assert "5/5" not in out

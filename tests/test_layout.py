@@ -139,3 +139,12 @@ def test_the_checks_see_a_cycle_and_a_lazy_import(tmp_path, monkeypatch):
     assert _cycles(_graph()) == [["depthcurse.a", "depthcurse.b"]]
     with pytest.raises(AssertionError, match="b.py:2 imports depthcurse.a inside a function"):
         test_package_imports_sit_at_the_top_of_modules()
+
+
+def test_the_commands_import_only_the_shared_cli_and_the_library():
+    """A family of commands never imports another: what two share lives in `cli.shared` or below."""
+    commands = [name for name in MODULES if name.startswith("depthcurse.cli.") and name != "depthcurse.cli.shared"]
+    assert len(commands) >= 5
+    crossing = [f"{name} imports {target}" for name in commands for target, _, _ in _imports(name, MODULES[name])
+                if target.startswith("depthcurse.cli") and target != "depthcurse.cli.shared"]
+    assert crossing == []

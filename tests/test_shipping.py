@@ -24,7 +24,8 @@ from depthcurse.surgery import find_blocks, removed_layers
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SMALL = SpeedConfig(prefill_batch=2, prefill_len=12, decode_batches=(1, 3), prompt_len=5, new_tokens=4, repeats=3, warmup=1)
+SMALL = SpeedConfig(prefill_batch=2, prefill_len=12, decode_batches=(1, 3), prompt_len=5, new_tokens=4, repeats=6, max_repeats=12, warmup=1)
+TIMED = ("prefill_time", "decode_time_b1", "decode_time_b3")
 
 
 class BlockClock:
@@ -43,8 +44,38 @@ class BlockClock:
         return float(self.count - self.mark)
 
 
-def _speed(as_model, model, clock):
-    return measure_speed(as_model, torch.device("cpu"), SMALL, 300, clock=clock)
+class AnyBlockClock(BlockClock):
+    """The same, counting the blocks of every model, those loaded after it too (a global hook)."""
+
+    def __init__(self):
+        self.count, self.mark = 0, 0
+
+    def __enter__(self):
+        def count(module, args, output):
+            if type(module).__name__.endswith("DecoderLayer"):
+                self.count += 1
+
+        self.handle = torch.nn.modules.module.register_module_forward_hook(count)
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+class WarpedClock(BlockClock):
+    """Blocks run, then bent by `warp(seconds, stops so far)`: a machine that changes while it measures."""
+
+    def __init__(self, model, warp):
+        super().__init__(model)
+        self.warp, self.stops = warp, 0
+
+    def stop(self):
+        self.stops += 1
+        return self.warp(super().stop(), self.stops)
+
+
+def _speed(as_model, model, clock, cfg=SMALL):
+    return measure_speed(as_model, torch.device("cpu"), cfg, 300, clock=clock)
 
 
 def test_a_model_against_itself_is_one_and_four_of_six_layers_are_four_sixths():
@@ -57,29 +88,87 @@ def test_a_model_against_itself_is_one_and_four_of_six_layers_are_four_sixths():
     assert all(v == 1.0 for k, v in itself["ratios"].items() if k != "peak_memory_prefill") and all(v == 1.0 for v in itself["floor"].values())
     pruned = _speed({"unpruned": lambda: as_is(model), "pruned": lambda: removed_layers(model, (1, 4))}, model, clock)
     u, p, ratios = pruned["models"]["unpruned"], pruned["models"]["pruned"], pruned["ratios"]
-    assert u["prefill"]["seconds"]["runs"] == [6.0] * 3 and p["prefill"]["seconds"]["runs"] == [4.0] * 3  # blocks per prefill
+    # steady from the first pairs: the fewest that give an interval, no more
+    assert u["prefill"]["seconds"]["runs"] == [6.0] * 6 and p["prefill"]["seconds"]["runs"] == [4.0] * 6  # blocks per prefill
     assert u["decode"]["1"]["seconds_per_token"]["median"] == 6.0  # blocks per generated token
     for key in ("prefill_time", "decode_time_b1", "decode_time_b3"):
         assert ratios[key] == pytest.approx(4 / 6)
     assert ratios["prefill_tokens_per_s"] == pytest.approx(6 / 4)
-    assert ratios["prefill_time"] == p["prefill"]["seconds"]["median"] / u["prefill"]["seconds"]["median"]
+    assert pruned["trusted"] and all(pruned["checks"][key]["status"] == "ok" and pruned["checks"][key]["interval"] == [4 / 6, 4 / 6] for key in TIMED)
+    # a time that is all blocks sits on the layers' share, below the arithmetic's and the bytes' (the head stays)
+    assert all(pruned["checks"][key]["regime"] == "layers" for key in TIMED)
     params = sum(p.numel() for p in model.parameters())
     block = sum(p.numel() for p in model.model.layers[1].parameters())
     assert (u["params"], p["params"]) == (params, params - 2 * block) and ratios["params"] == pytest.approx((params - 2 * block) / params)
     assert u["kv_bytes_per_token"] == 6 * 2 * 2 * 8 * 4 and ratios["kv_bytes_per_token"] == pytest.approx(4 / 6)  # layers x K,V x 2 heads x 8 x fp32
-    assert pruned["floor"]["kv_bytes_per_token"] == pytest.approx(4 / 6) and 4 / 6 < pruned["floor"]["prefill_time"] < 1  # the head does not shrink
+    shares = pruned["shares"]["prefill_time"]
+    assert shares["layers"] == pytest.approx(4 / 6) and 4 / 6 < shares["arithmetic"] < 1 and 4 / 6 < shares["bytes"] < 1  # the head does not shrink
+    assert pruned["floor"]["kv_bytes_per_token"] == pytest.approx(4 / 6) and pruned["floor"]["prefill_time"] == pytest.approx(4 / 6)
     assert [row[0].split(":")[0] for row in speed_rows(pruned)] == ["layers", "prefill, 2 x 12 tokens", "prefill", "decoding, batch 1, 4 tokens after 5",
                                                                     "decoding, batch 3, 4 tokens after 5", "parameters", "peak memory in prefill",
                                                                     "KV cache"]
 
 
+def test_a_timing_that_cannot_be_trusted_says_so():
+    """Pairs cancel a machine that drifts between them; one that jumps gives a wide interval,
+    flagged unstable; a ratio below the layers' share, or above 1, is flagged impossible. The
+    references are the clocks' own arithmetic."""
+    model = tiny_llama(300, layers=6)
+    as_model = {"unpruned": lambda: as_is(model), "pruned": lambda: removed_layers(model, (1, 4))}
+    per_round = 2 * len(TIMED)  # measurements a round takes: each model's prefill and decodings
+
+    def drifting(seconds, stops):  # 30% slower every round: the ratio of two medians would move, a pair's does not
+        return seconds * 1.3 ** ((stops - 1) // per_round)
+
+    steady = _speed(as_model, model, WarpedClock(model, drifting))
+    assert steady["trusted"] and all(steady["ratios"][key] == pytest.approx(4 / 6) for key in TIMED)
+    assert steady["checks"]["prefill_time"]["pairs"] == 6
+
+    def jumping(seconds, stops):  # another job takes the machine for every fifth measurement
+        return seconds * (8 if stops % 5 == 0 else 1)
+
+    jumped = _speed(as_model, model, WarpedClock(model, jumping))
+    flagged = {key: c["status"] for key, c in jumped["checks"].items() if c["status"] != "ok"}
+    assert not jumped["trusted"] and set(flagged.values()) == {"unstable"}
+    assert all(jumped["checks"][key]["pairs"] == SMALL.max_repeats for key in TIMED)  # it tried until the budget of pairs
+
+    below = _speed(as_model, model, WarpedClock(model, lambda seconds, stops: seconds**2))  # pruned 16 against 36: 0.44x < 4/6 of the layers
+    assert all(below["checks"][key]["status"] == "impossible" for key in TIMED) and not below["trusted"]
+    assert "below 0.667x, the share of the layers kept" in below["checks"]["prefill_time"]["reason"]
+    slower = _speed(as_model, model, WarpedClock(model, lambda seconds, stops: 1000 - seconds))  # the pruned model 'slower'
+    assert all(slower["checks"][key]["status"] == "impossible" for key in TIMED) and "measured slower" in slower["checks"]["decode_time_b1"]["reason"]
+
+
+def test_the_median_interval_is_the_binomial_order_statistics():
+    """Against an independent count: for each n, the interval's coverage computed by brute force
+    over every sign pattern of n values around the median."""
+    import itertools
+
+    from depthcurse.speed.paired import median_interval
+
+    assert median_interval([1.0] * 5) is None  # 2 / 2**5 > 5%: five values cannot bound the median at 95%
+    for n in (6, 9, 14):
+        xs = [float(i) for i in range(n)]
+        lo, hi = median_interval(xs)
+        k = int(lo) + 1  # 1-based order statistic
+        assert hi == xs[n - k]
+        # P(fewer than k values below the median, or fewer than k above): the interval misses it
+        miss = sum(1 for signs in itertools.product((0, 1), repeat=n) if sum(signs) < k or n - sum(signs) < k) / 2**n
+        assert miss <= 0.05
+        wider_miss = sum(1 for signs in itertools.product((0, 1), repeat=n) if sum(signs) < k + 1 or n - sum(signs) < k + 1) / 2**n
+        assert wider_miss > 0.05  # and it is the tightest such interval
+
+
 def test_speed_on_the_command_line_measures_a_checkpoint_against_its_source(run_cli, tiny_model_dir, tmp_path):
+    """The CLI's record; its card gets the table only from a result that passed the checks: two
+    pairs (no interval) leave it as it was, a steady run (blocks counted) writes it."""
     from depthcurse.report import write_report
+    from depthcurse.speed import speed_checkpoint
 
     code, stdout, err = run_cli("drop", tiny_model_dir, "--layers", "1,2", "--out", tmp_path / "dropped")
     assert code == 0, err
-    code, stdout, err = run_cli("speed", tmp_path / "dropped", "--repeats", "2", "--prefill-len", "16", "--prompt-len", "4", "--new-tokens", "3",
-                                "--decode-batches", "1,2", "--out", tmp_path / "speed")
+    code, stdout, err = run_cli("speed", tmp_path / "dropped", "--repeats", "2", "--max-repeats", "2", "--prefill-len", "16", "--prompt-len", "4",
+                                "--new-tokens", "3", "--decode-batches", "1,2", "--out", tmp_path / "speed")
     assert code == 0, err
     record = json.loads((tmp_path / "speed" / "speed.json").read_text())
     models = record["models"]
@@ -87,9 +176,17 @@ def test_speed_on_the_command_line_measures_a_checkpoint_against_its_source(run_
     for name in ("unpruned", "pruned"):
         assert models[name]["prefill"]["tokens_per_s"] > 0 and len(models[name]["prefill"]["seconds"]["runs"]) == 2
         assert set(models[name]["decode"]) == {"1", "2"} and models[name]["prefill"]["peak_rise_bytes"] >= 0
-    assert "what the removal buys" in " ".join(stdout.split())
+    assert "what the removal buys" in " ".join(stdout.split()) and "NOT TRUSTED" in " ".join(stdout.split())
+    assert not record["trusted"] and record["card"] is None and record["checks"]["prefill_time"]["status"] == "unstable"
+    assert "not a finding, prefill time: unstable: 2 pairs give no 95% interval" in " ".join(err.split()) and "model card was left" in err
     card = (tmp_path / "dropped" / "README.md").read_text()
-    assert "## What the removal buys" in card and "KV cache: bytes per token" in card
+    assert "## What the removal buys" not in card
+    cfg = SpeedConfig(prefill_len=16, prompt_len=4, new_tokens=3, decode_batches=(1, 2), max_repeats=6)
+    with AnyBlockClock() as clock:
+        steady = speed_checkpoint(tmp_path / "dropped", tmp_path / "speed", cfg, device="cpu", clock=clock)
+    assert steady["trusted"] and steady["card"] == str(tmp_path / "dropped" / "README.md") and steady["ratios"]["decode_time_b2"] == 0.5
+    card = (tmp_path / "dropped" / "README.md").read_text()
+    assert "## What the removal buys" in card and "KV cache: bytes per token" in card and "near the layers share" in card
     page = write_report([tmp_path / "speed"], tmp_path / "page.md").read_text()
     assert "## What a removal buys" in page and "prefill" in page
 

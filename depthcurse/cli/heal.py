@@ -11,9 +11,8 @@ from rich.text import Text
 
 from depthcurse.cli.shared import (
     DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, err_console, join_ranks, load,
-    model_line, once, progress_bar, showing, slug,
+    model_line, once, progress_bar, push, showing, slug, time_checkpoint,
 )
-from depthcurse.cli.models import measure_checkpoint, push
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import ensure_out_dir
 
@@ -169,7 +168,7 @@ def heal(
                           f"({record['hf_dtype']}, {record['hf_bytes'] / 1e6:,.1f} MB, with its model card)")
             if speed:
                 del loaded  # the source is loaded again beside the checkpoint, in the dtype both are timed in
-                measure_checkpoint(Path(record["hf"]), out_dir, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+                time_checkpoint(Path(record["hf"]), out_dir, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
             if push_to_hub is not None:
                 push(Path(record["hf"]), push_to_hub, private)
     finally:

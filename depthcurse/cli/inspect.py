@@ -8,8 +8,7 @@ from typing import Optional
 import typer
 
 from depthcurse.cli.shared import (
-    DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, load, model_line, progress_bar,
-    say, showing, slug,
+    DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, load, measure_angular, slug,
 )
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import ensure_out_dir
@@ -51,21 +50,3 @@ def angular_distance(
     paths.append(angular.plot_layers(result, out_dir / "layers.png"))
     console.print(angular.angular_table(result))
     console.print(f"wrote {', '.join(str(p) for p in paths)}")
-
-
-def measure_angular(loaded, out_dir: Path, *, data: str, tokens: int, seq_len: int | None, position: str, **options):
-    """The angular pass, with a header line and a progress bar, and a warning when the text ran out."""
-    from depthcurse.angular import measure_loaded  # lazy: start-up
-    from depthcurse.loading import window_length
-
-    seq_len = window_length(loaded.model, seq_len)  # a bad one is refused before anything is printed
-    header = f"{model_line(loaded)} · angular distance on {data}, {position} token · results in {out_dir}"
-    progress = progress_bar()
-    bar = progress.add_task("tokens", total=None)
-    with showing(progress):
-        result, tokenised, label = measure_loaded(loaded, data, tokens=tokens, seq_len=seq_len, position=position,
-                                                  on_batch=lambda done, total: progress.update(bar, completed=done, total=total),
-                                                  on_start=lambda: progress.console.print(header), **options)
-    if tokenised.exhausted:
-        say("warning", f"{label} holds only {tokenised.tokens} tokens of {len(tokenised.sequences)} documents at --seq-len {seq_len} (asked for --tokens {tokens}): used all of them")
-    return result

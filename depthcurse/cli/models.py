@@ -11,8 +11,8 @@ from rich.table import Table
 from rich.text import Text
 
 from depthcurse.cli.shared import (
-    DeviceOpt, ModelArg, RevisionOpt, TrustOpt, console, err_console, load, progress_bar, showing,
-    slug,
+    DeviceOpt, ModelArg, RevisionOpt, TrustOpt, console, err_console, in_turns, load, progress_bar,
+    push, show_speed, showing, slug, time_checkpoint,
 )
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import ensure_out_dir
@@ -60,43 +60,9 @@ def drop(
     console.print(f"saved {loaded.name} without layers {','.join(map(str, removed))} ({n - len(removed)} of {n} layers left) and its model card to {path}")
     if speed:
         del loaded  # the source is loaded again beside the checkpoint, in the dtype both are timed in
-        measure_checkpoint(path, out, device=device, dtype="auto", trust_remote_code=trust_remote_code)
+        time_checkpoint(path, out, device=device, dtype="auto", trust_remote_code=trust_remote_code)
     if push_to_hub is not None:
         push(path, push_to_hub, private)
-
-
-def push(folder: Path, repo: str, private: bool) -> None:
-    from depthcurse.hub import push_folder  # lazy: start-up
-
-    with console.status(f"uploading {folder} to the hub repository {repo}..."):
-        url = push_folder(folder, repo, private=private)
-    console.print(f"pushed {folder} to {url}")
-
-
-def _in_turns(measure) -> dict:
-    """`measure(on_step)`, the two models' turns shown on a progress bar."""
-    progress = progress_bar()
-    bar = progress.add_task("timing, in turns", total=None)
-    with showing(progress):
-        return measure(lambda name, done, total: progress.update(bar, completed=done, total=total, description=f"timing the {name} model"))
-
-
-def measure_checkpoint(checkpoint: Path, out: Path, *, device: str, dtype: str, trust_remote_code: bool = False, cfg=None) -> dict:
-    """`checkpoint` (made by drop or heal) against the model it came from, timed in turns; the
-    record written to `out`/speed.json and the checkpoint's card, and shown."""
-    from depthcurse import speed as speeds  # lazy: start-up
-    from depthcurse.card import add_speed
-
-    folder, record = speeds.made_from(checkpoint)
-    options = dict(dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-    base, pruned = load(record.get("load_as") or record["model"], **options), load(str(folder), **options)
-    result = _in_turns(lambda on_step: speeds.speed_against(base, pruned, cfg or speeds.SpeedConfig(), on_step=on_step))
-    result["run"].update(removed=record["removed_layers"], pruned=f"{record['model']} without layers {','.join(map(str, record['removed_layers']))} ({folder})")
-    written = speeds.write_speed(result, out)
-    add_speed(folder, [("figure", "unpruned", "pruned", "pruned / unpruned", "floor"), *speeds.speed_rows(result)])
-    console.print(speeds.speed_table(result))
-    console.print(f"wrote {written} and the speed table into {folder}/README.md")
-    return result
 
 
 def speed(
@@ -108,7 +74,10 @@ def speed(
     decode_batches: str = typer.Option("1,8", "--decode-batches", help="Batch sizes of the decoding measurements."),
     prompt_len: int = typer.Option(128, "--prompt-len", help="Tokens of the prompt before decoding."),
     new_tokens: int = typer.Option(32, "--new-tokens", help="Tokens generated, one at a time with the KV cache, per decoding measurement."),
-    repeats: int = typer.Option(5, "--repeats", help="Measurements of each model, taken in turns (after one to warm up)."),
+    repeats: int = typer.Option(6, "--repeats", help="Pairs at least (each model once, in turns, after one pair to warm up); 6 is the fewest a 95% interval of the median rests on."),
+    max_repeats: int = typer.Option(40, "--max-repeats", help="Pairs at most: more are taken until every time ratio's interval is within --tolerance."),
+    max_seconds: float = typer.Option(300.0, "--max-seconds", help="Seconds of measuring after which no pair is begun, steady or not."),
+    tolerance: float = typer.Option(0.05, "--tolerance", help="A time ratio is steady when its 95% interval is within +- this share of it (0.05: +-5%)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (the checkpoint's dtype on a GPU, fp32 on a CPU), bf16, fp16 or fp32."),
     device: str = DeviceOpt,
     trust_remote_code: bool = TrustOpt,
@@ -119,7 +88,8 @@ def speed(
     from depthcurse.surgery import num_layers, parse_removal
 
     cfg = speeds.SpeedConfig(prefill_batch=prefill_batch, prefill_len=prefill_len, decode_batches=speeds.parse_batches(decode_batches),
-                             prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats).checked()
+                             prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, max_repeats=max_repeats, max_seconds=max_seconds,
+                             tolerance=tolerance).checked()
     made = speeds.made_here(Path(model)) if Path(model).is_dir() else None
     if made is not None and layers is not None:
         raise DepthcurseError(f"{model} was made by depthcurse without layers {','.join(map(str, made[1]['removed_layers']))}: it is measured against "
@@ -128,14 +98,12 @@ def speed(
         raise DepthcurseError("give --layers L (removed in memory), or a checkpoint drop or heal made (measured against its source)")
     out_dir = ensure_out_dir(out or Path("runs") / "speed" / slug(model))
     if made is not None:
-        measure_checkpoint(Path(model), out_dir, device=device, dtype=dtype, trust_remote_code=trust_remote_code, cfg=cfg)
+        time_checkpoint(Path(model), out_dir, device=device, dtype=dtype, trust_remote_code=trust_remote_code, cfg=cfg)
         return
     loaded = load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
     removed = parse_removal(layers, num_layers(loaded.model))
-    result = _in_turns(lambda on_step: speeds.speed_in_memory(loaded, removed, cfg, on_step=on_step))
-    written = speeds.write_speed(result, out_dir)
-    console.print(speeds.speed_table(result))
-    console.print(f"wrote {written}")
+    result = in_turns(lambda on_step: speeds.speed_in_memory(loaded, removed, cfg, on_step=on_step))
+    show_speed(result, speeds.write_speed(result, out_dir))
 
 
 def finetune_qa(

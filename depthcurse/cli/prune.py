@@ -10,9 +10,8 @@ from rich.text import Text
 
 from depthcurse.cli.shared import (
     DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, err_console, join_ranks, load,
-    model_line, once, progress_bar, say, showing, slug,
+    measure_angular, model_line, once, progress_bar, say, showing, slug,
 )
-from depthcurse.cli.inspect import measure_angular
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import ensure_out_dir
 

@@ -53,9 +53,45 @@ def slug(text: str) -> str:
 
 
 def progress_bar(*extra_columns, **kwargs) -> Progress:
-    """The bar every long command shows: spinner, description, bar, done/total, extra columns, times."""
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), *extra_columns,
-                    TimeElapsedColumn(), TimeRemainingColumn(), console=console, **kwargs)
+    """The bar every long command shows: spinner, description, bar, done/total, extra columns, times.
+    Off a terminal (a log file, a pipe), where a live bar shows nothing until it stops, a line per
+    finished step instead (`LineProgress`)."""
+    kind = Progress if console.is_terminal else LineProgress
+    return kind(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), *extra_columns,
+                TimeElapsedColumn(), TimeRemainingColumn(), console=console, **kwargs)
+
+
+class LineProgress(Progress):
+    """A progress bar that draws nothing and writes one line to stderr each time a task finishes a
+    step (at most one every `every_s` seconds, and always its last): what a command redirected to a
+    file says while it works. stdout keeps only the results."""
+
+    every_s = 5.0
+
+    def __init__(self, *columns, **kwargs):
+        super().__init__(*columns, **{**kwargs, "disable": True})
+        self._said: dict = {}
+
+    def update(self, task_id, **kwargs) -> None:
+        super().update(task_id, **kwargs)
+        self._say(task_id)
+
+    def advance(self, task_id, advance: float = 1) -> None:
+        super().advance(task_id, advance)
+        self._say(task_id)
+
+    def _say(self, task_id) -> None:
+        import time  # lazy: start-up
+
+        task = self._tasks[task_id]
+        done, (last_done, last_t) = int(task.completed), self._said.get(task_id, (0, 0.0))
+        finished = task.total is not None and done >= task.total
+        if done <= last_done or (not finished and time.monotonic() - last_t < self.every_s):
+            return
+        self._said[task_id] = (done, time.monotonic())
+        elapsed = int(task.elapsed or 0)
+        total = f"/{int(task.total):,}" if task.total is not None else ""
+        err_console.print(Text(f"{task.description}: {done:,}{total} ({elapsed // 60}:{elapsed % 60:02d} elapsed)"), highlight=False, soft_wrap=True)
 
 
 @contextlib.contextmanager
@@ -117,9 +153,6 @@ def join_ranks(device: str, parallel: str = "requests"):
 RANK_0_GRACE_S = 5.0
 
 
-RANK_0_GRACE_S = 5.0
-
-
 def fail(text: str) -> None:
     """`error: text` and exit 1. Under torchrun only rank 0 talks: bad input fails every rank at
     once, rank 0 says why, and torchrun stops the others when it exits. So another rank waits
@@ -137,3 +170,60 @@ def fail(text: str) -> None:
         text = f"rank {rank}: {text}"
     say("error", text, "bold red")
     sys.exit(1)
+
+
+def measure_angular(loaded, out_dir: Path, *, data: str, tokens: int, seq_len: int | None, position: str, **options):
+    """The angular pass (angular-distance's, and prune --block's and --greedy's), with a header
+    line and a progress bar, and a warning when the text ran out."""
+    from depthcurse.angular import measure_loaded  # lazy: start-up
+    from depthcurse.loading import window_length
+
+    seq_len = window_length(loaded.model, seq_len)  # a bad one is refused before anything is printed
+    header = f"{model_line(loaded)} · angular distance on {data}, {position} token · results in {out_dir}"
+    progress = progress_bar()
+    bar = progress.add_task("tokens", total=None)
+    with showing(progress):
+        result, tokenised, label = measure_loaded(loaded, data, tokens=tokens, seq_len=seq_len, position=position,
+                                                  on_batch=lambda done, total: progress.update(bar, completed=done, total=total),
+                                                  on_start=lambda: progress.console.print(header), **options)
+    if tokenised.exhausted:
+        say("warning", f"{label} holds only {tokenised.tokens} tokens of {len(tokenised.sequences)} documents at --seq-len {seq_len} (asked for --tokens {tokens}): used all of them")
+    return result
+
+
+def push(folder: Path, repo: str, private: bool) -> None:
+    """`--push-to-hub` of drop and heal: the folder uploaded under a spinner."""
+    from depthcurse.hub import push_folder  # lazy: start-up
+
+    with console.status(f"uploading {folder} to the hub repository {repo}..."):
+        url = push_folder(folder, repo, private=private)
+    console.print(f"pushed {folder} to {url}")
+
+
+def in_turns(measure, first: str = "timing, in turns") -> dict:
+    """`measure(on_step)`, the two models' turns shown on a progress bar (`first`: what it says before the first turn)."""
+    progress = progress_bar()
+    bar = progress.add_task(first, total=None)
+    with showing(progress):
+        return measure(lambda name, done, total: progress.update(bar, completed=done, total=total, description=f"turns timed (the {name} model's last)"))
+
+
+def show_speed(record: dict, written: Path) -> None:
+    """A speed record's table, where it was written, and one line per ratio that is not a finding."""
+    from depthcurse.speed import distrusted, speed_table  # lazy: start-up
+
+    console.print(speed_table(record))
+    console.print(f"wrote {written}" + (f" and the speed table into {record['card']}" if record.get("card") else ""))
+    for line in distrusted(record):
+        say("warning", f"not a finding, {line}" + ("; the model card was left as it was" if "card" in record else ""))
+
+
+def time_checkpoint(checkpoint: Path, out: Path, *, device: str, dtype: str, trust_remote_code: bool = False, cfg=None) -> dict:
+    """`speed` of a checkpoint made by drop or heal against its source (`speed.speed_checkpoint`), on a bar, and shown."""
+    from depthcurse import speed as speeds  # lazy: start-up
+
+    record = in_turns(lambda on_step: speeds.speed_checkpoint(checkpoint, out, cfg or speeds.SpeedConfig(), device=device, dtype=dtype,
+                                                              trust_remote_code=trust_remote_code, on_step=on_step),
+                      first=f"loading {checkpoint} and the model it came from")
+    show_speed(record, Path(out) / speeds.SPEED_JSON)
+    return record

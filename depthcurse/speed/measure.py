@@ -4,14 +4,18 @@ For each model: prefill (a batch of prompts through the model, building its KV c
 per second; decoding with the KV cache, one greedy token at a time after a prompt, in seconds
 per generated token, at batch 1 and a larger batch; the memory each of those needs above the
 model at rest; the parameters; the KV cache's bytes per token (read off the cache itself). The
-two models take turns (A B A B ...), each measurement repeated, so that a machine that slows
-down slows both; the median is reported with its spread (the extremes and the quartiles).
+two models take turns (A B, B A, ...), and each pair gives a ratio, so that a machine that slows
+down slows both halves of it; pairs are added until every time ratio's interval is tight or the
+budget is spent (`paired`). Each figure's median is reported with its spread (the extremes and
+the quartiles), each ratio with its interval and a verdict: steady, unstable, or impossible.
 
 On a GPU the times are CUDA events and the memory the allocator's peak above what was allocated
 before; on a CPU, wall time and the rise of the process's resident high-water mark (Linux). The
-ratios come from the same run's figures, and beside them the floor a removal could reach: the
-share of the arithmetic (matrix products of the blocks and the head, attention over the context)
-and of the parameters the kept model still has. Embeddings and head do not shrink.
+ratios come from the same run's figures, and beside each time ratio the shares the pruned model
+keeps of the layers, of the arithmetic (matrix products of the blocks and the head, attention over
+the context) and of the bytes moved (weights read, KV cache): which cost a time follows decides
+which share it reaches, and the lowest of them, the layers', is the floor. Embeddings and head do
+not shrink.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 from torch import nn
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.speed.paired import MIN_PAIRS, TOLERANCE, PairedRatio, Shares, enough, judge
 from depthcurse.surgery import find_blocks
 
 MODELS = ("unpruned", "pruned")
@@ -41,7 +46,10 @@ class SpeedConfig:
     decode_batches: tuple[int, ...] = (1, 8)
     prompt_len: int = 128
     new_tokens: int = 32
-    repeats: int = 5
+    repeats: int = MIN_PAIRS  # pairs at least; more until every time ratio is steady
+    max_repeats: int = 40
+    max_seconds: float = 300.0  # of measuring after the warm-up, checked after each pair
+    tolerance: float = TOLERANCE  # steady: the ratio's 95% interval within +-this share of it
     warmup: int = 1
     seed: int = 0
 
@@ -49,6 +57,10 @@ class SpeedConfig:
         for name in ("prefill_batch", "prefill_len", "prompt_len", "new_tokens", "repeats"):
             if getattr(self, name) < 1:
                 raise DepthcurseError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.max_repeats < self.repeats:
+            raise DepthcurseError(f"--max-repeats must be at least --repeats ({self.repeats}), got {self.max_repeats}")
+        if not self.tolerance > 0 or not self.max_seconds >= 0:
+            raise DepthcurseError(f"--tolerance must be above 0 and --max-seconds 0 or more, got {self.tolerance} and {self.max_seconds}")
         if self.warmup < 0:
             raise DepthcurseError(f"--warmup must be 0 or more, got {self.warmup}")
         if not self.decode_batches or min(self.decode_batches) < 1:
@@ -185,8 +197,10 @@ def _decode(model: nn.Module, prompt: torch.Tensor, new_tokens: int, clock: _Clo
 def measure_speed(as_model: dict[str, Callable[[], contextlib.AbstractContextManager]], device: torch.device, cfg: SpeedConfig, vocab: int,
                   on_step: Callable[[str, int, int], None] | None = None, clock=None) -> dict:
     """The two models `as_model` makes ("unpruned", "pruned": each a context in which the model
-    it gives is that one), measured in turns; the figures, their ratios and the floor. `clock`:
-    what times a measurement (`start()`, `stop() -> seconds`), CUDA events or wall time by default."""
+    it gives is that one), measured in turns until every time ratio is steady or the budget is
+    spent; the figures, their ratios (the median of the pairs'), each ratio's interval and verdict,
+    and the shares of layers, arithmetic and bytes it could reach. `clock`: what times a
+    measurement (`start()`, `stop() -> seconds`), CUDA events or wall time by default."""
     cfg = cfg.checked()
     clock, memory = clock or _Clock(device), PeakMemory(device)
     prefill_ids = _tokens(vocab, (cfg.prefill_batch, cfg.prefill_len), cfg.seed, device)
@@ -194,13 +208,16 @@ def measure_speed(as_model: dict[str, Callable[[], contextlib.AbstractContextMan
     names = list(as_model)
     out = {name: {"prefill_s": [], "prefill_rise": [], "decode_s": {b: [] for b in cfg.decode_batches}, "decode_rise": {b: [] for b in cfg.decode_batches}}
            for name in names}
-    steps = (cfg.warmup + cfg.repeats) * len(names)
-    done = 0
-    for r in range(cfg.warmup + cfg.repeats):
+    timed = ["prefill_time", *(f"decode_time_b{b}" for b in cfg.decode_batches)]
+    pairs = {key: PairedRatio([]) for key in timed}
+    done, started, r = 0, None, 0
+    while True:
+        this_round = {}
         for name in names if r % 2 == 0 else reversed(names):  # A B, then B A: neither always goes first
             with as_model[name]() as model:
                 seconds, rise, kv = _prefill(model, prefill_ids, clock, memory)
                 decoded = {b: _decode(model, prompts[b], cfg.new_tokens, clock, memory) for b in cfg.decode_batches}
+                this_round[name] = [seconds, *(decoded[b][0] for b in cfg.decode_batches)]
                 if r >= cfg.warmup:
                     record = out[name]
                     record["prefill_s"].append(seconds)
@@ -210,41 +227,78 @@ def measure_speed(as_model: dict[str, Callable[[], contextlib.AbstractContextMan
                         record["decode_s"][b].append(per_token)
                         record["decode_rise"][b].append(rise_b)
                 if r == 0:
-                    out[name]["params"] = sum(p.numel() for p in model.parameters())
-                    out[name]["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
-                    out[name]["layers"] = len(find_blocks(model).layers)
-                    out[name]["flops_per_token"] = {"prefill": arithmetic(model, (cfg.prefill_len + 1) / 2),
-                                                    "decode": arithmetic(model, cfg.prompt_len + (cfg.new_tokens + 1) / 2)}
+                    out[name].update(_static(model, cfg))
             done += 1
             if on_step:
-                on_step(name, done, steps)
+                on_step(name, done, 2 * max(r + 1, cfg.warmup + cfg.repeats))
+        if r >= cfg.warmup:
+            started = started or time.monotonic()
+            for key, u, p in zip(timed, this_round["unpruned"], this_round["pruned"]):
+                pairs[key].ratios.append(p / u)
+            if enough(list(pairs.values()), r + 1 - cfg.warmup, cfg.repeats, cfg.max_repeats, time.monotonic() - started, cfg.max_seconds, cfg.tolerance):
+                break
+        r += 1
     models = {}
-    for name, r in out.items():
-        prefill = _spread(r["prefill_s"])
+    for name, m in out.items():
+        prefill = _spread(m["prefill_s"])
         models[name] = {
-            "layers": r["layers"], "params": r["params"], "weight_bytes": r["weight_bytes"], "kv_bytes_per_token": r["kv_bytes_per_token"],
-            "flops_per_token": r["flops_per_token"],
-            "prefill": {"seconds": prefill, "tokens_per_s": prefill_ids.numel() / prefill["median"], "peak_rise_bytes": max(r["prefill_rise"])},
-            "decode": {str(b): {"seconds_per_token": _spread(r["decode_s"][b]), "peak_rise_bytes": max(r["decode_rise"][b])} for b in cfg.decode_batches},
+            **{k: m[k] for k in ("layers", "params", "weight_bytes", "read_bytes", "kv_bytes_per_token", "flops_per_token")},
+            "prefill": {"seconds": prefill, "tokens_per_s": prefill_ids.numel() / prefill["median"], "peak_rise_bytes": max(m["prefill_rise"])},
+            "decode": {str(b): {"seconds_per_token": _spread(m["decode_s"][b]), "peak_rise_bytes": max(m["decode_rise"][b])} for b in cfg.decode_batches},
         }
+    shares = _shares(models, cfg)
+    checks = {key: {**pairs[key].summary(), **asdict(judge(pairs[key], shares[key], ceiling=1.0, tolerance=cfg.tolerance))} for key in timed}
     return {"config": {**asdict(cfg), "decode_batches": list(cfg.decode_batches)}, "device": str(device), "models": models,
-            **_ratios(models, cfg), "includes": _includes(device)}
+            "ratios": _ratios(models, pairs), "shares": {key: dict(s) for key, s in shares.items()},
+            "floor": {**{key: s.lowest for key, s in shares.items()}, "kv_bytes_per_token": shares["prefill_time"]["layers"]},
+            "checks": checks, "trusted": all(c["status"] == "ok" for c in checks.values()), "includes": _includes(device)}
 
 
-def _ratios(models: dict, cfg: SpeedConfig) -> dict:
-    """Pruned over unpruned, for each figure of the same run, and the floor of each."""
+def _static(model: nn.Module, cfg: SpeedConfig) -> dict:
+    """What a model is, whatever the clock: layers, parameters, bytes and arithmetic per token."""
+    params = list(model.parameters())
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    # A lookup reads a row of the input embedding, not the table; a tied table is read whole as the head.
+    looked_up = embedding.weight if embedding is not None and (head is None or head.weight is not embedding.weight) else None
+    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    return {"params": sum(p.numel() for p in params), "weight_bytes": weight_bytes,
+            "read_bytes": weight_bytes - (looked_up.numel() * looked_up.element_size() if looked_up is not None else 0),
+            "layers": len(find_blocks(model).layers),
+            "flops_per_token": {"prefill": arithmetic(model, (cfg.prefill_len + 1) / 2), "decode": arithmetic(model, _decode_context(cfg))}}
+
+
+def _decode_context(cfg: SpeedConfig) -> float:
+    """The mean number of earlier positions a generated token attends to."""
+    return cfg.prompt_len + (cfg.new_tokens + 1) / 2
+
+
+def _shares(models: dict, cfg: SpeedConfig) -> dict[str, Shares]:
+    """For each time ratio, the share of layers, arithmetic and bytes moved the pruned model keeps.
+    Bytes: the weights read once per forward (the input embedding's table is only looked up), and
+    the KV cache written by a prefill or read by each decoding step at its mean context."""
     u, p = models["unpruned"], models["pruned"]
-    ratios = {"prefill_time": p["prefill"]["seconds"]["median"] / u["prefill"]["seconds"]["median"],
-              "prefill_tokens_per_s": p["prefill"]["tokens_per_s"] / u["prefill"]["tokens_per_s"],
-              **{f"decode_time_b{b}": p["decode"][str(b)]["seconds_per_token"]["median"] / u["decode"][str(b)]["seconds_per_token"]["median"]
-                 for b in cfg.decode_batches},
-              "params": p["params"] / u["params"], "weight_bytes": p["weight_bytes"] / u["weight_bytes"],
-              "kv_bytes_per_token": p["kv_bytes_per_token"] / u["kv_bytes_per_token"] if u["kv_bytes_per_token"] else None,
-              "peak_memory_prefill": (p["weight_bytes"] + p["prefill"]["peak_rise_bytes"]) / (u["weight_bytes"] + u["prefill"]["peak_rise_bytes"])}
-    floor = {"prefill_time": p["flops_per_token"]["prefill"] / u["flops_per_token"]["prefill"],
-             "decode_time": p["flops_per_token"]["decode"] / u["flops_per_token"]["decode"],
-             "params": ratios["params"], "kv_bytes_per_token": p["layers"] / u["layers"]}
-    return {"ratios": ratios, "floor": floor}
+    layers = p["layers"] / u["layers"]
+
+    def moved(m, kv_tokens):
+        return m["read_bytes"] + m["kv_bytes_per_token"] * kv_tokens
+
+    shares = {"prefill_time": Shares(layers=layers, arithmetic=p["flops_per_token"]["prefill"] / u["flops_per_token"]["prefill"],
+                                     bytes=moved(p, cfg.prefill_batch * cfg.prefill_len) / moved(u, cfg.prefill_batch * cfg.prefill_len))}
+    for b in cfg.decode_batches:
+        shares[f"decode_time_b{b}"] = Shares(layers=layers, arithmetic=p["flops_per_token"]["decode"] / u["flops_per_token"]["decode"],
+                                             bytes=moved(p, b * _decode_context(cfg)) / moved(u, b * _decode_context(cfg)))
+    return shares
+
+
+def _ratios(models: dict, pairs: dict[str, PairedRatio]) -> dict:
+    """Pruned over unpruned: each time the median of the pairs' ratios, the rest of the same run's figures."""
+    u, p = models["unpruned"], models["pruned"]
+    ratios = {key: pair.median for key, pair in pairs.items()}
+    return {"prefill_time": ratios.pop("prefill_time"), "prefill_tokens_per_s": 1 / pairs["prefill_time"].median, **ratios,
+            "params": p["params"] / u["params"], "weight_bytes": p["weight_bytes"] / u["weight_bytes"],
+            "kv_bytes_per_token": p["kv_bytes_per_token"] / u["kv_bytes_per_token"] if u["kv_bytes_per_token"] else None,
+            "peak_memory_prefill": (p["weight_bytes"] + p["prefill"]["peak_rise_bytes"]) / (u["weight_bytes"] + u["prefill"]["peak_rise_bytes"])}
 
 
 def _includes(device: torch.device) -> str:
