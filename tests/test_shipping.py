@@ -202,6 +202,8 @@ def test_speeds_bad_inputs_get_one_line(run_cli, tiny_model_dir, tmp_path):
     assert_one_line_error(*run_cli("speed", tiny_model_dir, "--layers", "1", "--repeats", "0"), "--repeats must be at least 1, got 0")
     assert_one_line_error(*run_cli("speed", tiny_model_dir, "--layers", "1", "--decode-batches", "1,x"), "--decode-batches '1,x': give batch sizes, e.g. 1,8")
     assert_one_line_error(*run_cli("speed", tiny_model_dir, "--layers", "1", "--decode-batches", "0"), "--decode-batches must be batch sizes of at least 1, got 0")
+    assert_one_line_error(*run_cli("speed", tiny_model_dir, "--layers", "1", "--repeats", "8", "--max-repeats", "6"), "--max-repeats must be at least --repeats (8), got 6")
+    assert_one_line_error(*run_cli("speed", tiny_model_dir, "--layers", "1", "--tolerance", "0"), "--tolerance must be above 0 and --max-seconds 0 or more")
 
 
 def _front_matter(path: Path) -> dict:
