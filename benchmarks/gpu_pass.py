@@ -22,7 +22,7 @@ own time box out of `--budget-s`, what one leaves unused going to those after it
 `gpu_pass.json` in `--out` is rewritten after every step (atomically), so a pass cut short keeps
 every step it finished; a step stopped at its box records how far it came and its rate, never a
 guess. One line is printed per step. `--dry-run` runs the same steps on the CPU with tiny shapes
-in about a minute (a test runs it), and there the mmlu step also runs its target, so that the
+in about a minute, within a budget of 150 s (a test runs it, beside other tests), and there the mmlu step also runs its target, so that the
 derivation is checked against a measured run before a GPU's is trusted.
 
     # on the device tool, after ../shared/tools/gpu-bundle here (carry=[".gpu"], timeout_s=560):
@@ -98,7 +98,7 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "runs/gpu_pass"), help="folder for gpu_pass.json and each step's log")
-    parser.add_argument("--budget-s", type=float, default=None, help="seconds for the whole pass, setup included (default 480; the dry run's 90)")
+    parser.add_argument("--budget-s", type=float, default=None, help="seconds for the whole pass, setup included (default 480; the dry run's 150)")
     parser.add_argument("--dry-run", action="store_true", help="the same steps on the CPU with tiny shapes")
     parser.add_argument("--steps", default=",".join(STEPS), help=f"which, in this order: {','.join(STEPS)}")
     parser.add_argument("--step", choices=[*STEPS, "plan"], help=argparse.SUPPRESS)  # a child: one step
@@ -111,7 +111,7 @@ def main() -> None:
     if unknown:
         sys.exit(f"error: unknown step {unknown[0]!r}: choose among {','.join(STEPS)}")
     steps = [s for s in STEPS if s in args.steps.split(",")]
-    run_pass(steps, sizes, args.out, args.budget_s or (90.0 if args.dry_run else 480.0), args.dry_run)
+    run_pass(steps, sizes, args.out, args.budget_s or (150.0 if args.dry_run else 480.0), args.dry_run)
 
 
 def run_pass(steps: list[str], sizes: Sizes, out: Path, budget_s: float, dry: bool) -> None:
@@ -533,21 +533,22 @@ def step_heal(sizes: Sizes, out: Path, events: Events, deadline: float) -> None:
 
     import torch
 
-    from depthcurse.heal import HealConfig, heal
-    from depthcurse.heal.config import METHODS
+    from depthcurse.heal import HealConfig, heal, method_names
     from depthcurse.loading import LoadedModel
 
     facts = _device_facts(sizes)
     tokenizer = _tokenizer()
     folder = out / "steps" / "heal"
     methods = {}
-    for method in METHODS:
+    for method in method_names():
         t0 = time.monotonic()
         model, shape = _random_llama(sizes, len(tokenizer))
         loaded = LoadedModel(model=model, tokenizer=tokenizer, name=f"{sizes.shape} shape, random weights", source="random weights",
                              dtype=model.dtype, device=torch.device(sizes.device))
         built = time.monotonic() - t0
-        cfg = HealConfig(method=method, data="wiki", save_every=10**6, seed=0, **sizes.heal).resolved()
+        common = {k: v for k, v in sizes.heal.items() if k != "calib_tokens"}
+        cfg = HealConfig(method=method, method_args={"calib_tokens": sizes.heal["calib_tokens"]}, data="wiki", save_every=10**6, seed=0,
+                         **common).for_method(method).resolved()
         phases, last = {}, [time.monotonic(), "starting"]
 
         def phase(text, last=last, phases=phases):

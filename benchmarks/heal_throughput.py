@@ -28,7 +28,6 @@ import os
 import platform
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from peak_memory import PeakMemory, run_variants, write_json
@@ -42,12 +41,13 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 WAYS = ("ours-lm", "ours-distill", "trainer-lm")
 
 
-def _cfg(args, loss: str):
+def _cfg(args, loss: str, adapt: str = "all"):
     from depthcurse.heal import HealConfig
     from depthcurse.surgery import parse_layers
 
-    return HealConfig(layers=tuple(parse_layers(args.layers, 10**6)), loss=loss, data=args.data, steps=args.steps, batch_size=args.batch_size,
-                      seq_len=args.seq_len, lr=args.lr, eval_windows=1, seed=args.seed, save_every=10**6, lora_rank=args.rank).resolved()
+    return HealConfig(layers=tuple(parse_layers(args.layers, 10**6)), method_args={"loss": loss, "lora_rank": args.rank, "adapt": adapt}, data=args.data,
+                      steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, eval_windows=1, seed=args.seed,
+                      save_every=10**6).resolved()
 
 
 def ours(args, loss: str) -> dict:
@@ -79,6 +79,7 @@ def trainer(args) -> dict:
     from depthcurse.train.data import build_data
 
     cfg = _cfg(args, "lm")
+    lora = cfg.build().settings
     loaded = load_model(args.model, device=args.device)
     seq_len = window_length(loaded.model, cfg.seq_len)
     data = build_data(cfg.data, loaded.tokenizer, seq_len=seq_len, pack=True, seed=cfg.seed, val_tokens=seq_len, start=start_tokens(loaded.tokenizer))
@@ -88,8 +89,8 @@ def trainer(args) -> dict:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=loaded.dtype).to(loaded.device)
     del loaded
     torch.manual_seed(cfg.seed)  # the adapters' A: drawn as heal draws them, block by block
-    model = get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, bias="none",
-                                             target_modules=target_modules(model, (), cfg.targets)))
+    model = get_peft_model(model, LoraConfig(r=lora.lora_rank, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout, bias="none",
+                                             target_modules=target_modules(model, (), lora.targets)))
     dataset = [{"input_ids": r, "labels": r} for batch in rows for r in batch]
     peak, losses = PeakMemory(model.device), []
 
@@ -122,18 +123,17 @@ def _our_step(args, loss: str, adapt: str, rows):
     """One of our ways, ready to step: its own copy of the model, adapters, optimizer and schedule."""
     import torch
 
-    from depthcurse.heal.adapters import add_adapters, trainable
-    from depthcurse.heal.loop import shared_blocks
-    from depthcurse.heal.objective import HealObjective
+    from depthcurse.heal import HealContext
+    from depthcurse.heal.adapters import trainable
     from depthcurse.loading import load_model
     from depthcurse.train.loop import autocast_for, lr_factor, train_step
 
-    cfg = replace(_cfg(args, loss), adapt=adapt)
+    cfg = _cfg(args, loss, adapt)
     loaded = load_model(args.model, device=args.device)
-    torch.manual_seed(cfg.seed)
-    peft_model = add_adapters(loaded.model, cfg.layers, targets=cfg.targets, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                              after=min(cfg.layers) if adapt == "after" else None)
-    objective = HealObjective(peft_model, cfg.layers, loss, shared_blocks=shared_blocks(cfg)).train()
+    method = cfg.build()  # heal's LoRA: its adapters, seeded as a heal seeds them, and its objective
+    ctx = HealContext(model=loaded.model, layers=cfg.layers, calibration=None, seed=cfg.seed)
+    method.prepare(ctx)
+    objective = method.objective(ctx).train()
     optimizer = torch.optim.AdamW(trainable(objective), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup, cfg.steps, cfg.min_lr_ratio))
     amp = autocast_for("bf16-mixed", loaded.device) if loaded.device.type == "cuda" else autocast_for("fp32", loaded.device)
@@ -161,6 +161,7 @@ def interleaved(args) -> dict:
     from depthcurse.train.data import build_data
 
     cfg = _cfg(args, "lm")
+    lora = cfg.build().settings
     loaded = load_model(args.model, device=args.device)
     seq_len = window_length(loaded.model, cfg.seq_len)
     data = build_data(cfg.data, loaded.tokenizer, seq_len=seq_len, pack=True, seed=cfg.seed, val_tokens=seq_len, start=start_tokens(loaded.tokenizer))
@@ -170,8 +171,8 @@ def interleaved(args) -> dict:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=loaded.dtype).to(loaded.device)
     del loaded
     torch.manual_seed(cfg.seed)
-    model = get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, bias="none",
-                                             target_modules=target_modules(model, (), cfg.targets)))
+    model = get_peft_model(model, LoraConfig(r=lora.lora_rank, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout, bias="none",
+                                             target_modules=target_modules(model, (), lora.targets)))
     dataset = [{"input_ids": r, "labels": r} for batch in rows for r in batch.input_ids]
     ours = {way: _our_step(args, *WAY_SETTINGS[way], rows) for way in args.ways.split(",") if way != "trainer-lm"}
     times: dict[str, list[float]] = {"trainer-lm": [], **{w: [] for w in ours}}

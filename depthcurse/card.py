@@ -79,23 +79,52 @@ def _front_matter(path: Path) -> dict:
 
 
 def provenance(loaded, removed: list[int], n_layers: int, *, why: str, made_by: str, command: str, layers_left: int | None = None,
-               healing: dict | None = None) -> dict:
-    """How a checkpoint of `loaded` without `removed` was made."""
+               healing: dict | None = None, new_at: tuple[int, ...] = ()) -> dict:
+    """How a checkpoint of `loaded` without `removed` was made. `new_at`: the source layers whose
+    place a new layer took (a trained replacement). Each of the checkpoint's layers is traced to the
+    layer of the source it came from (`layers_from`, None for a new one) and, where the source was
+    itself made here, to the first model's (`root`): a `drop` of a `drop` names its layers in the
+    numbering of the model the hub knows."""
     typed = Path(loaded.name).expanduser()
     load_as = loaded.name if loaded.name.lower() in assets.MODEL_ALIASES or not typed.exists() else str(typed.resolve())
-    return {"made_by": made_by, "model": loaded.name, "load_as": load_as, "source": loaded.describe()["source"],
-            "base_model": base_model_id(loaded.name, loaded.source), "weights": weights_note(loaded.name, loaded.source),
-            "license": licence_of(loaded.name, loaded.source), "n_layers": n_layers, "removed_layers": list(removed),
-            "layers_left": n_layers - len(removed) if layers_left is None else layers_left, "why": why, "healing": healing, "command": command}
+    layers_from = [None if i in new_at else i for i in range(n_layers) if i not in removed or i in new_at]
+    record = {"made_by": made_by, "model": loaded.name, "load_as": load_as, "source": loaded.describe()["source"],
+              "base_model": base_model_id(loaded.name, loaded.source), "weights": weights_note(loaded.name, loaded.source),
+              "license": licence_of(loaded.name, loaded.source), "n_layers": n_layers, "removed_layers": list(removed),
+              "layers_left": n_layers - len(removed) if layers_left is None else layers_left, "layers_from": layers_from, "why": why, "healing": healing,
+              "command": command}
+    parent = _made_here(loaded.source)
+    if parent is not None:
+        record["root"] = _root(parent, layers_from)
+    return record
+
+
+def _made_here(source: str) -> dict | None:
+    path = Path(source).expanduser() / PROVENANCE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _root(parent: dict, layers_from: list[int | None]) -> dict:
+    """The first model this checkpoint descends from, and which of its layers it lacks."""
+    if "root" in parent:
+        root, parent_from_root = parent["root"], parent["root"]["layers_from"]
+    else:
+        root = {"model": parent["model"], "n_layers": parent["n_layers"]}
+        parent_from_root = parent.get("layers_from") or [i for i in range(parent["n_layers"]) if i not in parent["removed_layers"]]
+    from_root = [parent_from_root[j] if j is not None else None for j in layers_from]
+    kept = {i for i in from_root if i is not None}
+    return {"model": root["model"], "n_layers": root["n_layers"], "layers_from": from_root,
+            "removed_layers": [i for i in range(root["n_layers"]) if i not in kept]}
 
 
 def write_card(folder: Path, record: dict) -> Path:
     """`depthcurse.json` and `README.md` in `folder` (a saved checkpoint): `record` from
     `provenance`, with, where measured, `measured` (rows, header first, of the unpruned, pruned
-    and healed model) and `speed` (rows, header first, of what the removal buys)."""
+    and healed model), `evaluation` (what the hub's model-index lists) and `speed` (rows, header
+    first, of what the removal buys)."""
     folder = Path(folder)
     atomic_write(folder / PROVENANCE, json_text(record))
-    adapters = (record.get("healing") or {}).get("adapters")
+    adapters = ((record.get("healing") or {}).get("files") or {}).get("adapters")
     if adapters and (folder / adapters).is_dir():
         atomic_write(folder / adapters / CARD, adapter_card_text(record))  # in place of peft's empty template
     return atomic_write(folder / CARD, card_text(record))
@@ -113,43 +142,75 @@ def add_speed(folder: Path, rows: list[tuple[str, ...]]) -> Path:
 
 
 def card_text(record: dict) -> str:
-    import yaml  # lazy: only cards are written
+    """The hub's model card: its front matter made by huggingface_hub's `ModelCardData` (the
+    measurements of the healed model as `model-index` evaluation results, which the hub shows),
+    its body saying what was removed, how it was healed and what changed in the weights."""
+    from huggingface_hub import EvalResult, ModelCardData  # lazy: only cards are written
 
-    measured, speed = record.get("measured"), record.get("speed")
-    healing = record.get("healing")
-    tags = ["depthcurse", "layer-pruning", "pruned"] + (["healed", healing["method"]] if healing else [])
-    if healing and healing["method"] in ("lora", "linear+lora"):
-        tags.append("lora")
-    tags = list(dict.fromkeys(tags))
-    made = {"made_by": record["made_by"], "source": record["model"], "n_layers": record["n_layers"], "removed_layers": record["removed_layers"],
-            "layers_left": record["layers_left"], **({"method": healing["method"]} if healing else {})}
-    front = {k: v for k, v in (("base_model", record.get("base_model")), ("library_name", "transformers"), ("license", record.get("license")),
-                               ("tags", tags), ("depthcurse", made)) if v is not None}
-    removed = record["removed_layers"]
-    name = record.get("base_model") or record["model"]
-    lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
+    measured, speed, healing = record.get("measured"), record.get("speed"), record.get("healing")
+    root = record.get("root")
+    removed = root["removed_layers"] if root else record["removed_layers"]
+    n_layers = root["n_layers"] if root else record["n_layers"]
+    name = record.get("base_model") or (root or record)["model"]
+    method = healing["method"] if healing else None
+    tags = list(dict.fromkeys(["depthcurse", "layer-pruning", "pruned", *(["healed", *method.split("+")] if method else [])]))
+    made = {"made_by": record["made_by"], "source": (root or record)["model"], "n_layers": n_layers, "removed_layers": removed,
+            "layers_left": record["layers_left"], **({"method": method} if method else {}), **({"made_from": record["model"]} if root else {})}
+    results = [EvalResult(task_type=e["task"], dataset_type=e["dataset"], dataset_name=e["dataset"], metric_type=e["metric"], metric_value=e["value"])
+               for e in record.get("evaluation") or []]
+    data = ModelCardData(base_model=record.get("base_model"), library_name="transformers", license=record.get("license"), tags=tags,
+                         model_name=f"{name} without layers {_ranges(removed)}" if results else None, eval_results=results or None, depthcurse=made)
+    files = (healing or {}).get("files") or {}
+    loads = ("a normal `transformers` checkpoint (`AutoModelForCausalLM.from_pretrained` loads it)" if "patches" not in files else
+             "a `transformers` checkpoint with a linear patch kept beside its weights (see below): `from_pretrained` alone loads it without the patch")
+    lines = ["---", data.to_yaml().strip(), "---", "",
              f"# {name} without layers {_ranges(removed)}", "",
-             f"`{name}` with {len(removed)} of its {record['n_layers']} layers removed ({', '.join(map(str, removed))}): {record['layers_left']} "
-             f"layers left, a normal `transformers` checkpoint (`AutoModelForCausalLM.from_pretrained` loads it).", "",
+             f"`{name}` with {len(removed)} of its {n_layers} layers removed ({', '.join(map(str, removed))}): {record['layers_left']} "
+             f"layers left, {loads}.", "",
+             *([f"Made from `{record['model']}` (itself made by depthcurse) without its layers {_ranges(record['removed_layers'])}, in its own "
+                "numbering; the layers above are the first model's.", ""] if root else []),
              f"**Why these layers:** {record['why']}", ""]
     if record.get("weights"):
         lines += [f"**The weights:** {record['weights']}", ""]
     if healing:
-        lines += ["## How it was healed", "", *[f"- {k.replace('_', ' ')}: {v}" for k, v in healing.items() if v is not None and k != "adapters"], ""]
+        lines += ["## How it was healed", "", f"By {healing.get('title') or method} (`--method {method}`): {healing.get('how', '')}.", ""]
+        if healing.get("changes"):
+            lines += [f"**What the checkpoint holds besides the removal:** {healing['changes']}.", ""]
+        settings = healing.get("settings") or {}
+        lines += [*[f"- {k.replace('_', ' ')}: {v}" for k, v in healing.items() if v is not None and k not in ("method", "title", "how", "changes", "files", "settings")],
+                  *[f"- {k.replace('_', ' ')}: {v}" for k, v in _flat(settings).items()], ""]
     if measured:
         lines += ["## Measured", "", *_markdown(measured), ""]
+        if record.get("measured_note"):
+            lines += [record["measured_note"], ""]
     if speed:
         lines += ["## What the removal buys", "", *_markdown(speed), ""]
-    if healing and healing.get("adapters"):
-        lines += ["## The adapters", "", f"`{healing['adapters']}/` holds the LoRA adapters in peft's format, {_adapters_text(record)}", ""]
+    if files.get("adapters"):
+        lines += ["## The adapters", "", f"`{files['adapters']}/` holds the LoRA adapters in peft's format, {_adapters_text(record)}", ""]
+    if files.get("patches"):
+        lines += ["## The linear patch", "", f"`{files['patches']}` holds, for each cut, the matrix the residual stream is multiplied by where it enters "
+                  "the layer after the cut (`before.<k>`: the pruned model's layer k; `before.final`: the final norm). `depthcurse` loads the folder with "
+                  "the patch on; with transformers alone, add it as a forward pre-hook: "
+                  "`model.model.layers[k].register_forward_pre_hook(lambda m, a, kw: ((a[0] @ P, *a[1:]), kw) if a else "
+                  "(a, {**kw, 'hidden_states': kw['hidden_states'] @ P}), with_kwargs=True)`.", ""]
     lines += ["## Made with", "", "depthcurse made it, and this command makes it again:", "", "```bash", record["command"], "```", ""]
     return "\n".join(lines)
+
+
+def _flat(settings: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in settings.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k} "))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def _adapters_text(record: dict) -> str:
     removed = ",".join(map(str, record["removed_layers"]))
     return (f"numbered for the pruned model: on `depthcurse drop {record['model']} --layers {removed}`'s checkpoint, "
-            f"`PeftModel.from_pretrained(model, this_folder, subfolder=\"{record['healing']['adapters']}\")` gives this model.")
+            f"`PeftModel.from_pretrained(model, this_folder, subfolder=\"{record['healing']['files']['adapters']}\")` gives this model.")
 
 
 def adapter_card_text(record: dict) -> str:

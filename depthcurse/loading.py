@@ -19,6 +19,7 @@ from safetensors import SafetensorError
 from depthcurse import assets
 from depthcurse.assets import meta_llama
 from depthcurse.errors import DepthcurseError, first_line, one_line
+from depthcurse.patches import apply_saved_patches
 from depthcurse.runtime import pick_device, pick_dtype
 from depthcurse.train.export import register_with_transformers
 
@@ -200,6 +201,8 @@ def load_model(
     if dev == "cpu":
         model.to("cpu")
     model.eval()
+    if local and not kwargs:
+        apply_saved_patches(model, Path(source))  # a LinearPatch checkpoint's patches, which no stock weight holds
 
     tok = None
     if tokenizer:

@@ -3,14 +3,16 @@
 Each folder is read by the module that wrote it: prune sweeps (the paper's Figure 2 across models
 on relative depth, and how many single layers each model can lose within 1/5/10%), greedy depth
 curves (each strategy's curve, and the units removable within 1/5/10% against the model's depth),
-angular-distance results (the heatmap), heal runs and healed depth curves, what a removal buys
-(`speed`, alone or in a heal run or a `drop` checkpoint), and lns-train runs (the paper's Table
-1). Figures go to a
-folder beside the page; the page links them by relative path, so the two move together.
+angular-distance results (the heatmap), heal runs, comparisons of methods and healed depth curves
+(with a budget's pick and why), what a removal buys (`speed`, alone or in a heal run or a `drop`
+checkpoint), the checkpoints drop and heal saved (their card's facts), and lns-train runs (the
+paper's Table 1). Figures go to a folder beside the page; the page links them by relative path,
+so the two move together; a page that fails leaves no folder behind.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -26,11 +28,12 @@ from depthcurse.io import atomic_write, ensure_out_dir, save_figure
 from depthcurse.prune.greedy import GREEDY_JSON, THRESHOLDS, DepthCurves, read_curves
 from depthcurse.prune.report import curves_data_text, legend_below, load_prune, plot_greedy, plot_prune_overlay
 from depthcurse.prune.results import RESULTS_JSON, UNIT_NAMES, Sweep
+from depthcurse.card import PROVENANCE, read_card
 from depthcurse.speed import SPEED_JSON, read_speed, speed_table
 from depthcurse.train import read_run, table1
 from depthcurse.train.config import CONFIG
 
-KINDS = ("greedy", "prune", "angular", "heal", "speed", "train")
+KINDS = ("greedy", "prune", "angular", "heal", "speed", "checkpoint", "train")
 
 
 def kind_of(folder: Path) -> str:
@@ -38,12 +41,13 @@ def kind_of(folder: Path) -> str:
     folder = Path(folder)
     if not folder.is_dir():
         raise DepthcurseError(f"{folder} is not a folder: give results folders that depthcurse wrote")
+    # a checkpoint drop or heal made holds a transformers config.json too: its card comes before a training run's config
     for kind, marker in (("greedy", GREEDY_JSON), ("prune", RESULTS_JSON), ("angular", ANGULAR_JSON), ("heal", HEAL_JSON), ("speed", SPEED_JSON),
-                         ("train", CONFIG)):
-        if (folder / marker).is_file():
+                         ("checkpoint", PROVENANCE), ("train", CONFIG)):
+        if (folder / marker).is_file() and (kind != "train" or "norm" in json.loads((folder / marker).read_text())):
             return kind
     raise DepthcurseError(f"{folder} holds no depthcurse result ({GREEDY_JSON}, {RESULTS_JSON}, {ANGULAR_JSON}, {HEAL_JSON}, {SPEED_JSON}, "
-                          f"or an lns-train run's {CONFIG})")
+                          f"a checkpoint's {PROVENANCE}, or an lns-train run's {CONFIG})")
 
 
 def markdown_table(table: Table) -> str:
@@ -164,7 +168,7 @@ def _angular_section(folders: list[Path], figures: Path) -> str:
 
 
 def _heal_section(folders: list[Path], figures: Path) -> str:
-    parts = ["## Healing: what a removal's cost is won back by (LoRA, a linear map, a trained layer)"]
+    parts = ["## Healing: what a removal's cost is won back by, and at what cost"]
     for i, folder in enumerate(folders):
         record = read_heal(folder)
         if "points" in record:  # a healed depth curve
@@ -174,9 +178,15 @@ def _heal_section(folders: list[Path], figures: Path) -> str:
             figure = plot_heal_curve(record, figures / f"heal_{i}.png")
             parts += [f"### {record['run']['model']} · healed depth curve · {folder}", f"![healed depth curve]({figures.name}/{figure.name})",
                       markdown_table(curve_table(record))]
+            if "budget" in record:
+                budget = record["budget"]
+                parts.append(f"**Within {budget['max_drop']:.1%} of the unpruned model's {budget['measure']}** (at most {budget['limit']:.4f}): "
+                             f"k = {budget['chosen']} chosen. {budget['why']}. Probed: "
+                             + ", ".join(f"k = {p['k']} ({p['healed_loss']:.4f}, {'within' if p['within'] else 'over'})" for p in budget["probes"]) + ".")
         elif "methods" in record:  # several methods on one removal
-            done = [m for m in record["run"]["methods"] if m in record["methods"]]
-            status = "" if len(done) == len(record["run"]["methods"]) else f" · {len(done)} of {len(record['run']['methods'])} methods finished"
+            able = [m for m in record["run"]["methods"] if m not in (record.get("refused") or {})]
+            done = [m for m in able if m in record["methods"]]
+            status = "" if len(done) == len(able) else f" · {len(done)} of {len(able)} methods finished"
             parts += [f"### {record['run']['model']} · methods compared · {folder}{status}", markdown_table(methods_table(record))]
         elif "recovered" in record:
             parts += [f"### {record['run']['model']} · {folder}", markdown_table(heal_table(record))]
@@ -192,6 +202,25 @@ def _speed_section(folders: list[Path]) -> str:
     for folder in folders:
         record = read_speed(folder)
         parts += [f"### {record['run'].get('pruned', folder)} · {folder}", markdown_table(speed_table(record))]
+    return "\n\n".join(parts)
+
+
+def _checkpoint_section(folders: list[Path]) -> str:
+    """Checkpoints drop or heal saved: what was removed (in the first model's numbering), how it was
+    healed, and what its card holds of the measurements."""
+    parts = ["## Checkpoints made by depthcurse"]
+    for folder in folders:
+        record = read_card(folder)
+        root = record.get("root") or record
+        healing = record.get("healing") or {}
+        parts.append(f"### {record.get('base_model') or root['model']} without layers {','.join(map(str, root['removed_layers']))} · {folder}\n\n"
+                     f"{record['layers_left']} of {root['n_layers']} layers left; made by `{record['made_by']}`"
+                     + (f", healed by {healing.get('title') or healing.get('method')}: {healing.get('how', '')}" if healing else "")
+                     + f". Why these layers: {record['why']}.")
+        if record.get("measured"):
+            parts.append(_rows(list(record["measured"][0]), [list(r) for r in record["measured"][1:]]))
+        if record.get("speed"):
+            parts.append(_rows(list(record["speed"][0]), [list(r) for r in record["speed"][1:]]))
     return "\n\n".join(parts)
 
 
@@ -213,17 +242,25 @@ def write_report(folders: list[Path], out: Path) -> Path:
     figures = out.parent / f"{out.stem}_figures"
     shutil.rmtree(figures, ignore_errors=True)  # figures of an earlier page: replaced, never mixed
     figures.mkdir()
-    sections = ["# depthcurse report", "Folders: " + ", ".join(f"`{f}` ({kind_of(f)})" for f in map(Path, folders))]
-    if by_kind["prune"]:
-        sections.append(_prune_section(by_kind["prune"], figures))
-    if by_kind["greedy"]:
-        sections.append(_greedy_section(by_kind["greedy"], figures))
-    if by_kind["angular"]:
-        sections.append(_angular_section(by_kind["angular"], figures))
-    if by_kind["heal"]:
-        sections.append(_heal_section(by_kind["heal"], figures))
-    if by_kind["speed"]:
-        sections.append(_speed_section(by_kind["speed"]))
-    if by_kind["train"]:
-        sections.append(_train_section(by_kind["train"]))
+    try:
+        sections = ["# depthcurse report", "Folders: " + ", ".join(f"`{f}` ({kind_of(f)})" for f in map(Path, folders))]
+        if by_kind["prune"]:
+            sections.append(_prune_section(by_kind["prune"], figures))
+        if by_kind["greedy"]:
+            sections.append(_greedy_section(by_kind["greedy"], figures))
+        if by_kind["angular"]:
+            sections.append(_angular_section(by_kind["angular"], figures))
+        if by_kind["heal"]:
+            sections.append(_heal_section(by_kind["heal"], figures))
+        if by_kind["speed"]:
+            sections.append(_speed_section(by_kind["speed"]))
+        if by_kind["checkpoint"]:
+            sections.append(_checkpoint_section(by_kind["checkpoint"]))
+        if by_kind["train"]:
+            sections.append(_train_section(by_kind["train"]))
+    except BaseException:
+        shutil.rmtree(figures, ignore_errors=True)  # a page that failed leaves no figures folder behind
+        raise
+    if not any(figures.iterdir()):
+        figures.rmdir()
     return atomic_write(out, "\n\n".join(sections) + "\n")

@@ -176,3 +176,28 @@ def torchrun(*args, nproc: int = 2) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *map(str, args)]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+# `heal`'s method settings the tests give by name, as the command line's options do.
+METHOD_SETTINGS = {"lora_rank", "lora_alpha", "lora_dropout", "targets", "adapt", "loss", "calib_tokens", "ridge"}
+
+
+def heal_config(every_method: bool = False, **kw):
+    """A HealConfig from keywords, the method settings among them put in `method_args`; the
+    method keeps those of its own (a test's defaults give LoRA's rank and the maps' tokens alike),
+    or, `every_method`, all of them, for a comparison of methods to hand out."""
+    from depthcurse.heal import HealConfig
+
+    args = {**kw.pop("method_args", {}), **{k: kw.pop(k) for k in list(kw) if k in METHOD_SETTINGS}}
+    cfg = HealConfig(**kw, method_args=args)
+    return cfg if every_method else cfg.for_method(cfg.method)
+
+
+def lora_objective(model, layers, loss="lm", **settings):
+    """LoRA's objective on `model` without `layers`, as a heal makes it (adapters added, B = 0)."""
+    from depthcurse.heal import HealContext, build_method
+
+    method = build_method("lora", {"lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.0, "loss": loss, **settings})
+    ctx = HealContext(model=model, layers=tuple(layers), calibration=None)
+    method.prepare(ctx)
+    return method.objective(ctx), method, ctx

@@ -481,6 +481,7 @@ def test_requests_are_those_lm_eval_builds_itself(tiny_tokenizer, monkeypatch, o
         ("mmlu_humanities", 0, 1, ["llama-gqa", "gemma2"]),  # a group: 13 subjects, lm-eval's aggregation
         ("mmlu_anatomy", 5, 3, ["llama-gqa", "qwen2-sliding"]),
         ("arc_easy", 0, 6, ["llama-tied", "qwen2-sliding"]),
+        ("arc_easy,piqa", 0, 3, ["llama-tied"]),  # a suite: each task and their average
     ],
 )
 def test_lm_eval_tasks_equal_the_lm_eval_engine(shared, tiny_tokenizer, task_name, shots, limit, kinds, one_torch_thread):

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from families import FAMILIES, family_model
-from helpers import assert_one_line_error, built_without, held_out_windows, tiny_llama
+from helpers import assert_one_line_error, built_without, heal_config, held_out_windows, tiny_llama
 
-from depthcurse.heal import HealConfig, heal, heal_methods, Models
-from depthcurse.heal.adapters import add_adapters, target_modules
+from depthcurse.heal import HealConfig, HealContext, build_method, heal, heal_methods, Models
+from depthcurse.heal.adapters import target_modules
 from depthcurse.heal.linear import estimate_maps, fold_maps, mapped, solve_map
 from depthcurse.heal.objective import HealObjective
 from depthcurse.loading import load_model
@@ -30,7 +30,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def _cfg(docs_file, **kw) -> HealConfig:
     options = dict(layers=(2, 3), data=str(docs_file), steps=6, batch_size=4, seq_len=24, lr=5e-3, eval_windows=4, save_every=2, lora_rank=4, calib_tokens=240)
-    return HealConfig(**{**options, **kw})
+    return heal_config(**{**options, **kw})
+
+
+def _maps(folder):
+    return {int(k): t for k, t in torch.load(folder / "method.pt", weights_only=True)["state"]["maps"].items()}
 
 
 def _logits(model, ids):
@@ -109,7 +113,7 @@ def test_linear_folds_its_maps_into_a_checkpoint_with_n_minus_k_layers(bos_model
 
     out = tmp_path / "linear"
     record = heal(load_model(str(bos_model_dir)), _cfg(docs_file, method="linear", layers=(1, 3)), out)
-    maps = {int(k): t for k, t in torch.load(out / "maps.pt", weights_only=True)["maps"].items()}
+    maps = _maps(out)
     assert set(maps) == {1, 3} and not (out / "checkpoint.pt").exists()  # nothing trained, nothing to resume
     reference = _with_map_module(AutoModelForCausalLM.from_pretrained(bos_model_dir).eval(), (1, 3), maps)
     folded = AutoModelForCausalLM.from_pretrained(out / "hf").eval()
@@ -123,40 +127,81 @@ def test_linear_folds_its_maps_into_a_checkpoint_with_n_minus_k_layers(bos_model
     assert record["results"]["healed"]["held_out"]["metrics"]["loss"] == pytest.approx(expected, rel=1e-5)  # what was measured is what was saved
     cost = record["cost"]
     assert cost["method"] == "linear" and cost["tokens"] == 240 and cost["seconds"] > 0 and cost["trained_params"] == cost["added_params"] == 0
-    assert cost["estimated_params"] == 2 * 32 * 32 and cost["calibration"]["tokens"] == 240 and cost["training"] is None
+    assert cost["solved_params"] == 2 * 32 * 32 and cost["calibration"]["tokens"] == 240 and cost["training"] is None
     assert record["results"]["healed"]["held_out"]["metrics"]["kl"] < record["results"]["pruned"]["held_out"]["metrics"]["kl"]
 
 
 # where a map cannot be folded into the MLP before the cut (layer 1 of the tiny models), and why
 CANNOT_FOLD = {"gemma2": "puts a norm (Gemma2RMSNorm) between its MLP and the stream", "gemma3": "puts a norm (Gemma3RMSNorm) between its MLP and the stream",
-               "olmo2": "puts a norm (Olmo2RMSNorm) between its MLP and the stream", "glm4": "does not add its MLP's output to the stream as it is",
-               "granite": "does not add its MLP's output to the stream as it is", **{f: "as a dense linear layer (fused experts?)" for f in (
+               "olmo2": "puts a norm (Olmo2RMSNorm) between its MLP and the stream", "glm4": "does not add that output to the stream as it is",
+               "granite": "does not add that output to the stream as it is", **{f: "as a dense linear layer (fused experts?)" for f in (
                    "gpt_oss", "granitemoe", "llama4", "mixtral", "olmoe", "qwen3_moe")}}
+# GPT-2 (its MLP's output projection a Conv1D, weight transposed) and BLOOM (its MLP adds the residual itself) besides the prune families
+LINEAR_FAMILIES = {**{name: lambda name=name: family_model(name) for name in FAMILIES},
+                   "gpt2": lambda: _big(__import__("transformers").GPT2LMHeadModel(__import__("transformers").GPT2Config(
+                       vocab_size=128, n_embd=32, n_layer=5, n_head=4, n_positions=64))),
+                   "bloom": lambda: _big(__import__("transformers").BloomForCausalLM(__import__("transformers").BloomConfig(
+                       vocab_size=128, hidden_size=32, n_layer=5, n_head=4)))}
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_a_folded_map_equals_the_map_as_a_module_in_every_family_or_one_line_says_why(family, tmp_path):
-    """Folding on each family's own MLP (Llama's down_proj, GPT-NeoX's dense_4h_to_h, Phi's fc2,
-    Falcon's parallel blocks...), or the reason it cannot: post-norms (Gemma 2/3, OLMo-2) and
-    experts (Mixtral, Qwen-MoE, DeepSeek...)."""
+def _big(model):
+    """Weights large enough that every layer visibly changes the output, as `family_model`'s."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", sorted(LINEAR_FAMILIES))
+def test_a_folded_map_in_the_saved_checkpoint_equals_the_map_as_a_module_in_every_family_or_one_line_says_why(family, tmp_path):
+    """The model measured (each map a step after the MLP output projection) against the checkpoint
+    saved from it (folded into the projection: Llama's down_proj, GPT-NeoX's dense_4h_to_h, Phi's
+    fc2, GPT-2's Conv1D, BLOOM's and Falcon's parallel blocks...) and loaded back, or the reason it
+    cannot be folded exactly: post-norms (Gemma 2/3, OLMo-2), a scale or norm after the MLP
+    (Granite, GLM-4), experts."""
+    from transformers import AutoModelForCausalLM
+
     from depthcurse.errors import DepthcurseError
-    from depthcurse.surgery import find_blocks, removed_layers
+    from depthcurse.heal.healed import Healed
+    from depthcurse.surgery import removed_layers
 
-    model = family_model(family)
+    model = LINEAR_FAMILIES[family]()
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
     try:
         maps = estimate_maps(model, (2,), [ids])
     except DepthcurseError as exc:
-        assert family in CANNOT_FOLD and CANNOT_FOLD[family] in str(exc) and "use --method lora or layer" in str(exc), exc
+        assert family in CANNOT_FOLD and CANNOT_FOLD[family] in str(exc), exc
         return
     assert family not in CANNOT_FOLD
+    assert (maps[2] - torch.eye(32, dtype=maps[2].dtype)).abs().max() > 1e-3  # a map that does something
+    # least squares on activations taken here: the projection's own output (a copy, before a block
+    # adds to it in place, as Falcon does), the stream block 1 leaves and the one block 2 leaves
+    from depthcurse.heal.linear import output_projection
+    from depthcurse.surgery import find_blocks
+
+    seen = []
+    hook = output_projection(find_blocks(model).layers[1], "layer 1").register_forward_hook(lambda mod, a, out: seen.append(out.detach().clone()))
+    with torch.no_grad():
+        states = model(input_ids=ids, output_hidden_states=True).hidden_states
+    hook.remove()
+    m, out, target = seen[0].flatten(0, 1).double(), states[2].flatten(0, 1).double(), states[3].flatten(0, 1).double()
+    reference = torch.eye(32, dtype=torch.float64) + torch.linalg.lstsq(m, target - out).solution
+    torch.testing.assert_close(maps[2], reference, rtol=1e-4, atol=1e-4)
     with mapped(model, maps), removed_layers(model, (2,)):
-        separate = _logits(model, ids)
-    fold_maps(model, maps)
+        measured = _logits(model, ids)
+    method = build_method("linear")
+    method.maps = maps
+    Healed(model, (2,), method).save(None, tmp_path / "hf")
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    torch.testing.assert_close(_logits(saved, ids), measured, rtol=1e-4, atol=1e-4)
+    assert saved.config.num_hidden_layers == 4 if hasattr(saved.config, "num_hidden_layers") else True
     with removed_layers(model, (2,)):
-        folded = _logits(model, ids)
-    torch.testing.assert_close(folded, separate, rtol=1e-4, atol=1e-4)
-    assert len(find_blocks(model).layers) == 5
+        torch.testing.assert_close(_logits(model, ids), _logits(model, ids))  # the model in memory is left as it was
+    fold_maps(model, maps)  # and folding in place gives the same
+    with removed_layers(model, (2,)):
+        torch.testing.assert_close(_logits(model, ids), measured, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -186,7 +231,7 @@ def test_layer_trains_one_layer_per_run_saves_it_in_place_and_resumes_exactly(bo
     whole = heal(load_model(str(bos_model_dir)), cfg, tmp_path / "whole")
     assert heal(load_model(str(bos_model_dir)), cfg, tmp_path / "cut", stop_after=3) is None  # checkpoint at step 2
     resumed = heal(load_model(str(bos_model_dir)), cfg, tmp_path / "cut")
-    trained = [torch.load(tmp_path / d / "checkpoint.pt", weights_only=True)["layers"] for d in ("whole", "cut")]
+    trained = [torch.load(tmp_path / d / "checkpoint.pt", weights_only=True)["trained"] for d in ("whole", "cut")]
     assert trained[0].keys() == trained[1].keys() and all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0])
     rows = [[{k: v for k, v in r.items() if k != "tokens_per_s"} for r in MetricsLog(tmp_path / d / METRICS).rows()] for d in ("whole", "cut")]
     assert len(rows[0]) == 6 and rows[0] == rows[1]
@@ -214,23 +259,25 @@ def test_the_distillation_teacher_is_the_unpruned_model_with_maps_and_shared_blo
     ids = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))
     targets = torch.roll(ids, -1, 1)
     own = _logits(model, ids)
-    maps = estimate_maps(model, (3, 4), [ids])
-    peft_model = add_adapters(model, (3, 4), targets="all", rank=4, alpha=8, dropout=0.0, after=3)
+    linear = build_method("linear")
+    linear.maps = estimate_maps(model, (3, 4), [ids])
+    lora = build_method("lora", {"targets": "all", "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.0, "adapt": "after", "loss": "distill"})
+    ctx = HealContext(model=model, layers=(3, 4), calibration=None, earlier=[linear])
+    lora.prepare(ctx)
     assert {int(n.split("layers.")[1].split(".")[0]) for n in target_modules(model, (3, 4), "all", after=3)} == {5}
-    for name, p in peft_model.named_parameters():
+    for name, p in lora.peft.named_parameters():
         if "lora_B" in name:
             with torch.no_grad():
                 p.normal_()
-    from depthcurse.heal.loop import shared_blocks
-
-    chosen = {(m, a): shared_blocks(HealConfig(layers=(3, 4), method=m, adapt=a, loss="distill")) for m in ("lora", "linear+lora") for a in ("all", "after")}
+    chosen = {(m, a): build_method(m, {"adapt": a}).untouched((3, 4)) for m in ("lora", "linear+lora") for a in ("all", "after")}
     assert chosen == {("lora", "all"): 0, ("linear+lora", "all"): 0, ("lora", "after"): 3, ("linear+lora", "after"): 2}
+    assert lora.objective(ctx).shared_blocks == 2  # what a heal by linear+lora shares
     runs = {}
     calls = []
     handle = model.model.layers[0].register_forward_hook(lambda *a: calls.append(1))
     try:
         for shared in (0, 2):  # blocks 0-1: before block 2, whose MLP output the map changes
-            objective = HealObjective(peft_model, (3, 4), "distill", maps=maps, shared_blocks=shared)
+            objective = HealObjective(ctx, lora, "distill", [model], shared_blocks=shared)
             teacher, _ = objective.teacher_logits(ids)
             torch.testing.assert_close(teacher, own, rtol=0, atol=0)
             calls.clear()
@@ -248,16 +295,16 @@ def test_the_distillation_teacher_is_the_unpruned_model_with_maps_and_shared_blo
 def test_adapters_after_the_cut_train_only_there_and_the_comparison_is_each_method_alone(bos_model_dir, docs_file, tmp_path):
     """`heal_methods`: each method's entry is what a heal by that method alone gives, on the same
     unpruned and pruned measurements; `--adapt after` puts adapters on the blocks after layer 2 only."""
-    cfg = _cfg(docs_file, steps=3, adapt="after")
+    cfg = _cfg(docs_file, steps=3, adapt="after", every_method=True)
     compared = heal_methods(load_model(str(bos_model_dir)), Models(load_model(str(bos_model_dir)), lambda: load_model(str(bos_model_dir))),
                             cfg, ("lora", "linear"), tmp_path / "both")
     assert compared["run"]["methods"] == ["lora", "linear"] and set(compared["methods"]) == {"lora", "linear"}
     for method in ("lora", "linear"):
-        alone = heal(load_model(str(bos_model_dir)), cfg.for_method(method), tmp_path / method)
+        alone = heal(load_model(str(bos_model_dir)), _cfg(docs_file, steps=3, adapt="after", method=method), tmp_path / method)
         entry = compared["methods"][method]
         assert entry["results"] == alone["results"]["healed"] and entry["recovered"] == alone["recovered"]
         assert compared["results"]["pruned"] == alone["results"]["pruned"] and compared["results"]["unpruned"] == alone["results"]["unpruned"]
-    adapters = torch.load(tmp_path / "both" / "lora" / "checkpoint.pt", weights_only=True)["adapters"]
+    adapters = torch.load(tmp_path / "both" / "lora" / "checkpoint.pt", weights_only=True)["trained"]
     assert {int(k.split("layers.")[1].split(".")[0]) for k in adapters} == {4}  # of 0, 1, 4 kept: after layer 2 only
     from depthcurse.report import write_report
 
@@ -297,30 +344,46 @@ def test_a_healed_curve_by_one_method_names_that_method(bos_model_dir, docs_file
 
 
 def test_heal_methods_on_the_command_line_and_their_bad_input(run_cli, bos_model_dir, docs_file, tmp_path):
-    base = ["heal", bos_model_dir, "--data", docs_file, "--steps", "2", "--batch-size", "2", "--seq-len", "24", "--eval-windows", "2", "--lora-rank", "2",
-            "--calib-tokens", "96"]
+    base = ["heal", bos_model_dir, "--data", docs_file, "--steps", "2", "--batch-size", "2", "--seq-len", "24", "--eval-windows", "2"]
+    assert_one_line_error(*run_cli(*base, "--layers", "2", "--methods", "linear,layer", "--lora-rank", "2"), "--lora-rank does not apply to any of --methods linear,layer")
+    base += ["--calib-tokens", "96"]
     code, stdout, err = run_cli(*base, "--layers", "2", "--methods", "linear,layer", "--out", tmp_path / "cli")
     assert code == 0, err
     text = " ".join(stdout.split())
     assert "every method on the same removal" in text and (tmp_path / "cli" / "layer" / "hf" / "config.json").is_file()
-    assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "magic"), "unknown --method 'magic': use lora, linear, layer, linear+lora")
-    assert_one_line_error(*run_cli(*base, "--layers", "2", "--methods", "lora,magic"), "--methods 'lora,magic': give methods among lora, linear, layer, linear+lora")
+    assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "magic"), "unknown --method 'magic': use ffn, layer, linear, linear-cosine, linearpatch, lora")
+    assert_one_line_error(*run_cli(*base, "--layers", "2", "--methods", "lora,magic"), "unknown --method 'magic'")
     assert_one_line_error(*run_cli(*base, "--layers", "0,1", "--method", "linear"), "layer 0 (removed with layers 0-1) has none before it")
     assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "linear", "--calib-tokens", "0"), "--calib-tokens must be at least 1, got 0")
     assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "linear", "--ridge", "-1"), "--ridge must be 0 or more, got -1.0")
-    assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "linear", "--loss", "distill"), "--loss distill trains adapters: --method linear trains nothing")
-    assert_one_line_error(*run_cli(*base, "--layers", "4", "--adapt", "after"), "--adapt after puts adapters on the kept blocks after layer 4, and there is none")
-    assert_one_line_error(*run_cli(*base, "--layers", "2", "--adapt", "before"), "unknown --adapt 'before'")
+    assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "linear", "--loss", "distill"), "--loss does not apply to --method linear (its settings: calib_tokens, ridge)")
+    lora = [a for a in base if a not in ("--calib-tokens", "96")]
+    assert_one_line_error(*run_cli(*lora, "--layers", "4", "--adapt", "after"), "--adapt after puts adapters on the kept blocks after layer 4, and there is none")
+    assert_one_line_error(*run_cli(*lora, "--layers", "2", "--adapt", "before"), "unknown --adapt 'before'")
+    assert_one_line_error(*run_cli(*base, "--layers", "2"), "--calib-tokens does not apply to --method lora")
+    assert_one_line_error(*run_cli(*lora, "--layers", "2", "--method-args", "rank"), "--method-args 'rank': give key=value pairs")
+    assert_one_line_error(*run_cli(*lora, "--layers", "2", "--method-args", "rank=4"), "--method-args rank does not apply to --method lora (its settings: adapt,")
+    assert_one_line_error(*run_cli(*lora, "--layers", "2", "--method-args", "lora_rank=four"), "--lora-rank four: lora's lora_rank takes int")
     assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "linear", "--methods", "lora,layer"), "give --method M or --methods M,M,..., not both")
 
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
+    from transformers import AutoTokenizer
+
     gemma = tmp_path / "gemma2"
-    Gemma2ForCausalLM(Gemma2Config(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    Gemma2ForCausalLM(Gemma2Config(vocab_size=len(AutoTokenizer.from_pretrained(bos_model_dir)), hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                                    head_dim=8, pad_token_id=2, bos_token_id=3, eos_token_id=1)).save_pretrained(gemma)
     (bos_model_dir / "tokenizer.json").exists() and [__import__("shutil").copy(f, gemma) for f in bos_model_dir.glob("*token*")]
     assert_one_line_error(*run_cli(*base[:1], gemma, *base[2:], "--layers", "2", "--method", "linear"),
+                          "--method linear cannot heal Gemma2ForCausalLM without layers 2: it folds a map into the MLP output of layer 1, before layer 2, but Gemma2DecoderLayer "
                           "puts a norm (Gemma2RMSNorm) between its MLP and the stream, which a folded linear map cannot pass")
+    assert_one_line_error(*run_cli(*base[:1], gemma, *base[2:], "--layers", "2", "--method", "linear+lora"), "--method linear+lora cannot heal Gemma2ForCausalLM")
+    # a comparison runs the methods that can, and says which could not, and why
+    code, stdout, err = run_cli(*base[:1], gemma, *base[2:], "--layers", "2", "--methods", "layer,linear", "--out", tmp_path / "gemma-both")
+    assert code == 0, err
+    compared = json.loads((tmp_path / "gemma-both" / "heal.json").read_text())
+    assert list(compared["methods"]) == ["layer"] and "puts a norm (Gemma2RMSNorm)" in compared["refused"]["linear"]
+    assert "Could not run: linear: --method linear cannot heal" in " ".join(stdout.split())
 
 
 def test_two_gloo_ranks_estimate_and_train_as_one_process(bos_model_dir, docs_file, tmp_path):
@@ -334,10 +397,10 @@ def test_two_gloo_ranks_estimate_and_train_as_one_process(bos_model_dir, docs_fi
     assert two.returncode == 0, two.stderr[-3000:]
     cfg = _cfg(docs_file, steps=4, eval_windows=2)
     compared = json.loads((tmp_path / "two" / "heal.json").read_text())["methods"]
-    ones = {method: heal(load_model(str(bos_model_dir)), cfg.for_method(method), tmp_path / method) for method in ("linear", "layer")}
-    maps = [torch.load(d / "maps.pt", weights_only=True)["maps"]["2"] for d in (tmp_path / "linear", tmp_path / "two" / "linear")]
+    ones = {method: heal(load_model(str(bos_model_dir)), _cfg(docs_file, steps=4, eval_windows=2, method=method), tmp_path / method) for method in ("linear", "layer")}
+    maps = [_maps(d)[2] for d in (tmp_path / "linear", tmp_path / "two" / "linear")]
     torch.testing.assert_close(maps[0], maps[1], rtol=0, atol=1e-9)
-    layers = [torch.load(d / "checkpoint.pt", weights_only=True)["layers"] for d in (tmp_path / "layer", tmp_path / "two" / "layer")]
+    layers = [torch.load(d / "checkpoint.pt", weights_only=True)["trained"] for d in (tmp_path / "layer", tmp_path / "two" / "layer")]
     for k in layers[0]:
         torch.testing.assert_close(layers[0][k], layers[1][k], rtol=0, atol=1e-5)  # Adam: a gradient summed in another order, normalised
     for method, one in ones.items():

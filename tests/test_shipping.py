@@ -247,7 +247,7 @@ def test_heal_saves_peft_adapters_that_load_on_drops_checkpoint_to_the_merged_mo
 
     out = tmp_path / "run"
     heal(load_model(str(bos_model_dir)), HealConfig(layers=(1, 3), data=str(docs_file), steps=4, batch_size=4, seq_len=24, lr=5e-3, eval_windows=2,
-                                                    lora_rank=4, lora_dropout=0.0), out)
+                                                    method_args={"lora_rank": 4, "lora_dropout": 0.0}), out)
     code, _, err = run_cli("drop", bos_model_dir, "--layers", "1,3", "--out", tmp_path / "dropped")
     assert code == 0, err
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "dropped"), out / "hf" / "adapters").eval()
@@ -258,7 +258,7 @@ def test_heal_saves_peft_adapters_that_load_on_drops_checkpoint_to_the_merged_mo
     front = _front_matter(out / "hf" / "README.md")
     assert front["depthcurse"]["removed_layers"] == [1, 3] and front["depthcurse"]["method"] == "lora" and "base_model" not in front  # a local folder
     made = json.loads((out / "hf" / "depthcurse.json").read_text())
-    assert made["command"].startswith(f"depthcurse heal {bos_model_dir} --layers 1,3 --method lora") and made["healing"]["adapters"] == "adapters"
+    assert made["command"].startswith(f"depthcurse heal {bos_model_dir} --layers 1,3 --method lora") and made["healing"]["files"]["adapters"] == "adapters"
     # the adapters name no base model: the unpruned one is not theirs, and AutoPeftModel must not load them onto it
     assert json.loads((out / "hf" / "adapters" / "adapter_config.json").read_text())["base_model_name_or_path"] is None
     adapter_card = _front_matter(out / "hf" / "adapters" / "README.md")
@@ -347,7 +347,7 @@ def test_a_budget_picks_the_largest_k_within_it_by_bisection(bos_tokenizer, docs
     assert split, losses  # trained, the model has a prefix of its order that costs less than every longer one
     answer = split[len(split) // 2]
     limit = (max(losses[j] for j in losses if j <= answer) + min(losses[j] for j in losses if j > answer)) / 2
-    cfg = HealConfig(layers=(), data=str(docs_file), steps=1, batch_size=2, seq_len=24, lr=1e-12, eval_windows=4, lora_rank=2)
+    cfg = HealConfig(layers=(), data=str(docs_file), steps=1, batch_size=2, seq_len=24, lr=1e-12, eval_windows=4, method_args={"lora_rank": 2})
     record = heal_within(loaded, lambda: load_model(str(model_dir)), cfg, sets, source, tmp_path / "within", limit / base - 1)
     budget = record["budget"]
     assert budget["chosen"] == answer, (losses, base, budget)

@@ -24,16 +24,17 @@ def heal(
     ks: Optional[str] = typer.Option(None, "--ks", help="With --order: numbers of layers removed, e.g. 2,4,8, or shares of the depth, e.g. 25%,50% (the first k of the order)."),
     max_drop: Optional[str] = typer.Option(None, "--max-drop", help="With --order: find the largest k whose healed held-out loss stays within this share of the unpruned model's, e.g. 5% (a bisection over the order's prefixes, or over --ks)."),
     strategy: Optional[str] = typer.Option(None, "--strategy", help="With --order: which of its orders (greedy, one-shot, block-influence, angular, last; angular or deepest for an angular result)."),
-    method: str = typer.Option("lora", "--method", help="How the removal is won back: lora (adapters trained on text, Gromov et al.), linear (a least-squares map folded into the MLP before each removed run, no training: ReplaceMe), layer (one layer per removed run trained to give its output: LLM-Streamline), linear+lora (the map, then adapters)."),
-    methods: Optional[str] = typer.Option(None, "--methods", help="Instead of --method: several, side by side on the same removal, data and measurements, e.g. lora,linear,layer,linear+lora (each in <out>/<method>/)."),
-    adapt: str = typer.Option("all", "--adapt", help="Where the adapters go: all (every kept block) or after (only the blocks after the first removed layer: those before run once per batch, without a backward pass)."),
-    calib_tokens: int = typer.Option(16384, "--calib-tokens", help="linear: tokens of the training text the maps are estimated on."),
-    ridge: float = typer.Option(0.0, "--ridge", help="linear: pulls each map toward the identity (the plain removal); relative to the mean eigenvalue of its Gram matrix."),
-    loss: str = typer.Option("lm", "--loss", help="lm (next-token, as Gromov et al.) or distill (KL from the unpruned model: the same weights, layers back and adapters off)."),
-    targets: str = typer.Option("mlp", "--targets", help="Where the LoRA adapters go in each kept block: mlp (the paper's), attn or all."),
-    lora_rank: int = typer.Option(8, "--lora-rank", help="LoRA rank."),
-    lora_alpha: float = typer.Option(16.0, "--lora-alpha", help="LoRA alpha (the update is scaled by alpha / rank)."),
-    lora_dropout: float = typer.Option(0.05, "--lora-dropout", help="Dropout on the adapters' input."),
+    method: str = typer.Option("lora", "--method", help="How the removal is won back (docs/methods.md): lora (adapters trained on text, Gromov et al.), linear (ReplaceMe's least-squares map, folded in), linear-cosine (ReplaceMe's cosine map), layer (a trained layer per removed run: LLM-Streamline), ffn (a trained FFN per run: LLM-Streamline), tune-last (the last kept layers and the head trained), prune-comp (Prune&Comp's magnitude compensation), linearpatch (LinearPatch), a+b (one after the other, e.g. linear+lora), or your own: module:Class or file.py:Class."),
+    methods: Optional[str] = typer.Option(None, "--methods", help="Instead of --method: several, side by side on the same removal, data and measurements, e.g. lora,linear,layer,linear+lora (each in <out>/<method>/; one this model cannot take is left out, with why)."),
+    method_args: Optional[str] = typer.Option(None, "--method-args", help="The methods' own settings, key=value,... (lm-eval's --model_args form), e.g. ridge=0.1 or lora.lora_rank=16 for one method of several; docs/methods.md lists each method's."),
+    adapt: Optional[str] = typer.Option(None, "--adapt", help="lora: where the adapters go: all (every kept block, the default) or after (only the blocks after the first removed layer: those before run once per batch, without a backward pass)."),
+    calib_tokens: Optional[int] = typer.Option(None, "--calib-tokens", help="linear, linear-cosine, prune-comp, linearpatch: tokens of the training text they estimate on (default 16384)."),
+    ridge: Optional[float] = typer.Option(None, "--ridge", help="linear: pulls each map toward the identity (the plain removal); relative to the mean eigenvalue of its Gram matrix (default 0)."),
+    loss: Optional[str] = typer.Option(None, "--loss", help="lora, tune-last: lm (next-token, as Gromov et al.; the default) or distill (KL from the unpruned model: the same weights, layers back, every change off)."),
+    targets: Optional[str] = typer.Option(None, "--targets", help="lora: where the adapters go in each kept block: mlp (the paper's, the default), attn or all."),
+    lora_rank: Optional[int] = typer.Option(None, "--lora-rank", help="lora: its rank (default 8)."),
+    lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="lora: its alpha, the update scaled by alpha / rank (default 16)."),
+    lora_dropout: Optional[float] = typer.Option(None, "--lora-dropout", help="lora: dropout on the adapters' input (default 0.05)."),
     data: str = typer.Option("auto", "--data", help="Text to heal on and to hold windows out of: auto (C4 where the hub is reachable, else wiki), c4, wiki, or a .txt/.jsonl/.parquet file."),
     steps: int = typer.Option(100, "--steps", help="Optimizer steps."),
     batch_size: int = typer.Option(8, "--batch-size", help="Sequences per step."),
@@ -42,7 +43,8 @@ def heal(
     lr: float = typer.Option(2e-4, "--lr", help="Peak learning rate (AdamW, linear warm-up, cosine decay to a tenth)."),
     warmup: Optional[int] = typer.Option(None, "--warmup", help="Warm-up steps (default: a tenth of --steps)."),
     eval_windows: int = typer.Option(32, "--eval-windows", help="Held-out windows (of --seq-len tokens, from documents never trained on) the models are measured on."),
-    task: Optional[str] = typer.Option(None, "--task", "-t", help="Also measure on this task: any lm-eval task prune takes (arc_easy, mmlu, ...)."),
+    eval_data: Optional[str] = typer.Option(None, "--eval-data", help="Also measure on --eval-windows windows of text of another source (wiki, c4, a file): what a method won back beyond the text it healed on."),
+    task: Optional[str] = typer.Option(None, "--task", "-t", help="Also measure on this task: any lm-eval task prune takes (arc_easy, mmlu, ...), or a suite: commonsense (ARC-e, ARC-c, BoolQ, HellaSwag, PIQA, WinoGrande, OpenBookQA: each, their average and the share of the unpruned model's kept) or a list, arc_easy,piqa."),
     limit: Optional[int] = typer.Option(None, "--limit", help="--task: examples per subtask (default all)."),
     num_fewshot: int = typer.Option(0, "--num-fewshot", help="--task: few-shot examples in each prompt."),
     granularity: str = typer.Option("layer", "--granularity", help="What is removed: layer (only whole layers are healed for now)."),
@@ -57,7 +59,7 @@ def heal(
     trust_remote_code: bool = TrustOpt,
     revision: Optional[str] = RevisionOpt,
 ) -> None:
-    """Remove layers, win the removal back (LoRA adapters, a folded linear map, a trained layer), and measure what came back: the model unpruned, pruned and healed. Rerun to resume."""
+    """Remove layers, win the removal back by a method (LoRA, a folded linear map, a trained layer or FFN, a compensation, a patch, your own), and measure what came back: the model unpruned, pruned and healed. Rerun to resume."""
     from dataclasses import replace  # lazy: start-up
 
     from depthcurse import heal as healing
@@ -86,21 +88,21 @@ def heal(
     chosen = healing.parse_methods(methods) if methods is not None else None
     if chosen is not None and method != "lora":
         raise DepthcurseError("give --method M or --methods M,M,..., not both")
-    cfg = healing.HealConfig(layers=(), method=chosen[0] if chosen else method, loss=loss, targets=targets, lora_rank=lora_rank, lora_alpha=lora_alpha,
-                             lora_dropout=lora_dropout, data=data, steps=steps, batch_size=batch_size, micro_batch=micro_batch, seq_len=seq_len, lr=lr,
-                             warmup=warmup, eval_windows=eval_windows, task=task, limit=limit, num_fewshot=num_fewshot, seed=seed, save_every=save_every,
-                             adapt=adapt, calib_tokens=calib_tokens, ridge=ridge)
+    args = healing.method_args(method_args, loss=loss, targets=targets, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                               adapt=adapt, calib_tokens=calib_tokens, ridge=ridge)
+    cfg = healing.HealConfig(layers=(), method=chosen[0] if chosen else method, method_args=args, data=data, steps=steps, batch_size=batch_size,
+                             micro_batch=micro_batch, seq_len=seq_len, lr=lr, warmup=warmup, eval_windows=eval_windows, eval_data=eval_data, task=task,
+                             limit=limit, num_fewshot=num_fewshot, seed=seed, save_every=save_every)
     if chosen is None or len(chosen) == 1:
         cfg.resolved()  # every option checked before a model is loaded
     else:
-        for m in chosen:
-            cfg.for_method(m).resolved()
+        healing.check_settings(cfg, chosen)
     several = chosen is not None and len(chosen) > 1
     if ks is not None:
         healing.parse_ks(ks)  # checked now; shares of the depth become numbers once the model is loaded
-    how = "-".join(chosen) if chosen else (method if method != "lora" else "")
+    how = "-".join(chosen) if chosen else method
     along = f"order-{slug(str(order))}-" + (f"k{ks.replace(',', '-').replace('%', 'pc')}" if ks else f"within{max_drop.replace('%', 'pc')}") if order else ""
-    tag = f"{along or 'L' + layers.replace(',', '_')}-{how + '-' if how else ''}{loss}"
+    tag = slug(f"{along or 'L' + layers.replace(',', '_')}-{how}" + (f"-{loss}" if loss else ""))
     out_dir = out or Path("runs") / "heal" / slug(model) / tag
     ensure_out_dir(out_dir)
     world = join_ranks(device, "ddp")

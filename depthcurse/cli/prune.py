@@ -18,7 +18,7 @@ from depthcurse.io import ensure_out_dir
 
 def prune(
     model: str = ModelArg,
-    task: str = typer.Option("ppl", "--task", "-t", help="ppl, mmlu, any lm-eval task: log-likelihood (arc_easy, hellaswag, piqa, sciq...) or generative (gsm8k, nq_open: each variant generates on its own), squad (extractive QA encoders) or repr (any model, made for encoders: mean-pooled embedding kept)."),
+    task: str = typer.Option("ppl", "--task", "-t", help="ppl, mmlu, any lm-eval task: log-likelihood (arc_easy, hellaswag, piqa, sciq...) or generative (gsm8k, nq_open: each variant generates on its own), squad (extractive QA encoders) or repr (any model, made for encoders: mean-pooled embedding kept); or a suite of lm-eval tasks, commonsense or a list (arc_easy,piqa): each, their average and the share of it kept."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Layers to remove one at a time, e.g. 0,3,5-8 (default: all)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="ppl: number of text windows (default 32); squad: questions (default all); repr: passages (default 256); lm-eval tasks: examples per subtask (default all)."),
     num_fewshot: int = typer.Option(0, "--num-fewshot", help="Few-shot examples in each prompt (lm-eval tasks)."),

@@ -11,25 +11,42 @@ from pathlib import Path
 from typing import Callable
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.heal.config import METHODS, RESUMABLE_CHANGES, HealConfig
-from depthcurse.heal.loop import HEAL_JSON, check, finished, heal, identity, read_heal
+from depthcurse.heal.config import RESUMABLE_CHANGES, HealConfig
+from depthcurse.heal.loop import HEAL_JSON, PER_METHOD, check, finished, heal, identity, read_heal, refusal
+from depthcurse.heal.method import build_method, said
 from depthcurse.io import atomic_write, ensure_out_dir, json_text, refuse_other_run
 from depthcurse.loading import LoadedModel
 from depthcurse.runtime import World
 
 
 def parse_methods(text: str) -> tuple[str, ...]:
+    """Method names (each a registered one, `a+b`, or `module:Class`), each checked to be found."""
     methods = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        raise DepthcurseError(f"--methods {text!r}: give methods among {', '.join(METHODS)}, e.g. lora,linear")
+    if not methods:
+        raise DepthcurseError(f"--methods {text!r}: give methods, e.g. lora,linear")
+    for m in methods:
+        build_method(m)  # an unknown name is one line, naming the known ones
     return methods
 
 
+def check_settings(cfg: HealConfig, methods: tuple[str, ...]) -> None:
+    """Every setting given applies to at least one of `methods`, and each method's are valid."""
+    used = set()
+    for m in methods:
+        mine = cfg.for_method(m)
+        mine.resolved()
+        used |= set(mine.method_args)
+    unused = [k for k in cfg.method_args if k not in used]
+    if unused:
+        raise DepthcurseError(f"{said(unused[0])} does not apply to any of --methods {','.join(methods)}")
+
+
 def method_entry(point: dict) -> dict:
-    """What one method's heal gives a comparison: its healed model's measurements, the share won back, the cost."""
-    return {"results": point["results"]["healed"], "recovered": point["recovered"], "cost": point.get("cost"),
-            "hf_layers": point.get("hf_layers"), "hf_bytes": point.get("hf_bytes")}
+    """What one method's heal gives a comparison: its healed model's measurements, the share won
+    back (and why not, where there was no gap), the cost, and how it healed."""
+    return {"results": point["results"]["healed"], "recovered": point["recovered"], "recovered_why": point.get("recovered_why", {}),
+            "cost": point.get("cost"), "hf_layers": point.get("hf_layers"), "hf_bytes": point.get("hf_bytes"),
+            "title": point["run"].get("method_title"), "how": point["run"].get("method_how")}
 
 
 class Models:
@@ -47,19 +64,25 @@ def heal_methods(loaded: LoadedModel, models: Models, cfg: HealConfig, methods: 
                  world: World = World(), unpruned: dict | None = None, why: str | None = None,
                  on_method: Callable[[str, int, int], None] | None = None, **callbacks) -> dict | None:
     """Heal `cfg.layers` by each of `methods`, each on `models.next()`, checked against `loaded`
-    first; the comparison's record, `heal.json` in `out_dir`, on rank 0. `unpruned`: that model's
+    first; the comparison's record, `heal.json` in `out_dir`, on rank 0. A method this model's
+    architecture cannot take is left out, with why, and the others run. `unpruned`: that model's
     measurement if it was made already (a healed curve's)."""
     out_dir = ensure_out_dir(out_dir)
-    checked = {m: identity(loaded, check(loaded, cfg.for_method(m))) for m in methods}  # every method's input, before the first runs
-    run = {k: v for identity_ in checked.values() for k, v in identity_.items() if k != "method"} | {"methods": list(methods)}
+    refused = {m: why_not for m in methods if (why_not := refusal(loaded, cfg.for_method(m).build(), cfg.layers)) is not None}
+    able = tuple(m for m in methods if m not in refused)
+    if not able:
+        raise DepthcurseError(f"none of --methods {','.join(methods)} can heal this model: {next(iter(refused.values()))}")
+    checked = {m: identity(loaded, check(loaded, cfg.for_method(m))) for m in able}  # every method's input, before the first runs
+    run = {k: v for identity_ in checked.values() for k, v in identity_.items() if k not in PER_METHOD} | {"methods": list(methods)}
+    run["method_settings"] = {m: checked[m]["method_settings"] for m in able}
     if (out_dir / HEAL_JSON).exists():
         refuse_other_run(out_dir, read_heal(out_dir)["run"], run, ignore=RESUMABLE_CHANGES, what="comparison of methods")
-    record = {"run": run, "results": {}, "methods": {}}
+    record = {"run": run, "results": {}, "methods": {}, "refused": refused}
     shared = {"unpruned": unpruned, "pruned": None}
-    for i, method in enumerate(methods):
+    for i, method in enumerate(able):
         if on_method:
-            on_method(method, i, len(methods))
-        folder = out_dir / method
+            on_method(method, i, len(able))
+        folder = out_dir / _folder(method)
         point = finished(folder, checked[method])  # finished before an interruption: not loaded again
         if point is None:
             point = heal(models.next(), cfg.for_method(method), folder, world=world, why=why, **shared, **callbacks)
@@ -68,6 +91,12 @@ def heal_methods(loaded: LoadedModel, models: Models, cfg: HealConfig, methods: 
         shared = {name: point["results"][name] for name in ("unpruned", "pruned")}
         record["results"] = dict(shared)
         record["held_out"] = point.get("held_out")
-        record["methods"][method] = {**method_entry(point), "folder": method}
+        record["measured_on"] = point.get("measured_on")
+        record["methods"][method] = {**method_entry(point), "folder": _folder(method)}
         atomic_write(out_dir / HEAL_JSON, json_text(record))
     return record if world.main else None
+
+
+def _folder(method: str) -> str:
+    """A method's folder in a comparison (an outside `module:Class` or `file.py:Class` made a name)."""
+    return method.replace(":", "-").replace("/", "-")

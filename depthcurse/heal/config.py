@@ -1,41 +1,31 @@
-"""What a heal run is: the layers removed, how the removal is won back (the method), the adapters,
-the data, the schedule, the loss and what it is measured on. No torch here: the command line
-checks a run's settings before loading a model."""
+"""What a heal run is: the layers removed, the method that wins the removal back (by name, with
+its own settings: `heal.method`), the text it calibrates or trains on, the schedule of the methods
+that train, and what the models are measured on. The command line checks a run's settings with
+this before loading a model."""
 
 from __future__ import annotations
 
-import math
 import shlex
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.heal.method import Method, build_method, method_settings_text, parse_method_args
 from depthcurse.train.config import check_schedule
 
-LOSSES = ("lm", "distill")
-TARGETS = ("mlp", "attn", "all")  # which branches of each kept block get adapters
-# How a removal is won back: LoRA adapters trained on text (Gromov et al.); a least-squares linear
-# map folded into the MLP output of the block before each cut (ReplaceMe, training-free); one
-# layer per cut trained to give what the removed run gave (LLM-Streamline); the map, then LoRA.
-METHODS = ("lora", "linear", "layer", "linear+lora")
-TRAINED = ("lora", "layer", "linear+lora")
-ADAPT = ("all", "after")  # adapters on every kept block, or only on those after the first removed layer
 CONFIG = "config.json"
 
 
 @dataclass
 class HealConfig:
-    """One heal: `layers` removed, LoRA adapters (peft) on the kept blocks' `targets` trained for
-    `steps` on `data`, the model measured unpruned, pruned and healed on held-out windows of that
-    data and on `task`. Defaults follow Gromov et al.'s healing: adapters on the MLPs, a small
-    rank, dropout 0.05, next-token loss, a cosine schedule."""
+    """One heal: `layers` removed, won back by `method` (a registered name, `a+b`, or
+    `module:Class`) with `method_args` (its settings, `key=value` as text or typed), trained (by
+    the methods that train) for `steps` on `data`, the model measured unpruned, pruned and healed
+    on held-out windows of that data, of `eval_data` (text of another source, where given) and on
+    `task`. The schedule follows Gromov et al.'s healing: AdamW, linear warm-up, cosine decay."""
 
     layers: tuple[int, ...]
     method: str = "lora"
-    loss: str = "lm"
-    targets: str = "mlp"
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.05
+    method_args: dict = field(default_factory=dict)
     data: str = "auto"
     steps: int = 100
     batch_size: int = 8
@@ -47,28 +37,48 @@ class HealConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     eval_windows: int = 32  # held-out windows of seq_len tokens
+    eval_data: str | None = None  # text of another source the models are also measured on
     task: str | None = None
     limit: int | None = None
     num_fewshot: int = 0
     seed: int = 1234
     save_every: int = 25
     log_every: int = 1
-    adapt: str = "all"  # where the adapters go: every kept block, or only the blocks after the first removed layer
-    calib_tokens: int = 16384  # linear: tokens of the training text the maps are estimated on
-    ridge: float = 0.0  # linear: pulls each map toward the identity (the plain removal), relative to the mean eigenvalue of its Gram matrix
+
+    def build(self) -> Method:
+        """The method, its settings checked (one clear line for a bad one)."""
+        return build_method(self.method, self.method_args)
 
     def for_method(self, method: str) -> "HealConfig":
-        """This run by `method` (in a comparison: `loss` is the adapters' and applies to the methods that train some)."""
-        return HealConfig(**{**asdict(self), "method": method, "loss": self.loss if method in ("lora", "linear+lora") else "lm"})
+        """This run by `method` alone, with the settings among `method_args` that are its own (in a
+        comparison, each method takes those of its fields; `name.key` is that method's only)."""
+        mine = {}
+        probe = build_method(method)
+        own = _fields_of(probe)
+        for key, value in self.method_args.items():
+            scope, dot, bare = key.rpartition(".")
+            if dot and scope in method.split("+"):
+                mine[key] = value
+            elif not dot and bare in own:
+                mine[key] = value
+        return replace(self, method=method, method_args=mine)
 
     def command(self, model: str) -> str:
-        """The `depthcurse heal` command that makes this run again: every setting not at its default
-        (and the data, the steps and the seed always)."""
+        """The `depthcurse heal` command that makes this run again: the method and its settings
+        away from their defaults, and the common options the method uses (the schedule only for
+        one that trains)."""
+        method = self.build()
         defaults = HealConfig(layers=())
-        parts = ["depthcurse", "heal", shlex.quote(model), "--layers", ",".join(map(str, self.layers))]
+        parts = ["depthcurse", "heal", shlex.quote(model), "--layers", ",".join(map(str, self.layers)), "--method", shlex.quote(self.method)]
+        settings = method_settings_text(method)
+        if settings:
+            parts += ["--method-args", shlex.quote(settings)]
+        schedule = {"steps", "batch_size", "micro_batch", "lr", "warmup", "min_lr_ratio", "weight_decay", "grad_clip"}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("layers", "save_every", "log_every") or value is None or (value == getattr(defaults, f.name) and f.name not in ALWAYS_SAID):
+            if f.name in ("layers", "method", "method_args", "save_every", "log_every") or value is None or (f.name in schedule and not method.trains):
+                continue
+            if value == getattr(defaults, f.name) and f.name not in ALWAYS_SAID:
                 continue
             if f.name in NOT_OPTIONS:
                 parts.append(f"# and {f.name}={value} (set in Python)")
@@ -76,34 +86,17 @@ class HealConfig:
             parts += [f"--{f.name.replace('_', '-')}", shlex.quote(str(value))]
         return " ".join(p for p in parts if not p.startswith("#")) + "".join(f"  {p}" for p in parts if p.startswith("#"))
 
-    def healing(self) -> dict:
+    def healing(self, method: Method) -> dict:
         """How the removal was won back, in the settings that mattered to the method (a model card's)."""
-        out = {"method": self.method, "data": self.data, "seed": self.seed}
-        if self.maps:
-            out.update(calib_tokens=self.calib_tokens, ridge=self.ridge)
-        if self.trains:
+        out = {"method": method.name, "title": method.title, "how": method.describe(), "settings": method.recorded(), "data": self.data, "seed": self.seed}
+        if method.trains:
             out.update(steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len, lr=self.lr, warmup=self.warmup)
-        if self.adapters:
-            out.update(loss=self.loss, lora_rank=self.lora_rank, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout, targets=self.targets,
-                       adapt=self.adapt)
         return out
-
-    @property
-    def trains(self) -> bool:
-        return self.method in TRAINED
-
-    @property
-    def maps(self) -> bool:
-        return self.method in ("linear", "linear+lora")
-
-    @property
-    def adapters(self) -> bool:
-        return self.method in ("lora", "linear+lora")
 
     def resolved(self) -> "HealConfig":
         """Checked (all but the layers, which `heal.loop.check` checks against the model), with the
         defaults that depend on others filled in: what the run records."""
-        cfg = HealConfig(**asdict(self))
+        cfg = replace(self, method_args=dict(self.method_args))
         twice = sorted({i for i in self.layers if list(self.layers).count(i) > 1})
         if twice:
             raise DepthcurseError(f"layers {','.join(map(str, self.layers))} name layer {','.join(map(str, twice))} more than once: name each layer once")
@@ -111,42 +104,37 @@ class HealConfig:
         cfg.micro_batch = min(self.micro_batch or self.batch_size, self.batch_size)
         cfg.warmup = max(1, round(0.1 * self.steps)) if self.warmup is None else self.warmup
         _check(cfg)
+        cfg.build()  # the method's own settings
         return cfg
 
     def identity(self) -> dict:
         """What a resumed run must share with the one in the folder (how often it saves or logs may
-        change). Settings the method does not use at their defaults are left out, so that a run
-        made before they existed is the same run."""
-        unused = {"method": self.method == "lora", "adapt": self.adapt == "all", "calib_tokens": not self.maps, "ridge": not self.maps}
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if k not in RESUMABLE_CHANGES and not unused.get(k)}
+        change): the common settings, the method and every one of its settings, defaults included."""
+        method = self.build()
+        out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()
+               if k not in RESUMABLE_CHANGES and k not in ("method_args",) and not (k == "eval_data" and v is None)}
+        return {**out, "method": method.name, "method_settings": method.recorded()}
 
 
 RESUMABLE_CHANGES = frozenset({"save_every", "log_every"})
-ALWAYS_SAID = frozenset({"method", "data", "steps", "seed"})  # in a run's command even at their defaults
+ALWAYS_SAID = frozenset({"data", "steps", "seed"})  # in a run's command even at their defaults
 NOT_OPTIONS = frozenset({"min_lr_ratio", "weight_decay", "grad_clip"})  # settings `depthcurse heal` takes no option for
 
 
+def _fields_of(method: Method) -> set[str]:
+    members = getattr(method, "members", [method])
+    return {f.name for m in members for f in fields(m.Settings)}
+
+
+def method_args(text: str | None, **common) -> dict:
+    """`--method-args` parsed, with the command line's common options given (not None) under
+    their field names: what `HealConfig.method_args` holds."""
+    args = {k: v for k, v in common.items() if v is not None}
+    args.update(parse_method_args(text))
+    return args
+
+
 def _check(cfg: HealConfig) -> None:
-    if cfg.method not in METHODS:
-        raise DepthcurseError(f"unknown --method {cfg.method!r}: use {', '.join(METHODS)}")
-    if cfg.adapt not in ADAPT:
-        raise DepthcurseError(f"unknown --adapt {cfg.adapt!r}: use all (every kept block) or after (the blocks after the first removed layer)")
-    if cfg.calib_tokens < 1:
-        raise DepthcurseError(f"--calib-tokens must be at least 1, got {cfg.calib_tokens}")
-    if not (cfg.ridge >= 0 and math.isfinite(cfg.ridge)):
-        raise DepthcurseError(f"--ridge must be 0 or more, got {cfg.ridge}")
-    if cfg.loss not in LOSSES:
-        raise DepthcurseError(f"unknown --loss {cfg.loss!r}: use lm (next-token) or distill (KL from the unpruned model)")
-    if cfg.loss != "lm" and not cfg.adapters:
-        raise DepthcurseError(f"--loss {cfg.loss} trains adapters: --method {cfg.method} " + ("trains its new layers on the removed runs' output (MSE)" if cfg.method == "layer" else "trains nothing"))
-    if cfg.targets not in TARGETS:
-        raise DepthcurseError(f"unknown --targets {cfg.targets!r}: use mlp (the paper's), attn or all")
-    if cfg.lora_rank < 1:
-        raise DepthcurseError(f"--lora-rank must be at least 1, got {cfg.lora_rank}")
-    if not (cfg.lora_alpha > 0 and math.isfinite(cfg.lora_alpha)):
-        raise DepthcurseError(f"--lora-alpha must be positive, got {cfg.lora_alpha}")
-    if not 0 <= cfg.lora_dropout < 1:
-        raise DepthcurseError(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout}")
     for name in ("steps", "batch_size", "micro_batch", "eval_windows", "save_every", "log_every"):
         if getattr(cfg, name) < 1:
             raise DepthcurseError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")

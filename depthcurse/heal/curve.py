@@ -19,8 +19,8 @@ from depthcurse.angular import load_angular
 from depthcurse.angular.result import ANGULAR_JSON
 from depthcurse.errors import DepthcurseError
 from depthcurse.heal.config import RESUMABLE_CHANGES, HealConfig
-from depthcurse.heal.compare import Models, heal_methods
-from depthcurse.heal.loop import HEAL_JSON, check, finished, heal, identity, read_heal
+from depthcurse.heal.compare import Models, heal_methods, method_entry
+from depthcurse.heal.loop import HEAL_JSON, PER_METHOD, check, finished, heal, identity, read_heal
 from depthcurse.io import atomic_write, ensure_out_dir, json_text, refuse_other_run
 from depthcurse.loading import LoadedModel
 from depthcurse.prune.greedy import GREEDY_JSON, read_curves
@@ -81,7 +81,7 @@ def order_sets(folder: Path, ks: list[int] | None, n_layers: int, strategy: str 
         if strategy not in curves.curves:
             raise DepthcurseError(f"--strategy {strategy}: {folder} has the orders {', '.join(curves.curves)}")
         points = curves.curves[strategy]
-        sets = {p.k: tuple(p.removed) for p in points}
+        sets = {p.k: tuple(p.removed) for p in points if p.k > 0}  # k = 0 is the unpruned model: nothing to heal
         source, have = f"{strategy} order of {folder}", len(points) - 1
         n = curves.n_units
     elif (folder / ANGULAR_JSON).is_file():
@@ -183,9 +183,9 @@ class _Curve:
         self.methods = tuple(methods or (cfg.method,))
         self.loaded, self.on_method, self.callbacks = loaded, on_method, callbacks
         self.checked = {(k, m): identity(loaded, check(loaded, replace(cfg, layers=layers).for_method(m))) for k, layers in sets.items() for m in self.methods}
-        run = {key: v for identity_ in self.checked.values() for key, v in identity_.items() if key not in ("layers", "method")} | {"order": source, "ks": list(sets)}
-        if len(self.methods) > 1 or self.methods[0] != "lora":
-            run["methods"] = list(self.methods)
+        run = {key: v for identity_ in self.checked.values() for key, v in identity_.items() if key not in ("layers", *PER_METHOD)}
+        run |= {"order": source, "ks": list(sets), "methods": list(self.methods),
+                "method_settings": {m: self.checked[(k, m)]["method_settings"] for k in sets for m in self.methods}}
         run.update(extra or {})
         if (self.out_dir / HEAL_JSON).exists():
             refuse_other_run(self.out_dir, read_heal(self.out_dir)["run"], run, ignore=RESUMABLE_CHANGES, what="healed curve")
@@ -209,8 +209,7 @@ class _Curve:
                             unpruned=self.unpruned, why=why, **self.callbacks)
             if not self.world.main:
                 return None
-            point = {"k": k, "layers": list(layers), "method": self.methods[0], "results": done["results"], "recovered": done["recovered"], "cost": done.get("cost"),
-                     "folder": folder.name}
+            point = {"k": k, "layers": list(layers), "method": self.methods[0], **method_entry(done), "results": done["results"], "folder": folder.name}
         self.unpruned = point["results"]["unpruned"]
         self.record["points"] = sorted([p for p in self.record["points"] if p["k"] != k] + [point], key=lambda p: p["k"])
         self.write()

@@ -1,31 +1,29 @@
-"""The model in memory and what a method added to it, as any of the three models a heal measures.
+"""The model in memory and what a method did to it, as any of the three models a heal measures.
 
-One copy of the weights serves as the unpruned model (every layer; the adapters off, no map, no
-new layer), the pruned one (the layers removed) and the healed one (the layers removed and, by
-method: LoRA adapters on, the linear maps applied after their MLPs, each removed run's new layer
-in its place), entered and left again for each batch if need be. Saving makes the healed model a
-normal checkpoint: the adapters merged, the maps folded into their output projections, the new
-layers standing where their runs began, in the dtype the source was stored in.
+One copy of the weights serves as the unpruned model (every layer; the method's changes off), the
+pruned one (the layers removed) and the healed one (the method's changes on, the layers it
+removes gone), entered and left again for each batch if need be. Saving makes the healed model a
+normal checkpoint from a copy of the model and the method (the changes folded or merged into the
+weights, new layers in place, in the dtype the source was stored in), so that the model in memory
+stays the unpruned one: the saved checkpoint is measured against it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
 from torch import nn
 
-from depthcurse.heal.adapters import save_adapters
-from depthcurse.heal.linear import fold_maps, mapped
-from depthcurse.heal.replacement import removed_with, replaced
+from depthcurse.heal.method import Method
 from depthcurse.io import atomic_write
 from depthcurse.surgery import removed_layers, save_pruned
 
 MODELS = ("unpruned", "pruned", "healed")
-ADAPTERS = "adapters"  # inside hf/: the LoRA adapters in peft's format
 # On the held-out windows: next-token loss and perplexity, and how far from the unpruned model's
 # predictions (KL, in nats per token, and the share of top-1 tokens it agrees on).
 HELD_OUT_METRICS = ("loss", "ppl", "kl", "agreement")
@@ -33,55 +31,40 @@ HELD_OUT_METRICS = ("loss", "ppl", "kl", "agreement")
 
 @dataclass
 class Healed:
-    model: nn.Module  # the transformers model (its linears wrapped by peft where there are adapters)
+    model: nn.Module  # the transformers model in memory (its linears wrapped by peft where there are adapters)
     layers: tuple[int, ...]  # removed
-    peft: object | None = None  # peft's model around `model`, where there are adapters
-    maps: dict[int, torch.Tensor] = field(default_factory=dict)  # a run's first layer -> its linear map
-    replacements: dict[int, nn.Module] = field(default_factory=dict)  # a run's first layer -> the layer trained in its place
+    method: Method
 
     @contextlib.contextmanager
     def as_model(self, name: str) -> Iterator[nn.Module]:
         """The model in memory as the `name` model of `MODELS`."""
-        adapters_off = self.peft.disable_adapter() if self.peft is not None and name != "healed" else contextlib.nullcontext()
-        with adapters_off:
-            if name == "unpruned":
+        if name == "healed":
+            with self.method.applied(self.model), removed_layers(self.model, self.method.removes(self.layers)):
                 yield self.model
-            elif name == "pruned":
-                with removed_layers(self.model, self.layers):
-                    yield self.model
-            elif self.replacements:
-                with replaced(self.model, self.replacements, self.layers):
-                    yield self.model
-            else:
-                with mapped(self.model, self.maps), removed_layers(self.model, self.layers):
-                    yield self.model
+            return
+        with self.method.bypassed(self.model), removed_layers(self.model, self.layers if name == "pruned" else ()):
+            yield self.model
 
     def layer_count(self, n: int) -> int:
         """The healed model's layers, of the unpruned `n`."""
-        return n - len(removed_with(self.layers) if self.replacements else self.layers)
+        return n - len(self.method.removes(self.layers))
 
-    def save(self, tokenizer, out: Path, dtype: torch.dtype | None = None) -> Path:
+    def save(self, tokenizer, out: Path, dtype: torch.dtype | None = None) -> tuple[Path, dict]:
         """The healed model saved (atomically) as a checkpoint `from_pretrained` loads, in `dtype`
-        (the source checkpoint's); LoRA adapters alone on the pruned model also in peft's format,
-        in `ADAPTERS/` inside it. Changes the model in memory: afterwards it is the healed one,
-        merged, folded and cast."""
+        (the source checkpoint's), made from a copy: the method's files first (LoRA's adapters in
+        peft's format), then its changes put into the weights. Returns the folder and what the
+        method's files are."""
+        files: dict = {}
+
         def write(tmp: Path) -> None:
-            if self.peft is not None and not self.maps:  # on a map, the adapters belong to the mapped model, not to `drop`'s
-                save_adapters(self.peft, self.layers, tmp / ADAPTERS)
-            model = self.peft.merge_and_unload() if self.peft is not None else self.model  # merged in the dtype it trained in
-            self.peft, self.model = None, model
-            if self.maps:
-                fold_maps(model, self.maps)
-                self.maps = {}
-            if dtype is not None:
-                model.to(dtype)
-                for layer in self.replacements.values():
-                    layer.to(dtype)
-            if self.replacements:
-                with replaced(model, self.replacements, self.layers):
-                    save_pruned(model, tokenizer, (), tmp)
-            else:
-                save_pruned(model, tokenizer, self.layers, tmp)
+            model, method = copy.deepcopy((self.model, self.method))  # one memo: the copy's method holds the copy's modules
+            files.update(method.extra_files(tmp, self.layers))
+            model = method.finalize(model)
+            with method.placed(model):
+                if dtype is not None:
+                    model.to(dtype)
+                save_pruned(model, tokenizer, method.removes(self.layers), tmp)
+            del model, method
 
         atomic_write(Path(out), write, folder=True)
-        return Path(out)
+        return Path(out), files

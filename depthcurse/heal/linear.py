@@ -1,11 +1,13 @@
-"""ReplaceMe (Shopkhoev et al., 2025): a removal won back without training, by one linear map per cut.
+"""ReplaceMe's maps (Shopkhoev et al., 2025): one linear map per cut, folded into the weights.
 
-For a contiguous run of removed layers i..j, the block before it (i - 1) adds its MLP's output m
-to the stream y it got from its attention, leaving y + m; the removed run would have left x_{j+1}.
-The map T is the least-squares solution of  y + m T = x_{j+1}  over calibration tokens, and is
-folded into that MLP's output projection (W <- T^T W, b <- T^T b), so that the saved model is the
-unpruned architecture minus k layers, with no new module. Runs are estimated in order of depth,
-each with the runs before it already removed and mapped, against the unpruned model's stream.
+For a contiguous run of removed layers i..j, the block before it (i - 1) adds its MLP output
+projection's output m to the stream y it got so far, leaving y + m; the removed run would have
+left x_{j+1}. A map T with  y + m T ~ x_{j+1}  over calibration tokens is folded into that
+projection (W <- T^T W, b <- T^T b), so that the saved model is the unpruned architecture minus k
+layers, with no new module. Runs are estimated in order of depth, each with the runs before it
+already removed and mapped, against the unpruned model's stream. Which T: least squares here
+(`LeastSquares`, `solve_map`); the methods in `heal/methods/` choose (ReplaceMe's cosine variant
+brings its own solver).
 
 The solution is written as a correction of the identity, T = I + D: the plain removal is D = 0,
 and the ridge term pulls D toward it. With G = M^T M and C = M^T (x_{j+1} - y - m) summed over the
@@ -16,7 +18,6 @@ correction when G is singular, as with fewer tokens than dimensions).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -49,14 +50,13 @@ def foldable_mlp(block: nn.Module, where: str) -> nn.Module:
     kind = type(block).__name__
     found = branch_output(block, "mlp")
     if found is None:
-        raise DepthcurseError(f"--method linear folds a map into the MLP output of {where}, but {kind} is a Post-LN block (its MLP output is normalised with the stream): "
-                              "use --method lora or layer")
+        raise DepthcurseError(f"it folds a map into the MLP output of {where}, but {kind} is a Post-LN block (its MLP output is normalised with the stream)")
     meets, scale = found
     mlp = find_branch(block, "mlp")
     if meets is not mlp or scale is not None:
         what = "a learned scale" if scale is not None else f"a norm ({type(meets).__name__})"
-        raise DepthcurseError(f"--method linear folds a map into the MLP output of {where}, but {kind} puts {what} between its MLP and the stream, "
-                              "which a folded linear map cannot pass: use --method lora or layer")
+        raise DepthcurseError(f"it folds a map into the MLP output of {where}, but {kind} puts {what} between its MLP and the stream, "
+                              "which a folded linear map cannot pass")
     return mlp
 
 
@@ -68,8 +68,27 @@ def output_projection(block: nn.Module, where: str) -> nn.Module:
         projection = getattr(mlp, name, None)
         if isinstance(projection, nn.Linear) or type(projection).__name__ == "Conv1D":
             return projection
-    raise DepthcurseError(f"--method linear folds a map into the MLP output projection of {where}, but {type(mlp).__name__} has none of "
-                          f"{', '.join(OUTPUT_PROJECTIONS)} as a dense linear layer (fused experts?): use --method lora or layer")
+    raise DepthcurseError(f"it folds a map into the MLP output projection of {where}, but {type(mlp).__name__} has none of "
+                          f"{', '.join(OUTPUT_PROJECTIONS)} as a dense linear layer (fused experts?)")
+
+
+# The attention's output projection, by the names transformers gives it.
+ATTENTION_OUTPUTS = ("o_proj", "dense", "out_proj", "c_proj", "wo")
+
+
+def attention_output(block: nn.Module, where: str) -> nn.Module:
+    """The last linear layer of the block's attention, whose output the block adds to its stream
+    (a replacement FFN silences its attention through it; a compensation scales it)."""
+    found = branch_output(block, "attn")
+    attn = find_branch(block, "attn")
+    if found is None or attn is None:
+        raise DepthcurseError(f"it trains the MLP of {where} alone, its attention silenced, but {type(block).__name__} is a Post-LN block")
+    for name in ATTENTION_OUTPUTS:
+        projection = getattr(attn, name, None)
+        if isinstance(projection, nn.Linear) or type(projection).__name__ == "Conv1D":
+            return projection
+    raise DepthcurseError(f"it silences the attention of {where} through its output projection, and {type(attn).__name__} has none of "
+                          f"{', '.join(ATTENTION_OUTPUTS)} as a dense layer")
 
 
 def check_linear(model: nn.Module, layers: tuple[int, ...]) -> None:
@@ -77,12 +96,11 @@ def check_linear(model: nn.Module, layers: tuple[int, ...]) -> None:
     blocks = find_blocks(model).layers
     for run in runs_of(layers):
         if run[0] == 0:
-            raise DepthcurseError(f"--method linear folds a map into the block before each removed run, and layer 0 (removed with {_run_text(run)}) has none before it: "
-                                  "use --method lora or layer")
-        output_projection(blocks[run[0] - 1], f"layer {run[0] - 1}, before {_run_text(run)}")
+            raise DepthcurseError(f"it folds a map into the block before each removed run, and layer 0 (removed with {run_text(run)}) has none before it")
+        output_projection(blocks[run[0] - 1], f"layer {run[0] - 1}, before {run_text(run)}")
 
 
-def _run_text(run: tuple[int, ...]) -> str:
+def run_text(run: tuple[int, ...]) -> str:
     return f"layer {run[0]}" if len(run) == 1 else f"layers {run[0]}-{run[-1]}"
 
 
@@ -97,11 +115,22 @@ def solve_map(gram: torch.Tensor, cross: torch.Tensor, ridge: float = 0.0) -> to
     return torch.eye(d, dtype=torch.float64) + correction
 
 
-@dataclass
-class _RunStats:
-    gram: torch.Tensor
-    cross: torch.Tensor
-    tokens: int = 0
+class LeastSquares:
+    """Sums of M^T M and M^T (target - y - m) over the tokens seen; the map they solve for."""
+
+    def __init__(self, d: int, device, ridge: float = 0.0):
+        self.gram = torch.zeros(d, d, dtype=torch.float64, device=device)
+        self.cross = torch.zeros(d, d, dtype=torch.float64, device=device)
+        self.tokens, self.ridge = 0, ridge
+
+    def add(self, m: torch.Tensor, out: torch.Tensor, target: torch.Tensor, index: int) -> None:
+        m, rest = m.double(), (target - out).double()
+        self.gram += m.T @ m
+        self.cross += m.T @ rest
+        self.tokens += m.shape[0]
+
+    def solve(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return solve_map(reduce(self.gram), reduce(self.cross), self.ridge)
 
 
 def _apply_map(t: torch.Tensor) -> Callable:
@@ -112,15 +141,15 @@ def _apply_map(t: torch.Tensor) -> Callable:
 
 @contextlib.contextmanager
 def mapped(model: nn.Module, maps: dict[int, torch.Tensor]) -> Iterator[nn.Module]:
-    """`model` with each map applied as a separate step after the MLP of the block before its run
-    (`maps`: the run's first removed layer -> T): what folding computes, kept apart so the model in
-    memory is the unpruned one again afterwards. The layers are not removed here."""
+    """`model` with each map applied as a separate step after the MLP output projection of the
+    block before its run (`maps`: the run's first removed layer -> T): what folding computes, kept
+    apart so the model in memory is the unpruned one again afterwards. The layers are not removed here."""
     blocks = find_blocks(model).layers
     hooks = []
     try:
         for first, t in maps.items():
-            mlp = foldable_mlp(blocks[first - 1], f"layer {first - 1}")
-            hooks.append(mlp.register_forward_hook(_apply_map(t.to(next(mlp.parameters()).device, torch.float32))))
+            projection = output_projection(blocks[first - 1], f"layer {first - 1}")
+            hooks.append(projection.register_forward_hook(_apply_map(t.to(projection.weight.device, torch.float32))))
         yield model
     finally:
         for h in hooks:
@@ -128,82 +157,108 @@ def mapped(model: nn.Module, maps: dict[int, torch.Tensor]) -> Iterator[nn.Modul
 
 
 def estimate_maps(model: nn.Module, layers: tuple[int, ...], batches: list[torch.Tensor], *, ridge: float = 0.0,
-                  reduce: Callable[[torch.Tensor], torch.Tensor] = lambda x: x, on_batch: Callable[[int, int], None] | None = None) -> dict[int, torch.Tensor]:
+                  reduce: Callable[[torch.Tensor], torch.Tensor] = lambda x: x, on_batch: Callable[[int, int], None] | None = None,
+                  solver: Callable[[int, torch.device], object] | None = None) -> dict[int, torch.Tensor]:
     """One map per run of `layers`, in order of depth (first removed layer -> T, fp64 on the CPU),
-    from the token ids in `batches` (every position counts: packed rows have no padding).
-    `reduce` sums the statistics over ranks (this rank's share of the batches in each)."""
+    from the token ids in `batches` (every position counts: packed rows have no padding), each run
+    with the runs before it removed and mapped. `solver(d, device)` gathers each run's tokens
+    (`add(m, y + m, target, batch index)`) and solves them (`solve(reduce)`): least squares by
+    default. `reduce` sums over ranks (this rank's share of the batches in each)."""
     check_linear(model, layers)
     blocks = find_blocks(model).layers
     device = model.get_input_embeddings().weight.device
+    d = model.get_input_embeddings().weight.shape[-1]
+    solver = solver or (lambda d, device: LeastSquares(d, device, ridge))
     maps: dict[int, torch.Tensor] = {}
     runs = runs_of(layers)
     done, total = 0, len(runs) * len(batches)
     for run in runs:
         before, last = blocks[run[0] - 1], blocks[run[-1]]
-        mlp = foldable_mlp(before, f"layer {run[0] - 1}")
-        d = model.get_input_embeddings().weight.shape[-1]
-        stats = _RunStats(torch.zeros(d, d, dtype=torch.float64, device=device), torch.zeros(d, d, dtype=torch.float64, device=device))
+        projection = output_projection(before, f"layer {run[0] - 1}")
+        pairs = solver(d, device)
         earlier = tuple(i for r in runs if r[0] < run[0] for i in r)
         if batches:
             with mapped(model, maps), removed_layers(model, earlier):
-                _check_adds_mlp_output(model, before, mlp, batches[0].to(device), f"layer {run[0] - 1}")
-        for ids in batches:
+                _check_exact(model, before, projection, batches[0].to(device), f"layer {run[0] - 1}")
+        for index, ids in enumerate(batches):
             ids = ids.to(device)
             target = stream_after(model, last, ids)  # the unpruned model's stream after the run
-            with mapped(model, {k: v for k, v in maps.items()}), removed_layers(model, earlier):
-                m, out = _mlp_and_stream(model, before, mlp, ids)
-            m, rest = m.flatten(0, -2).double(), (target - out).flatten(0, -2).double()  # out = y + m: the target less what the block leaves
-            stats.gram += m.T @ m
-            stats.cross += m.T @ rest
-            stats.tokens += m.shape[0]
+            with mapped(model, maps), removed_layers(model, earlier):
+                m, out = _output_and_stream(model, before, projection, ids)
+            pairs.add(m.flatten(0, -2), out.flatten(0, -2), target.flatten(0, -2), index)  # out = y + m: what the block leaves
             done += 1
             if on_batch is not None:
                 on_batch(done, total)
-        maps[run[0]] = solve_map(reduce(stats.gram), reduce(stats.cross), ridge)
+        maps[run[0]] = pairs.solve(reduce)
     return maps
 
 
 @torch.no_grad()
-def _mlp_and_stream(model: nn.Module, block: nn.Module, mlp: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the MLP output `block` adds, the stream it leaves), before any map of its own."""
+def _output_and_stream(model: nn.Module, block: nn.Module, projection: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what the block's MLP output projection gives, the stream the block leaves), before any map
+    of its own. A copy of the former: a block may add to it in place afterwards (Falcon adds its
+    attention output into the MLP's)."""
     seen = {}
-    mlp_hook = mlp.register_forward_hook(lambda module, args, output: seen.__setitem__("m", first_tensor(output).detach()), prepend=True)
+    hook = projection.register_forward_hook(lambda module, args, output: seen.__setitem__("m", first_tensor(output).detach().clone()), prepend=True)
     try:
         out = stream_after(model, block, ids)
     finally:
-        mlp_hook.remove()
+        hook.remove()
     return seen["m"], out
 
 
 @torch.no_grad()
-def _check_adds_mlp_output(model: nn.Module, block: nn.Module, mlp: nn.Module, ids: torch.Tensor, where: str) -> None:
-    """The estimate takes the stream a block leaves as y + m: what its MLP gave, added as it is.
-    A probe added to m must come out unchanged in the stream; a block that scales its MLP's output
-    first (Granite's residual multiplier) or normalises it (GLM-4) is refused with one line."""
-    m, out = _mlp_and_stream(model, block, mlp, ids)
-    probe = torch.randn(m.shape, generator=torch.Generator().manual_seed(0)).to(m.device, m.dtype) * m.float().std().clamp(min=1e-6).to(m.dtype)
-    handle = mlp.register_forward_hook(lambda module, args, output: output + probe if not isinstance(output, tuple) else (output[0] + probe, *output[1:]))
+def _check_exact(model: nn.Module, block: nn.Module, projection: nn.Module, ids: torch.Tensor, where: str) -> None:
+    """What the estimate and the fold take for granted, tried on the block itself: the stream it
+    leaves is y + m, m its MLP output projection's output added as it is (a probe added to m comes
+    out unchanged in the stream), and a map folded into the projection's weights gives what the
+    map applied after it gives. A block that scales or normalises its MLP's output (Granite's
+    residual multiplier, GLM-4's post-MLP norm) is refused with one line."""
+    m, out = _output_and_stream(model, block, projection, ids)
+    gen = torch.Generator().manual_seed(0)
+    probe = torch.randn(m.shape, generator=gen).to(m.device, m.dtype) * m.float().std().clamp(min=1e-6).to(m.dtype)
+    handle = projection.register_forward_hook(lambda module, args, output: output + probe)
     try:
         moved = stream_after(model, block, ids) - out
     finally:
         handle.remove()
-    if (moved.float() - probe.float()).norm() > 1e-2 * probe.float().norm():
-        raise DepthcurseError(f"--method linear estimates a map on the MLP output of {where}, but {type(block).__name__} does not add its MLP's output to the stream "
-                              "as it is (a norm or a scale after the MLP, as GLM-4's post-MLP norm or Granite's residual multiplier): use --method lora or layer")
+    d = m.shape[-1]
+    t = torch.eye(d, dtype=torch.float64) + 0.1 * torch.randn(d, d, generator=gen, dtype=torch.float64) / d**0.5
+    handle = projection.register_forward_hook(_apply_map(t.to(projection.weight.device, torch.float32)))
+    try:
+        as_module = stream_after(model, block, ids)
+    finally:
+        handle.remove()
+    saved = {name: p.detach().clone() for name, p in projection.named_parameters()}
+    try:
+        _fold_into(projection, t)
+        folded = stream_after(model, block, ids)
+    finally:
+        for name, p in projection.named_parameters():
+            p.copy_(saved[name])
+    additive = (moved.float() - probe.float()).norm() <= 1e-2 * probe.float().norm()
+    exact = (folded.float() - as_module.float()).norm() <= 1e-3 * as_module.float().norm().clamp(min=1e-12)
+    if not (additive and exact):
+        raise DepthcurseError(f"it estimates a map on the MLP output projection of {where}, but {type(block).__name__} does not add that output to the stream "
+                              "as it is (a norm or a scale after the MLP, as GLM-4's post-MLP norm or Granite's residual multiplier)")
+
+
+def _fold_into(projection: nn.Module, t: torch.Tensor) -> None:
+    """The projection made to give m T itself: W <- T^T W and b <- T^T b for a Linear (weight
+    [out, in], m = x W^T + b); W <- W T for GPT-2's Conv1D (weight [in, out], m = x W + b)."""
+    t = t.to(projection.weight.device, torch.float64)
+    weight = projection.weight
+    if type(projection).__name__ == "Conv1D":
+        weight.copy_((weight.double() @ t).to(weight.dtype))
+    else:
+        weight.copy_((t.T @ weight.double()).to(weight.dtype))
+    if projection.bias is not None:
+        projection.bias.copy_((projection.bias.double() @ t).to(projection.bias.dtype))
 
 
 @torch.no_grad()
 def fold_maps(model: nn.Module, maps: dict[int, torch.Tensor]) -> None:
-    """Each map folded into the output projection of the MLP before its run, in place: the MLP then
-    gives m T itself (W <- T^T W and b <- T^T b for a Linear; W <- W T for GPT-2's Conv1D)."""
+    """Each map folded into the output projection of the MLP before its run, in place: the MLP then gives m T itself."""
     blocks = find_blocks(model).layers
     for first, t in maps.items():
-        projection = output_projection(blocks[first - 1], f"layer {first - 1}")
-        t = t.to(projection.weight.device, torch.float64)
-        weight = projection.weight
-        if type(projection).__name__ == "Conv1D":  # weight [in, out]: m = x W + b
-            weight.copy_((weight.double() @ t).to(weight.dtype))
-        else:  # nn.Linear, weight [out, in]: m = x W^T + b
-            weight.copy_((t.T @ weight.double()).to(weight.dtype))
-        if projection.bias is not None:
-            projection.bias.copy_((projection.bias.double() @ t).to(projection.bias.dtype))
+        _fold_into(output_projection(blocks[first - 1], f"layer {first - 1}"), t)

@@ -1,17 +1,18 @@
-"""`depthcurse heal`: remove layers, train LoRA adapters on the rest, measure what came back.
+"""`depthcurse heal`: remove layers, win the removal back by a method, measure what came back.
 
-One run lives in one folder, as an `lns-train` run does, and is made of its pieces: the data
-(`train.data`, rows beginning with the model's BOS), the step (`train.loop.train_step`, which
-trains `heal.objective.HealObjective` like any model), the checkpoint (`CheckpointManager`: the
-adapters, optimizer, schedule, data position and RNG), the metrics log. The folder holds
-`config.json` (what the run is), `checkpoint.pt` (what trains, nothing frozen), `metrics.jsonl`,
-`heal.json` (the model unpruned, pruned and healed, on held-out windows of the training data,
-with how far each stays from the unpruned model's predictions, and on `--task`, each written as
-it is measured), `loss.png`, and `hf/`: the adapters merged and the layers gone, in the source
-checkpoint's dtype.
+One run lives in one folder, as an `lns-train` run does, and is made of its pieces: the method
+(`heal.method`: estimated on calibration text, or trained), the data (`train.data`, rows beginning
+with the model's BOS), the step (`train.loop.train_step`, which trains the method's objective like
+any model), the checkpoint (`CheckpointManager`: what trains, the optimizer, schedule, data position
+and RNG), the metrics log. The folder holds `config.json` (what the run is), `method.pt` (what the
+method estimated), `checkpoint.pt` (what trains, nothing frozen), `metrics.jsonl`, `heal.json` (the
+model unpruned, pruned and healed, on held-out windows of the training data and of `--eval-data`,
+with how far each stays from the unpruned model's predictions, and on `--task`, each written as it
+is measured), `loss.png`, and `hf/`: the healed checkpoint in the source checkpoint's dtype. The
+healed model measured is that checkpoint, loaded as a user loads it.
 
 An interrupted run continues from its last checkpoint exactly where it would have been; under
-torchrun the ranks share each batch (DDP over the adapters) and rank 0 measures and writes.
+torchrun the ranks share each batch (DDP over what trains) and rank 0 measures and writes.
 """
 
 from __future__ import annotations
@@ -29,19 +30,18 @@ import torch
 
 from depthcurse.card import provenance, write_card
 from depthcurse.errors import DepthcurseError
-from depthcurse.heal.adapters import add_adapters, target_modules, trainable
-from depthcurse.heal.healed import ADAPTERS, HELD_OUT_METRICS, MODELS, Healed
-from depthcurse.heal.linear import check_linear, estimate_maps, runs_of
+from depthcurse.heal.adapters import trainable
 from depthcurse.heal.config import CONFIG, RESUMABLE_CHANGES, HealConfig
-from depthcurse.heal.objective import HealObjective
-from depthcurse.heal.replacement import ReplacementObjective
+from depthcurse.heal.healed import HELD_OUT_METRICS, MODELS, Healed
+from depthcurse.heal.method import HealContext, Method
 from depthcurse.heal.report import heal_rows
 from depthcurse.io import atomic_write, ensure_out_dir, environment, json_text, refuse_other_run
-from depthcurse.loading import LoadedModel, window_length
-from depthcurse.runtime import World
+from depthcurse.loading import LoadedModel, load_model, window_length
+from depthcurse.prune.engine import evaluate_variants, why_unsupported
+from depthcurse.runtime import DTYPES, World
 from depthcurse.surgery import num_layers, parse_layers
-from depthcurse.tasks import PerplexityTask, build_task, head_for_task
-from depthcurse.text import start_text, start_tokens, text_source
+from depthcurse.tasks import SUITE_METRIC, PerplexityTask, build_task, head_for_task
+from depthcurse.text import load_texts, start_text, start_tokens, text_source
 from depthcurse.train.checkpoint import CHECKPOINT, CheckpointManager, ModelState, OptimizerState, RNGState, TrainState, load_checkpoint
 from depthcurse.train.data import build_data
 from depthcurse.train.loop import Diverged, StepLosses, autocast_for, lr_factor, train_step
@@ -54,7 +54,7 @@ HF_DIR = "hf"
 
 def check(loaded: LoadedModel, cfg: HealConfig) -> HealConfig:
     """`cfg` resolved and checked against the model: every bad input said before anything runs."""
-    cfg = replace(cfg.resolved(), data=text_source(cfg.data))
+    cfg = replace(cfg.resolved(), data=text_source(cfg.data), eval_data=text_source(cfg.eval_data) if cfg.eval_data else None)
     if not cfg.layers:
         raise DepthcurseError("give the layers to remove (--layers) or an order to heal along (--order DIR --ks ...)")
     n = num_layers(loaded.model)
@@ -65,20 +65,35 @@ def check(loaded: LoadedModel, cfg: HealConfig) -> HealConfig:
         raise DepthcurseError(f"--layers removes all {n} layers: nothing would be left to heal")
     if cfg.task is not None and head_for_task(cfg.task) != "causal-lm":
         raise DepthcurseError(f"--task {cfg.task} measures an encoder; heal trains a decoder's next-token predictions: use ppl-style text or an lm-eval task")
-    if cfg.adapters:
-        target_modules(loaded.model, cfg.layers, cfg.targets, _adapted_after(cfg))
-    if cfg.maps:
-        check_linear(loaded.model, cfg.layers)
+    refusal(loaded, cfg.build(), cfg.layers, raise_it=True)
     window_length(loaded.model, cfg.seq_len)
     return cfg
 
 
+def refusal(loaded: LoadedModel, method: Method, layers: tuple[int, ...], raise_it: bool = False) -> str | None:
+    """Why `method` cannot heal this model without `layers` (its architecture), in one line; None if it can."""
+    try:
+        method.check(loaded.model, tuple(sorted(layers)))
+    except DepthcurseError as exc:
+        why = f"--method {method.name} cannot heal {type(loaded.model).__name__} without layers {','.join(map(str, sorted(layers)))}: {exc}"
+        if raise_it:
+            raise DepthcurseError(why) from None
+        return why
+    return None
+
+
 def identity(loaded: LoadedModel, cfg: HealConfig) -> dict:
     """What the run's folder records and a rerun must match."""
-    run = {**loaded.describe(), **cfg.identity(), "seq_len": window_length(loaded.model, cfg.seq_len)}
+    method = cfg.build()
+    run = {**loaded.describe(), **cfg.identity(), "seq_len": window_length(loaded.model, cfg.seq_len), "method_title": method.title,
+           "method_how": method.describe()}
     run.pop("device", None)  # a resumed run may move between machines
     run["device_kind"] = loaded.device.type
     return run
+
+
+METHOD_STATE = "method.pt"
+PER_METHOD = ("method", "method_settings", "method_title", "method_how")  # what a run's identity says of its method alone
 
 
 def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = World(), unpruned: dict | None = None, pruned: dict | None = None,
@@ -88,13 +103,15 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
     holds this run); returns the record `heal.json` holds, on rank 0 (None elsewhere, or when
     `stop_after` ended the call after that many steps, as a preemption would).
 
-    The model is the one in memory, and leaves healed (merged, folded: `hf/` holds it without the
-    removed layers, and a model card saying how it was made: `why` these layers, if not by hand).
-    `unpruned` and `pruned` are those models' measurements if they were made already (a healed
-    curve measures the unpruned model once for every k, a comparison of methods both models once
-    for every method).
+    The model in memory stays the unpruned one (the method's changes are switched on and off
+    around it); `hf/` holds the healed checkpoint, made from a copy, with a model card saying how
+    it was made (`why` these layers, if not by hand), and that checkpoint is what is measured as
+    the healed model. `unpruned` and `pruned` are those models' measurements if they were made
+    already (a healed curve measures the unpruned model once for every k, a comparison of methods
+    both models once for every method).
     """
     cfg = check(loaded, cfg)
+    method = cfg.build()
     run = identity(loaded, cfg)
     out_dir = ensure_out_dir(out_dir)
     state = _prepare(out_dir, run, world)
@@ -112,35 +129,28 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
     # The same stream on every rank: each takes its slice of each batch (as lns-train does).
     data = build_data(cfg.data, tokenizer, seq_len=seq_len, pack=True, seed=cfg.seed, val_tokens=cfg.eval_windows * (seq_len - 1), start=start,
                       pack_optional=False)
-    held_out = PerplexityTask.of_windows(data.val_rows[: cfg.eval_windows], source=f"{data.label} (held out)", bos=start_text(tokenizer, start),
-                                         batch_size=cfg.micro_batch)
+    held_out = {"held_out": PerplexityTask.of_windows(data.val_rows[: cfg.eval_windows], source=f"{data.label} (held out)", bos=start_text(tokenizer, start),
+                                                      batch_size=cfg.micro_batch)}
+    if cfg.eval_data:
+        texts, source = load_texts(cfg.eval_data)
+        held_out["other"] = PerplexityTask(tokenizer, texts, source=source, seq_len=seq_len, limit=cfg.eval_windows, batch_size=cfg.micro_batch)
     task = build_task(cfg.task, tokenizer, limit=cfg.limit, num_fewshot=cfg.num_fewshot, batch_size=cfg.micro_batch, seed=cfg.seed,
                       model=model, model_source=loaded.source) if cfg.task else None
     if world.main:
         atomic_write(out_dir / CONFIG, json.dumps(run, indent=2) + "\n")
 
-    healed = Healed(model, cfg.layers)
-    calibration = None
-    if cfg.maps:
-        phase("estimating the linear maps")
-        healed.maps, calibration = _linear_maps(model, cfg, data, out_dir, world, phase)
-    objective = None
-    if cfg.adapters:
-        torch.manual_seed(cfg.seed)  # the adapters' A matrices: the same on every rank and every resume
-        healed.peft = add_adapters(model, cfg.layers, targets=cfg.targets, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                                   after=_adapted_after(cfg))
-        objective = HealObjective(healed.peft, cfg.layers, cfg.loss, maps=healed.maps, shared_blocks=shared_blocks(cfg))
-    elif cfg.method == "layer":
-        torch.manual_seed(cfg.seed)
-        objective = ReplacementObjective(model, cfg.layers)
-        healed.replacements = objective.replaced()
-    trained = sum(p.numel() for p in trainable(objective)) if objective is not None else 0  # counted now: saving merges adapters away
+    ctx = HealContext(model=model, layers=cfg.layers, calibration=functools.lru_cache(maxsize=None)(lambda tokens: calibration_batches(data.train, tokens, cfg, world)),
+                      world=world, seed=cfg.seed, phase=phase)
+    _prepare_method(method, ctx, out_dir, world, phase)
+    healed = Healed(model, cfg.layers, method)
+    objective = method.objective(ctx) if method.trains else None
+    trained = sum(p.numel() for p in trainable(objective)) if objective is not None else 0
     if on_start and world.main:
         on_start({"start_step": 0, "steps": cfg.steps if objective is not None else 0, "trained": trained, "data": data.label,
-                  "held_out_tokens": held_out.windows[:, 1:].numel(), "device": str(device), "world_size": world.size})
+                  "held_out_tokens": held_out["held_out"].windows[:, 1:].numel(), "device": str(device), "world_size": world.size})
     progress = None
     if objective is not None:
-        progress = _train(objective, cfg, data, out_dir, run, state, world, device, len(tokenizer), stop_after, on_progress, phase)
+        progress = _train(objective, method, cfg, data, out_dir, run, state, world, device, len(tokenizer), stop_after, on_progress, phase)
         if progress.step < cfg.steps:
             return None
     del state
@@ -148,110 +158,142 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
         return None
 
     # Measured after training, on rank 0 alone: the other ranks have nothing left to wait for.
-    (objective or model).eval()  # dropout off, the adapters' too: the healed model is measured as it is saved
+    (objective or model).eval()  # dropout off: the healed model is measured as it is saved
     results = record["results"]
     for name, given in (("unpruned", unpruned), ("pruned", pruned)):
         if given is not None:
             results.setdefault(name, given)
     as_model = {name: functools.partial(healed.as_model, name) for name in MODELS}
-    for name in MODELS:
+    for name in ("unpruned", "pruned"):
         if name in results:
             continue  # measured before an interruption
         phase(f"measuring the {name} model")
-        results[name] = measure(as_model[name], device, held_out, task, reference=as_model["unpruned"] if name != "unpruned" else None)
+        results[name] = retained(measure(as_model[name], device, held_out, task, reference=as_model["unpruned"] if name != "unpruned" else None),
+                                 results.get("unpruned"))
         _write(out_dir, record)
     phase("saving the healed checkpoint")
     n = num_layers(model)
-    record["hf"] = str(healed.save(tokenizer, out_dir / HF_DIR, dtype=loaded.save_dtype))
+    hf, files = healed.save(tokenizer, out_dir / HF_DIR, dtype=loaded.save_dtype)
+    record["hf"] = str(hf)
     record["hf_layers"] = healed.layer_count(n)
     record["hf_dtype"] = str(loaded.save_dtype).removeprefix("torch.")
-    record["hf_bytes"] = sum(f.stat().st_size for f in (out_dir / HF_DIR).glob("*.safetensors"))
-    record["recovered"] = recovered(record)
+    record["hf_bytes"] = sum(f.stat().st_size for f in hf.glob("*.safetensors"))
+    record["hf_files"] = files
+    if "healed" not in results:
+        phase("measuring the healed model (the saved checkpoint)")
+        saved = load_model(str(hf), dtype=next(k for k, v in DTYPES.items() if v == loaded.dtype), device=device.type)
+        results["healed"] = retained(measure(lambda: contextlib.nullcontext(saved.model), device, held_out, task, reference=as_model["unpruned"]),
+                                     results["unpruned"])
+        results["healed"]["as"] = f"the saved checkpoint ({record['hf_dtype']}) loaded in {str(loaded.dtype).removeprefix('torch.')}"
+        del saved
+    record["recovered"], record["recovered_why"] = recovered(record)
     if progress is not None:
         record["training"] = {"steps": progress.step, "tokens": progress.tokens, "train_seconds": round(progress.seconds, 3),
-                              "tokens_per_s": progress.tokens / max(progress.seconds, 1e-9), "trained_params": trained}
-        if cfg.adapters:
-            record["training"]["adapters"] = trained
-    record["cost"] = _cost(cfg, calibration, progress, trained, model)
-    record["held_out"] = held_out.describe()
+                              "tokens_per_s": progress.tokens / max(progress.seconds, 1e-9), "trained_params": trained, "loss": method.loss_name}
+    record["cost"] = _cost(method, progress, model, cfg.layers)
+    record["held_out"] = {part: t.describe() for part, t in held_out.items()}["held_out"]
+    record["measured_on"] = {part: t.describe() for part, t in held_out.items()}
     record["environment"] = environment()
     record["wall_time_s"] = round(record.get("wall_time_s", 0.0) + time.perf_counter() - started, 3)
     card = provenance(loaded, list(cfg.layers), n, why=why or "chosen by hand (--layers)", made_by="depthcurse heal", command=cfg.command(loaded.name),
-                      layers_left=record["hf_layers"], healing={**cfg.healing(), "adapters": ADAPTERS if (out_dir / HF_DIR / ADAPTERS).is_dir() else None})
-    write_card(out_dir / HF_DIR, {**card, "measured": heal_rows(record)})  # before heal.json says finished
+                      layers_left=record["hf_layers"], healing={**cfg.healing(method), "changes": method.changes(cfg.layers), "files": files},
+                      new_at=tuple(sorted(set(cfg.layers) - set(method.removes(cfg.layers)))))
+    write_card(hf, {**card, "measured": heal_rows(record), "evaluation": evaluation_results(record), "measured_note": measured_note(record)})
+    # the card before heal.json says finished
     _write(out_dir, record)
     if progress is not None:
         plot_loss(MetricsLog(out_dir / METRICS).rows(), out_dir / "loss.png",
-                  title=f"{loaded.name} without layers {','.join(map(str, cfg.layers))}: {cfg.method} ({_loss_name(cfg)})")
+                  title=f"{loaded.name} without layers {','.join(map(str, cfg.layers))}: {method.name} ({method.loss_name})")
     return record
 
 
-def _loss_name(cfg: HealConfig) -> str:
-    return "MSE to the removed runs' output" if cfg.method == "layer" else f"{cfg.loss} loss"
+def _prepare_method(method: Method, ctx: HealContext, out_dir: Path, world: World, phase) -> None:
+    """What the method estimates, from `method.pt` in the run's folder (a resumed run reads it
+    again) or made now and kept there."""
+    path = out_dir / METHOD_STATE
+    if path.exists():
+        method.load_state_dict(load_checkpoint(path)["state"], ctx)
+        return
+    phase(f"preparing {method.name}")
+    method.prepare(ctx)
+    state = method.state_dict()
+    if world.main and _holds_something(state):
+        atomic_write(path, lambda tmp: torch.save({"method": method.name, "state": state}, tmp))
+    world.barrier()
 
 
-def _adapted_after(cfg: HealConfig) -> int | None:
-    """The adapters go on the kept blocks after this one (None: on every kept block)."""
-    return min(cfg.layers) if cfg.adapt == "after" else None
+def _holds_something(state) -> bool:
+    return bool(state) and (not isinstance(state, dict) or any(_holds_something(v) if isinstance(v, dict) else True for v in state.values()))
 
 
-def shared_blocks(cfg: HealConfig) -> int:
-    """How many first blocks the student and the teacher run alike: none holds an adapter or a
-    map and none is removed (`--adapt after`: those before the first removed layer, less the one
-    whose MLP output a map changes)."""
-    if cfg.adapt != "after":
-        return 0
-    return max(0, min(cfg.layers) - (1 if cfg.maps else 0))
+def _calibrations(method: Method) -> list[dict]:
+    """What each of the method's parts spent estimating (seconds, tokens)."""
+    return [c for m in getattr(method, "members", [method]) if (c := getattr(m, "calibration", None))]
 
 
-def _cost(cfg: HealConfig, calibration: dict | None, progress: TrainState | None, trained: int, model) -> dict:
+def _cost(method: Method, progress: TrainState | None, model, layers) -> dict:
     """What the method cost: seconds of its own work (estimating, training; not the measurements),
-    the tokens it read, and the parameters it trained, added to the model, or estimated."""
-    hidden = model.get_input_embeddings().weight.shape[-1]
+    the tokens it read, and the parameters it trained, added to the model, or solved for."""
+    calibrations = _calibrations(method)
+    calibration = {"seconds": round(sum(c["seconds"] for c in calibrations), 3), "tokens": sum(c["tokens"] for c in calibrations)} if calibrations else None
     seconds = (calibration["seconds"] if calibration else 0.0) + (progress.seconds if progress else 0.0)
     tokens = (calibration["tokens"] if calibration else 0) + (progress.tokens if progress else 0)
-    return {"method": cfg.method, "seconds": round(seconds, 3), "tokens": tokens, "calibration": calibration,
+    return {"method": method.name, "seconds": round(seconds, 3), "tokens": tokens, "calibration": calibration,
             "training": {"steps": progress.step, "tokens": progress.tokens, "seconds": round(progress.seconds, 3)} if progress else None,
-            "trained_params": trained, "added_params": trained if cfg.method == "layer" else 0,
-            "estimated_params": len(runs_of(cfg.layers)) * hidden * hidden if cfg.maps else 0}
-
-
-MAPS = "maps.pt"
-
-
-def _linear_maps(model, cfg: HealConfig, data, out_dir: Path, world: World, phase) -> tuple[dict[int, torch.Tensor], dict]:
-    """The linear maps of `cfg`'s runs, and what estimating them cost: from `maps.pt` in the run's
-    folder, or estimated on `calib_tokens` of the training text (each rank a share of the rows,
-    the sums added up) and kept there."""
-    path = out_dir / MAPS
-    if not path.exists():
-        started = time.perf_counter()
-        rows = calibration_rows(data.train, cfg.calib_tokens, cfg.seed)
-        batches = list(rows.split(cfg.micro_batch))[world.rank :: world.size]
-        maps = estimate_maps(model, cfg.layers, batches, ridge=cfg.ridge, reduce=world.sum,
-                             on_batch=lambda done, total: phase(f"estimating the linear maps ({done}/{total} batches)"))
-        record = {"maps": {str(k): t for k, t in maps.items()}, "seconds": time.perf_counter() - started, "tokens": rows.numel()}
-        if world.main:
-            atomic_write(path, lambda tmp: torch.save(record, tmp))
-        world.barrier()
-    saved = load_checkpoint(path)
-    return {int(k): t for k, t in saved["maps"].items()}, {"seconds": round(float(saved["seconds"]), 3), "tokens": int(saved["tokens"])}
+            **method.cost(model, layers)}
 
 
 def calibration_rows(train, tokens: int, seed: int) -> torch.Tensor:
     """Rows of the training text holding at least `tokens` tokens (all of it if it holds fewer):
-    local text in a seeded order of its own, not the training order's; C4's next rows."""
+    local text in a seeded order of its own, not the training order's; C4's next rows, read from
+    where the stream is and the stream put back there, so that training starts at the same row
+    whether the rows were drawn in this run or read back from an earlier one."""
     if hasattr(train, "rows"):
         n = min(len(train.rows), math.ceil(tokens / train.rows.shape[1]))
         order = torch.randperm(len(train.rows), generator=torch.Generator().manual_seed(seed + 1))
         return train.rows[order[:n]]
-    rows = [train.next_batch(1).input_ids]
-    while sum(r.numel() for r in rows) < tokens:
-        rows.append(train.next_batch(1).input_ids)
+    position = train.state_dict()
+    try:
+        rows = [train.next_batch(1).input_ids]
+        while sum(r.numel() for r in rows) < tokens:
+            rows.append(train.next_batch(1).input_ids)
+    finally:
+        train.load_state_dict(position)
     return torch.cat(rows)
 
 
-def _train(objective, cfg: HealConfig, data, out_dir: Path, run: dict, state: dict | None, world: World, device, vocab: int,
+def calibration_batches(train, tokens: int, cfg: HealConfig, world: World) -> list[torch.Tensor]:
+    """This rank's share of the calibration rows, in micro-batches."""
+    rows = calibration_rows(train, tokens, cfg.seed)
+    return list(rows.split(cfg.micro_batch))[world.rank :: world.size]
+
+
+def measured_note(record: dict) -> str:
+    """Which measurement is on which text, and how much of it: what a reader of the card needs."""
+    parts = []
+    for part, what in (record.get("measured_on") or {}).items():
+        said = "held out of the text it was healed on (it rewards adapting to that text)" if part == "held_out" else "another source, not trained on"
+        parts.append(f"{what.get('data')}: {what.get('windows')} windows of {what.get('seq_len')} tokens ({what.get('tokens'):,} tokens), {said}")
+    healed = record["results"].get("healed", {}).get("as")
+    return ("Measured on " + "; ".join(parts) + "." if parts else "") + (f" The healed model measured is {healed}." if healed else "") + \
+        " KL and top-1 agreement: to the unpruned model's predictions on the held-out windows."
+
+
+def evaluation_results(record: dict) -> list[dict]:
+    """What the card's `model-index` lists: each measurement of the healed model, with its data."""
+    out = []
+    healed = record["results"].get("healed", {})
+    for part, scored in healed.items():
+        if not isinstance(scored, dict) or "metrics" not in scored:
+            continue
+        for metric, value in scored["metrics"].items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                out.append({"task": "text-generation" if part != "task" else "multiple-choice", "dataset": str(scored.get("data")), "metric": metric,
+                            "value": float(value), "part": part})
+    return out
+
+
+def _train(objective, method: Method, cfg: HealConfig, data, out_dir: Path, run: dict, state: dict | None, world: World, device, vocab: int,
            stop_after: int | None, on_progress, phase) -> TrainState:
     """The trained methods' loop: `train.loop.train_step` on `objective`, resumable from `state`."""
     wrapped = objective
@@ -263,7 +305,7 @@ def _train(objective, cfg: HealConfig, data, out_dir: Path, run: dict, state: di
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup, cfg.steps, cfg.min_lr_ratio))
     progress = TrainState()
     checkpoints = CheckpointManager(out_dir, {
-        "adapters" if cfg.adapters else "layers": ModelState(wrapped, trainable_only=True), "optimizer": OptimizerState(wrapped, optimizer),
+        "trained": ModelState(wrapped, trainable_only=True), "optimizer": OptimizerState(wrapped, optimizer),
         "scheduler": scheduler, "data": data.train, "rng": RNGState(), "train_state": progress,
     }, config=run, world=world)
     metrics = MetricsLog(out_dir / METRICS)
@@ -277,7 +319,7 @@ def _train(objective, cfg: HealConfig, data, out_dir: Path, run: dict, state: di
     amp = autocast_for("bf16-mixed", device) if device.type == "cuda" else autocast_for("fp32", device)
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     # a next-token loss this high is lost; an MSE has no such scale: only a non-finite one is
-    losses = StepLosses(limit=2 * math.log(vocab) if cfg.method != "layer" else math.inf)
+    losses = StepLosses(limit=2 * math.log(vocab) if method.next_token_loss else math.inf)
     wrapped.train()
     tick, tick_tokens = time.perf_counter(), 0
     if progress.step < end:
@@ -321,42 +363,93 @@ def logits_in(as_model: Callable[[], contextlib.AbstractContextManager]) -> Call
     return logits_of
 
 
-def measure(as_model: Callable[[], contextlib.AbstractContextManager], device, held_out: PerplexityTask, task, *,
+def measure(as_model: Callable[[], contextlib.AbstractContextManager], device, held_out: dict[str, PerplexityTask], task, *,
             reference: Callable[[], contextlib.AbstractContextManager] | None = None) -> dict:
-    """The model `as_model()` makes, on the held-out windows (against the `reference` model's
+    """The model `as_model()` makes, on each held-out text (against the `reference` model's
     predictions where given: KL and top-1 agreement) and on the task."""
-    score = held_out.evaluate_logits(logits_in(as_model), device, logits_in(reference) if reference is not None else None)
-    out = {"held_out": _scored(held_out, score)}
-    if reference is None:
-        out["held_out"]["metrics"].update(kl=0.0, agreement=1.0)  # the reference itself
+    out = {}
+    for part, windows in held_out.items():
+        score = windows.evaluate_logits(logits_in(as_model), device, logits_in(reference) if reference is not None else None, per_window=True)
+        out[part] = _scored(windows, score)
+        if reference is None:
+            out[part]["metrics"].update(kl=0.0, agreement=1.0)  # the reference itself
     if task is not None:
         with as_model() as model:
-            out["task"] = _scored(task, task.evaluate(model))
+            out["task"] = _scored(task, evaluate_task(model, task))
     return out
+
+
+def evaluate_task(model, task):
+    """`task`'s score of `model` as it is: by prune's reuse engine where it runs the task (lm-eval's
+    own requests and metrics, the same numbers, about half the time of lm-eval's loop), else the task's own loop."""
+    if why_unsupported(model, task) is None:
+        scores, _ = evaluate_variants(model, task, [()], checked=True)
+        return scores[()]
+    return task.evaluate(model)
+
+
+def retained(measured: dict, unpruned: dict | None) -> dict:
+    """A suite's average as the share of the unpruned model's ("retained %", as the pruning papers
+    report their zero-shot suites), put beside it in the task's metrics."""
+    task = measured.get("task")
+    if task is not None and SUITE_METRIC in task["metrics"]:
+        base = (unpruned or measured)["task"]["metrics"][SUITE_METRIC]
+        task["metrics"]["retained"] = task["metrics"][SUITE_METRIC] / base if base else float("nan")
+    return measured
 
 
 def _scored(task, score) -> dict:
     return {"metric": task.metric, "higher_is_better": task.higher_is_better, "metrics": score.metrics, "examples": score.examples,
-            "data": task.describe().get("data", task.describe().get("task"))}
+            "data": task.describe().get("data", task.describe().get("task")), **({"per_window": score.details["per_window"]} if "per_window" in score.details else {})}
 
 
-def recovered(record: dict) -> dict:
-    """Per measurement (`HELD_OUT_METRICS` on the held-out windows, the task's headline metric):
-    the share of what the removal cost that healing won back, (pruned - healed) / (pruned -
-    unpruned); 1 is all of it, 0 none, negative worse than pruned. None where the removal cost
-    nothing."""
+NOISE_SES = 2.0  # a gap smaller than this many standard errors of the paired difference is not one
+
+
+def recovered(record: dict) -> tuple[dict, dict]:
+    """Per measurement (held-out loss, KL and agreement, the other text's, the task's headline
+    metric): the share of what the removal cost that healing won back, (pruned - healed) /
+    (pruned - unpruned); 1 is all of it, 0 none, negative worse than pruned. None where there was
+    no gap to win back (the removal did not hurt, or the gap is within the noise), with why in
+    the second dict. Perplexity has no share: on its scale a share of the loss gap reads larger."""
     results = record["results"]
     if not all(m in results for m in MODELS):
-        return {}
-    out = {}
+        return {}, {}
+    out, why = {}, {}
     for part in results["pruned"]:
-        for metric in HELD_OUT_METRICS if part == "held_out" else (results["pruned"][part]["metric"],):
-            u, p, h = (results[m][part]["metrics"].get(metric) for m in MODELS)
-            if None in (u, p, h):
+        if not isinstance(results["pruned"][part], dict) or "metrics" not in results["pruned"][part]:
+            continue
+        metrics = [m for m in HELD_OUT_METRICS if m != "ppl"] if part in ("held_out", "other") else [results["pruned"][part]["metric"]]
+        for metric in metrics:
+            u, p, h = (results[m][part]["metrics"].get(metric) if part in results[m] else None for m in MODELS)
+            if None in (u, p, h) or not all(map(math.isfinite, (u, p, h))):
                 continue
-            gap = p - u
-            out[f"{part}_{metric}" if part == "held_out" else f"task_{metric}"] = (p - h) / gap if gap and math.isfinite(gap) else None
-    return out
+            key = f"{part}_{metric}" if part != "task" else f"task_{metric}"
+            higher = results["pruned"][part].get("higher_is_better", False) if part == "task" else metric == "agreement"
+            gap = (u - p) if higher else (p - u)  # what the removal cost, positive when it hurt
+            noise = _noise(results, part, metric)
+            if gap <= 0:
+                out[key], why[key] = None, "no gap to win back: the removal did not hurt"
+            elif gap <= NOISE_SES * noise:
+                out[key], why[key] = None, f"no gap to win back: {gap:.4g} is within the noise ({NOISE_SES:g} standard errors: {NOISE_SES * noise:.4g})"
+            else:
+                out[key] = (p - h) / (p - u)
+    return out, why
+
+
+def _noise(results: dict, part: str, metric: str) -> float:
+    """The standard error of the pruned-minus-unpruned difference of `metric`: paired over the
+    held-out windows' losses; for a task's accuracy, that of two proportions; 0 where unknown."""
+    u, p = results["unpruned"][part], results["pruned"][part]
+    if metric == "loss" and "per_window" in u and "per_window" in p and len(u["per_window"]) > 1:
+        diffs = torch.tensor(p["per_window"], dtype=torch.float64) - torch.tensor(u["per_window"], dtype=torch.float64)
+        return float(diffs.std() / math.sqrt(len(diffs)))
+    if part == "task":
+        n = p.get("examples") or 0
+        a, b = u["metrics"].get(metric), p["metrics"].get(metric)
+        if n and a is not None and b is not None and 0 <= a <= 1 and 0 <= b <= 1:
+            return math.sqrt((a * (1 - a) + b * (1 - b)) / n)
+    return 0.0
 
 
 def _prepare(out_dir: Path, run: dict, world: World) -> dict | None:

@@ -1,14 +1,15 @@
-"""What healing minimises, as a module `train.loop.train_step` trains: `(ids, targets) -> summed loss`.
+"""What a method that trains the model's predictions minimises, as a module `train.loop.train_step`
+trains: `(ids, targets) -> summed loss`.
 
-The student is the pruned model with its adapters (and, for `--method linear+lora`, the linear
-maps applied after the MLPs they belong to); the layers are taken out for each forward
-(`surgery.removed_layers`: no weight copied) and put back after it. So the teacher of `--loss
-distill` is the same weights in memory: the layers back, the maps and the adapters switched off
-(peft's `disable_adapter`), the unpruned model exactly. Healing a 7B model by distillation needs
-one copy of it, not two.
+The student is the pruned model with the method's changes on (and the changes of the methods
+before it in a composition: `linear+lora`'s maps), as `HealContext.student` makes it of the one
+model in memory: the layers are taken out for each forward (`surgery.removed_layers`: no weight
+copied) and put back after it. So the teacher of `loss="distill"` is the same weights: the layers
+back, every method's changes off (`HealContext.teacher`), the unpruned model exactly. Healing a 7B
+model by distillation needs one copy of it, not two.
 
-Where the first blocks are the same in both (no adapter, no map, nothing removed before them:
-`--adapt after`), the teacher runs first and the student starts from the stream it left there:
+Where the first blocks are the same in both (nothing changed or removed before them: LoRA's
+`adapt=after`), the teacher runs first and the student starts from the stream it left there:
 those blocks run once per batch, and without a gradient.
 """
 
@@ -20,28 +21,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from depthcurse.heal.linear import mapped
-from depthcurse.surgery import find_blocks, removed_layers
+from depthcurse.surgery import find_blocks
 
 
 class HealObjective(nn.Module):
-    def __init__(self, peft_model, removed: tuple[int, ...], loss: str, *, maps: dict[int, torch.Tensor] | None = None, shared_blocks: int = 0):
+    """`method`'s next-token objective: `loss` "lm" (cross-entropy on the text) or "distill" (KL
+    from the unpruned model). `trained`: the modules holding what trains (the model itself where
+    its own parameters are wrapped, as peft's are)."""
+
+    def __init__(self, ctx, method, loss: str, trained: list[nn.Module], *, shared_blocks: int = 0):
         super().__init__()
-        self.model = peft_model.base_model.model  # the transformers model, its linears wrapped by peft
-        self.removed, self.loss, self.maps = tuple(removed), loss, dict(maps or {})
+        self.model = ctx.model
+        self.trained = nn.ModuleList([m for m in trained if m is not ctx.model])
+        self.loss = loss
         self.shared_blocks = shared_blocks if loss == "distill" else 0  # only a teacher's forward has them to share
-        self.__dict__["peft"] = peft_model  # not a submodule: its parameters are the model's
+        self.__dict__["ctx"], self.__dict__["method"] = ctx, method  # not submodules
 
     def student_logits(self, ids: torch.Tensor, prefix: torch.Tensor | tuple | None = None) -> torch.Tensor:
-        """The pruned model's logits with its adapters and maps; given the stream the first
-        `shared_blocks` leave (`prefix`, from the teacher), it starts from there."""
+        """The healed model's logits; given the stream the first `shared_blocks` leave (`prefix`,
+        from the teacher), it starts from there."""
         replay = _replayed(self.model, self.shared_blocks, prefix) if prefix is not None else contextlib.nullcontext()
-        with replay, mapped(self.model, self.maps), removed_layers(self.model, self.removed):
+        with replay, self.ctx.student(self.method):
             return self.model(input_ids=ids, use_cache=False).logits
 
     @torch.no_grad()
     def teacher_logits(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | tuple | None]:
-        """The unpruned model's logits (every layer, no adapter, no map, no dropout), and the
+        """The unpruned model's logits (every layer, no method's change, no dropout), and the
         stream its first `shared_blocks` leave (None when none are shared)."""
         training = self.model.training
         self.model.eval()
@@ -50,7 +55,7 @@ class HealObjective(nn.Module):
         if self.shared_blocks:
             hook = find_blocks(self.model).layers[self.shared_blocks - 1].register_forward_hook(lambda m, a, output: seen.__setitem__("out", output))
         try:
-            with self.peft.disable_adapter():
+            with self.ctx.teacher(self.method):
                 return self.model(input_ids=ids, use_cache=False).logits, seen.get("out")
         finally:
             if hook is not None:

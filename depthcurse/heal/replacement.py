@@ -1,19 +1,20 @@
-"""LLM-Streamline (Chen et al., ICLR 2025): one trained layer in place of each removed run.
+"""LLM-Streamline's replacements (Chen et al., ICLR 2025): one trained module in place of each removed run.
 
-For a contiguous run i..j, a copy of layer i is trained so that, given the stream the unpruned
-model brings to layer i (and everything else layer i was called with: rotary embeddings, mask),
-it leaves the stream the run left after layer j: the mean squared error over the hidden size,
-summed over the positions with a target. The model is frozen and runs once per batch without a
-gradient, up to the last run's end; only the new layers train, so no backward pass goes through
-the model. Saved, each new layer stands where layer i stood and the rest of its run is gone: a
-normal checkpoint with n - k + 1 layers per run.
+For a contiguous run i..j, a module made from layer i (`make`: a copy of the layer, or of its
+MLP alone) is trained so that, given the stream the unpruned model brings to layer i (and
+everything else layer i was called with: rotary embeddings, mask), it leaves the stream the run
+left after layer j: the mean squared error over the hidden size, summed over the positions with
+a target. The model is frozen and runs once per batch without a gradient, up to the last run's
+end; only the new modules train, so no backward pass goes through the model. Saved, each new
+module stands where layer i stood (`placed`) and the rest of its run is gone: a normal
+checkpoint with n - k + 1 layers per run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -28,12 +29,13 @@ class ReplacementObjective(nn.Module):
     The replacement layers are its only trainable parameters (`replacements`, one per run, keyed
     by the run's first layer)."""
 
-    def __init__(self, model: nn.Module, layers: tuple[int, ...]):
+    def __init__(self, model: nn.Module, layers: tuple[int, ...], make: Callable[[nn.Module], nn.Module] | None = None):
         super().__init__()
         self.runs = runs_of(layers)
         self.model = model.requires_grad_(False)  # frozen: the teacher, whose streams the new layers learn to give
         blocks = find_blocks(model).layers
-        self.replacements = nn.ModuleDict({str(run[0]): _trainable_copy(blocks[run[0]]) for run in self.runs})
+        make = make or trainable_copy
+        self.replacements = nn.ModuleDict({str(run[0]): make(blocks[run[0]]) for run in self.runs})
 
     def replaced(self) -> dict[int, nn.Module]:
         return {int(first): layer for first, layer in self.replacements.items()}
@@ -85,7 +87,7 @@ class ReplacementObjective(nn.Module):
         return inputs, outputs
 
 
-def _trainable_copy(layer: nn.Module) -> nn.Module:
+def trainable_copy(layer: nn.Module) -> nn.Module:
     new = copy.deepcopy(layer)
     new.train()
     for p in new.parameters():
@@ -99,16 +101,23 @@ def removed_with(layers: tuple[int, ...]) -> tuple[int, ...]:
 
 
 @contextlib.contextmanager
-def replaced(model: nn.Module, replacements: dict[int, nn.Module], layers: tuple[int, ...]) -> Iterator[nn.Module]:
-    """`model` with each new layer where its run's first layer stands and the rest of each run
-    removed (n - k + 1 layers per run); put back afterwards."""
+def placed_layers(model: nn.Module, replacements: dict[int, nn.Module]) -> Iterator[nn.Module]:
+    """`model` with each new layer where its run's first layer stands (the rest of the run still
+    there: the caller removes it); put back afterwards."""
     blocks = find_blocks(model).layers
     old = {i: blocks[i] for i in replacements}
     try:
         for i, layer in replacements.items():
             blocks[i] = layer
-        with removed_layers(model, removed_with(layers)):
-            yield model
+        yield model
     finally:
         for i, layer in old.items():
             blocks[i] = layer
+
+
+@contextlib.contextmanager
+def replaced(model: nn.Module, replacements: dict[int, nn.Module], layers: tuple[int, ...]) -> Iterator[nn.Module]:
+    """`model` with each new layer where its run's first layer stands and the rest of each run
+    removed (n - k + 1 layers per run); put back afterwards."""
+    with placed_layers(model, replacements), removed_layers(model, removed_with(layers)):
+        yield model

@@ -1,6 +1,12 @@
 """Heal results on screen and as figures: the unpruned, pruned and healed model side by side (one
 method, or several methods on the same removal with what each cost), and the healed depth curve
-against the unhealed one (Gromov et al.'s Figure 1d), a line per method."""
+against the unhealed one (Gromov et al.'s Figure 1d), a line per method.
+
+The columns lead with what transfers beyond the healing text: how far the model stays from the
+unpruned one's predictions (KL, top-1 agreement), the loss on text of another source
+(`--eval-data`), the task; then the held-out windows of the healing text itself, which reward a
+method for adapting to that text. A method is named as its run recorded it (title, settings), so
+that a method from outside reads as well as a built-in one."""
 
 from __future__ import annotations
 
@@ -9,13 +15,13 @@ from pathlib import Path
 
 from rich.table import Table
 
-from depthcurse.heal.healed import HELD_OUT_METRICS, MODELS
+from depthcurse.heal.healed import MODELS
 from depthcurse.io import save_figure
 from depthcurse.prune.report import legend_below
 
-HELD_OUT_HEADERS = {"loss": "held-out loss", "ppl": "held-out ppl", "kl": "held-out KL to unpruned (nats/token)",
-                    "agreement": "top-1 agreement with unpruned"}
-METHOD_NAMES = {"lora": "LoRA", "linear": "linear map (ReplaceMe)", "layer": "trained layer (LLM-Streamline)", "linear+lora": "linear map, then LoRA"}
+LEGACY_METHOD = "lora"  # what a record written before runs named their method was healed by
+HEADERS = {("held_out", "kl"): "KL to unpruned (nats/token)", ("held_out", "agreement"): "top-1 agreement with unpruned",
+           ("held_out", "loss"): "held-out loss (healing text)", ("held_out", "ppl"): "held-out ppl (healing text)"}
 
 
 def methods_of(record: dict, method: str | None = None) -> dict[str, dict]:
@@ -23,60 +29,74 @@ def methods_of(record: dict, method: str | None = None) -> dict[str, dict]:
     one-method curve's points name their method (or the curve's `run` does: pass it as `method`)."""
     if "methods" in record:
         return record["methods"]
-    method = record.get("method") or record.get("run", {}).get("method") or method or "lora"
-    return {method: {"results": record["results"]["healed"], "recovered": record.get("recovered", {}), "cost": record.get("cost")}}
+    run = record.get("run", {})
+    method = record.get("method") or run.get("method") or method or LEGACY_METHOD
+    return {method: {"results": record["results"]["healed"], "recovered": record.get("recovered", {}), "recovered_why": record.get("recovered_why", {}),
+                     "cost": record.get("cost"), "title": record.get("title") or run.get("method_title"), "how": record.get("how") or run.get("method_how")}}
 
 
 def _cell(value) -> str:
     return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{value:.4g}"
 
 
-def _share(value) -> str:
+def _share(rec: dict, why: dict, key: str) -> str:
+    if key in why:
+        return "no gap to win back"
+    value = rec.get(key)
     return "-" if value is None else f"{value:.0%}"
 
 
 def _columns(results: dict) -> list[tuple[str, str, str]]:
-    """(part, metric, header) for each measurement: held-out loss and perplexity, KL to the
-    unpruned model and top-1 agreement with it (where measured), the task's headline metric."""
-    held = next((r["held_out"]["metrics"] for name, r in results.items() if name != "unpruned" and "held_out" in r), {})
-    cols = [("held_out", m, HELD_OUT_HEADERS[m]) for m in HELD_OUT_METRICS if m in held or m in ("loss", "ppl")]
-    task = next((r["task"] for r in results.values() if "task" in r), None)
-    if task is not None:
+    """(part, metric, header) for each measurement, what transfers first: KL and agreement to the
+    unpruned model, the other text's loss, the task; then the healing text's held-out loss and ppl."""
+    measured = [r for name, r in results.items() if name != "unpruned" and isinstance(r, dict)]
+    held = next((r["held_out"]["metrics"] for r in measured if "held_out" in r), {})
+    cols = [("held_out", m, HEADERS[("held_out", m)]) for m in ("kl", "agreement") if m in held]
+    other = next((r["other"] for r in results.values() if isinstance(r, dict) and "other" in r), None)
+    if other is not None:
+        cols.append(("other", "loss", f"loss on {other['data']}"))
+    task = next((r["task"] for r in results.values() if isinstance(r, dict) and "task" in r), None)
+    if task is not None and "retained" in task["metrics"]:  # a suite: each task, the average, the share of the unpruned model's kept
+        cols += [("task", m, m) for m in task["metrics"] if m not in (task["metric"], "retained")]
+        cols += [("task", task["metric"], f"{task['data']} {task['metric']}"), ("task", "retained", "retained (of the unpruned average)")]
+    elif task is not None:
         cols.append(("task", task["metric"], f"{task['data']} {task['metric']}"))
-    return cols
+    return cols + [("held_out", m, HEADERS[("held_out", m)]) for m in ("loss", "ppl")]
 
 
 def _recovered_key(part: str, metric: str) -> str:
-    return f"held_out_{metric}" if part == "held_out" else f"task_{metric}"
+    return f"{part}_{metric}" if part != "task" else f"task_{metric}"
 
 
-def method_text(run: dict, method: str) -> str:
-    """How `method` healed, in a few words (the settings it used)."""
-    lora = f"LoRA rank {run['lora_rank']} on {run['targets']}" + (" after the first removed layer" if run.get("adapt") == "after" else "")
-    trained = f"{run['steps']} steps of {run['loss']} loss"
-    linear = f"a linear map per removed run on {run.get('calib_tokens', 0):,} calibration tokens" + (f", ridge {run['ridge']}" if run.get("ridge") else "")
-    return {"lora": f"{lora}, {trained}", "linear": linear, "layer": f"a trained layer per removed run, {run['steps']} steps of MSE",
-            "linear+lora": f"{linear}, then {lora}, {trained}"}[method]
+def method_name(entry: dict, method: str) -> str:
+    return entry.get("title") or method
 
 
 def cost_text(cost: dict | None) -> str:
     if not cost:
         return "cost not recorded"
     parts = [f"{cost['seconds']:,.1f} s", f"{cost['tokens']:,} tokens"]
-    if cost.get("trained_params"):
-        parts.append(f"{cost['trained_params']:,} parameters trained")
-    if cost.get("added_params"):
-        parts.append(f"{cost['added_params']:,} added")
-    if cost.get("estimated_params"):
-        parts.append(f"{cost['estimated_params']:,} estimated and folded in")
+    for key, said in (("trained_params", "parameters trained"), ("added_params", "added"), ("solved_params", "solved for without training"),
+                      ("estimated_params", "estimated and folded in")):
+        if cost.get(key):
+            parts.append(f"{cost[key]:,} {said}")
     return ", ".join(parts)
 
 
-def _held_out_caption(record: dict, results: dict) -> str:
+def _params(cost: dict) -> str:
+    return f"{cost.get('trained_params', 0):,} / {cost.get('added_params', 0):,} / {cost.get('solved_params', cost.get('estimated_params', 0)):,}"
+
+
+def _held_out_caption(record: dict) -> str:
     run = record["run"]
-    held = next((r["held_out"] for r in results.values() if "held_out" in r), None)
-    windows = record["held_out"]["windows"] if record.get("held_out") else "?"
-    return f"held out: {windows} windows x {run['seq_len']} tokens of {held['data'] if held else run['data']}; recovered: (pruned - healed) / (pruned - unpruned)"
+    on = record.get("measured_on") or {"held_out": record.get("held_out") or {}}
+    parts = []
+    for part, what in on.items():
+        if what:
+            parts.append(f"{what.get('windows', '?')} windows x {what.get('seq_len', run.get('seq_len'))} tokens of {what.get('data')}"
+                         + (" (held out of the healing text)" if part == "held_out" else " (another source)"))
+    return ("measured on " + "; ".join(parts) + ". " if parts else "") + \
+        "recovered: (pruned - healed) / (pruned - unpruned) of each measurement; no gap where the removal did not hurt or the gap is within 2 standard errors"
 
 
 def heal_rows(record: dict) -> list[tuple[str, ...]]:
@@ -88,18 +108,20 @@ def heal_rows(record: dict) -> list[tuple[str, ...]]:
     for name in MODELS:
         r = results.get(name)
         rows.append((name, *(_cell(r[part]["metrics"].get(m)) if r and part in r else "not measured" for part, m, _ in cols)))
-    rec = record.get("recovered", {})
-    rows.append(("recovered", *(_share(rec.get(_recovered_key(part, m))) for part, m, _ in cols)))
+    rec, why = record.get("recovered", {}), record.get("recovered_why", {})
+    rows.append(("recovered", *("" if m == "ppl" else _share(rec, why, _recovered_key(part, m)) for part, m, _ in cols)))
     return rows
 
 
 def heal_table(record: dict) -> Table:
-    """The unpruned, pruned and healed model on the held-out windows and the task, the share of the
-    removal's cost won back, and what the method cost."""
+    """The unpruned, pruned and healed model on each measurement, the share of the removal's cost
+    won back, and what the method cost."""
     run = record["run"]
-    method = run.get("method", "lora")
-    title = f"{run['model']} without layers {','.join(map(str, run['layers']))}: healed by {METHOD_NAMES[method]} ({method_text(run, method)})"
-    caption = f"{_held_out_caption(record, record['results'])}; cost: {cost_text(record.get('cost'))}"
+    method = run.get("method", LEGACY_METHOD)
+    title = (f"{run['model']} without layers {','.join(map(str, run['layers']))}: healed by {run.get('method_title') or method} "
+             f"({run.get('method_how') or method})")
+    healed_as = record["results"].get("healed", {}).get("as")
+    caption = f"{_held_out_caption(record)}; the healed model: {healed_as or 'in memory'}; cost: {cost_text(record.get('cost'))}"
     table = Table(title=title, caption=caption, header_style="bold")
     header, *rows = heal_rows(record)
     for i, name in enumerate(header):
@@ -111,41 +133,53 @@ def heal_table(record: dict) -> Table:
 
 def methods_table(record: dict) -> Table:
     """Several methods on the same removal: each healed model's measurements with the share of the
-    cost it won back, and what the method cost (seconds, tokens, parameters trained or added)."""
+    cost it won back, what the method cost (seconds, tokens, parameters trained, added, solved
+    for), and the methods this model could not take, with why."""
     run, results, methods = record["run"], record["results"], methods_of(record)
     every = {**results, **{m: e["results"] for m, e in methods.items()}}
     cols = _columns(every)
-    named = "; ".join(f"{m}: {METHOD_NAMES[m]}, {method_text(run, m)}" for m in methods)
+    named = "; ".join(f"{m}: {method_name(e, m)}, {e.get('how') or ''}" for m, e in methods.items())
+    refused = record.get("refused") or {}
+    caption = f"{_held_out_caption(record)}; each method's cell: healed (recovered). {named}"
+    if refused:
+        caption += ". Could not run: " + "; ".join(f"{m}: {why}" for m, why in refused.items())
     table = Table(title=f"{run['model']} without layers {','.join(map(str, run['layers']))}: every method on the same removal",
-                  caption=f"{_held_out_caption(record, results)}; each method's cell: healed (recovered). {named}", header_style="bold")
+                  caption=caption, header_style="bold")
     table.add_column("model")
     for _, _, header in cols:
         table.add_column(header, justify="right")
-    for name in ("seconds", "tokens", "parameters trained / added"):
+    for name in ("seconds", "tokens", "parameters trained / added / solved"):
         table.add_column(name, justify="right")
     for name in ("unpruned", "pruned"):
         r = results.get(name, {})
         table.add_row(name, *(_cell(r[part]["metrics"].get(m)) if part in r else "-" for part, m, _ in cols), "", "", "")
     for method, entry in methods.items():
-        r, rec, cost = entry["results"], entry.get("recovered", {}), entry.get("cost") or {}
-        table.add_row(method, *(f"{_cell(r[part]['metrics'].get(m))} ({_share(rec.get(_recovered_key(part, m)))})" if part in r else "-"
-                                              for part, m, _ in cols),
-                      f"{cost.get('seconds', float('nan')):,.1f}", f"{cost.get('tokens', 0):,}",
-                      f"{cost.get('trained_params', 0):,} / {cost.get('added_params', 0):,}")
+        r, rec, why, cost = entry["results"], entry.get("recovered", {}), entry.get("recovered_why", {}), entry.get("cost") or {}
+        table.add_row(method, *((f"{_cell(r[part]['metrics'].get(m))}" + ("" if m == "ppl" else f" ({_share(rec, why, _recovered_key(part, m))})")) if part in r else "-"
+                                for part, m, _ in cols),
+                      f"{cost.get('seconds', float('nan')):,.1f}", f"{cost.get('tokens', 0):,}", _params(cost))
+    for method, why in refused.items():
+        table.add_row(method, *(["could not run"] + [""] * (len(cols) - 1)), "", "", "")
     return table
 
 
 def _curve_method(run: dict) -> str:
     """The method of a curve healed one way (a curve of several keeps each point's `methods`)."""
-    return (run.get("methods") or ["lora"])[0]
+    return (run.get("methods") or [LEGACY_METHOD])[0]
+
+
+def _title_in(curve: dict, method: str) -> str:
+    points = curve.get("points") or []
+    entry = methods_of(points[0], _curve_method(curve["run"])).get(method, {}) if points else {}
+    return method_name(entry, method)
 
 
 def curve_table(curve: dict) -> Table:
     """Per k: the layers removed and, on each measurement, the pruned model and each method's
     healed one with the share won back."""
     run, points = curve["run"], curve["points"]
-    methods = list(methods_of(points[0], _curve_method(run))) if points else run.get("methods", ["lora"])
-    table = Table(title=f"{run['model']}: healed depth curve ({run['order']}); " + "; ".join(f"{METHOD_NAMES[m]}: {method_text(run, m)}" for m in methods),
+    methods = list(methods_of(points[0], _curve_method(run))) if points else run.get("methods", [LEGACY_METHOD])
+    table = Table(title=f"{run['model']}: healed depth curve ({run['order']}); " + "; ".join(f"{m}: {_title_in(curve, m)}" for m in methods),
                   header_style="bold")
     cols = _columns(points[0]["results"]) if points else []
     table.add_column("k", justify="right")
@@ -159,17 +193,18 @@ def curve_table(curve: dict) -> Table:
         table.add_row("0", "none", "unpruned", *(_cell(base[part]["metrics"].get(m)) if part in base else "-" for part, m, _ in cols), "", style="bold")
     for p in points:
         pruned = p["results"]["pruned"]
-        table.add_row(str(p["k"]), ",".join(map(str, p["layers"])), "pruned", *(_cell(pruned[part]["metrics"].get(m)) for part, m, _ in cols), "")
+        table.add_row(str(p["k"]), ",".join(map(str, p["layers"])), "pruned", *(_cell(pruned[part]["metrics"].get(m)) if part in pruned else "-" for part, m, _ in cols), "")
         for method, entry in methods_of(p, _curve_method(run)).items():
-            r, rec = entry["results"], entry.get("recovered", {})
-            table.add_row("", "", method, *(f"{_cell(r[part]['metrics'].get(m))} ({_share(rec.get(_recovered_key(part, m)))})" for part, m, _ in cols),
+            r, rec, why = entry["results"], entry.get("recovered", {}), entry.get("recovered_why", {})
+            table.add_row("", "", method, *((f"{_cell(r[part]['metrics'].get(m))}" + ("" if m == "ppl" else f" ({_share(rec, why, _recovered_key(part, m))})"))
+                                            if part in r else "-" for part, m, _ in cols),
                           f"{(entry.get('cost') or {}).get('seconds', float('nan')):,.1f}")
     return table
 
 
 def plot_heal_curve(curve: dict, path: Path) -> Path:
     """Each measurement against the fraction of layers removed: pruned, each method's healed
-    model, and the unpruned line."""
+    model, and the unpruned line; with a budget (`--max-drop`), its limit and the k it chose."""
     import matplotlib  # lazy: only figures need matplotlib (1 s to import)
 
     matplotlib.use("Agg")
@@ -178,19 +213,25 @@ def plot_heal_curve(curve: dict, path: Path) -> Path:
     run, points, n = curve["run"], curve["points"], curve["n_layers"]
     cols = [c for c in _columns(points[0]["results"]) if c[1] != "ppl"] if points else []
     methods = list(methods_of(points[0], _curve_method(run))) if points else []
+    budget = curve.get("budget")
     fig, axes = plt.subplots(1, max(1, len(cols)), figsize=(5.5 * max(1, len(cols)), 4.8), dpi=120, squeeze=False)
     for ax, (part, metric, header) in zip(axes[0], cols):
         base = points[0]["results"]["unpruned"][part]["metrics"].get(metric)
         xs = [0.0] + [p["k"] / n for p in points]  # every curve starts at the unpruned model
-        ax.plot(xs, [base] + [p["results"]["pruned"][part]["metrics"].get(metric) for p in points], marker="o", ls="--", label="pruned")
+        ax.plot(xs, [base] + [p["results"]["pruned"][part]["metrics"].get(metric) if part in p["results"]["pruned"] else None for p in points],
+                marker="o", ls="--", label="pruned")
         for method in methods:
-            ys = [methods_of(p, _curve_method(run))[method]["results"][part]["metrics"].get(metric) for p in points]
-            ax.plot(xs, [base] + ys, marker="s", lw=2, label=f"healed: {METHOD_NAMES[method]}" if len(methods) > 1 else "healed")
+            ys = [methods_of(p, _curve_method(run))[method]["results"].get(part, {}).get("metrics", {}).get(metric) for p in points]
+            ax.plot(xs, [base] + ys, marker="s", lw=2, label=f"healed: {_title_in(curve, method)}" if len(methods) > 1 else "healed")
         ax.axhline(base, color="k", lw=1, ls=":", label="unpruned")
+        if budget and (part, metric) == ("held_out", "loss"):
+            ax.axhline(budget["limit"], color="tab:red", lw=1, ls="-.", label=f"budget: {budget['max_drop']:.1%} over the unpruned loss")
+            if budget.get("chosen"):
+                ax.axvline(budget["chosen"] / n, color="tab:red", lw=1, alpha=0.6, label=f"chosen: k = {budget['chosen']}")
         ax.set_xlabel(f"fraction of layers removed (of {n})")
         ax.set_ylabel(header)
         ax.grid(alpha=0.3)
     fig.suptitle(f"{run['model']}: layers removed by the {run['order']}, on {run['data']}\n"
-                 + "\n".join(f"{METHOD_NAMES[m]}: {method_text(run, m)}" for m in methods), fontsize=9)
+                 + "\n".join(f"{_title_in(curve, m)}" for m in methods), fontsize=9)
     legend_below(fig, axes[0][0])
     return save_figure(fig, path)

@@ -40,3 +40,20 @@ def stream_after(model: nn.Module, block: nn.Module, ids: torch.Tensor) -> torch
     finally:
         handle.remove()
     return seen["out"]
+
+
+@torch.no_grad()
+def stream_before(model: nn.Module, block: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The residual stream `block` is given, in a forward of `model` stopped as it reaches it."""
+    seen = {}
+
+    def hook(module, args, kwargs):
+        seen["in"] = (args[0] if args else kwargs["hidden_states"]).detach()
+        raise StopForward
+
+    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        run_stopped(model, ids)
+    finally:
+        handle.remove()
+    return seen["in"]

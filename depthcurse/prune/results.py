@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterable
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.tasks.harness import SUITE_METRIC
 from depthcurse.io import atomic_write, csv_text, json_text
 
 RESULTS_JSON = "prune.json"
@@ -157,10 +158,14 @@ def prune_rows(sweep: Sweep) -> list[dict]:
     rows = []
     metric_names = list(dict.fromkeys(k for v in sweep.variants for k in v.metrics))
     data = sweep.data_text()
+    base = sweep.baseline
+    suite = sweep.metric == SUITE_METRIC and base is not None and base.metrics.get(SUITE_METRIC)
     for v in sweep.variants:
         drop, rel = sweep.drop(v)
         row = {"unit": sweep.unit, "removed": v.label, "data": data}
         row.update({m: v.metrics.get(m, float("nan")) for m in metric_names})
+        if suite:  # a suite's average as the share of the unpruned model's, as the pruning papers report it
+            row["retained"] = v.metrics.get(SUITE_METRIC, float("nan")) / base.metrics[SUITE_METRIC]
         row.update({"drop": drop, "rel_drop": rel, "examples": v.examples, "seconds": v.seconds})
         rows.append(row)
     return rows

@@ -2,7 +2,7 @@
 
 `build_task(name, tokenizer, ...)` looks `name` up in `TASKS` (a new task is one entry: which
 model head it needs and how to build it); any other name is an lm-eval task or group (mmlu,
-arc_easy, hellaswag, ...). Every task meets the contract in `base` (`Task`, `Score`).
+arc_easy, hellaswag, ...), or a suite of them (`SUITES`, a new one also one entry; or a list). Every task meets the contract in `base` (`Task`, `Score`).
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from depthcurse.errors import DepthcurseError
 from depthcurse.tasks.base import Score, Task
 from depthcurse.loading import check_sequence_length, window_length
-from depthcurse.tasks.harness import LmEvalTask, check_task_name
+from depthcurse.tasks.harness import SUITE_METRIC, LmEvalTask, check_task_name
 from depthcurse.tasks.perplexity import PerplexityTask
 from depthcurse.tasks.representation import RepresentationTask
 from depthcurse.tasks.squad import build_squad_task
 from depthcurse.text import load_texts
 
-__all__ = ["Score", "Task", "TASKS", "build_task", "head_for_task", "PerplexityTask", "LmEvalTask", "RepresentationTask"]
+__all__ = ["Score", "Task", "TASKS", "SUITES", "SUITE_METRIC", "build_task", "head_for_task", "suite_members", "PerplexityTask", "LmEvalTask",
+           "RepresentationTask"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,24 @@ TASKS: dict[str, TaskEntry] = {
     "repr": TaskEntry("base", _representation, frozenset({"data", "seq_len"})),
 }
 LM_EVAL_TAKES = frozenset({"num_fewshot", "max_gen_toks"})
+#: named suites of lm-eval tasks, reported each and averaged; any comma-separated list is one too
+SUITES: dict[str, tuple[str, ...]] = {
+    # the zero-shot commonsense suite the layer-pruning papers report (ShortGPT, LinearPatch, Prune&Comp, LLM-Streamline)
+    "commonsense": ("arc_easy", "arc_challenge", "boolq", "hellaswag", "piqa", "winogrande", "openbookqa"),
+}
+
+
+def suite_members(name: str) -> tuple[str, ...] | None:
+    """The tasks of a suite `name` (a named one, or a comma-separated list), or None for one task."""
+    if name in SUITES:
+        return SUITES[name]
+    if "," in name:
+        members = tuple(dict.fromkeys(t.strip() for t in name.split(",") if t.strip()))
+        inside = [t for t in members if t in TASKS or t in SUITES]
+        if inside:
+            raise DepthcurseError(f"--task {name}: a list takes lm-eval tasks; {inside[0]} is not one")
+        return members
+    return None
 _FLAGS = {"data": "--data", "seq_len": "--seq-len", "num_fewshot": "--num-fewshot", "max_gen_toks": "--max-gen-toks", "bos": "--no-bos"}
 
 
@@ -71,7 +90,9 @@ def head_for_task(name: str) -> str:
 
 def build_task(name: str, tokenizer, *, data: str = "auto", seq_len: int | None = None, limit: int | None = None, num_fewshot: int | None = 0, batch_size: int = 8, seed: int = 1234, model=None, model_source: str | None = None,
                max_gen_toks: int | None = None, bos: bool = True) -> Task:
-    """The task called `name`: `ppl`, `squad`, `repr`, or any lm-eval task/group name (mmlu, arc_easy, ...).
+    """The task called `name`: `ppl`, `squad`, `repr`, any lm-eval task/group name (mmlu, arc_easy, ...),
+    or a suite of them, named (`commonsense`: `SUITES`) or listed (arc_easy,piqa), each task scored
+    and their average the headline (`SUITE_METRIC`).
 
     `seq_len` is the ppl window (default 512, or the model's maximum if less) or the repr passage
     length (default 128); one longer than the model accepts is refused.
@@ -88,7 +109,8 @@ def build_task(name: str, tokenizer, *, data: str = "auto", seq_len: int | None 
     if num_fewshot is not None and num_fewshot < 0:
         raise DepthcurseError(f"--num-fewshot must be 0 or more, got {num_fewshot}")
     entry = TASKS.get(name)
-    if entry is None:
+    members = suite_members(name)
+    if entry is None and members is None:
         check_task_name(name)  # an unknown name is the first thing to say, before what it cannot take
     given = {"data": data != "auto", "seq_len": seq_len is not None, "num_fewshot": num_fewshot not in (None, 0), "max_gen_toks": max_gen_toks is not None, "bos": not bos}
     takes = entry.takes if entry is not None else LM_EVAL_TAKES
@@ -98,4 +120,5 @@ def build_task(name: str, tokenizer, *, data: str = "auto", seq_len: int | None 
     if entry is not None:
         return entry.build(tokenizer, data=data, seq_len=seq_len, limit=limit, batch_size=batch_size, model=model, model_source=model_source,
                            **({"bos": bos} if "bos" in entry.takes else {}))
-    return LmEvalTask(name, tokenizer, num_fewshot=num_fewshot, limit=limit, batch_size=batch_size, seed=seed, max_gen_toks=max_gen_toks)
+    return LmEvalTask(name, tokenizer, num_fewshot=num_fewshot, limit=limit, batch_size=batch_size, seed=seed, max_gen_toks=max_gen_toks,
+                      members=members)

@@ -150,18 +150,20 @@ class LmEvalTask:
     OUTPUT_TYPES = LOGLIKELIHOOD_TYPES | {"generate_until"}
 
     def __init__(self, task: str, tokenizer, *, num_fewshot: int | None = 0, limit: int | None = None, batch_size: int = 8, seed: int = 1234,
-                 max_gen_toks: int | None = None):
+                 max_gen_toks: int | None = None, members: tuple[str, ...] | None = None):
         quiet_lm_eval()
         self.name, self.tokenizer, self.limit, self.batch_size, self.seed = task, tokenizer, limit, batch_size, seed
+        self.members = tuple(members) if members else None  # a suite: several tasks, their average the headline
         self.offline = not assets.hub_reachable()
         self.notes: list[str] = []
-        check_task_name(task)
+        for name in self.members or (task,):
+            check_task_name(name)
         tm = task_manager()
         compile_templates_once()
         if self.offline:
             assets.go_offline()
         with offline_task_data(self.notes) if self.offline else contextlib.nullcontext():
-            loaded = tm.load([task])
+            loaded = tm.load(list(self.members or (task,)))
         self.loaded = loaded
         types = {n: t.get_config("output_type") for n, t in loaded["tasks"].items()}
         bad = sorted(n for n, kind in types.items() if kind not in self.OUTPUT_TYPES)
@@ -185,7 +187,7 @@ class LmEvalTask:
         first = next(iter(loaded["tasks"].values()))
         metric = next(iter(first._metric_fn_list))
         filters = [f.get("name", "none") for f in (first.get_config("filter_list") or [])] or ["none"]
-        self.metric = metric_name(f"{metric},{filters[0]}")
+        self.metric = metric_name(f"{metric},{filters[0]}") if not self.members else SUITE_METRIC
         self.higher_is_better = bool(first.higher_is_better().get(metric, True))
         self._lm = None
 
@@ -193,6 +195,7 @@ class LmEvalTask:
         shots = sorted({t.get_config("num_fewshot") for t in self.loaded["tasks"].values()})
         return {
             "task": self.name,
+            **({"suite": list(self.members)} if self.members else {}),
             "lm_eval_tasks": sorted(self.loaded["tasks"]),
             "num_fewshot": shots[0] if len(shots) == 1 else shots,
             "limit": self.limit,
@@ -222,6 +225,8 @@ class LmEvalTask:
         return self.score(self.run(model))
 
     def score(self, results: dict) -> Score:
+        if self.members:
+            return self._suite_score(results)
         table = results["results"]
         top = table[self.name]
         metrics = {metric_name(key): float(value) for key, value in top.items() if "," in key and "_stderr" not in key and isinstance(value, (int, float))}
@@ -235,6 +240,24 @@ class LmEvalTask:
                 if name != self.name
             }
         return Score(metrics, examples, details)
+
+
+    def _suite_score(self, results: dict) -> Score:
+        """Each member's headline metric (its first, as lm-eval lists it: acc for the commonsense
+        tasks), and their unweighted average, as the pruning papers report a zero-shot suite."""
+        table = results["results"]
+        metrics, details = {}, {}
+        for name in self.members:
+            row = {metric_name(key): float(v) for key, v in table[name].items() if "," in key and "_stderr" not in key and isinstance(v, (int, float))}
+            details[name] = row
+            metrics[name] = next(iter(row.values()))
+        metrics[SUITE_METRIC] = sum(metrics[n] for n in self.members) / len(self.members)
+        n_samples = results.get("n-samples", {})
+        examples = sum(int(v.get("effective", 0)) for k, v in n_samples.items() if k in self.loaded["tasks"])
+        return Score(metrics, examples, details)
+
+
+SUITE_METRIC = "average"  # a suite's headline: the mean of its tasks' headline metrics
 
 
 def quiet_hflm():

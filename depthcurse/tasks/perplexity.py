@@ -75,26 +75,33 @@ class PerplexityTask:
         return self.evaluate_logits(lambda ids: model(input_ids=ids, use_cache=False).logits, model.get_input_embeddings().weight.device)
 
     @torch.inference_mode()
-    def evaluate_logits(self, logits_of: Callable[[torch.Tensor], torch.Tensor], device, reference_of: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Score:
+    def evaluate_logits(self, logits_of: Callable[[torch.Tensor], torch.Tensor], device, reference_of: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                        per_window: bool = False) -> Score:
         """The score of the model whose logits for a batch of windows `logits_of` gives. With
         `reference_of`, the logits of the model it is compared with (the unpruned one), also `kl`,
         the mean KL(reference || model) of the next-token distributions per predicted token (nats),
         and `agreement`, the share of positions where both put the same token first: how close the
-        model stays to the one it was made from, which a distillation is trained to minimise."""
-        total, count = 0.0, 0
+        model stays to the one it was made from, which a distillation is trained to minimise.
+        `per_window`: each window's mean loss too (`details`), the spread a difference between two
+        models is judged against."""
+        total, count, windows = 0.0, 0, []
         kl, agree = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.long)
         for batch in self.windows.split(self.batch_size):
             batch = batch.to(device)
             reference = reference_of(batch)[:, :-1] if reference_of is not None else None
             logits = logits_of(batch)[:, :-1]
             # fp32 for the loss: bf16 log-softmax over a 50k vocabulary loses the digits a sweep compares
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1).to(logits.device), reduction="sum")
+            token_losses = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1).to(logits.device), reduction="none")
+            loss = token_losses.sum()
+            windows += token_losses.view(batch.shape[0], -1).mean(-1).tolist()
             total += loss.item()
             count += batch[:, 1:].numel()
             if reference is not None:
                 batch_kl, batch_agree = kl_and_agreement(logits, reference.to(logits.device))
                 kl, agree = kl + batch_kl.cpu(), agree + batch_agree.cpu()
         score = self.score(total, count)
+        if per_window:
+            score.details["per_window"] = windows
         if reference_of is not None:
             score.metrics.update(kl=float(kl) / count, agreement=int(agree) / count)
         return score

@@ -1,0 +1,448 @@
+"""The contract a recovery method meets, and the registry that finds one by name.
+
+A method is one class in one file: what it needs (the model in memory with every layer, the
+layers removed, calibration or training text through `HealContext`, its own `Settings`), and
+what it gives (the model healed in memory, by `applied`; the cost; the healed checkpoint, by
+folding or merging into a copy of the weights, `finalize`, with its new layers `placed`). The
+heal loop, the comparison, the reports and the cards depend on this contract and never on a
+method's name, as lm-eval's evaluator depends on its `api/` and not on a task.
+
+Where a method is found (`find_method`): the built-in ones, in `heal/methods/`, one module each,
+registered by defining them; outside ones by `module:Class` or `path/to/file.py:Class` (as
+`lm_eval --include_path` takes a folder, and torch.hub `module:entry`), or by name through the
+Python entry-point group `depthcurse.heal_methods`, which is what a package installs (as pytest
+finds plugins). A composition `a+b` (the first's changes, then the second trained on top) is
+`Compose`, not a name of its own.
+
+A method's settings are a dataclass whose defaults are its paper's. `--method-args
+key=value,...` (lm-eval's `--model_args` form) sets them; `method.key=value` sets one method's
+alone when several run; the command line's common options (`--lora-rank`, `--calib-tokens`, ...)
+set the field of the same name wherever a method has one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import math
+import sys
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Callable, ClassVar, Iterator
+
+import torch
+from torch import nn
+
+from depthcurse.errors import DepthcurseError
+from depthcurse.runtime import World
+from depthcurse.surgery import removed_layers
+
+ENTRY_POINTS = "depthcurse.heal_methods"
+
+
+@dataclass
+class NoSettings:
+    """A method with nothing to set."""
+
+
+@dataclass
+class HealContext:
+    """What a heal gives a method to work with."""
+
+    model: nn.Module  # the transformers model in memory, every layer in place
+    layers: tuple[int, ...]  # removed, sorted
+    calibration: Callable[[int], list[torch.Tensor]]  # tokens -> this rank's share of micro-batches of token ids holding that many in all
+    world: World = field(default_factory=World)
+    seed: int = 1234
+    phase: Callable[[str], None] = lambda text: None
+    earlier: list["Method"] = field(default_factory=list)  # the methods applied before this one (a composition's)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @contextlib.contextmanager
+    def student(self, method: "Method") -> Iterator[nn.Module]:
+        """The model as the healed one while `method` trains: the earlier methods' changes and its
+        own on, the layers it removes gone."""
+        with contextlib.ExitStack() as stack:
+            for m in [*self.earlier, method]:
+                stack.enter_context(m.applied(self.model))
+            stack.enter_context(removed_layers(self.model, tuple(method.removes(self.layers))))
+            yield self.model
+
+    @contextlib.contextmanager
+    def teacher(self, method: "Method") -> Iterator[nn.Module]:
+        """The unpruned model exactly: every layer, the earlier methods' changes and `method`'s off."""
+        with contextlib.ExitStack() as stack:
+            for m in [*self.earlier, method]:
+                stack.enter_context(m.bypassed(self.model))
+            yield self.model
+
+
+class Method:
+    """One way to win back a removal. Subclasses set the class attributes and override what they
+    do; what they leave is the plain removal (`drop`)."""
+
+    name: ClassVar[str] = ""
+    title: ClassVar[str] = ""  # the tables' and figures' name: "linear map (ReplaceMe)"
+    source: ClassVar[str] = ""  # the paper and its code
+    Settings: ClassVar[type] = NoSettings
+    trains: ClassVar[bool] = False  # whether `heal` runs its training loop on `objective`
+    loss_name: ClassVar[str] = ""  # what the training loss is, for the log and the figure
+    next_token_loss: ClassVar[bool] = True  # a training loss on the next-token scale (diverged past 2 ln V)
+    builtin: ClassVar[bool] = False
+
+    def __init__(self, settings=None):
+        self.settings = settings if settings is not None else self.Settings()
+        self.check_settings()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.name and cls.__module__.startswith("depthcurse.heal.methods."):
+            cls.builtin = True
+            BUILTIN[cls.name] = cls
+
+    # --- before anything runs
+    def check_settings(self) -> None:
+        """One clear error for a setting out of range (the command line's option names)."""
+
+    def check(self, model: nn.Module, layers: tuple[int, ...]) -> None:
+        """One clear error where this model's architecture cannot take the method."""
+
+    # --- what it is, in words and numbers
+    def describe(self) -> str:
+        """How it healed, in a few words with the settings that mattered."""
+        return self.title or self.name
+
+    def changes(self, layers: tuple[int, ...]) -> str:
+        """What the saved checkpoint holds besides the removal: which weights changed, what was put in."""
+        return "nothing besides the removal"
+
+    def removes(self, layers: tuple[int, ...]) -> tuple[int, ...]:
+        """The layers the healed model lacks (a new layer in a run's place keeps that place)."""
+        return tuple(layers)
+
+    def untouched(self, layers: tuple[int, ...]) -> int:
+        """How many first blocks compute exactly as in the unpruned model (a distillation's
+        teacher and student share them)."""
+        return min(layers)
+
+    def cost(self, model: nn.Module, layers: tuple[int, ...]) -> dict:
+        """Parameters trained, added to the model, and solved for (estimated without training)."""
+        return {"trained_params": 0, "added_params": 0, "solved_params": 0}
+
+    def recorded(self) -> dict:
+        """Its settings, as a run records them."""
+        return dataclasses.asdict(self.settings)
+
+    # --- the heal
+    def prepare(self, ctx: HealContext) -> None:
+        """Estimate on calibration text, or put in what trains."""
+
+    def state_dict(self) -> dict:
+        """What `prepare` estimated, kept in the run's folder so that a resumed run reads it again
+        (empty: nothing to keep, `prepare` runs again)."""
+        return {}
+
+    def load_state_dict(self, state: dict, ctx: HealContext) -> None:
+        """In place of `prepare`, from `state_dict`."""
+        raise NotImplementedError
+
+    def objective(self, ctx: HealContext) -> nn.Module | None:
+        """What `train.loop.train_step` trains: `(ids, targets) -> summed loss`, its trainable
+        parameters the method's own."""
+        return None
+
+    def applied(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """The model with this method's changes on (the layers are removed apart)."""
+        return contextlib.nullcontext()
+
+    def bypassed(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """The model with this method's changes off (for changes that are on by default)."""
+        return contextlib.nullcontext()
+
+    # --- the checkpoint, made from a copy of the model and the method
+    def extra_files(self, folder: Path, layers: tuple[int, ...]) -> dict:
+        """Files besides the weights (LoRA's adapters in peft's format); what the card says of them."""
+        return {}
+
+    def finalize(self, model: nn.Module) -> nn.Module:
+        """Its changes put into the weights of `model` (a copy), which it returns."""
+        return model
+
+    def placed(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """The finalized model with the new layers where they stand, for saving."""
+        return contextlib.nullcontext()
+
+    def modules(self) -> list[nn.Module]:
+        """Modules of its own outside the model (new layers), cast with the model when it is saved."""
+        return []
+
+
+BUILTIN: dict[str, type[Method]] = {}
+
+
+class Compose(Method):
+    """Several methods one after another: each prepared (and trained) with the earlier ones'
+    changes on, the saved checkpoint all of them folded in, the innermost first."""
+
+    def __init__(self, members: list[Method]):
+        self.members = members
+        self.name = "+".join(m.name for m in members)
+        self.title = ", then ".join(m.title or m.name for m in members)
+        self.trains = any(m.trains for m in members)
+        trained = [m for m in members if m.trains]
+        if len(trained) > 1 or (trained and trained[0] is not members[-1]):
+            raise DepthcurseError(f"--method {self.name}: only the last method of a composition may train (it trains on the others' changes)")
+        self.loss_name = trained[0].loss_name if trained else ""
+        self.next_token_loss = trained[0].next_token_loss if trained else True
+        removed = {m.name: m.removes((0, 1)) for m in members}
+        if len(set(removed.values())) > 1:
+            raise DepthcurseError(f"--method {self.name}: its methods leave different layers in place ({', '.join(removed)}), so one cannot go on the other")
+        self.settings = None
+
+    def check(self, model, layers):
+        for m in self.members:
+            m.check(model, layers)
+
+    def describe(self):
+        return ", then ".join(m.describe() for m in self.members)
+
+    def changes(self, layers):
+        return "; then ".join(m.changes(layers) for m in self.members)
+
+    def removes(self, layers):
+        return self.members[0].removes(layers)
+
+    def untouched(self, layers):
+        return min(m.untouched(layers) for m in self.members)
+
+    def cost(self, model, layers):
+        costs = [m.cost(model, layers) for m in self.members]
+        return {k: sum(c[k] for c in costs) for k in costs[0]}
+
+    def recorded(self):
+        return {m.name: m.recorded() for m in self.members}
+
+    def prepare(self, ctx):
+        for i, m in enumerate(self.members):
+            m.prepare(dataclasses.replace(ctx, earlier=[*ctx.earlier, *self.members[:i]]))
+
+    def state_dict(self):
+        return {m.name: m.state_dict() for m in self.members}
+
+    def load_state_dict(self, state, ctx):
+        for i, m in enumerate(self.members):
+            sub = dataclasses.replace(ctx, earlier=[*ctx.earlier, *self.members[:i]])
+            if state.get(m.name):
+                m.load_state_dict(state[m.name], sub)
+            else:
+                m.prepare(sub)
+
+    def objective(self, ctx):
+        last = self.members[-1]
+        return last.objective(dataclasses.replace(ctx, earlier=[*ctx.earlier, *self.members[:-1]])) if last.trains else None
+
+    def applied(self, model):
+        return self._every("applied", model)
+
+    def bypassed(self, model):
+        return self._every("bypassed", model)
+
+    @contextlib.contextmanager
+    def _every(self, context: str, model):
+        """Each member's `context` (applied, bypassed, placed) entered in turn."""
+        with contextlib.ExitStack() as stack:
+            for m in self.members:
+                stack.enter_context(getattr(m, context)(model))
+            yield model
+
+    def extra_files(self, folder, layers):
+        return {}  # a member's files would describe a model the others changed after
+
+    def finalize(self, model):
+        for m in reversed(self.members):  # the last put its changes inside the earlier ones' (adapters inside the MLP a map follows)
+            model = m.finalize(model)
+        return model
+
+    def placed(self, model):
+        return self._every("placed", model)
+
+    def modules(self):
+        return [mod for m in self.members for mod in m.modules()]
+
+
+def at_least(settings, name: str, minimum: float = 1) -> None:
+    """One clear line for a setting below its minimum, in the option's own name."""
+    value = getattr(settings, name)
+    if not value >= minimum:
+        raise DepthcurseError(f"{said(name)} must be at least {minimum}, got {value}")
+
+
+# --------------------------------------------------------------------------- finding one
+def builtin_methods() -> dict[str, type[Method]]:
+    """The methods that come with depthcurse, by name (`heal/__init__` imports `heal.methods`,
+    whose modules register themselves by defining them)."""
+    return dict(BUILTIN)
+
+
+def _entry_point_methods() -> dict[str, object]:
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINTS)}
+
+
+def _outside(spec: str) -> type[Method]:
+    """`module:Class` or `path/to/file.py:Class`: a user's method, loaded without editing ours."""
+    where, _, attr = spec.rpartition(":")
+    try:
+        if where.endswith(".py"):
+            path = Path(where).expanduser()
+            if not path.is_file():
+                raise DepthcurseError(f"--method {spec}: no file {path}")
+            name = f"depthcurse_outside_{path.stem}"
+            module = sys.modules.get(name)
+            if module is None or getattr(module, "__file__", None) != str(path.resolve()):
+                loader_spec = importlib.util.spec_from_file_location(name, path.resolve())
+                module = importlib.util.module_from_spec(loader_spec)
+                sys.modules[name] = module
+                loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except DepthcurseError:
+        raise
+    except Exception as exc:  # the user's module failed to import: say where, in one line
+        raise DepthcurseError(f"--method {spec}: importing {where} failed: {type(exc).__name__}: {exc}") from exc
+    cls = getattr(module, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, Method)):
+        raise DepthcurseError(f"--method {spec}: {where} has no class {attr} made from depthcurse.heal.Method")
+    return cls
+
+
+def find_method(spec: str) -> type[Method]:
+    """The class a method name or `module:Class` names."""
+    if ":" in spec:
+        return _outside(spec)
+    found = builtin_methods().get(spec)
+    if found is not None:
+        return found
+    plugged = _entry_point_methods().get(spec)
+    if plugged is not None:
+        cls = plugged.load()
+        if not (isinstance(cls, type) and issubclass(cls, Method)):
+            raise DepthcurseError(f"--method {spec}: the entry point {plugged.value} is not a depthcurse.heal.Method")
+        return cls
+    known = sorted({*builtin_methods(), *_entry_point_methods()})
+    raise DepthcurseError(f"unknown --method {spec!r}: use {', '.join(known)}, a+b (one after the other), or module:Class for your own")
+
+
+def method_names() -> list[str]:
+    return sorted({*builtin_methods(), *_entry_point_methods()})
+
+
+# --------------------------------------------------------------------------- settings
+def parse_method_args(text: str | None) -> dict[str, str]:
+    """`key=value,key=value` (lm-eval's `--model_args`), kept as text until a method's field types it."""
+    if not text or not text.strip():
+        return {}
+    out = {}
+    for part in (p for p in text.split(",") if p.strip()):
+        key, eq, value = part.partition("=")
+        if not eq or not key.strip():
+            raise DepthcurseError(f"--method-args {text!r}: give key=value pairs, e.g. ridge=0.1,calib_tokens=32768")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _typed(cls, name: str, value, method: str):
+    """`value` (text from the command line, or already typed) as the type of `cls`'s field `name`."""
+    if not isinstance(value, str):
+        return value
+    kind = typing.get_type_hints(cls).get(name, str)
+    args = typing.get_args(kind)
+    if type(None) in args:  # `int | None`: "none" is None, else the other type
+        if value.lower() in ("none", "null"):
+            return None
+        kind = next(a for a in args if a is not type(None))
+    try:
+        if kind is bool:
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1", "yes")
+        if kind is int:
+            number = float(value)
+            if not number.is_integer():
+                raise ValueError(value)
+            return int(number)
+        if kind is float:
+            number = float(value)
+            if not math.isfinite(number):
+                raise ValueError(value)
+            return number
+    except ValueError:
+        raise DepthcurseError(f"{said(name)} {value}: {method}'s {name} takes {getattr(kind, '__name__', kind)}") from None
+    return value
+
+
+def configure(cls: type[Method], args: dict) -> Method:
+    """An instance of `cls` with `args` (name -> value, text or typed) set on its settings."""
+    known = {f.name for f in fields(cls.Settings)}
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise DepthcurseError(f"{said(unknown[0])} does not apply to --method {cls.name or cls.__name__} (its settings: {', '.join(sorted(known)) or 'none'})")
+    settings = cls.Settings(**{k: _typed(cls.Settings, k, v, cls.name) for k, v in args.items()})
+    return cls(settings)
+
+
+def build_method(spec: str, args: dict[str, str] | None = None, common: dict | None = None) -> Method:
+    """The method `spec` names (`a+b` a composition), its settings from `args` (`key=value` for
+    whichever member has the key, `name.key=value` for that member alone; a key no member has is
+    an error) and from the command line's `common` options (set where a member has the field)."""
+    args, common = dict(args or {}), {k: v for k, v in (common or {}).items() if v is not None}
+    names = [part for part in spec.split("+")] if ":" not in spec or "+" in spec else [spec]
+    classes = [find_method(name.strip()) for name in names]
+    members = []
+    used = set()
+    for name, cls in zip(names, classes):
+        own = {f.name for f in fields(cls.Settings)}
+        mine = {k: v for k, v in common.items() if k in own}
+        for key, value in args.items():
+            scope, dot, bare = key.rpartition(".")
+            if dot and scope in (name, cls.name):
+                if bare not in own:
+                    raise DepthcurseError(f"--method-args {key}: {cls.name} has no setting {bare!r} (its settings: {', '.join(sorted(own)) or 'none'})")
+                mine[bare] = value
+                used.add(key)
+            elif not dot and key in own:
+                mine[key] = value
+                used.add(key)
+        members.append(configure(cls, mine))
+    unused = [k for k in args if k not in used and "." not in k]
+    if unused:
+        key = unused[0]
+        has = ", ".join(sorted({f.name for cls in classes for f in fields(cls.Settings)})) or "none"
+        raise DepthcurseError(f"{said(key)} does not apply to --method {spec} (its settings: {has})")
+    return members[0] if len(members) == 1 else Compose(members)
+
+
+# The command line's options for settings several methods have; any other is `--method-args key=...`.
+FLAGS = {"lora_rank": "--lora-rank", "lora_alpha": "--lora-alpha", "lora_dropout": "--lora-dropout", "targets": "--targets", "adapt": "--adapt",
+         "loss": "--loss", "calib_tokens": "--calib-tokens", "ridge": "--ridge"}
+
+
+def said(key: str) -> str:
+    """How a user gives the setting `key`."""
+    return FLAGS.get(key, f"--method-args {key}")
+
+
+def method_settings_text(method: Method) -> str:
+    """The method's settings away from their defaults, as `--method-args` takes them."""
+    if isinstance(method, Compose):
+        return ",".join(f"{m.name}.{part}" for m in method.members for part in method_settings_text(m).split(",") if part)
+    defaults = method.Settings()
+    return ",".join(f"{f.name}={getattr(method.settings, f.name)}" for f in fields(method.settings)
+                    if getattr(method.settings, f.name) != getattr(defaults, f.name))
