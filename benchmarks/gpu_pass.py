@@ -52,7 +52,7 @@ from depthcurse.io import atomic_write  # noqa: E402 (stdlib only: the parent ru
 RESULT = "gpu_pass.json"
 # The order is the priority: what a short lease must bring back first. The share is of the
 # budget left when the step starts, against the shares of the steps still to run.
-STEPS = {"tests": 0.12, "mmlu": 0.32, "speed": 0.14, "train": 0.2, "heal": 0.22}
+STEPS = {"tests": 0.12, "mmlu": 0.32, "speed": 0.14, "train": 0.2, "heal": 0.22, "norms": 0.08}
 MIN_BOX_S = {"gpu": 20.0, "dry": 3.0}
 KILL_GRACE_S = 5.0  # after SIGINT, before SIGKILL: a step's last progress line gets written
 
@@ -70,6 +70,7 @@ class Sizes:
     speed_layers: tuple[int, ...]
     speed: dict
     train_args: tuple[str, ...]
+    norms: dict  # benchmarks/norm_throughput.py's settings: every normalisation's step against Pre-LN's
     heal: dict
     tests: tuple[str, ...]
 
@@ -78,6 +79,7 @@ GPU = Sizes(device="cuda", dtype="bf16", shape="llama-2-7b", mmlu_slice=10, mmlu
             speed_layers=tuple(range(23, 31)),  # k = 8 of 32: the deepest run before the last layer
             speed=dict(prefill_batch=4, prefill_len=2048, decode_batches=(1, 32), prompt_len=512, new_tokens=64),
             train_args=("--device", "cuda", "--preset", "130m", "--compile", "--micro-batch", "512", "--warmup", "5", "--steps", "10"),
+            norms=dict(preset="130m", device="cuda", batch_size=64, seq_len=256, kernels="auto"),  # eager: Triton norms
             heal=dict(layers=(24, 25, 26, 27), steps=5, batch_size=4, seq_len=512, eval_windows=2, calib_tokens=8192),
             # heal's first (bf16 autocast, adapters in fp32; they load their models on the GPU), the compile modes last (autotuning is slow)
             tests=("-k", "cuda or test_a_heal_run_measures_three_models or test_heals_numbers_are_plain or test_a_bf16_model_with_tied",
@@ -86,12 +88,12 @@ DRY = Sizes(device="cpu", dtype="fp32", shape="tiny", mmlu_slice=2, mmlu_target=
             speed_layers=(2,), speed=dict(prefill_batch=1, prefill_len=64, decode_batches=(1, 4), prompt_len=16, new_tokens=4),
             train_args=("--device", "cpu", "--preset", "tiny", "--warmup", "1", "--steps", "2", "--batch-size", "4", "--micro-batch", "4",
                         "--seq-len", "64"),
+            norms=dict(preset="tiny", device="cpu", batch_size=2, seq_len=32, kernels="torch", max_rounds=8, warmup=1, vocab=512,
+                       shape=dict(num_layers=2, hidden_size=64, intermediate_size=176)),
             heal=dict(layers=(2,), steps=2, batch_size=2, seq_len=64, eval_windows=1, calib_tokens=256),
             tests=("-k", "cuda", "tests/test_kernels.py", "tests/test_model.py"))
 TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
             rope_theta=10000.0, tie_word_embeddings=False)
-# Dense bf16 peaks of the devices lent (the SXM parts), for the MFU.
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
 
 
 # --------------------------------------------------------------------------- the parent
@@ -285,16 +287,19 @@ def run_step(name: str, sizes: Sizes, out: Path, box_s: float | None) -> None:
     events = Events(out / "steps" / f"{name}.jsonl")
     started = time.monotonic()
     deadline = started + (box_s or 1e9)
-    {"tests": step_tests, "plan": step_plan, "mmlu": step_mmlu, "speed": step_speed, "train": step_train, "heal": step_heal}[name](
+    {"tests": step_tests, "plan": step_plan, "mmlu": step_mmlu, "speed": step_speed, "train": step_train, "heal": step_heal,
+     "norms": step_norms}[name](
         sizes, out, events, deadline)
 
 
 def _device_facts(sizes: Sizes) -> dict:
     import torch
 
+    from depthcurse.runtime import peak_tflops
+
     if sizes.device == "cuda":
         name = torch.cuda.get_device_name()
-        return {"device": name, "torch": torch.__version__, "peak_tflops": next((v for k, v in PEAK_TFLOPS.items() if k in name), None)}
+        return {"device": name, "torch": torch.__version__, "peak_tflops": peak_tflops(name, "bf16")}
     return {"device": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": torch.get_num_threads(), "peak_tflops": None}
 
 
@@ -526,6 +531,16 @@ def step_train(sizes: Sizes, out: Path, events: Events, deadline: float) -> None
                   **{k: trainer.get(k) for k in ("tokens_per_s", "mfu", "median_seconds", "tokens_per_step", "micro_batch", "params", "compile", "precision",
                                                  "peak_bytes", "first_loss", "last_loss")},
                   line=f"{trainer['tokens_per_s']:,.0f} tokens/s" + (f", {mfu:.1%} MFU" if mfu else "") + f" ({trainer['params'] / 1e6:.0f} M parameters)")
+
+
+def step_norms(sizes: Sizes, out: Path, events: Events, deadline: float) -> None:
+    """Every normalisation's training step against Pre-LN's, in turns in one process, until the
+    box's last seconds (benchmarks/norm_throughput.py)."""
+    from norm_throughput import line, measure
+
+    result = measure(deadline=deadline - 2.0, **sizes.norms)
+    events.result(command="norm_throughput.measure(" + ", ".join(f"{k}={v!r}" for k, v in sizes.norms.items()) + ")",
+                  **result, line=line(result))
 
 
 def step_heal(sizes: Sizes, out: Path, events: Events, deadline: float) -> None:

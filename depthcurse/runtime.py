@@ -35,6 +35,21 @@ def pick_dtype(dtype: str, device: str, keep_checkpoint: bool = False) -> torch.
     return DTYPES[dtype]
 
 
+# Dense bf16 peaks (TFLOP/s) by device name, for the MFU a run reports; the SXM parts (a PCIe
+# H100 is about 756). A device not listed gets no MFU rather than a wrong one.
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "GH200": 989.0, "A100": 312.0, "B200": 2250.0}
+
+
+def peak_tflops(device_name: str, precision: str) -> float | None:
+    """The dense peak of `device_name` (as torch.cuda.get_device_name says it) for a run in
+    `precision`: bf16 only (fp32 runs in TF32 or slower, whose peaks are not this table's)."""
+    if "bf16" not in precision:
+        return None
+    if "PCIe" in device_name or "PCIE" in device_name:
+        return None  # its clocks and peak differ from the SXM part's
+    return next((v for k, v in sorted(PEAK_BF16_TFLOPS.items(), key=lambda kv: -len(kv[0])) if k in device_name), None)
+
+
 @dataclass
 class World:
     """This process's place in a torchrun launch; World() is a lone process."""

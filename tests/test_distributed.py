@@ -87,6 +87,27 @@ def test_two_ranks_equal_one_process(setup, parallel):
     assert (out / "hf-llama" / "config.json").is_file()
 
 
+@pytest.mark.parametrize("norm,parallel", [("dyt", "fsdp"), ("hybridnorm", "fsdp"), ("completep", "fsdp"), ("completep", "ddp")])
+def test_the_newer_depth_fixes_on_two_ranks_equal_one_process(setup, norm, parallel):
+    """DyT's learnt alphas, HybridNorm's q/k/v norms and CompleteP's branch scale and Adam eps,
+    sharded by FSDP2 or replicated by DDP. The DDP run also reports to TensorBoard: one writer,
+    rank 0's, its events those of metrics.jsonl."""
+    root, cfg, _ = setup
+    variant = TrainConfig(**{**cfg.to_dict(), "norm": norm})
+    if not (root / f"one-{norm}" / SUMMARY).exists():
+        train.run(variant, root / f"one-{norm}")
+    out = root / f"two-{norm}-{parallel}"
+    tracked = ["--report-to", "tensorboard"] if parallel == "ddp" else []
+    proc = torchrun("-m", "depthcurse", "lns-train", *cli_args(variant), "--parallel", parallel, *tracked, "--out", out)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert_same_run(out, root / f"one-{norm}")
+    if tracked:
+        from test_tracking import assert_events_equal_metrics
+
+        assert len(list((out / "tensorboard").iterdir())) == 1  # rank 1 opened no writer
+        assert_events_equal_metrics(out)
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_in_bf16_mixed_equal_one_process(setup, parallel):
     """bf16 autocast with gradient accumulation: one region over a step's micro-batches (each

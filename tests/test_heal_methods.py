@@ -395,7 +395,6 @@ def test_two_gloo_ranks_estimate_and_train_as_one_process(bos_model_dir, docs_fi
                    "--batch-size", "4", "--seq-len", "24", "--lr", "5e-3", "--eval-windows", "2", "--calib-tokens", "240", "--device", "cpu",
                    "--out", tmp_path / "two", nproc=2)
     assert two.returncode == 0, two.stderr[-3000:]
-    cfg = _cfg(docs_file, steps=4, eval_windows=2)
     compared = json.loads((tmp_path / "two" / "heal.json").read_text())["methods"]
     ones = {method: heal(load_model(str(bos_model_dir)), _cfg(docs_file, steps=4, eval_windows=2, method=method), tmp_path / method) for method in ("linear", "layer")}
     maps = [_maps(d)[2] for d in (tmp_path / "linear", tmp_path / "two" / "linear")]

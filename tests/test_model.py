@@ -115,10 +115,38 @@ def test_lns_exports_as_folded_stock_llama():
     assert (unscaled - ours).abs().max() > 1e-2
 
 
-def _naive_block(block, x, cos, sin):
-    """The papers' block formulas written out, using the block's own sub-modules."""
+def _rms(z, weight, eps=1e-6):
+    return weight * (z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _hybrid_attention(attn, x, cos, sin):
+    """HybridNorm's attention from its equations: Q, K, V = x W, each head's vector RMS-normed
+    (with its own gain), RoPE on Q and K, causal softmax(Q K^T / sqrt(d_h)) V, then W_o."""
+    B, T, _ = x.shape
+    heads = [(x @ lin.weight.T).view(B, T, attn.num_heads, attn.head_dim).transpose(1, 2) for lin in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    q, k, v = (_rms(h, norm.weight) for h, norm in zip(heads, (attn.q_norm, attn.k_norm, attn.v_norm)))
+    q, k = M.apply_rope(q, cos, sin), M.apply_rope(k, cos, sin)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(attn.head_dim)
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    y = scores.softmax(-1) @ v
+    return y.transpose(1, 2).reshape(B, T, -1) @ attn.o_proj.weight.T
+
+
+def _naive_block(block, x, cos, sin, cfg=None):
+    """The papers' block formulas written out, using the block's own sub-modules (the new
+    variants' norms and attention from their equations, on the block's weights)."""
     s, attn, mlp = block.spec, lambda h: block.self_attn(h, cos, sin), block.mlp
+    if s.kind == "hybrid":
+        x = x + _hybrid_attention(block.self_attn, x, cos, sin)
+        h = _rms(x, block.post_attention_layernorm.weight)
+        return h + mlp(h)
     n1, n2 = block.input_layernorm, block.post_attention_layernorm
+    if cfg is not None and cfg.norm == "dyt":  # w * tanh(alpha x), by hand
+        n1, n2 = (lambda z, m=n: m.weight * torch.tanh(m.alpha * z) for n in (n1, n2))
+    c = cfg.base_layers / cfg.num_layers if cfg is not None and cfg.norm == "completep" else 1.0
+    if c != 1.0:
+        x = x + c * attn(n1(x))
+        return x + c * mlp(n2(x))
     if s.kind == "post":
         x = n1(s.residual_alpha * x + attn(x))
         return n2(s.residual_alpha * x + mlp(x))
@@ -141,8 +169,13 @@ def test_every_variant_trains_and_matches_its_formula(norm):
                 b.mlp_scale.fill_(-0.25)
     cos, sin = M.rope_cos_sin(7, model.cfg.head_dim, model.cfg.rope_theta)
     x = torch.randn(2, 7, 32)
+    if norm == "dyt":  # trained-looking DyT: alphas and gains away from their start
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".alpha"):
+                    p.mul_(1 + 0.5 * torch.rand_like(p))
     for block in model.model.layers:
-        torch.testing.assert_close(block(x, cos, sin), _naive_block(block, x, cos, sin))
+        torch.testing.assert_close(block(x, cos, sin), _naive_block(block, x, cos, sin, model.cfg))
     t = ids()
     loss = model(t, torch.roll(t, -1, 1))
     loss.backward()
@@ -165,6 +198,52 @@ def test_variant_structure():
     assert ls.model.layers[0].attn_scale.shape == (32,) and float(ls.model.layers[0].attn_scale[0].detach()) == pytest.approx(0.1)
     si = M.Transformer(M.ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, norm="skipinit"))
     assert si.model.layers[0].attn_scale.shape == () and float(si.model.layers[0].attn_scale.detach()) == 0.0
+
+
+def test_the_new_variants_structure_and_constants():
+    """DyT's alpha0 per branch (the LLaMA code's 0.8 and 0.2) and its sqrt(d) embedding scalar;
+    HybridNorm's per-head q, k, v norms and no attention input norm; CompleteP's L0/L on every
+    branch and Adam's eps, plain floats."""
+    from depthcurse.train.loop import build_optimizer
+
+    dyt = tiny("dyt", layers=4)
+    block = dyt.model.layers[0]
+    assert isinstance(block.input_layernorm, M.DyT) and block.input_layernorm.alpha0 == 0.8 and block.post_attention_layernorm.alpha0 == 0.2
+    assert dyt.model.norm.alpha0 == 0.2 and float(dyt.model.embed_scale.detach()) == pytest.approx(math.sqrt(32))
+    hybrid = tiny("hybridnorm", layers=4).model.layers[1]
+    assert not hasattr(hybrid, "input_layernorm") and hybrid.self_attn.q_norm.weight.shape == (8,) and hybrid.spec.kind == "hybrid"
+    cp = tiny("completep", layers=24, base_layers=6)
+    assert all(b.spec.branch_multiplier == 0.25 and isinstance(b.spec.branch_multiplier, float) for b in cp.model.layers)
+    cfg = TrainConfig(norm="completep", num_layers=24, base_layers=6, hidden_size=32, num_heads=4).resolved()
+    assert build_optimizer(cfg, cp).param_groups[0]["eps"] == pytest.approx(1e-8 * 6 / 24)
+    assert build_optimizer(TrainConfig(norm="pre").resolved(), cp).param_groups[0]["eps"] == 1e-8
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_every_variants_constants_survive_meta_device_initialisation(norm):
+    """Built on the meta device, materialised by to_empty (garbage values), then initialised: every
+    depth-bound constant is the same plain float, and every parameter that is not drawn at random
+    (norm gains, DyT's alpha, its embedding scalar, LayerScale's and SkipInit's scales) the value a
+    model built on the CPU starts with. A constant kept in a buffer would be wiped here."""
+    built = tiny(norm, layers=6)
+    M.init_weights(built, built.cfg)
+    with torch.device("meta"):
+        meta = M.Transformer(built.cfg)
+    meta.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in meta.parameters():
+            p.fill_(float("nan"))
+        M.init_weights(meta, meta.cfg)
+    for a, b in zip(built.model.layers, meta.model.layers):
+        assert a.spec == b.spec
+        norms = [(n, m) for n, m in a.named_modules() if isinstance(m, (M.RMSNorm, M.DyT))]
+        assert all(getattr(m, "scale", None) == getattr(b.get_submodule(n), "scale", None) for n, m in norms)
+    random = (torch.nn.Linear, torch.nn.Embedding)
+    drawn = {f"{n}.weight" for n, m in built.named_modules() if isinstance(m, random)}
+    for name, p in meta.named_parameters():
+        assert torch.isfinite(p).all(), name
+        if name not in drawn:
+            torch.testing.assert_close(p, built.get_parameter(name), rtol=0, atol=0, msg=name)
 
 
 def _std(w):
@@ -198,7 +277,7 @@ def test_same_seed_same_initial_weights_for_pre_and_lns():
     assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
 
 
-@pytest.mark.parametrize("norm", ["mix", "lns", "deepnorm"])
+@pytest.mark.parametrize("norm", ["mix", "lns", "deepnorm", "dyt", "hybridnorm", "completep"])
 def test_own_class_export_reloads_through_load_model(norm, tmp_path, tiny_tokenizer):
     from depthcurse.loading import load_model
     from depthcurse.surgery import removed_layers, save_pruned
@@ -265,7 +344,7 @@ def next_token_targets(x):
 
 
 @pytest.mark.parametrize("kernels", KERNEL_PATHS)
-@pytest.mark.parametrize("norm", ["pre", "lns", "mix", "sandwich", "layerscale", "deepnorm"])
+@pytest.mark.parametrize("norm", ["pre", "lns", "mix", "sandwich", "layerscale", "deepnorm", "dyt", "hybridnorm", "completep"])
 def test_kernels_match_the_plain_model(norm, kernels):
     """The fused path (residual add inside the norms, chunked linear + cross-entropy) gives the
     plain model's summed loss and every parameter's gradient, fp32. Mix-LN covers post blocks
@@ -298,25 +377,30 @@ def test_kernels_match_the_plain_model_in_compiled_blocks(kernels):
     """`--compile --kernels triton|torch`: the compiled blocks call the fused norms inside their
     graphs (no graph break) and give the plain eager model's loss and gradients. Mix-LN has
     both the post blocks' and the pre blocks' fused calls."""
-    from torch._dynamo.utils import counters
-
     plain = tiny("mix", layers=3, mix_ratio=0.34).train()
     device = "cuda" if kernels == "triton-cuda" else "cpu"
     fused = M.Transformer(plain.cfg, kernels=kernels.removesuffix("-cuda")).train()
     fused.load_state_dict(plain.state_dict())
-    plain, fused = plain.to(device), fused.to(device)
+    assert_compiled_blocks_train_as(plain.to(device), fused.to(device), device)
+
+
+def assert_compiled_blocks_train_as(plain: M.Transformer, other: M.Transformer, device: str = "cpu") -> None:
+    """`other`'s blocks compiled as `parallelize` compiles them: one graph a block, no break, and
+    `plain`'s loss and gradients."""
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
     counters.clear()
-    for block in fused.model.layers:  # as `parallelize` compiles them
+    for block in other.model.layers:
         block.forward = torch.compile(block.forward)
     x = ids(batch=2, T=16).to(device)
     targets = next_token_targets(x)
     loss, grads = loss_and_grads(plain, x, targets)
-    fused_loss, fused_grads = loss_and_grads(fused, x, targets)
+    other_loss, other_grads = loss_and_grads(other, x, targets)
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["graph_break"])
-    torch.testing.assert_close(fused_loss, loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(other_loss, loss, rtol=1e-5, atol=1e-5)
     for name, g in grads.items():
-        torch.testing.assert_close(fused_grads[name], g, rtol=1e-4, atol=1e-5 * max(g.abs().max().item(), 1.0), msg=name)
+        torch.testing.assert_close(other_grads[name], g, rtol=1e-4, atol=1e-5 * max(g.abs().max().item(), 1.0), msg=name)
 
 
 def test_fused_norms_feed_matmuls_in_the_autocast_dtype_and_keep_the_stream():
@@ -397,13 +481,25 @@ def test_resolve_kernels():
         M.resolve_kernels("cuda", "cpu")
 
 
+@pytest.mark.parametrize("kernels", ["off", "torch"])
+@pytest.mark.parametrize("norm", ["dyt", "hybridnorm", "completep"])
+def test_the_newer_depth_fixes_compile_as_the_eager_model(norm, kernels):
+    """--compile: each block compiled as `parallelize` does, with the plain model and with the
+    fused kernels' PyTorch path (DyT has no norm to fuse: its tanh stays where it is and inductor
+    fuses it): one graph a block, no break, the eager loss and gradients."""
+    plain = tiny(norm, layers=3).train()
+    compiled = M.Transformer(plain.cfg, kernels=kernels).train()
+    compiled.load_state_dict(plain.state_dict())
+    assert_compiled_blocks_train_as(plain, compiled)
+
+
 @pytest.mark.skipif(INTERPRETER, reason="this is the child run itself")
 def test_kernels_under_the_triton_interpreter():
     # every norm of test_kernels_match_the_plain_model, and in compiled blocks
-    under_triton_interpreter(__file__, "kernels_match and triton", expected=7, timeout=900)
+    under_triton_interpreter(__file__, "kernels_match and triton", expected=10, timeout=900)
 
 
-@pytest.mark.parametrize("norm", ["lns", "mix"])
+@pytest.mark.parametrize("norm", ["lns", "mix", "dyt", "hybridnorm", "completep"])
 def test_trainer_export_from_a_gathered_state_equals_the_model(norm, tmp_path, tiny_tokenizer):
     """export_run rebuilds the model from its state dict (on the meta device, no init): same logits."""
     from depthcurse.loading import load_model

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch

@@ -15,7 +15,8 @@ from helpers import CORPUS
 from depthcurse.train import data as D
 from depthcurse.train import loop as train
 from depthcurse.train.checkpoint import CHECKPOINT, load_checkpoint
-from depthcurse.train.config import TrainConfig
+from depthcurse.train.config import NORMS, TrainConfig
+from depthcurse.train.report import METHOD_NAMES
 from depthcurse.train.metrics import METRICS, SUMMARY, MetricsLog
 from depthcurse.errors import DepthcurseError
 
@@ -55,6 +56,21 @@ def test_resume_continues_exactly(cfg, tmp_path):
     assert a["train_state"]["step"] == b["train_state"]["step"] == 8 and a["data"] == b["data"]
     for k in a["model"]:
         torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("norm", ["dyt", "hybridnorm", "completep"])
+def test_the_newer_depth_fixes_resume_exactly(cfg, tmp_path, norm):
+    """DyT's alphas, HybridNorm's q/k/v norms, CompleteP's scaled Adam eps: all in the checkpoint."""
+    cfg.norm, cfg.layer_metrics_tokens, cfg.base_layers = norm, 0, 1
+    straight = train.run(cfg, tmp_path / "a")
+    assert train.run(cfg, tmp_path / "b", stop_after=3) == {"finished": False, "step": 3}
+    resumed = train.run(cfg, tmp_path / "b", resume=True)
+    assert losses(tmp_path / "b") == pytest.approx(losses(tmp_path / "a"), rel=1e-6, abs=1e-6)
+    assert resumed["val_loss"] == pytest.approx(straight["val_loss"], rel=1e-6)
+    a, b = (load_checkpoint(tmp_path / d / CHECKPOINT) for d in "ab")
+    for k in a["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-6, atol=1e-7)
+    assert b["optimizer"]["param_groups"][0]["eps"] == pytest.approx(1e-8 / 3 if norm == "completep" else 1e-8)
 
 
 def test_a_checkpoint_of_the_earlier_layout_resumes_exactly(cfg, tmp_path):
@@ -622,15 +638,17 @@ def test_cli_train_report_and_prune_the_export(run_cli, text_file, tok_dir, tmp_
     common = ["--data", text_file, "--tokenizer", tok_dir, "--seq-len", "16", "--max-seq-len", "32", "--hidden-size", "32",
               "--intermediate-size", "48", "--layers", "3", "--heads", "4", "--steps", "4", "--batch-size", "4",
               "--val-tokens", "64", "--eval-every", "2", "--save-every", "2"]
-    for norm in ("pre", "mix"):
+    norms = ("pre", "mix", "dyt", "hybridnorm", "completep")
+    for norm in norms:
         code, out, err = run_cli("lns-train", "--norm", norm, *common, "--out", tmp_path / norm)
         assert code == 0, err
         assert "validation loss" in out
-    code, out, err = run_cli("lns-report", tmp_path / "pre", tmp_path / "mix", "--out", tmp_path / "cmp")
+    code, out, err = run_cli("lns-report", *(tmp_path / n for n in norms), "--out", tmp_path / "cmp")
     assert code == 0, err
-    assert "Pre-LN" in out and "Mix-LN" in out
+    assert all(name in out for name in ("Pre-LN", "Mix-LN", "DyT", "HybridNorm", "CompleteP")), out
     rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())
-    assert {r["norm"] for r in rows} == {"pre", "mix"}
+    assert {r["norm"] for r in rows} == set(norms)
+    assert set(METHOD_NAMES) == set(NORMS)  # every variant has its name in the table
     # the runs' per-layer metrics side by side (the path, printed at 80 columns, may wrap anywhere)
     assert (tmp_path / "cmp" / "layers.png").is_file() and "layers.png" in out.replace("\n", "")
     # the Mix-LN export is our own class: prune loads it without --trust-remote-code

@@ -50,6 +50,7 @@ def heal(
     granularity: str = typer.Option("layer", "--granularity", help="What is removed: layer (only whole layers are healed for now)."),
     seed: int = typer.Option(1234, "--seed", help="Seed of the adapters' initial weights, the data order and dropout."),
     save_every: int = typer.Option(25, "--save-every", help="Steps between resumable checkpoints."),
+    report_to: str = typer.Option("none", "--report-to", help="Also send the training's metrics.jsonl rows, as they happen, to: none, tensorboard, wandb, or both (comma separated; W&B offline unless an API key is set up): one run per method's folder."),
     out: Optional[Path] = typer.Option(None, "--out", help="Run folder (default runs/heal/<model>/<layers or order>-<loss>)."),
     speed: bool = typer.Option(False, "--speed", help="Also measure what the removal buys (depthcurse speed): the healed checkpoint against its source, in speed.json and the model card."),
     push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="Also upload the healed checkpoint (hf/, with its card and adapters) to this hub repository."),
@@ -92,7 +93,7 @@ def heal(
                                adapt=adapt, calib_tokens=calib_tokens, ridge=ridge)
     cfg = healing.HealConfig(layers=(), method=chosen[0] if chosen else method, method_args=args, data=data, steps=steps, batch_size=batch_size,
                              micro_batch=micro_batch, seq_len=seq_len, lr=lr, warmup=warmup, eval_windows=eval_windows, eval_data=eval_data, task=task,
-                             limit=limit, num_fewshot=num_fewshot, seed=seed, save_every=save_every)
+                             limit=limit, num_fewshot=num_fewshot, seed=seed, save_every=save_every, report_to=report_to)
     if chosen is None or len(chosen) == 1:
         cfg.resolved()  # every option checked before a model is loaded
     else:

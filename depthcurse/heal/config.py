@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from depthcurse.errors import DepthcurseError
 from depthcurse.heal.method import Method, build_method, method_settings_text, parse_method_args
 from depthcurse.train.config import check_schedule
+from depthcurse.train.tracking import parse_report_to
 
 CONFIG = "config.json"
 
@@ -44,6 +45,7 @@ class HealConfig:
     seed: int = 1234
     save_every: int = 25
     log_every: int = 1
+    report_to: str = "none"  # live trackers of the training (train/tracking.py): none, tensorboard, wandb
 
     def build(self) -> Method:
         """The method, its settings checked (one clear line for a bad one)."""
@@ -76,7 +78,7 @@ class HealConfig:
         schedule = {"steps", "batch_size", "micro_batch", "lr", "warmup", "min_lr_ratio", "weight_decay", "grad_clip"}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("layers", "method", "method_args", "save_every", "log_every") or value is None or (f.name in schedule and not method.trains):
+            if f.name in ("layers", "method", "method_args") or f.name in RESUMABLE_CHANGES or value is None or (f.name in schedule and not method.trains):
                 continue
             if value == getattr(defaults, f.name) and f.name not in ALWAYS_SAID:
                 continue
@@ -116,7 +118,7 @@ class HealConfig:
         return {**out, "method": method.name, "method_settings": method.recorded()}
 
 
-RESUMABLE_CHANGES = frozenset({"save_every", "log_every"})
+RESUMABLE_CHANGES = frozenset({"save_every", "log_every", "report_to"})
 ALWAYS_SAID = frozenset({"data", "steps", "seed"})  # in a run's command even at their defaults
 NOT_OPTIONS = frozenset({"min_lr_ratio", "weight_decay", "grad_clip"})  # settings `depthcurse heal` takes no option for
 
@@ -135,6 +137,7 @@ def method_args(text: str | None, **common) -> dict:
 
 
 def _check(cfg: HealConfig) -> None:
+    parse_report_to(cfg.report_to)
     for name in ("steps", "batch_size", "micro_batch", "eval_windows", "save_every", "log_every"):
         if getattr(cfg, name) < 1:
             raise DepthcurseError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")

@@ -46,6 +46,7 @@ from depthcurse.train.checkpoint import CHECKPOINT, CheckpointManager, ModelStat
 from depthcurse.train.data import build_data
 from depthcurse.train.loop import Diverged, StepLosses, autocast_for, lr_factor, train_step
 from depthcurse.train.metrics import METRICS, MetricsLog, Progress
+from depthcurse.train.tracking import open_trackers
 from depthcurse.train.report import plot_loss
 
 HEAL_JSON = "heal.json"
@@ -315,42 +316,45 @@ def _train(objective, method: Method, cfg: HealConfig, data, out_dir: Path, run:
             metrics.truncate_after(progress.step)
     elif world.main and (out_dir / METRICS).exists():
         (out_dir / METRICS).unlink()  # a run that stopped before its first checkpoint starts over
-
-    amp = autocast_for("bf16-mixed", device) if device.type == "cuda" else autocast_for("fp32", device)
-    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    # a next-token loss this high is lost; an MSE has no such scale: only a non-finite one is
-    losses = StepLosses(limit=2 * math.log(vocab) if method.next_token_loss else math.inf)
-    wrapped.train()
-    tick, tick_tokens = time.perf_counter(), 0
-    if progress.step < end:
-        phase("training")
-    while progress.step < end:
-        batch = data.train.next_batch(cfg.batch_size)
-        lr = optimizer.param_groups[0]["lr"]
-        t0 = time.perf_counter()
-        loss, grad_norm = train_step(wrapped, optimizer, scheduler, batch, cfg.micro_batch, amp, cfg.grad_clip, device, world)
-        progress.step += 1
-        progress.tokens += batch.tokens
-        tick_tokens += batch.tokens
-        losses.add(progress.step, loss, grad_norm)
-        step = progress.step
-        logged = step % cfg.log_every == 0 or step == end
-        if logged or step % cfg.save_every == 0:
-            try:
-                loss_value, norm_value = losses.read()
-            except Diverged as exc:
-                raise DepthcurseError(f"healing diverged at step {exc.step} ({exc}): lower --lr or raise --warmup") from exc
-        progress.seconds += time.perf_counter() - t0
-        if logged:
-            now = time.perf_counter()
-            rate = tick_tokens / max(now - tick, 1e-9)
-            tick, tick_tokens = now, 0
-            if world.main:
-                metrics.append({"step": step, "loss": loss_value, "lr": lr, "tokens": progress.tokens, "grad_norm": norm_value, "tokens_per_s": rate})
-                if on_progress:
-                    on_progress(Progress(step, cfg.steps, loss_value, lr, progress.tokens, rate, None, cfg.micro_batch))
-        if step % cfg.save_every == 0 or step == end:
-            checkpoints.save()
+    if world.main:
+        metrics.trackers = open_trackers(cfg.report_to, out_dir, config=run, name="/".join(out_dir.parts[-2:]),
+                                         resume_step=None if state is None else progress.step)
+    with metrics:  # closes the live trackers, however the loop ends
+        amp = autocast_for("bf16-mixed", device) if device.type == "cuda" else autocast_for("fp32", device)
+        end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+        # a next-token loss this high is lost; an MSE has no such scale: only a non-finite one is
+        losses = StepLosses(limit=2 * math.log(vocab) if method.next_token_loss else math.inf)
+        wrapped.train()
+        tick, tick_tokens = time.perf_counter(), 0
+        if progress.step < end:
+            phase("training")
+        while progress.step < end:
+            batch = data.train.next_batch(cfg.batch_size)
+            lr = optimizer.param_groups[0]["lr"]
+            t0 = time.perf_counter()
+            loss, grad_norm = train_step(wrapped, optimizer, scheduler, batch, cfg.micro_batch, amp, cfg.grad_clip, device, world)
+            progress.step += 1
+            progress.tokens += batch.tokens
+            tick_tokens += batch.tokens
+            losses.add(progress.step, loss, grad_norm)
+            step = progress.step
+            logged = step % cfg.log_every == 0 or step == end
+            if logged or step % cfg.save_every == 0:
+                try:
+                    loss_value, norm_value = losses.read()
+                except Diverged as exc:
+                    raise DepthcurseError(f"healing diverged at step {exc.step} ({exc}): lower --lr or raise --warmup") from exc
+            progress.seconds += time.perf_counter() - t0
+            if logged:
+                now = time.perf_counter()
+                rate = tick_tokens / max(now - tick, 1e-9)
+                tick, tick_tokens = now, 0
+                if world.main:
+                    metrics.append({"step": step, "loss": loss_value, "lr": lr, "tokens": progress.tokens, "grad_norm": norm_value, "tokens_per_s": rate})
+                    if on_progress:
+                        on_progress(Progress(step, cfg.steps, loss_value, lr, progress.tokens, rate, None, cfg.micro_batch))
+            if step % cfg.save_every == 0 or step == end:
+                checkpoints.save()
     return progress
 
 

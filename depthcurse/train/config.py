@@ -11,6 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.train.tracking import parse_report_to
 
 CONFIG = "config.json"  # the resolved TrainConfig, in the run folder
 PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16")
@@ -21,6 +22,7 @@ PARALLEL = ("ddp", "fsdp")
 NORMS = (
     "pre", "post", "deepnorm", "mix", "lns", "scaled-init", "sandwich",
     "layerscale", "skipinit", "depth-scaled-init", "lns+scaled-init",
+    "dyt", "hybridnorm", "completep",
 )
 # How the model computes its norms and loss. "off": the eager modules (the numerics every export
 # and equality test is checked against). "torch" / "triton": `depthcurse.train.kernels` (fused residual
@@ -56,7 +58,7 @@ COMMON_DEFAULTS = dict(seq_len=256, max_seq_len=256, data="c4", pack=False, val_
 
 # Fields that may change between a run and its resume: they change nothing that is computed.
 RESUMABLE_CHANGES = {"eval_every", "save_every", "log_every", "device", "kernels", "compile", "compile_scope",
-                     "compile_mode", "fuse_projections", "activation_checkpointing", "parallel", "layer_metrics_tokens", "layer_metrics_probes"}
+                     "compile_mode", "fuse_projections", "activation_checkpointing", "parallel", "layer_metrics_tokens", "layer_metrics_probes", "report_to"}
 
 
 def _setting(default, help: str, flag: str | None = None):
@@ -69,8 +71,12 @@ class TrainConfig:
     """What a run is. None means: the preset's value."""
 
     preset: str = _setting("tiny", "tiny (CPU, offline Wikipedia), or the papers' 130m, 250m, 350m, 1b (C4).")
-    norm: str = _setting("pre", "pre, post, deepnorm, mix, lns, scaled-init, sandwich, layerscale, skipinit, depth-scaled-init or lns+scaled-init.")
+    norm: str = _setting("pre", "pre, post, deepnorm, mix, lns, scaled-init, sandwich, layerscale, skipinit, depth-scaled-init, lns+scaled-init, "
+                                "dyt (Dynamic Tanh), hybridnorm (QKV-norm, Post-Norm FFN) or completep (depth-muP, alpha = 1).")
     mix_ratio: float = _setting(0.25, "Mix-LN: share of the first layers that are Post-LN.")
+    dyt_alpha_attn: float = _setting(0.8, "dyt: alpha0 of the attention's DyT (the LLaMA-7B code's 0.8; its 13B 0.6, 34B/70B 0.2).")
+    dyt_alpha_ffn: float = _setting(0.2, "dyt: alpha0 of the MLP's and the final DyT (the LLaMA-7B code's 0.2; 13B 0.15, 34B/70B 0.05).")
+    base_layers: int = _setting(12, "completep: the base depth L0 its branches (times L0/L) and Adam's eps are scaled against.")
     data: str | None = _setting(None, "c4 (streamed from the hub), wiki (offline), or a .txt/.jsonl/.parquet file (default: the preset's).")
     tokenizer: str | None = _setting(None, "Tokenizer (default t5-base for c4, SmolLM2's offline otherwise), or bpe:N to train an N-token BPE on the training text.")
     pack: bool | None = _setting(None, "Join documents with EOS into full rows, or one document per row, truncated and padded (the papers).", "--pack/--no-pack")
@@ -102,6 +108,8 @@ class TrainConfig:
     log_every: int | None = _setting(None, "Steps between logged training losses.")
     layer_metrics_tokens: int = _setting(512, "At every evaluation, per layer: gradient norm, residual variance and identity distance, over this many validation tokens (0: off).")
     layer_metrics_probes: int = _setting(2, "Random probes per sequence for the identity distance at each evaluation.")
+    report_to: str = _setting("none", "Also send what metrics.jsonl records, as it happens, to: none, tensorboard, wandb, or both (comma separated); "
+                              "W&B offline unless an API key is set up. Rank 0 only; a resume continues the same curves.")
     device: str = _setting("auto", "auto, cpu or cuda.")
     kernels: str = _setting("auto", "auto (Triton on CUDA without --compile, the plain model otherwise), triton, torch (the fused kernels' PyTorch path) or off (the plain model).")
     compile: bool = _setting(False, "torch.compile each block, and the loss with --kernels off.", "--compile")
@@ -147,10 +155,15 @@ def options() -> list:
     return out
 
 
-def check_architecture(norm: str, hidden_size: int, num_heads: int, mix_ratio: float) -> None:
+def check_architecture(norm: str, hidden_size: int, num_heads: int, mix_ratio: float, dyt_alphas: tuple[float, ...] = (1.0,),
+                       base_layers: int = 1) -> None:
     """The model's own constraints, checked with the run's settings before anything is written."""
     if norm not in NORMS:
         raise DepthcurseError(f"unknown norm {norm!r}: use one of {', '.join(NORMS)}")
+    if not all(a > 0 and math.isfinite(a) for a in dyt_alphas):
+        raise DepthcurseError(f"--dyt-alpha-attn and --dyt-alpha-ffn must be positive, got {', '.join(map(str, dyt_alphas))}")
+    if base_layers < 1:
+        raise DepthcurseError(f"--base-layers must be at least 1, got {base_layers}")
     if num_heads < 1 or hidden_size % num_heads or (hidden_size // num_heads) % 2:
         raise DepthcurseError(f"--hidden-size {hidden_size} must split into --heads {num_heads} heads of even size")
     if not 0.0 <= mix_ratio <= 1.0:
@@ -184,6 +197,7 @@ def _check(cfg: TrainConfig) -> None:
         raise DepthcurseError(f"unknown optimizer {cfg.optimizer!r}: use adam or adamw")
     if cfg.precision not in PRECISIONS:
         raise DepthcurseError(f"unknown precision {cfg.precision!r}: use one of {', '.join(PRECISIONS)}")
+    parse_report_to(cfg.report_to)
     if cfg.layer_metrics_tokens < 0 or cfg.layer_metrics_probes < 1:
         raise DepthcurseError("--layer-metrics-tokens must be 0 or more and --layer-metrics-probes at least 1")
     if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
@@ -200,4 +214,4 @@ def _check(cfg: TrainConfig) -> None:
         raise DepthcurseError("--compile-scope model does not run under --parallel fsdp, which gathers each block's weights around its forward: use --compile-scope blocks")
     if cfg.parallel is not None and cfg.parallel not in PARALLEL:
         raise DepthcurseError(f"unknown --parallel {cfg.parallel!r}: use ddp or fsdp")
-    check_architecture(cfg.norm, cfg.hidden_size, cfg.num_heads, cfg.mix_ratio)
+    check_architecture(cfg.norm, cfg.hidden_size, cfg.num_heads, cfg.mix_ratio, (cfg.dyt_alpha_attn, cfg.dyt_alpha_ffn), cfg.base_layers)

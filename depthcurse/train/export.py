@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.train.model import STOCK_LLAMA_NORMS, Block, Body, ModelConfig, RMSNorm, Transformer
+from depthcurse.train.model import STOCK_LLAMA_NORMS, Block, Body, DyT, ModelConfig, RMSNorm, Transformer
 
 MODEL_TYPE = "depthcurse_llama"
 
@@ -35,6 +35,10 @@ HF_NAMES = {
     "mix_ratio": "mix_ratio",
     "layer_origins": "layer_origins",
     "trained_layers": "trained_layers",
+    "dyt_alpha_attn": "dyt_alpha_attn",
+    "dyt_alpha_ffn": "dyt_alpha_ffn",
+    "dyt_alpha_final": "dyt_alpha_final",
+    "base_layers": "base_layers",
 }
 LLAMA_SHARED = tuple(HF_NAMES)[:8]
 
@@ -84,6 +88,9 @@ def _hf_classes():
                 nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+            elif isinstance(module, DyT):
+                nn.init.ones_(module.weight)
+                nn.init.constant_(module.alpha, module.alpha0)
             elif isinstance(module, Block) and module.spec.branch_scale == "layerscale":
                 nn.init.constant_(module.attn_scale, module.spec.layerscale_init)
                 nn.init.constant_(module.mlp_scale, module.spec.layerscale_init)
@@ -138,7 +145,8 @@ def to_hf(model: Transformer, tokenizer=None):
 
 def to_stock_llama(model: Transformer, tokenizer=None):
     """A Pre-LN-family model as a stock LlamaForCausalLM; LNS factors are folded into the norm
-    gains (gain/sqrt(l)), which is exact at inference."""
+    gains (gain/sqrt(l)) and CompleteP's branch multipliers into the output projections, which is
+    exact at inference."""
     from transformers import LlamaConfig, LlamaForCausalLM  # lazy: see _hf_classes
 
     cfg = model.cfg
@@ -154,6 +162,9 @@ def to_stock_llama(model: Transformer, tokenizer=None):
         for name in ("input_layernorm", "post_attention_layernorm"):
             norm = getattr(block, name)
             state[f"model.layers.{i}.{name}.weight"] = norm.weight.detach() * norm.scale
+        c = block.spec.branch_multiplier  # CompleteP's L0/L on each branch: folded into the projection that ends it
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            state[f"model.layers.{i}.{name}.weight"] = model.get_submodule(f"model.layers.{i}.{name}").weight.detach() * c
     llama = LlamaForCausalLM(config)
     llama.load_state_dict(state)
     return llama.eval()

@@ -34,10 +34,11 @@ from depthcurse.io import atomic_write, environment, json_text
 from depthcurse.train.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState, TrainState, prepare_out_dir
 from depthcurse.train.config import CONFIG, TrainConfig
 from depthcurse.train.data import build_data, require_source, run_tokenizer
-from depthcurse.runtime import World
+from depthcurse.runtime import World, peak_tflops
 from depthcurse.train.distributed import eager_blocks, gradient_sync, parallelize, setup_world
 from depthcurse.train.export import export_run
 from depthcurse.train.metrics import METRICS, SUMMARY, MetricsLog, Progress
+from depthcurse.train.tracking import open_trackers
 from depthcurse.train.model import ModelConfig, Transformer, resolve_kernels
 from depthcurse.train.report import plot_layers, plot_loss
 
@@ -59,7 +60,8 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
     return ModelConfig(
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_layers=cfg.num_layers, num_heads=cfg.num_heads, max_seq_len=cfg.max_seq_len,
-        norm=cfg.norm, mix_ratio=cfg.mix_ratio,
+        norm=cfg.norm, mix_ratio=cfg.mix_ratio, dyt_alpha_attn=cfg.dyt_alpha_attn, dyt_alpha_ffn=cfg.dyt_alpha_ffn, dyt_alpha_final=cfg.dyt_alpha_ffn,
+        base_layers=cfg.base_layers,
     )
 
 
@@ -72,11 +74,17 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, precisi
     return model
 
 
+ADAM_EPS = 1e-8
+
+
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """Adam(W) over what trains. CompleteP (alpha = 1) scales Adam's eps by L0/L (the code's
+    `adam_eps *= depth_multiplier ** -alpha`), and the learning rates by (L/L0)^(alpha - 1) = 1."""
     cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
     params = [p for p in model.parameters() if p.requires_grad]
     fused = {"fused": True} if params and params[0].is_cuda else {}
-    return cls(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay, **fused)
+    eps = ADAM_EPS * (cfg.base_layers / cfg.num_layers if cfg.norm == "completep" else 1.0)
+    return cls(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=eps, weight_decay=cfg.weight_decay, **fused)
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -265,13 +273,15 @@ def run(cfg: TrainConfig, out_dir, *, resume: bool = False, on_progress: Callabl
     asked_val_tokens = cfg.val_tokens is not None  # a preset's budget only caps: no warning when the text is shorter
     cfg = cfg.resolved()
     world, device = setup_world(cfg)
+    metrics = MetricsLog(Path(out_dir) / METRICS)
     try:
-        return _run(cfg, Path(out_dir), world, device, resume, on_progress, on_eval, on_start, stop_after, asked_val_tokens)
+        return _run(cfg, Path(out_dir), world, device, resume, on_progress, on_eval, on_start, stop_after, asked_val_tokens, metrics)
     finally:
+        metrics.close()  # the live trackers: a W&B run is finished, an event file closed
         world.close()
 
 
-def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, stop_after, asked_val_tokens) -> dict:
+def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, stop_after, asked_val_tokens, metrics) -> dict:
     cfg_dict = cfg.to_dict()
     saved = prepare_out_dir(out_dir, cfg_dict, resume)
     world.barrier()  # every rank has checked the folder before rank 0 writes into it
@@ -292,7 +302,6 @@ def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, st
     model = parallelize(raw, cfg, world, device)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
-    metrics = MetricsLog(out_dir / METRICS)
     micro_batch = min(cfg.micro_batch, cfg.batch_size // world.size)
     # Largest first: at 130M on an H100, one micro-batch of 512 trained 1.21x as fast as 8 of 64.
     to_try = micro_batches_to_try(cfg.batch_size, micro_batch) if cfg.largest_micro_batch else [micro_batch]
@@ -312,6 +321,8 @@ def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, st
         (out_dir / METRICS).unlink()  # a run that died before its first checkpoint starts over
     resumed = saved is not None
     del saved  # a whole model and optimizer on the CPU
+    if world.main:
+        metrics.trackers = open_trackers(cfg.report_to, out_dir, config=cfg_dict, name=out_dir.name, resume_step=last_saved)
 
     info = {"params": raw.num_params(), "device": str(device), "resumed": resumed,
             "precision": precision, "kernels": raw.model.kernels, "world_size": world.size, "parallel": world.parallel,
@@ -324,6 +335,7 @@ def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, st
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     tick, tick_tokens = time.perf_counter(), 0
     flops_per_token = raw.flops_per_token(cfg.seq_len)
+    peak = peak_tflops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", precision)  # None: no MFU
     step_losses = StepLosses(limit=2 * math.log(len(tokenizer)))
     while progress.step < end:
         batch = data.train.next_batch(cfg.batch_size)
@@ -369,7 +381,7 @@ def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, st
             tflops = rate * flops_per_token / 1e12
             if world.main:
                 metrics.append({"step": step, "loss": loss, "lr": lr, "tokens": progress.tokens, "grad_norm": grad_norm, "tokens_per_s": rate,
-                                "tflops": tflops, "micro_batch": micro_batch})
+                                "tflops": tflops, **({"mfu": tflops / (peak * world.size)} if peak else {}), "micro_batch": micro_batch})
             tick, tick_tokens = now, 0
             if on_progress and world.main:
                 on_progress(Progress(step, cfg.steps, loss, lr, progress.tokens, rate, tflops, micro_batch))

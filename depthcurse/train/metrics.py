@@ -14,10 +14,12 @@ SUMMARY = "summary.json"  # written when the run finishes
 
 
 class MetricsLog:
-    """metrics.jsonl: appended and flushed as it happens, so a crash loses no logged step."""
+    """metrics.jsonl: appended and flushed as it happens, so a crash loses no logged step. Each row
+    also goes to the live `trackers` (train/tracking.py), which `close()` ends."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, trackers: list | None = None):
         self.path = Path(path)
+        self.trackers = list(trackers or [])
 
     def rows(self) -> list[dict]:
         if not self.path.exists():
@@ -30,9 +32,23 @@ class MetricsLog:
         atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def append(self, row: dict) -> None:
+        row = finite(row)
         with open(self.path, "a") as fh:
-            fh.write(json.dumps(finite(row)) + "\n")
+            fh.write(json.dumps(row) + "\n")
             fh.flush()
+        for tracker in self.trackers:
+            tracker.log(row)
+
+    def close(self) -> None:
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.close()
+
+    def __enter__(self) -> "MetricsLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 @dataclass

@@ -18,6 +18,13 @@ Variants (L = number of layers, l = 1-based index of a layer in the ORIGINAL sta
   skipinit           pre, each branch times a learnable scalar initialised to 0
   depth-scaled-init  pre, every linear of block l init with std 0.02/sqrt(2l)
   lns+scaled-init    lns with the scaled-init initialisation
+  dyt                pre, every norm D(x) = w * tanh(alpha x) (Zhu et al. 2025, the LLaMA code's:
+                     no bias; alpha0 0.8 for attention's, 0.2 for the MLP's and the final one),
+                     the embedding times a learnable scalar initialised to sqrt(d)
+  hybridnorm         x = x + Attn(x) with q, k, v each RMS-normed per head (no input norm);
+                     x = N(x); x = x + MLP(x) (Zhuo et al. 2025: QKV-norm, Post-Norm on the FFN)
+  completep          pre, each branch times L0/L (depth-muP with alpha = 1: Dey et al. 2025,
+                     CompleteP; L0 the base depth), Adam's eps times L0/L
 
 Everything a block needs to know about its depth (its LNS factor, whether it is post-LN in
 Mix-LN, the DeepNorm constants) is fixed when the block is built, from its ORIGINAL index, as
@@ -47,7 +54,7 @@ from depthcurse.train.config import KERNELS, check_architecture
 
 # Variants whose blocks are plain Pre-LN at inference (LNS folds into the norm gains), so a
 # trained model exports as a stock LlamaForCausalLM.
-STOCK_LLAMA_NORMS = ("pre", "lns", "scaled-init", "depth-scaled-init", "lns+scaled-init")
+STOCK_LLAMA_NORMS = ("pre", "lns", "scaled-init", "depth-scaled-init", "lns+scaled-init", "completep")
 LNS_NORMS = ("lns", "lns+scaled-init")
 
 
@@ -68,9 +75,14 @@ class ModelConfig:
     # constants (LNS factor, Mix-LN kind, DeepNorm alpha) by remembering where they came from.
     layer_origins: list[int] | None = None
     trained_layers: int | None = None  # L of the stack as trained (DeepNorm, Mix-LN, inits)
+    dyt_alpha_attn: float = 0.8  # DyT's alpha0 for the attention's norm, the MLP's and the final one (the LLaMA-7B code's)
+    dyt_alpha_ffn: float = 0.2
+    dyt_alpha_final: float = 0.2
+    base_layers: int = 12  # CompleteP's base depth L0: the depth its hyper-parameters are tuned at
 
     def __post_init__(self):
-        check_architecture(self.norm, self.hidden_size, self.num_heads, self.mix_ratio)
+        check_architecture(self.norm, self.hidden_size, self.num_heads, self.mix_ratio, (self.dyt_alpha_attn, self.dyt_alpha_ffn, self.dyt_alpha_final),
+                           self.base_layers)
         if self.num_layers < 1 and self.layer_origins is None:
             raise DepthcurseError("the model needs at least one layer")
         if self.layer_origins is None:
@@ -89,11 +101,13 @@ class ModelConfig:
 class BlockSpec:
     """What one block is, derived once from the config and the block's original index."""
 
-    kind: str  # "pre", "post" or "sandwich"
+    kind: str  # "pre", "post", "sandwich" or "hybrid"
     lns_scale: float  # multiplies the block's norm outputs (1.0 unless LNS)
     residual_alpha: float  # DeepNorm's a in N(a*x + F(x)); 1.0 otherwise
     branch_scale: str | None  # "layerscale", "skipinit" or None
     layerscale_init: float = 0.0
+    branch_multiplier: float = 1.0  # CompleteP's L0/L on each branch: a float fixed at build, as LNS's
+    dyt: bool = False  # DyT in place of the norms
 
 
 def block_spec(cfg: ModelConfig, origin: int) -> BlockSpec:
@@ -103,6 +117,8 @@ def block_spec(cfg: ModelConfig, origin: int) -> BlockSpec:
         kind = "post"
     elif norm == "sandwich":
         kind = "sandwich"
+    elif norm == "hybridnorm":
+        kind = "hybrid"
     # CaiT's rule for the LayerScale init: smaller for deeper stacks.
     ls_init = 0.1 if L <= 18 else (1e-5 if L <= 24 else 1e-6)
     return BlockSpec(
@@ -111,6 +127,8 @@ def block_spec(cfg: ModelConfig, origin: int) -> BlockSpec:
         residual_alpha=(2 * L) ** 0.25 if norm == "deepnorm" else 1.0,
         branch_scale=norm if norm in ("layerscale", "skipinit") else None,
         layerscale_init=ls_init,
+        branch_multiplier=cfg.base_layers / L if norm == "completep" else 1.0,
+        dyt=norm == "dyt",
     )
 
 
@@ -141,6 +159,38 @@ class RMSNorm(nn.Module):
         return f"{self.weight.numel()}, eps={self.eps}, scale={self.scale:.6g}"
 
 
+class DyT(nn.Module):
+    """Dynamic Tanh (Zhu et al., CVPR 2025) in place of a norm: weight * tanh(alpha * x), alpha a
+    learnable scalar started at `alpha0`; as the authors' LLaMA code, no bias. Nothing to fuse:
+    the kernels' path computes it in PyTorch, which --compile fuses into one elementwise pass."""
+
+    def __init__(self, dim: int, alpha0: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.alpha = nn.Parameter(torch.full((1,), float(alpha0)))
+        self.alpha0 = float(alpha0)  # a float: what init_weights puts back, to_empty or not
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * torch.tanh(self.alpha * x)
+
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None, kernels: str, to_matmul: bool = False):
+        """As `RMSNorm.fused`: with `residual`, (D(x + residual), x + residual)."""
+        if residual is None:
+            return self(x)
+        total = x + residual
+        return self(total), total
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.numel()}, alpha0={self.alpha0}"
+
+
+def make_norm(cfg: ModelConfig, spec: BlockSpec | None, which: str) -> nn.Module:
+    """The norm at `which` ("attn", "ffn", "final"): DyT for dyt, else RMSNorm (times LNS's factor in a block)."""
+    if cfg.norm == "dyt":
+        return DyT(cfg.hidden_size, {"attn": cfg.dyt_alpha_attn, "ffn": cfg.dyt_alpha_ffn, "final": cfg.dyt_alpha_final}[which])
+    return RMSNorm(cfg.hidden_size, cfg.norm_eps, spec.lns_scale if spec is not None else 1.0)
+
+
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     # Same formula and rotate-half layout as transformers' Llama, computed in fp32.
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
@@ -156,7 +206,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, qkv_norm: bool = False):
         super().__init__()
         d = cfg.hidden_size
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
@@ -164,6 +214,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, d, bias=False)
         self.v_proj = nn.Linear(d, d, bias=False)
         self.o_proj = nn.Linear(d, d, bias=False)
+        if qkv_norm:  # HybridNorm: each head's query, key and value RMS-normed (affine), before RoPE
+            self.q_norm, self.k_norm, self.v_norm = (RMSNorm(self.head_dim, cfg.norm_eps) for _ in range(3))
+        self.qkv_norm = qkv_norm
         self.fused = False  # see Transformer.set_fused_projections
 
     def forward(self, x, cos, sin, mask=None):
@@ -174,6 +227,8 @@ class Attention(nn.Module):
         else:
             parts = (p(x) for p in (self.q_proj, self.k_proj, self.v_proj))
         q, k, v = (t.view(B, T, self.num_heads, self.head_dim).transpose(1, 2) for t in parts)
+        if self.qkv_norm:
+            q, k, v = self.q_norm(q), self.k_norm(k), self.v_norm(v)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -206,10 +261,11 @@ class Block(nn.Module):
         self.spec = spec = block_spec(cfg, origin)
         self.origin = origin
         d = cfg.hidden_size
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, qkv_norm=spec.kind == "hybrid")
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(d, cfg.norm_eps, spec.lns_scale)
-        self.post_attention_layernorm = RMSNorm(d, cfg.norm_eps, spec.lns_scale)
+        if spec.kind != "hybrid":  # HybridNorm's attention reads the stream as it is
+            self.input_layernorm = make_norm(cfg, spec, "attn")
+        self.post_attention_layernorm = make_norm(cfg, spec, "ffn")
         if spec.kind == "sandwich":
             self.attn_out_norm = RMSNorm(d, cfg.norm_eps)
             self.mlp_out_norm = RMSNorm(d, cfg.norm_eps)
@@ -235,18 +291,26 @@ class Block(nn.Module):
         return fn(*args)
 
     def _forward(self, x, cos, sin, mask=None):
-        kind, a = self.spec.kind, self.spec.residual_alpha
+        kind, a, c = self.spec.kind, self.spec.residual_alpha, self.spec.branch_multiplier
         if kind == "post":
             # x * 1.0 is exact, so Post-LN and DeepNorm share one line.
             x = self.input_layernorm(x * a + self.self_attn(x, cos, sin, mask))
             return self.post_attention_layernorm(x * a + self.mlp(x))
+        if kind == "hybrid":
+            x = x + self.self_attn(x, cos, sin, mask)
+            x = self.post_attention_layernorm(x)
+            return x + self.mlp(x)
         h = self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        if c != 1.0:
+            h = h * c
         if kind == "sandwich":
             h = self.attn_out_norm(h)
         if self.spec.branch_scale:
             h = h * self.attn_scale
         x = x + h
         h = self.mlp(self.post_attention_layernorm(x))
+        if c != 1.0:
+            h = h * c
         if kind == "sandwich":
             h = self.mlp_out_norm(h)
         if self.spec.branch_scale:
@@ -257,24 +321,33 @@ class Block(nn.Module):
         """`_forward` through the fused kernels. `pending` is the previous block's last branch
         output, not yet added to the stream `x`: this block's first norm adds it in the same pass.
         Returns (x, pending) in the same sense for the next block (or the final norm)."""
-        kind, a = self.spec.kind, self.spec.residual_alpha
+        kind, a, c = self.spec.kind, self.spec.residual_alpha, self.spec.branch_multiplier
         if kind == "post":
             if pending is not None:  # only after a pre block, which Mix-LN never puts before a post one
                 x = x + pending
             x, _ = self.input_layernorm.fused(self.self_attn(x, cos, sin, mask), x * a, kernels)
             x, _ = self.post_attention_layernorm.fused(self.mlp(x), x * a, kernels)
             return x, None
+        if kind == "hybrid":
+            if pending is not None:
+                x = x + pending
+            x = self.post_attention_layernorm.fused(self.self_attn(x, cos, sin, mask), x, kernels)[0]
+            return x, self.mlp(x)
         if pending is None:
             h = self.input_layernorm.fused(x, None, kernels, to_matmul=True)
         else:
             h, x = self.input_layernorm.fused(pending, x, kernels, to_matmul=True)
         h = self.self_attn(h, cos, sin, mask)
+        if c != 1.0:
+            h = h * c
         if kind == "sandwich":
             h = self.attn_out_norm.fused(h, None, kernels)
         if self.spec.branch_scale:
             h = h * self.attn_scale
         h, x = self.post_attention_layernorm.fused(h, x, kernels, to_matmul=True)
         h = self.mlp(h)
+        if c != 1.0:
+            h = h * c
         if kind == "sandwich":
             h = self.mlp_out_norm.fused(h, None, kernels)
         if self.spec.branch_scale:
@@ -290,7 +363,9 @@ class Body(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, origin) for origin in cfg.layer_origins)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.norm = make_norm(cfg, None, "final")
+        if cfg.norm == "dyt":  # the authors' LLaMA code: a learnable scalar on the embedding, started at sqrt(d) (tanh is not scale-free)
+            self.embed_scale = nn.Parameter(torch.full((1,), math.sqrt(cfg.hidden_size)))
         self.kernels = "off"  # "off", "torch" or "triton": see KERNELS
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_ignored) -> torch.Tensor:
@@ -302,6 +377,8 @@ class Body(nn.Module):
         # attention, for which the flash and memory-efficient backends are eligible.
         mask = _padding_mask(attention_mask, T)
         x = self.embed_tokens(input_ids)
+        if self.cfg.norm == "dyt":
+            x = x * self.embed_scale
         if self.kernels == "off":
             for block in self.layers:
                 x = block(x, cos, sin, mask)
@@ -406,8 +483,21 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
             nn.init.normal_(m.weight, mean=0.0, std=std)
         elif isinstance(m, RMSNorm):
             nn.init.ones_(m.weight)
+        elif isinstance(m, DyT):
+            nn.init.ones_(m.weight)
+            m.alpha.fill_(m.alpha0)
+    if hasattr(model.model, "embed_scale"):
+        model.model.embed_scale.fill_(math.sqrt(cfg.hidden_size))
     for block in model.model.layers:
         attn, mlp = block.self_attn, block.mlp
+        # every learnable scale from the block's own float constants: what a model built on the meta device and
+        # materialised by to_empty (garbage values) gets back, as one built on a device
+        if block.spec.branch_scale == "layerscale":
+            block.attn_scale.fill_(block.spec.layerscale_init)
+            block.mlp_scale.fill_(block.spec.layerscale_init)
+        elif block.spec.branch_scale == "skipinit":
+            block.attn_scale.zero_()
+            block.mlp_scale.zero_()
         if cfg.norm in ("scaled-init", "lns+scaled-init"):
             for w in (attn.o_proj.weight, mlp.down_proj.weight):
                 nn.init.normal_(w, mean=0.0, std=std / math.sqrt(2 * L))
