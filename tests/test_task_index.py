@@ -4,6 +4,8 @@ its YAML files change."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -92,3 +94,34 @@ def test_lm_evals_task_manager_from_the_saved_index(tmp_path, monkeypatch):
     assert manager.task_index == built and list(manager.task_index) == list(built)
     assert "mmlu" in manager.all_groups and "mmlu_anatomy" in manager.all_subtasks and "ai2_arc" in manager.all_tags
     assert TaskIndex.__dict__["build"] is lm_evals_build  # lm-eval's own build is back for anyone else
+
+
+BUILD_COUNTED = """
+import sys, time
+from pathlib import Path
+from lm_eval.tasks._index import TaskIndex
+from depthcurse.tasks import task_index
+real = TaskIndex.build
+def counted(paths, **kw):
+    with open(sys.argv[2], "a") as f:
+        f.write("built\\n")
+    time.sleep(1.5)  # a build long enough for the other process to arrive while it runs
+    return real(paths, **kw)
+TaskIndex.build = staticmethod(counted)
+print(sorted(task_index.saved_task_index(Path(sys.argv[1]))))
+"""
+
+
+def test_processes_started_together_build_the_index_once(yaml_root, tmp_path):
+    """pytest's workers, or a GPU pass's planner and its mmlu step, start on a fresh cache at once:
+    one builds while the other waits and reads what it saved (each building cost 7-8 s, 20-50 s on
+    a loaded machine, and timed the mmlu step out in CI)."""
+    builds = tmp_path / "builds.txt"
+    env = {**os.environ, "DEPTHCURSE_CACHE": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD_COUNTED, str(yaml_root), str(builds)], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert outs[0] == outs[1] and "t1" in outs[0]
+    assert builds.read_text().splitlines() == ["built"]
+    assert len(saved_files(tmp_path)) == 1

@@ -6,8 +6,10 @@ task, the largest part of `prune --task mmlu`'s start-up. The index is a dict of
 (name, kind, YAML path, the parsed config, tags), so it is saved once as JSON in the offline
 cache and read back in about 0.4 s. Its key is the lm-eval version and the task folder's YAML
 files (how many, their total size, the newest change), so an upgraded or edited lm-eval
-builds a fresh index. Anything unexpected (another lm-eval layout, an unreadable or
-unwritable cache) falls back to lm-eval building its own.
+builds a fresh index. Processes that start together on a fresh cache (pytest's workers, a GPU
+pass's steps) take a file lock, so one builds and the others read what it saved. Anything
+unexpected (another lm-eval layout, an unreadable or unwritable cache, a lock that cannot be
+had) falls back to lm-eval building its own.
 """
 
 from __future__ import annotations
@@ -58,8 +60,31 @@ def saved_task_index(root: Path) -> dict:
     from lm_eval.tasks._index import Entry, Kind, TaskIndex  # lazy: lm-eval costs seconds to import
 
     path = assets.cache_dir() / FOLDER / f"{yaml_fingerprint(root)}.json"
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        return {name: _from_json(row, Entry, Kind) for name, row in json.loads(path.read_text(encoding="utf-8")).items()}
+    with _one_builder(path):  # processes started together (pytest's workers, a pass's steps) build it once, not each
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            return {name: _from_json(row, Entry, Kind) for name, row in json.loads(path.read_text(encoding="utf-8")).items()}
+        return _build_and_save(path, root, TaskIndex)
+
+
+@contextlib.contextmanager
+def _one_builder(path: Path, wait_s: float = 120.0):
+    """Hold the index's lock while reading or building it; where the lock cannot be had (a
+    read-only cache, a wait longer than a build) go on without it: the cost is a second build."""
+    from filelock import FileLock, Timeout
+
+    lock = None
+    with contextlib.suppress(OSError, Timeout):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(path.parent / ".lock"), timeout=wait_s)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        if lock is not None and lock.is_locked:
+            lock.release()
+
+
+def _build_and_save(path: Path, root: Path, TaskIndex) -> dict:
     index = TaskIndex.build([root])
     with contextlib.suppress(OSError, DepthcurseError, TypeError, ValueError):  # a cache we cannot write only costs time
         rows = {name: _to_json(e) for name, e in index.items()}
