@@ -10,6 +10,7 @@ whose weights are compared one by one with the source's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -282,6 +283,52 @@ def test_linearpatch_distilled_trains_its_patch_and_a_cut_at_the_end_patches_the
     assert list(load_patches(tmp_path / "run" / "hf")) == ["final"]  # layers 3-4 of 5: the stream goes to the final norm
     card = (tmp_path / "run" / "hf" / "README.md").read_text()
     assert "## The linear patch" in card and "from_pretrained` alone loads it without the patch" in card
+
+
+# --------------------------------------------------------------------------- a composition
+def test_linear_plus_lora_trains_and_saves_the_map_after_the_adapted_projection(tmp_path):
+    """`linear+lora` with LoRA on every kept block, the projection the map follows included (the
+    measurement on SmolLM2 stopped there: the map looked for a dense layer and found peft's). The
+    model it trains (the map as a hook) and the checkpoint saved are both, computed by hand: the
+    adapters merged into the weights (W + s B A), then the map folded (T^T W) into layer 1's down
+    projection, layers 2-3 gone."""
+    model = tiny_llama(300, layers=6, seed=3)
+    reference = tiny_llama(300, layers=6, seed=3)
+    ids = torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(1))
+    method = build_method("linear+lora", {"lora_rank": "4", "lora_dropout": "0"})
+    ctx = _ctx(model, (2, 3), [ids])
+    method.prepare(ctx)
+    lora = method.members[-1].peft
+    gen = torch.Generator().manual_seed(2)
+    wrapped = {}
+    with torch.no_grad():
+        for name, module in lora.named_modules():
+            if hasattr(module, "lora_B") and "default" in module.lora_B:
+                module.lora_B["default"].weight.copy_(0.05 * torch.randn(module.lora_B["default"].weight.shape, generator=gen))
+                delta = module.scaling["default"] * module.lora_B["default"].weight @ module.lora_A["default"].weight
+                wrapped[name.removeprefix("base_model.model.")] = delta
+        assert "model.layers.1.mlp.down_proj" in wrapped  # the adapted projection the map follows
+        ref = dict(reference.named_modules())
+        for name, delta in wrapped.items():
+            ref[name].weight += delta
+        t = method.members[0].maps[2].double()
+        down = reference.model.layers[1].mlp.down_proj
+        down.weight.copy_((t.T @ down.weight.double()).float())
+    expected = _logits(built_without(reference, "model.layers", (2, 3)), ids)
+
+    trains_on = dataclasses.replace(ctx, earlier=method.members[:1])  # as the composition hands it to LoRA's objective
+    with trains_on.student(method.members[-1]) as student:  # what LoRA trains on: the map on, the layers gone
+        torch.testing.assert_close(_logits(student, ids), expected, rtol=1e-4, atol=1e-4)
+    _, measured = _saved_equals_measured(model, (2, 3), method, ids, tmp_path / "hf")
+    torch.testing.assert_close(measured, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_linear_plus_lora_runs_from_the_command_line_with_its_adapters_on_every_kept_block(run_cli, bos_model_dir, docs_file, tmp_path):
+    code, stdout, err = run_cli("heal", bos_model_dir, "--data", docs_file, "--steps", "2", "--batch-size", "2", "--seq-len", "24", "--eval-windows", "2",
+                                "--calib-tokens", "96", "--layers", "2,3", "--methods", "linear,linear+lora", "--out", tmp_path / "cli")
+    assert code == 0, stdout + err
+    record = json.loads((tmp_path / "cli" / "heal.json").read_text())
+    assert set(record["methods"]) == {"linear", "linear+lora"} and not record["refused"]
 
 
 # --------------------------------------------------------------------------- a method from outside

@@ -66,7 +66,10 @@ def output_projection(block: nn.Module, where: str) -> nn.Module:
     mlp = foldable_mlp(block, where)
     for name in OUTPUT_PROJECTIONS:
         projection = getattr(mlp, name, None)
-        if isinstance(projection, nn.Linear) or type(projection).__name__ == "Conv1D":
+        # Under peft's adapter (linear+lora trains LoRA on this projection too) the map follows the
+        # adapted projection, as the saved checkpoint has it: the adapter merged, then the map folded.
+        base = getattr(projection, "base_layer", projection)
+        if isinstance(base, nn.Linear) or type(base).__name__ == "Conv1D":
             return projection
     raise DepthcurseError(f"it folds a map into the MLP output projection of {where}, but {type(mlp).__name__} has none of "
                           f"{', '.join(OUTPUT_PROJECTIONS)} as a dense linear layer (fused experts?)")
@@ -149,7 +152,8 @@ def mapped(model: nn.Module, maps: dict[int, torch.Tensor]) -> Iterator[nn.Modul
     try:
         for first, t in maps.items():
             projection = output_projection(blocks[first - 1], f"layer {first - 1}")
-            hooks.append(projection.register_forward_hook(_apply_map(t.to(projection.weight.device, torch.float32))))
+            device = getattr(projection, "base_layer", projection).weight.device
+            hooks.append(projection.register_forward_hook(_apply_map(t.to(device, torch.float32))))
         yield model
     finally:
         for h in hooks:
