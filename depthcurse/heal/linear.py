@@ -152,8 +152,7 @@ def mapped(model: nn.Module, maps: dict[int, torch.Tensor]) -> Iterator[nn.Modul
     try:
         for first, t in maps.items():
             projection = output_projection(blocks[first - 1], f"layer {first - 1}")
-            device = getattr(projection, "base_layer", projection).weight.device
-            hooks.append(projection.register_forward_hook(_apply_map(t.to(device, torch.float32))))
+            hooks.append(projection.register_forward_hook(_apply_map(t.to(projection.weight.device, torch.float32))))  # peft's wrapper gives its base's
         yield model
     finally:
         for h in hooks:

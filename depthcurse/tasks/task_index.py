@@ -57,13 +57,13 @@ def _from_json(row: dict, entry_cls, kind_cls):
 def saved_task_index(root: Path) -> dict:
     """lm-eval's `TaskIndex.build([root])`, read from the cache when it was built before from
     the same files, else built and saved. Equal to a fresh build, entry for entry and in order."""
-    from lm_eval.tasks._index import Entry, Kind, TaskIndex  # lazy: lm-eval costs seconds to import
+    from lm_eval.tasks._index import Entry, Kind  # lazy: lm-eval costs seconds to import
 
     path = assets.cache_dir() / FOLDER / f"{yaml_fingerprint(root)}.json"
     with _one_builder(path):  # processes started together (pytest's workers, a pass's steps) build it once, not each
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             return {name: _from_json(row, Entry, Kind) for name, row in json.loads(path.read_text(encoding="utf-8")).items()}
-        return _build_and_save(path, root, TaskIndex)
+        return _build_and_save(path, root)
 
 
 @contextlib.contextmanager
@@ -84,7 +84,9 @@ def _one_builder(path: Path, wait_s: float = 120.0):
             lock.release()
 
 
-def _build_and_save(path: Path, root: Path, TaskIndex) -> dict:
+def _build_and_save(path: Path, root: Path) -> dict:
+    from lm_eval.tasks._index import TaskIndex
+
     index = TaskIndex.build([root])
     with contextlib.suppress(OSError, DepthcurseError, TypeError, ValueError):  # a cache we cannot write only costs time
         rows = {name: _to_json(e) for name, e in index.items()}

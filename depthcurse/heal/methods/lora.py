@@ -13,7 +13,7 @@ import torch
 
 from depthcurse.errors import DepthcurseError
 from depthcurse.heal.adapters import PARTS, add_adapters, save_adapters, target_modules, trainable
-from depthcurse.heal.method import HealContext, Method
+from depthcurse.heal.method import HealContext, Method, at_least
 from depthcurse.heal.objective import HealObjective
 
 ADAPTERS = "adapters"  # inside hf/: the adapters in peft's format
@@ -40,8 +40,7 @@ class Lora(Method):
 
     def check_settings(self):
         s = self.settings
-        if s.lora_rank < 1:
-            raise DepthcurseError(f"--lora-rank must be at least 1, got {s.lora_rank}")
+        at_least(s, "lora_rank")
         if not s.lora_alpha > 0:
             raise DepthcurseError(f"--lora-alpha must be positive, got {s.lora_alpha}")
         if not 0 <= s.lora_dropout < 1:
