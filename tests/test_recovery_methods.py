@@ -196,7 +196,7 @@ def test_tune_last_refuses_more_layers_than_the_removal_keeps(run_cli, bos_model
 
 # --------------------------------------------------------------------------- Prune&Comp
 def test_prune_comp_scales_by_the_papers_ratio_and_the_fold_is_the_module(tmp_path):
-    """The scale, computed here from output_hidden_states: per batch, per channel, mean|x after
+    """per=run: the scale, computed here from output_hidden_states: per batch, per channel, mean|x after
     the run| / mean|x before it|, averaged over batches, then over channels. Folded into the
     embedding and the output projections before the cut, it equals the hooks; the stream the
     first layer after the cut gets is c times the plain removal's (up to the norms' eps)."""
@@ -205,7 +205,7 @@ def test_prune_comp_scales_by_the_papers_ratio_and_the_fold_is_the_module(tmp_pa
     model = tiny_llama(300, layers=6, seed=3)
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(3, 300, (2, 20), generator=gen) for _ in range(3)]
-    method = build_method("prune-comp")
+    method = build_method("prune-comp", {"per": "run"})
     method.prepare(_ctx(model, (2, 3), batches))
     ratios = []
     for ids in batches:
@@ -222,6 +222,70 @@ def test_prune_comp_scales_by_the_papers_ratio_and_the_fold_is_the_module(tmp_pa
     torch.testing.assert_close(scaled, c * plain, rtol=1e-3, atol=1e-5)
     saved, _ = _saved_equals_measured(model, (2, 3), method, ids, tmp_path / "hf")
     assert saved.config.num_hidden_layers == 4
+
+
+def _authors_prune_and_comp(model, layers, batches):
+    """chenxinrui-tsinghua/PruneAndComp @ a19f882, the loop of `mag+.py` with `magcomp.py`, line by
+    line, the layers given in order of depth instead of picked by mag+: per round, the scale from
+    the inputs of layers start_l and start_l + 1 of the current model (`get_scale_params`), the
+    layer deleted, then `fuse_scale(model, scale, start_l)`. The hook reads the layer's input from
+    its keyword arguments where transformers passes it so."""
+    import copy
+
+    from torch import nn
+
+    model = copy.deepcopy(model)
+    state = [False] * len(model.model.layers)
+    for original in sorted(layers):
+        start_l = [i for i, removed in enumerate(state) if not removed].index(original)
+        end_l = start_l + 1
+        d_clip = {}
+
+        def hook(module, args, kwargs, name):
+            d_clip[name] = args[0] if args else kwargs["hidden_states"]
+
+        handles = [model.model.layers[l].register_forward_pre_hook(lambda m, a, k, l=l: hook(m, a, k, l), with_kwargs=True) for l in (start_l, end_l)]
+        scale_params = torch.zeros(1)
+        for batch in batches:
+            with torch.no_grad():
+                model(batch, use_cache=False)
+            scale_params = scale_params + (d_clip[end_l].abs().mean(dim=0, keepdim=True).mean(dim=1, keepdim=True)
+                                           / d_clip[start_l].abs().mean(dim=0, keepdim=True).mean(dim=1, keepdim=True))
+        scale = (scale_params / len(batches)).mean()
+        for h in handles:
+            h.remove()
+        model.model.layers = nn.ModuleList([layer for i, layer in enumerate(model.model.layers) if i < start_l or i >= end_l])
+        model.model.embed_tokens.weight.data *= scale
+        for l, layer in enumerate(model.model.layers):
+            if l < start_l:
+                layer.self_attn.o_proj.weight.data *= scale
+                layer.mlp.down_proj.weight.data *= scale
+        state[original] = True
+    model.config.num_hidden_layers = len(model.model.layers)
+    for i, layer in enumerate(model.model.layers):  # their save_pretrained and reload renumbers the layers' cache slots
+        layer.self_attn.layer_idx = i
+    return model
+
+
+def test_prune_comp_is_the_authors_loop_a_layer_a_round_across_two_runs(tmp_path):
+    """The default: two separate runs removed (1-2 and 4), three rounds, each measured with the
+    earlier rounds' compensation on; the checkpoint saved equals the authors' loop's model (their
+    scales folded into their weights) in its weights and logits, and differs from one scale per run."""
+    model = tiny_llama(300, layers=7, seed=3)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(3, 300, (2, 20), generator=gen) for _ in range(3)]
+    layers = (1, 2, 4)
+    method = build_method("prune-comp")
+    method.prepare(_ctx(model, layers, batches))
+    assert sorted(method.factors) == [1, 2, 4] and method.cost(model, layers)["solved_params"] == 3
+    theirs = _authors_prune_and_comp(model, layers, batches)
+    saved, _ = _saved_equals_measured(model, layers, method, batches[0], tmp_path / "hf")
+    for name, weight in theirs.state_dict().items():
+        torch.testing.assert_close(saved.state_dict()[name], weight, rtol=1e-5, atol=1e-7, msg=name)
+    torch.testing.assert_close(_logits(saved, batches[0]), _logits(theirs, batches[0]), rtol=1e-4, atol=1e-5)
+    per_run = build_method("prune-comp", {"per": "run"})
+    per_run.prepare(_ctx(model, layers, batches))
+    assert sorted(per_run.factors) == [1, 4] and abs(per_run.factors[1] - method.factors[1] * method.factors[2]) > 1e-4
 
 
 def test_prune_comp_unties_a_tied_head_so_the_logits_keep_their_scale(tmp_path):
@@ -246,7 +310,7 @@ def test_linearpatch_is_h_d_h_transposed_with_the_papers_scales_and_loads_back_w
     loads it with the patch on (the healed model's logits), transformers alone without it."""
     from transformers import AutoModelForCausalLM
 
-    from depthcurse.heal.methods.linearpatch import hadamard
+    from depthcurse.heal.hadamard import hadamard
 
     h = hadamard(32).float()
     torch.testing.assert_close(h @ h.T, torch.eye(32), rtol=0, atol=1e-6)
@@ -571,6 +635,13 @@ def test_a_suite_is_each_task_their_average_and_the_share_of_the_unpruned_averag
         assert m["average"] == pytest.approx((m["arc_easy"] + m["piqa"]) / 2)
         assert m["retained"] == pytest.approx(m["average"] / results["unpruned"]["task"]["metrics"]["average"])
     assert results["unpruned"]["task"]["metrics"]["retained"] == 1.0 and results["healed"]["task"]["examples"] == 6
+    for name in ("pruned", "healed"):  # each question's score kept (lm-eval's samples), the interval paired over them
+        task = results[name]["task"]
+        assert {k: len(v) for k, v in task["per_example"].items()} == {"arc_easy": 3, "piqa": 3}
+        assert task["metrics"]["arc_easy"] == pytest.approx(sum(task["per_example"]["arc_easy"]) / 3)
+        low, high = task["intervals"]["retained"]
+        assert low <= task["metrics"]["retained"] <= high
     console = Console(record=True, width=500)
     console.print(heal_table(record))
-    assert "retained (of the unpruned average)" in console.export_text()
+    text = console.export_text()
+    assert "retained (of the unpruned average)" in text and "95% interval" in text and re.search(r"\d \[-?\d[.\d]*, \d[.\d]*\]", text)

@@ -317,9 +317,13 @@ def _trained_tiny(tokenizer, docs_file, path: Path, layers: int = 6, steps: int 
 
 
 def test_a_budget_picks_the_largest_k_within_it_by_bisection(bos_tokenizer, docs_file, tmp_path):
-    """With a learning rate of 1e-12 the healed model is the pruned one, whose held-out loss at each
-    k of the order is computed here; the budget falls between two of them, so the answer is known:
-    the largest k whose loss and every smaller k's stay under it."""
+    """With a learning rate of 1e-12 the healed model is the pruned one, whose held-out loss per
+    window at each k of the order is computed here; the budget falls between two of the losses, and
+    a k is within it when the upper end of the 95% interval of its loss over the budget, paired
+    over the windows (mean + 1.96 sd / sqrt(n) of healed - (1 + max_drop) unpruned), stays at or
+    below 0: computed here, so the answer is known, the largest k within it with every smaller k."""
+    import math
+
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
@@ -335,26 +339,42 @@ def test_a_budget_picks_the_largest_k_within_it_by_bisection(bos_tokenizer, docs
     windows = held_out_windows(loaded.tokenizer, docs_file, 24, 4)
     reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
 
-    def loss(layers):
+    def per_window(layers):
         model = built_without(reference, "model.layers", list(layers)) if layers else reference
         with torch.no_grad():
             logits = model(input_ids=windows).logits[:, :-1]
-        return F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item()
+        return F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten(), reduction="none").view(len(windows), -1).mean(1).tolist()
 
-    base = loss(())
-    losses = {k: loss(layers) for k, layers in sets.items()}
+    base_windows = per_window(())
+    base = sum(base_windows) / len(base_windows)
+    windows_at = {k: per_window(layers) for k, layers in sets.items()}
+    losses = {k: sum(w) / len(w) for k, w in windows_at.items()}
     split = [k for k in range(1, 5) if max(losses[j] for j in losses if j <= k) < min(losses[j] for j in losses if j > k)]
     assert split, losses  # trained, the model has a prefix of its order that costs less than every longer one
-    answer = split[len(split) // 2]
-    limit = (max(losses[j] for j in losses if j <= answer) + min(losses[j] for j in losses if j > answer)) / 2
+    point = split[-1]
+    limit = (max(losses[j] for j in losses if j <= point) + min(losses[j] for j in losses if j > point)) / 2
+    factor = limit / base
+
+    def upper(k):
+        z = [h - factor * u for h, u in zip(windows_at[k], base_windows)]
+        mean = sum(z) / len(z)
+        sd = math.sqrt(sum((v - mean) ** 2 for v in z) / (len(z) - 1))
+        return mean + 1.959964 * sd / math.sqrt(len(z))
+
+    within = {k: upper(k) <= 0 for k in sorted(losses)}
+    answer = max([k for k in within if all(within[j] for j in within if j <= k)], default=0)
+    assert all(within[j] for j in within if j <= answer) and not any(within[j] for j in within if j > answer), within  # a prefix
+    assert not within[point] or answer == point  # the interval is stricter than the point: never a larger k
     cfg = HealConfig(layers=(), data=str(docs_file), steps=1, batch_size=2, seq_len=24, lr=1e-12, eval_windows=4, method_args={"lora_rank": 2})
-    record = heal_within(loaded, lambda: load_model(str(model_dir)), cfg, sets, source, tmp_path / "within", limit / base - 1)
+    record = heal_within(loaded, lambda: load_model(str(model_dir)), cfg, sets, source, tmp_path / "within", factor - 1)
     budget = record["budget"]
-    assert budget["chosen"] == answer, (losses, base, budget)
+    assert budget["chosen"] == answer, (losses, base, within, budget)
     assert len(budget["probes"]) <= 3 and [p["k"] for p in record["points"]] == sorted(p["k"] for p in budget["probes"])  # log2(5 + 1), not 5 heals
     assert all(p["healed_loss"] == pytest.approx(losses[p["k"]], rel=1e-5) for p in budget["probes"])
-    assert f"k = {answer}" in budget["why"] and f"k = {min(k for k in losses if k > answer and any(p['k'] == k for p in budget['probes']))} is not" in budget["why"]
-    again = heal_within(loaded, lambda: load_model(str(model_dir)), cfg, sets, source, tmp_path / "within", limit / base - 1)
+    assert all(p["healed_loss_upper"] == pytest.approx(upper(p["k"]) + limit, rel=1e-5) for p in budget["probes"])
+    above = [p["k"] for p in budget["probes"] if p["k"] > answer]
+    assert (f"k = {answer}" in budget["why"] if answer else "no k of the order" in budget["why"]) and (not above or f"k = {min(above)} is not" in budget["why"])
+    again = heal_within(loaded, lambda: load_model(str(model_dir)), cfg, sets, source, tmp_path / "within", factor - 1)
     assert again["budget"] == budget  # every heal found made, none made again
 
 

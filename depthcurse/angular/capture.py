@@ -69,6 +69,10 @@ class _Sums:
     bulk_var_sum: list[float] = field(default_factory=list)
     max_abs: list[float] = field(default_factory=list)  # the largest |activation| seen at each depth
     max_channel: list[int] = field(default_factory=list)  # and its channel
+    max_position: list[int] = field(default_factory=list)  # the position of its token in its sequence
+    max_token: list[int] = field(default_factory=list)  # and that token's id (-1: ids not given)
+    median_sum: list[float] = field(default_factory=list)  # each batch's median |activation|, summed
+    batches: int = 0
 
     def __post_init__(self):
         self.norm_sum = [0.0] * self.n_streams
@@ -76,6 +80,9 @@ class _Sums:
         self.bulk_var_sum = [0.0] * self.n_streams
         self.max_abs = [0.0] * self.n_streams
         self.max_channel = [-1] * self.n_streams
+        self.max_position = [-1] * self.n_streams
+        self.max_token = [-1] * self.n_streams
+        self.median_sum = [0.0] * self.n_streams
         self.cos_sum = [0.0] * (self.n_streams - 1)
         self.update_sum = [0.0] * (self.n_streams - 1)
 
@@ -118,8 +125,9 @@ class StreamCapture:
 
         return hook
 
-    def start_batch(self, attention_mask: torch.Tensor) -> None:
+    def start_batch(self, attention_mask: torch.Tensor, input_ids: torch.Tensor | None = None) -> None:
         mask = attention_mask.bool().cpu()
+        self._ids = input_ids.cpu() if input_ids is not None else None
         lengths = mask.sum(dim=1)
         self._mask = mask
         self._flat_idx = mask.flatten().nonzero().squeeze(1)  # real tokens, row-major
@@ -131,7 +139,7 @@ class StreamCapture:
         self._seen = [False] * self.n_streams
         self._all_real = bool(mask.all())
         n = self.n_streams
-        self._batch_stats = {"norm": [None] * n, "var": [None] * n, "bulk_var": [None] * n, "max": [None] * n, "cos": [None] * (n - 1), "update": [None] * (n - 1)}
+        self._batch_stats = {"norm": [None] * n, "var": [None] * n, "bulk_var": [None] * n, "max": [None] * n, "median": [None] * n, "cos": [None] * (n - 1), "update": [None] * (n - 1)}
 
     def _take(self, k: int, hidden: torch.Tensor) -> None:
         if self._mask is None:
@@ -159,7 +167,9 @@ class StreamCapture:
         mean = (x * keep).sum(-1, keepdim=True) / (x.shape[-1] - c)
         stats["bulk_var"][k] = (((x - mean) * keep) ** 2).sum(-1).div(x.shape[-1] - c).sum(dtype=torch.float64)
         token = top.values[:, 0].argmax()
-        stats["max"][k] = torch.stack([top.values[token, 0].double(), top.indices[token, 0].double()])
+        stats["max"][k] = torch.stack([top.values[token, 0].double(), top.indices[token, 0].double(), token.double()])
+        # Sun et al.'s yardstick for a massive activation: the median magnitude of the layer's activations
+        stats["median"][k] = x.abs().median().double()
         if k > 0:
             if self._prev is None:
                 raise DepthcurseError(f"block {k - 1} was skipped in the forward pass: cannot measure this model")
@@ -189,9 +199,15 @@ class StreamCapture:
             values = torch.stack(self._batch_stats[name]).cpu().tolist()
             for i, v in enumerate(values):
                 total[i] += v
-        for i, (value, channel) in enumerate(torch.stack(self._batch_stats["max"]).cpu().tolist()):
+        width = self._mask.shape[1]
+        for i, (value, channel, token) in enumerate(torch.stack(self._batch_stats["max"]).cpu().tolist()):
             if value > s.max_abs[i]:
-                s.max_abs[i], s.max_channel[i] = value, int(channel)
+                flat = int(self._flat_idx[int(token)])  # the token among the batch's [rows x width] slots
+                s.max_abs[i], s.max_channel[i], s.max_position[i] = value, int(channel), flat % width
+                s.max_token[i] = int(self._ids.flatten()[flat]) if self._ids is not None else -1
+        for i, median in enumerate(torch.stack(self._batch_stats["median"]).cpu().tolist()):
+            s.median_sum[i] += median
+        s.batches += 1
         s.stat_tokens += int(self._flat_idx.numel())
         self._streams = [None] * self.n_streams
         self._prev = None

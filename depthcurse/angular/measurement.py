@@ -145,6 +145,7 @@ def measure_text(
     if on_start is not None:
         on_start()
     result = measure(model, batches, position=position, max_n=max_n, device=device, on_batch=on_batch, identity_tokens=identity_tokens, probes=probes)
+    result.max_token_text = [tokenizer.decode([t]) if t >= 0 else "" for t in result.max_token]
     result.run = {"data": label, "tokens_requested": tokens, "tokens_seen": tokenised.tokens, "data_exhausted": tokenised.exhausted,
                   "seq_len": seq_len, "batch_size": batch_size, "token_position": position}
     return result, tokenised, label
@@ -189,7 +190,7 @@ def measure(
     started = time.perf_counter()
     with torch.inference_mode(), StreamCapture(blocks, position) as cap:
         for ids, mask in batches:
-            cap.start_batch(mask)
+            cap.start_batch(mask, ids)
             run_forward(module, ids, mask, device)
             cap.finish_batch()
             done += int(mask.sum())
@@ -218,5 +219,8 @@ def measure(
         variance_bulk=[v / t for v in s.bulk_var_sum],
         max_activation=s.max_abs,
         max_channel=s.max_channel,
+        max_position=s.max_position,
+        max_token=s.max_token,
+        median_activation=[m / s.batches for m in s.median_sum],
         identity=identity,
     )

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from depthcurse.angular.result import AngularResult
+from depthcurse.angular.result import MASSIVE_MAGNITUDE, MASSIVE_RATIO, AngularResult
 from depthcurse.io import save_figure
 
 
@@ -64,7 +64,9 @@ def plot_layers(result: AngularResult, path: Path, *, title: str | None = None) 
         (axes[0, 2], [(depths, result.norm, None)], "mean L2 norm of x_l", depth_label, True),
         (axes[1, 0], [(depths, result.variance, "all channels"), (depths, result.variance_bulk, "without each token's 4 largest")],
          "mean per-token variance of x_l", depth_label, True),
-        (axes[1, 1], [(depths, result.max_activation, None)], "largest |activation| in x_l (its channel)", depth_label, True),
+        (axes[1, 1], [(depths, result.max_activation, "largest |activation| (its channel)"),
+                      (depths, (result.massive() or {}).get("ratio"), "largest / median |activation|")],
+         f"largest |activation| in x_l; massive: > {MASSIVE_MAGNITUDE:g} and > {MASSIVE_RATIO:g}x the median", depth_label, True),
     ]
     ident = result.identity or {}
     gains = [(blocks, ident.get(k), label) for k, label in
@@ -104,3 +106,22 @@ def angular_table(result: AngularResult) -> Table:
     for b in result.best_blocks():
         table.add_row(str(b["n"]), str(b["l"]), b["layers"], f"{b['distance']:.4f}")
     return table
+
+
+def massive_summary(result: AngularResult) -> str:
+    """One line on the stream's massive activation (Sun et al. 2024): where it first is, the block
+    that writes it, its channel and token, its size against the median, and every block that writes one."""
+    m = result.massive()
+    if m is None:
+        return "massive activations: not measured (a result written before they were)"
+    if m["first_depth"] is None:
+        ratio = [r for r in m["ratio"] if r != float("inf")]
+        peak = max(range(len(ratio)), key=ratio.__getitem__) if ratio else 0
+        return (f"no massive activation ({m['definition']}): the largest is {result.max_activation[peak]:.4g}, "
+                f"{ratio[peak] if ratio else float('nan'):,.0f} x the median, in x_{peak}")
+    by = f"block {m['written_by']}" if m["written_by"] is not None else "the embedding"
+    token = f"token {m['token_text']!r} (id {m['token']})" if m.get("token_text") else f"token id {m['token']}"
+    first = m["first_depth"]
+    return (f"massive activation ({m['definition']}): first in x_{first}, written by {by}: channel {m['channel']}, {token} at position "
+            f"{m['position']}, |x| = {m['value']:,.4g}, {m['ratio'][first]:,.0f} x the median {m['median']:.3g}; "
+            f"blocks that write one: {', '.join(map(str, m['writers'])) or 'none'}")

@@ -11,6 +11,30 @@ from depthcurse.errors import DepthcurseError
 from depthcurse.io import atomic_write, csv_text, json_text
 
 ANGULAR_JSON = "angular.json"
+# Sun et al. (2024, "Massive Activations in Large Language Models"): an activation is massive when
+# its magnitude is over 100 and about 1,000 times the median magnitude of its layer's activations.
+MASSIVE_MAGNITUDE = 100.0
+MASSIVE_RATIO = 1000.0
+
+
+def massive_activation(max_abs: list[float], median: list[float], channel: list[int], position: list[int], token: list[int],
+                       token_text: list[str] | None = None) -> dict:
+    """Per depth l (the stream x_l entering block l; x_L after the last block): the largest |activation|
+    over the median, whether it is massive (Sun et al.'s two thresholds), and the blocks that write
+    one: block l writes one when x_{l+1} holds a massive activation that x_l did not (none there, or
+    in another channel). The first such block is where the model makes it; a cut or a fold there
+    takes it out of the stream or changes it."""
+    ratio = [m / d if d > 0 else float("inf") for m, d in zip(max_abs, median)]
+    massive = [m > MASSIVE_MAGNITUDE and r > MASSIVE_RATIO for m, r in zip(max_abs, ratio)]
+    writers = [l for l in range(len(max_abs) - 1) if massive[l + 1] and (not massive[l] or channel[l] != channel[l + 1])]
+    first = next((l for l, m in enumerate(massive) if m), None)
+    out = {"definition": f"|x| > {MASSIVE_MAGNITUDE:g} and > {MASSIVE_RATIO:g} x the median |activation| of the stream x_l (Sun et al. 2024)",
+           "ratio": ratio, "massive": massive, "writers": writers, "first_depth": first}
+    if first is not None:
+        out.update(written_by=first - 1 if first > 0 else None, value=max_abs[first], median=median[first], channel=channel[first],
+                   position=position[first] if position else None, token=token[first] if token else None,
+                   token_text=token_text[first] if token_text else None)
+    return out
 
 
 @dataclass
@@ -31,7 +55,18 @@ class AngularResult:
     variance_bulk: list[float] = field(default_factory=list)  # [L+1]: per-token variance without its largest channels
     max_activation: list[float] = field(default_factory=list)  # [L+1]: the largest |activation| at each depth
     max_channel: list[int] = field(default_factory=list)  # [L+1]: its channel
+    max_position: list[int] = field(default_factory=list)  # [L+1]: the position of its token in its sequence
+    max_token: list[int] = field(default_factory=list)  # [L+1]: that token's id (-1: not recorded)
+    median_activation: list[float] = field(default_factory=list)  # [L+1]: the median |activation| (mean over batches)
+    max_token_text: list[str] = field(default_factory=list)  # [L+1]: that token as text (where a tokenizer was at hand)
     identity: dict | None = None  # depthcurse.identity.IdentityDistances.to_json(): identity distance and branch gains per block
+
+    def massive(self) -> dict | None:
+        """`massive_activation` of this measurement (None for a result written before it was measured)."""
+        if not self.median_activation:
+            return None
+        return massive_activation(self.max_activation, self.median_activation, self.max_channel, self.max_position, self.max_token,
+                                  self.max_token_text)
 
     def distance(self, l: int, n: int) -> float:
         return self.pairwise[l][l + n]
@@ -80,6 +115,9 @@ class AngularResult:
         def per_block(values, l):
             return None if values is None or l >= len(values) else values[l]
 
+        massive = self.massive()
+        ratios = massive["ratio"] if massive else None
+
         for l in range(self.num_layers + 1):
             last = l == self.num_layers
             rows.append({
@@ -91,6 +129,11 @@ class AngularResult:
                 "variance_bulk": per_block(self.variance_bulk, l),
                 "max_activation": per_block(self.max_activation, l),
                 "max_channel": per_block(self.max_channel, l),
+                "max_position": per_block(self.max_position, l),
+                "max_token": per_block(self.max_token, l),
+                "median_activation": per_block(self.median_activation, l),
+                "max_over_median": per_block(ratios, l),
+                "writes_massive": None if last or massive is None else l in massive["writers"],
                 "identity_distance": per_block(ident.get("identity_distance"), l),
                 "attn_gain": per_block(ident.get("attn_gain"), l),
                 "mlp_gain": per_block(ident.get("mlp_gain"), l),
@@ -120,8 +163,13 @@ class AngularResult:
                 "variance_bulk": self.variance_bulk,
                 "max_activation": self.max_activation,
                 "max_channel": self.max_channel,
+                "max_position": self.max_position,
+                "max_token": self.max_token,
+                "median_activation": self.median_activation,
+                "max_token_text": self.max_token_text,
                 "tokens": self.stat_tokens,
             },
+            "massive_activation": self.massive(),
             "identity": self.identity,
         }
 
@@ -152,7 +200,8 @@ def load_angular(path) -> AngularResult:
             norm=layers["norm"], variance=layers["variance"], sequences=data.get("sequences", 0),
             seconds=data.get("seconds", 0.0), run=data.get("run", {}),
             variance_bulk=layers.get("variance_bulk", []), max_activation=layers.get("max_activation", []),
-            max_channel=layers.get("max_channel", []), identity=data.get("identity"),
+            max_channel=layers.get("max_channel", []), max_position=layers.get("max_position", []), max_token=layers.get("max_token", []),
+            median_activation=layers.get("median_activation", []), max_token_text=layers.get("max_token_text", []), identity=data.get("identity"),
         )
     except FileNotFoundError as exc:
         raise DepthcurseError(f"no angular-distance result at {path}: run `depthcurse angular-distance` first") from exc

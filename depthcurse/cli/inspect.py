@@ -49,4 +49,5 @@ def angular_distance(
     paths.append(angular.plot_angular(result, out_dir / "angular.png", normalize=normalize))
     paths.append(angular.plot_layers(result, out_dir / "layers.png"))
     console.print(angular.angular_table(result))
+    console.print(angular.massive_summary(result))
     console.print(f"wrote {', '.join(str(p) for p in paths)}")

@@ -12,6 +12,7 @@ from typing import Callable
 
 from depthcurse.errors import DepthcurseError
 from depthcurse.heal.config import RESUMABLE_CHANGES, HealConfig
+from depthcurse.heal.intervals import apart, difference_interval, items
 from depthcurse.heal.loop import HEAL_JSON, PER_METHOD, check, finished, heal, identity, read_heal, refusal
 from depthcurse.heal.method import build_method, said
 from depthcurse.io import atomic_write, ensure_out_dir, json_text, refuse_other_run
@@ -45,7 +46,7 @@ def method_entry(point: dict) -> dict:
     """What one method's heal gives a comparison: its healed model's measurements, the share won
     back (and why not, where there was no gap), the cost, and how it healed."""
     return {"results": point["results"]["healed"], "recovered": point["recovered"], "recovered_why": point.get("recovered_why", {}),
-            "cost": point.get("cost"), "hf_layers": point.get("hf_layers"), "hf_bytes": point.get("hf_bytes"),
+            "recovered_interval": point.get("recovered_interval", {}), "cost": point.get("cost"), "hf_layers": point.get("hf_layers"), "hf_bytes": point.get("hf_bytes"),
             "title": point["run"].get("method_title"), "how": point["run"].get("method_how")}
 
 
@@ -92,9 +93,42 @@ def heal_methods(loaded: LoadedModel, models: Models, cfg: HealConfig, methods: 
         record["results"] = dict(shared)
         record["held_out"] = point.get("held_out")
         record["measured_on"] = point.get("measured_on")
+        record["massive_activation"] = point.get("massive_activation")
         record["methods"][method] = {**method_entry(point), "folder": _folder(method)}
+        record["ties"] = method_differences(record)
         atomic_write(out_dir / HEAL_JSON, json_text(record))
     return record if world.main else None
+
+
+# What the methods are ranked on: (part, metric), the suite's average standing for its retained share.
+RANKED = (("held_out", "loss"), ("other", "loss"), ("task", None))
+
+
+def method_differences(record: dict) -> dict[str, list[dict]]:
+    """Every pair of methods on each ranked measurement: the difference of their healed models'
+    scores with its 95% interval from the paired windows or questions, and whether that interval
+    excludes 0 (`apart`); a pair not apart is a tie the comparison cannot break."""
+    methods = record.get("methods") or {}
+    out: dict[str, list[dict]] = {}
+    names = list(methods)
+    for part, metric in RANKED:
+        key, pairs = None, []
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                ra, rb = methods[a]["results"], methods[b]["results"]
+                if part not in ra or part not in rb:
+                    continue
+                m = metric or ra[part]["metric"]
+                key = f"{part}_{m}"
+                va, vb = ra[part]["metrics"].get(m), rb[part]["metrics"].get(m)
+                groups = {a: items(ra, part, m), b: items(rb, part, m)}
+                if va is None or vb is None or None in groups.values():
+                    continue
+                low_high = difference_interval(va, vb, groups, a, b)
+                pairs.append({"methods": [a, b], "difference": va - vb, "interval": low_high, "apart": apart(low_high)})
+        if key and pairs:
+            out[key] = pairs
+    return out
 
 
 def _folder(method: str) -> str:

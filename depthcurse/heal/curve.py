@@ -20,6 +20,7 @@ from depthcurse.angular.result import ANGULAR_JSON
 from depthcurse.errors import DepthcurseError
 from depthcurse.heal.config import RESUMABLE_CHANGES, HealConfig
 from depthcurse.heal.compare import Models, heal_methods, method_entry
+from depthcurse.heal.intervals import gap_upper_bound, items
 from depthcurse.heal.loop import HEAL_JSON, PER_METHOD, check, finished, heal, identity, read_heal
 from depthcurse.io import atomic_write, ensure_out_dir, json_text, refuse_other_run
 from depthcurse.loading import LoadedModel
@@ -128,10 +129,20 @@ def heal_curve(loaded: LoadedModel, load: Callable[[], LoadedModel], cfg: HealCo
     return curve.record if world.main else None
 
 
+def _over_budget(results: dict, max_drop: float) -> float:
+    """How far the upper end of the healed loss's 95% interval lies above the budget, (1 + max_drop)
+    times the unpruned model's loss, paired over the held-out windows (negative: within it)."""
+    healed, unpruned = results["healed"]["held_out"]["metrics"]["loss"], results["unpruned"]["held_out"]["metrics"]["loss"]
+    groups = {"healed": items(results["healed"], "held_out", "loss"), "unpruned": items(results["unpruned"], "held_out", "loss")}
+    if None in groups.values():
+        return healed - (1 + max_drop) * unpruned  # an earlier run without the windows: the point alone
+    return gap_upper_bound(healed, unpruned, 1 + max_drop, groups, "healed")
+
+
 def heal_within(loaded: LoadedModel, load: Callable[[], LoadedModel], cfg: HealConfig, sets: dict[int, tuple[int, ...]], source: str, out_dir: Path,
                 max_drop: float, *, world: World = World(), on_point: Callable[[int, int, int], None] | None = None, **callbacks) -> dict | None:
     """The largest k of `sets` whose healed held-out loss stays within `max_drop` (a fraction) of
-    the unpruned model's: a bisection over the order's prefixes (the loss taken to grow with k),
+    the unpruned model's, the upper end of its 95% interval (paired over the windows) included: a bisection over the order's prefixes (the loss taken to grow with k),
     each heal in `out_dir/kNNN/` as a curve's, reused where it was made already. The record is a
     healed curve of the ks tried, with `budget`: each probe, the k chosen and why."""
     ks = sorted(sets)
@@ -148,8 +159,7 @@ def heal_within(loaded: LoadedModel, load: Callable[[], LoadedModel], cfg: HealC
         if not world.main:  # rank 0 decides: the others follow its choice
             within = world.broadcast(None)
         else:
-            loss = point["results"]["healed"]["held_out"]["metrics"]["loss"]
-            within = world.broadcast(loss <= (1 + max_drop) * point["results"]["unpruned"]["held_out"]["metrics"]["loss"])
+            within = world.broadcast(_over_budget(point["results"], max_drop) <= 0)
         probes[ks[mid]] = within
         if within:
             best, lo = mid, mid + 1
@@ -160,10 +170,13 @@ def heal_within(loaded: LoadedModel, load: Callable[[], LoadedModel], cfg: HealC
     unpruned = curve.record["points"][0]["results"]["unpruned"]["held_out"]["metrics"]["loss"]
     limit = (1 + max_drop) * unpruned
     chosen = ks[best] if best is not None else 0
-    tried = [{"k": p["k"], "healed_loss": p["results"]["healed"]["held_out"]["metrics"]["loss"], "within": probes[p["k"]]} for p in curve.record["points"]]
+    tried = [{"k": p["k"], "healed_loss": p["results"]["healed"]["held_out"]["metrics"]["loss"],
+              "healed_loss_upper": _over_budget(p["results"], max_drop) + limit, "within": probes[p["k"]]} for p in curve.record["points"]]
     above = [t["k"] for t in tried if not t["within"]]
-    why = (f"k = {chosen}: its healed held-out loss {next(t['healed_loss'] for t in tried if t['k'] == chosen):.4f} is within {max_drop:.1%} of the "
-           f"unpruned model's {unpruned:.4f} (at most {limit:.4f})" if chosen else f"no k of the order stays within {max_drop:.1%} of the unpruned model's loss {unpruned:.4f}")
+    at = next((t for t in tried if t["k"] == chosen), None)
+    why = (f"k = {chosen}: its healed held-out loss {at['healed_loss']:.4f} is within {max_drop:.1%} of the unpruned model's {unpruned:.4f} "
+           f"(at most {limit:.4f}) with the upper end of its 95% interval ({at['healed_loss_upper']:.4f})" if chosen
+           else f"no k of the order stays within {max_drop:.1%} of the unpruned model's loss {unpruned:.4f}, the upper end of its 95% interval included")
     if above:  # a bisection only fails above the k it keeps
         why += f"; k = {min(above)} is not"
     elif chosen == ks[-1]:

@@ -33,8 +33,10 @@ from depthcurse.errors import DepthcurseError
 from depthcurse.heal.adapters import trainable
 from depthcurse.heal.config import CONFIG, RESUMABLE_CHANGES, HealConfig
 from depthcurse.heal.healed import HELD_OUT_METRICS, MODELS, Healed
+from depthcurse.heal.intervals import items, ratio_interval, won_back_interval
 from depthcurse.heal.method import HealContext, Method
 from depthcurse.heal.report import heal_rows
+from depthcurse.heal.sites import massive_at_sites
 from depthcurse.io import atomic_write, ensure_out_dir, environment, json_text, refuse_other_run
 from depthcurse.loading import LoadedModel, load_model, window_length
 from depthcurse.prune.engine import evaluate_variants, why_unsupported
@@ -137,6 +139,8 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
         held_out["other"] = PerplexityTask(tokenizer, texts, source=source, seq_len=seq_len, limit=cfg.eval_windows, batch_size=cfg.micro_batch)
     task = build_task(cfg.task, tokenizer, limit=cfg.limit, num_fewshot=cfg.num_fewshot, batch_size=cfg.micro_batch, seed=cfg.seed,
                       model=model, model_source=loaded.source) if cfg.task else None
+    if hasattr(task, "per_example"):
+        task.per_example = True  # each question's score kept: the intervals pair the models question by question
     if world.main:
         atomic_write(out_dir / CONFIG, json.dumps(run, indent=2) + "\n")
 
@@ -165,6 +169,9 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
         if given is not None:
             results.setdefault(name, given)
     as_model = {name: functools.partial(healed.as_model, name) for name in MODELS}
+    if "massive_activation" not in record:
+        with healed.as_model("unpruned") as unpruned_model:
+            record["massive_activation"] = massive_at_sites(unpruned_model, held_out["held_out"].windows, cfg.layers, cfg.micro_batch)
     for name in ("unpruned", "pruned"):
         if name in results:
             continue  # measured before an interruption
@@ -187,7 +194,7 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
                                      results["unpruned"])
         results["healed"]["as"] = f"the saved checkpoint ({record['hf_dtype']}) loaded in {str(loaded.dtype).removeprefix('torch.')}"
         del saved
-    record["recovered"], record["recovered_why"] = recovered(record)
+    record["recovered"], record["recovered_why"], record["recovered_interval"] = recovered(record)
     if progress is not None:
         record["training"] = {"steps": progress.step, "tokens": progress.tokens, "train_seconds": round(progress.seconds, 3),
                               "tokens_per_s": progress.tokens / max(progress.seconds, 1e-9), "trained_params": trained, "loss": method.loss_name}
@@ -394,32 +401,39 @@ def evaluate_task(model, task):
 
 def retained(measured: dict, unpruned: dict | None) -> dict:
     """A suite's average as the share of the unpruned model's ("retained %", as the pruning papers
-    report their zero-shot suites), put beside it in the task's metrics."""
+    report their zero-shot suites), put beside it in the task's metrics, with its 95% interval
+    from the paired questions in the task's `intervals`."""
     task = measured.get("task")
     if task is not None and SUITE_METRIC in task["metrics"]:
-        base = (unpruned or measured)["task"]["metrics"][SUITE_METRIC]
+        base_result = unpruned or measured
+        base = base_result["task"]["metrics"][SUITE_METRIC]
         task["metrics"]["retained"] = task["metrics"][SUITE_METRIC] / base if base else float("nan")
+        groups = {"measured": items(measured, "task", "retained"), "unpruned": items(base_result, "task", "retained")}
+        if unpruned is not None and None not in groups.values():
+            task["intervals"] = {"retained": ratio_interval(task["metrics"][SUITE_METRIC], base, groups, "measured")}
     return measured
 
 
 def _scored(task, score) -> dict:
+    kept = {key: score.details[key] for key in ("per_window", "per_example") if key in score.details}
     return {"metric": task.metric, "higher_is_better": task.higher_is_better, "metrics": score.metrics, "examples": score.examples,
-            "data": task.describe().get("data", task.describe().get("task")), **({"per_window": score.details["per_window"]} if "per_window" in score.details else {})}
+            "data": task.describe().get("data", task.describe().get("task")), **kept}
 
 
 NOISE_SES = 2.0  # a gap smaller than this many standard errors of the paired difference is not one
 
 
-def recovered(record: dict) -> tuple[dict, dict]:
+def recovered(record: dict) -> tuple[dict, dict, dict]:
     """Per measurement (held-out loss, KL and agreement, the other text's, the task's headline
     metric): the share of what the removal cost that healing won back, (pruned - healed) /
     (pruned - unpruned); 1 is all of it, 0 none, negative worse than pruned. None where there was
     no gap to win back (the removal did not hurt, or the gap is within the noise), with why in
-    the second dict. Perplexity has no share: on its scale a share of the loss gap reads larger."""
+    the second dict; the third, each share's 95% interval where the paired windows or questions
+    were kept (`intervals`). Perplexity has no share: on its scale a share of the loss gap reads larger."""
     results = record["results"]
     if not all(m in results for m in MODELS):
-        return {}, {}
-    out, why = {}, {}
+        return {}, {}, {}
+    out, why, intervals = {}, {}, {}
     for part in results["pruned"]:
         if not isinstance(results["pruned"][part], dict) or "metrics" not in results["pruned"][part]:
             continue
@@ -438,7 +452,10 @@ def recovered(record: dict) -> tuple[dict, dict]:
                 out[key], why[key] = None, f"no gap to win back: {gap:.4g} is within the noise ({NOISE_SES:g} standard errors: {NOISE_SES * noise:.4g})"
             else:
                 out[key] = (p - h) / (p - u)
-    return out, why
+                groups = {m: items(results[m], part, metric) for m in MODELS}
+                if None not in groups.values():
+                    intervals[key] = won_back_interval(u, p, h, groups)
+    return out, why, intervals
 
 
 def _noise(results: dict, part: str, metric: str) -> float:

@@ -32,6 +32,7 @@ def methods_of(record: dict, method: str | None = None) -> dict[str, dict]:
     run = record.get("run", {})
     method = record.get("method") or run.get("method") or method or LEGACY_METHOD
     return {method: {"results": record["results"]["healed"], "recovered": record.get("recovered", {}), "recovered_why": record.get("recovered_why", {}),
+                     "recovered_interval": record.get("recovered_interval", {}),
                      "cost": record.get("cost"), "title": record.get("title") or run.get("method_title"), "how": record.get("how") or run.get("method_how")}}
 
 
@@ -39,11 +40,52 @@ def _cell(value) -> str:
     return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{value:.4g}"
 
 
-def _share(rec: dict, why: dict, key: str) -> str:
+def _share(rec: dict, why: dict, key: str, intervals: dict | None = None) -> str:
+    """A share won back, with its 95% interval where the run kept the paired items."""
     if key in why:
         return "no gap to win back"
     value = rec.get(key)
-    return "-" if value is None else f"{value:.0%}"
+    if value is None:
+        return "-"
+    low_high = (intervals or {}).get(key)
+    return f"{value:.0%}" + (f" [{low_high[0]:.0%}, {low_high[1]:.0%}]" if low_high else "")
+
+
+def _measured(result: dict, part: str, metric: str) -> str:
+    """A model's measurement; retained with its 95% interval where the run has one."""
+    if part not in result:
+        return "-"
+    text = _cell(result[part]["metrics"].get(metric))
+    low_high = (result[part].get("intervals") or {}).get(metric)
+    return text + (f" [{low_high[0]:.3g}, {low_high[1]:.3g}]" if low_high else "")
+
+
+def sites_text(found: dict | None) -> str:
+    """Whether the cut or a fold site writes the unpruned model's massive activation (`heal.sites`)."""
+    if not found:
+        return ""
+    if found.get("first_depth") is None:
+        return "no massive activation (Sun et al.) in the unpruned model on the held-out windows"
+    said = (f"massive activation (Sun et al.) written by block {', '.join(map(str, found['writers']))} (channel {found['channel']}, "
+            f"position {found['position']}, {found['value']:,.4g} against a median of {found['median']:.3g})")
+    where = []
+    if found["cut_writers"]:
+        where.append(f"the cut removes block {', '.join(map(str, found['cut_writers']))}, which writes it")
+    if found["fold_writers"]:
+        where.append(f"a repair folded into the block before the cut (block {', '.join(map(str, found['fold_writers']))}) changes what writes it")
+    return said + ": " + ("; ".join(where) if where else "neither the cut nor a fold site writes it")
+
+
+def ties_text(record: dict) -> str:
+    """The pairs of methods a comparison cannot tell apart: their difference's 95% interval holds 0."""
+    parts = []
+    for key, pairs in (record.get("ties") or {}).items():
+        tied = [" = ".join(p["methods"]) for p in pairs if p["apart"] is False]
+        if tied:
+            parts.append(f"on {key.replace('_', ' ')}: " + ", ".join(tied))
+    if not parts:
+        return "every pair of methods told apart on every ranked measurement (95% intervals of the paired differences)" if record.get("ties") else ""
+    return "cannot tell apart (the 95% interval of their paired difference holds 0): " + "; ".join(parts)
 
 
 def _columns(results: dict) -> list[tuple[str, str, str]]:
@@ -95,8 +137,9 @@ def _held_out_caption(record: dict) -> str:
         if what:
             parts.append(f"{what.get('windows', '?')} windows x {what.get('seq_len', run.get('seq_len'))} tokens of {what.get('data')}"
                          + (" (held out of the healing text)" if part == "held_out" else " (another source)"))
-    return ("measured on " + "; ".join(parts) + ". " if parts else "") + \
-        "recovered: (pruned - healed) / (pruned - unpruned) of each measurement; no gap where the removal did not hurt or the gap is within 2 standard errors"
+    return (("measured on " + "; ".join(parts) + ". " if parts else "")
+            + "recovered: (pruned - healed) / (pruned - unpruned) of each measurement, and after it in brackets its 95% interval from the paired windows or questions; "
+            "no gap where the removal did not hurt or the gap is within 2 standard errors")
 
 
 def heal_rows(record: dict) -> list[tuple[str, ...]]:
@@ -107,9 +150,9 @@ def heal_rows(record: dict) -> list[tuple[str, ...]]:
     rows = [("model", *(header for _, _, header in cols))]
     for name in MODELS:
         r = results.get(name)
-        rows.append((name, *(_cell(r[part]["metrics"].get(m)) if r and part in r else "not measured" for part, m, _ in cols)))
-    rec, why = record.get("recovered", {}), record.get("recovered_why", {})
-    rows.append(("recovered", *("" if m == "ppl" else _share(rec, why, _recovered_key(part, m)) for part, m, _ in cols)))
+        rows.append((name, *(_measured(r, part, m) if r and part in r else "not measured" for part, m, _ in cols)))
+    rec, why, intervals = record.get("recovered", {}), record.get("recovered_why", {}), record.get("recovered_interval", {})
+    rows.append(("recovered", *("" if m == "ppl" else _share(rec, why, _recovered_key(part, m), intervals) for part, m, _ in cols)))
     return rows
 
 
@@ -122,6 +165,8 @@ def heal_table(record: dict) -> Table:
              f"({run.get('method_how') or method})")
     healed_as = record["results"].get("healed", {}).get("as")
     caption = f"{_held_out_caption(record)}; the healed model: {healed_as or 'in memory'}; cost: {cost_text(record.get('cost'))}"
+    if sites_text(record.get("massive_activation")):
+        caption += ". " + sites_text(record.get("massive_activation"))
     table = Table(title=title, caption=caption, header_style="bold")
     header, *rows = heal_rows(record)
     for i, name in enumerate(header):
@@ -143,6 +188,10 @@ def methods_table(record: dict) -> Table:
     caption = f"{_held_out_caption(record)}; each method's cell: healed (recovered). {named}"
     if refused:
         caption += ". Could not run: " + "; ".join(f"{m}: {why}" for m, why in refused.items())
+    if ties_text(record):
+        caption += ". " + ties_text(record)
+    if sites_text(record.get("massive_activation")):
+        caption += ". " + sites_text(record.get("massive_activation"))
     table = Table(title=f"{run['model']} without layers {','.join(map(str, run['layers']))}: every method on the same removal",
                   caption=caption, header_style="bold")
     table.add_column("model")
@@ -152,10 +201,11 @@ def methods_table(record: dict) -> Table:
         table.add_column(name, justify="right")
     for name in ("unpruned", "pruned"):
         r = results.get(name, {})
-        table.add_row(name, *(_cell(r[part]["metrics"].get(m)) if part in r else "-" for part, m, _ in cols), "", "", "")
+        table.add_row(name, *(_measured(r, part, m) for part, m, _ in cols), "", "", "")
     for method, entry in methods.items():
         r, rec, why, cost = entry["results"], entry.get("recovered", {}), entry.get("recovered_why", {}), entry.get("cost") or {}
-        table.add_row(method, *((f"{_cell(r[part]['metrics'].get(m))}" + ("" if m == "ppl" else f" ({_share(rec, why, _recovered_key(part, m))})")) if part in r else "-"
+        intervals = entry.get("recovered_interval", {})
+        table.add_row(method, *((_measured(r, part, m) + ("" if m == "ppl" else f" ({_share(rec, why, _recovered_key(part, m), intervals)})")) if part in r else "-"
                                 for part, m, _ in cols),
                       f"{cost.get('seconds', float('nan')):,.1f}", f"{cost.get('tokens', 0):,}", _params(cost))
     for method, why in refused.items():
@@ -196,7 +246,8 @@ def curve_table(curve: dict) -> Table:
         table.add_row(str(p["k"]), ",".join(map(str, p["layers"])), "pruned", *(_cell(pruned[part]["metrics"].get(m)) if part in pruned else "-" for part, m, _ in cols), "")
         for method, entry in methods_of(p, _curve_method(run)).items():
             r, rec, why = entry["results"], entry.get("recovered", {}), entry.get("recovered_why", {})
-            table.add_row("", "", method, *((f"{_cell(r[part]['metrics'].get(m))}" + ("" if m == "ppl" else f" ({_share(rec, why, _recovered_key(part, m))})"))
+            intervals = entry.get("recovered_interval", {})
+            table.add_row("", "", method, *((_measured(r, part, m) + ("" if m == "ppl" else f" ({_share(rec, why, _recovered_key(part, m), intervals)})"))
                                             if part in r else "-" for part, m, _ in cols),
                           f"{(entry.get('cost') or {}).get('seconds', float('nan')):,.1f}")
     return table

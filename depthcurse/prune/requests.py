@@ -155,7 +155,7 @@ class LmEvalRequests:
 
     def score(self, lp: torch.Tensor, greedy: torch.Tensor) -> Score:
         """lm-eval's metrics for one variant's log-likelihoods [requests] (its own filters and aggregation)."""
-        return self.task.score(self.results(lp, greedy))
+        return self.task.score(self.results(lp, greedy, log_samples=getattr(self.task, "per_example", False)))
 
     def results(self, lp: torch.Tensor, greedy: torch.Tensor, *, log_samples: bool = False) -> dict:
         """lm-eval's raw results dict, as `LmEvalTask.run` returns it, for one variant's log-likelihoods."""

@@ -190,6 +190,9 @@ class LmEvalTask:
         self.metric = metric_name(f"{metric},{filters[0]}") if not self.members else SUITE_METRIC
         self.higher_is_better = bool(first.higher_is_better().get(metric, True))
         self._lm = None
+        # Keep each question's headline score in `details["per_example"]` (lm-eval's logged samples):
+        # what a paired interval between two models needs; off for sweeps, whose tables rank no pairs.
+        self.per_example = False
 
     def describe(self) -> dict:
         shots = sorted({t.get_config("num_fewshot") for t in self.loaded["tasks"].values()})
@@ -222,11 +225,43 @@ class LmEvalTask:
         return results
 
     def evaluate(self, model) -> Score:
-        return self.score(self.run(model))
+        return self.score(self.run(model, log_samples=self.per_example))
 
     def score(self, results: dict) -> Score:
+        score = self._suite_score(results) if self.members else self._task_score(results)
+        per_example = self._per_example(results) if self.per_example else None
+        if per_example:
+            score.details["per_example"] = per_example
+        return score
+
+    def _per_example(self, results: dict) -> dict[str, list[float]] | None:
+        """Each question's headline score, in document order: per member of a suite, or the task's
+        questions under its name (a group's subtasks pooled, as its micro-average pools them).
+        None where lm-eval logged no samples or a sample's score is not one number per question."""
+        samples = results.get("samples") or {}
+        leaves = {}
+        for name, t in self.loaded["tasks"].items():
+            filters = [f.get("name", "none") for f in (t.get_config("filter_list") or [])] or ["none"]
+            leaves[name] = (next(iter(t._metric_fn_list)), filters[0])
+        if not samples or not set(leaves) <= set(samples):
+            return None
+
+        def scores(name):
+            metric, kept = leaves[name]
+            rows = sorted((s for s in samples[name] if s.get("filter", "none") == kept), key=lambda s: s["doc_id"])
+            values = [s.get(metric) for s in rows]
+            return [float(v) for v in values] if all(isinstance(v, (int, float)) for v in values) else None
+
         if self.members:
-            return self._suite_score(results)
+            if not set(self.members) <= set(leaves):
+                return None  # a member that is a group: its own average is not one per question
+            out = {m: scores(m) for m in self.members}
+        else:
+            pooled = [scores(name) for name in sorted(leaves)]
+            out = {self.name: [v for part in pooled for v in part]} if None not in pooled else {self.name: None}
+        return out if None not in out.values() else None
+
+    def _task_score(self, results: dict) -> Score:
         table = results["results"]
         top = table[self.name]
         metrics = {metric_name(key): float(value) for key, value in top.items() if "," in key and "_stderr" not in key and isinstance(value, (int, float))}

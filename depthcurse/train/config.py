@@ -22,8 +22,11 @@ PARALLEL = ("ddp", "fsdp")
 NORMS = (
     "pre", "post", "deepnorm", "mix", "lns", "scaled-init", "sandwich",
     "layerscale", "skipinit", "depth-scaled-init", "lns+scaled-init",
-    "dyt", "hybridnorm", "completep",
+    "dyt", "hybridnorm", "hybridnorm-star", "completep",
 )
+# "authors": each variant initialised as its authors' code does (model.INIT_RULES); "common":
+# LLaMA's N(0, 0.02) for every variant, plus only the rules that define it (scaled-init's, DeepNorm's).
+INITS = ("authors", "common")
 # How the model computes its norms and loss. "off": the eager modules (the numerics every export
 # and equality test is checked against). "torch" / "triton": `depthcurse.train.kernels` (fused residual
 # add + norm, chunked linear + cross-entropy) on its PyTorch or its Triton path. "auto" is
@@ -72,7 +75,10 @@ class TrainConfig:
 
     preset: str = _setting("tiny", "tiny (CPU, offline Wikipedia), or the papers' 130m, 250m, 350m, 1b (C4).")
     norm: str = _setting("pre", "pre, post, deepnorm, mix, lns, scaled-init, sandwich, layerscale, skipinit, depth-scaled-init, lns+scaled-init, "
-                                "dyt (Dynamic Tanh), hybridnorm (QKV-norm, Post-Norm FFN) or completep (depth-muP, alpha = 1).")
+                                "dyt (Dynamic Tanh), hybridnorm (QKV-norm, Post-Norm FFN), hybridnorm-star (HybridNorm*: block 0 Pre-Norm) "
+                                "or completep (depth-muP, alpha = 1).")
+    init: str = _setting("authors", "authors (each norm initialised as its authors' code does: HybridNorm's OLMo full_megatron) "
+                                    "or common (LLaMA's N(0, 0.02) for every norm, plus only the rules that define it: everything but the norm held fixed).")
     mix_ratio: float = _setting(0.25, "Mix-LN: share of the first layers that are Post-LN.")
     dyt_alpha_attn: float = _setting(0.8, "dyt: alpha0 of the attention's DyT (the LLaMA-7B code's 0.8; its 13B 0.6, 34B/70B 0.2).")
     dyt_alpha_ffn: float = _setting(0.2, "dyt: alpha0 of the MLP's and the final DyT (the LLaMA-7B code's 0.2; 13B 0.15, 34B/70B 0.05).")
@@ -156,10 +162,12 @@ def options() -> list:
 
 
 def check_architecture(norm: str, hidden_size: int, num_heads: int, mix_ratio: float, dyt_alphas: tuple[float, ...] = (1.0,),
-                       base_layers: int = 1) -> None:
+                       base_layers: int = 1, init: str = "authors") -> None:
     """The model's own constraints, checked with the run's settings before anything is written."""
     if norm not in NORMS:
         raise DepthcurseError(f"unknown norm {norm!r}: use one of {', '.join(NORMS)}")
+    if init not in INITS:
+        raise DepthcurseError(f"unknown --init {init!r}: use authors or common")
     if not all(a > 0 and math.isfinite(a) for a in dyt_alphas):
         raise DepthcurseError(f"--dyt-alpha-attn and --dyt-alpha-ffn must be positive, got {', '.join(map(str, dyt_alphas))}")
     if base_layers < 1:
@@ -214,4 +222,4 @@ def _check(cfg: TrainConfig) -> None:
         raise DepthcurseError("--compile-scope model does not run under --parallel fsdp, which gathers each block's weights around its forward: use --compile-scope blocks")
     if cfg.parallel is not None and cfg.parallel not in PARALLEL:
         raise DepthcurseError(f"unknown --parallel {cfg.parallel!r}: use ddp or fsdp")
-    check_architecture(cfg.norm, cfg.hidden_size, cfg.num_heads, cfg.mix_ratio, (cfg.dyt_alpha_attn, cfg.dyt_alpha_ffn), cfg.base_layers)
+    check_architecture(cfg.norm, cfg.hidden_size, cfg.num_heads, cfg.mix_ratio, (cfg.dyt_alpha_attn, cfg.dyt_alpha_ffn), cfg.base_layers, cfg.init)

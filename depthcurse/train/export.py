@@ -39,6 +39,7 @@ HF_NAMES = {
     "dyt_alpha_ffn": "dyt_alpha_ffn",
     "dyt_alpha_final": "dyt_alpha_final",
     "base_layers": "base_layers",
+    "init": "init_rule",
 }
 LLAMA_SHARED = tuple(HF_NAMES)[:8]
 

@@ -61,7 +61,7 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_layers=cfg.num_layers, num_heads=cfg.num_heads, max_seq_len=cfg.max_seq_len,
         norm=cfg.norm, mix_ratio=cfg.mix_ratio, dyt_alpha_attn=cfg.dyt_alpha_attn, dyt_alpha_ffn=cfg.dyt_alpha_ffn, dyt_alpha_final=cfg.dyt_alpha_ffn,
-        base_layers=cfg.base_layers,
+        base_layers=cfg.base_layers, init=cfg.init,
     )
 
 

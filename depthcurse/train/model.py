@@ -23,8 +23,16 @@ Variants (L = number of layers, l = 1-based index of a layer in the ORIGINAL sta
                      the embedding times a learnable scalar initialised to sqrt(d)
   hybridnorm         x = x + Attn(x) with q, k, v each RMS-normed per head (no input norm);
                      x = N(x); x = x + MLP(x) (Zhuo et al. 2025: QKV-norm, Post-Norm on the FFN)
+  hybridnorm-star    HybridNorm*: hybridnorm, but block 0 is Pre-Norm on both branches (QKV-norm kept),
+                     the authors' `norm_pos_special_config` {0: attn_norm, not ffn_residual}
   completep          pre, each branch times L0/L (depth-muP with alpha = 1: Dey et al. 2025,
                      CompleteP; L0 the base depth), Adam's eps times L0/L
+
+Initialisation (`init`): "authors" (the default) draws each variant's weights by its authors'
+code (INIT_RULES below: HybridNorm's OLMo `full_megatron`; the others' rules are LLaMA's N(0, 0.02)
+plus the variant's own, which for scaled-init, depth-scaled-init and DeepNorm IS the variant);
+"common" gives every variant LLaMA's N(0, 0.02) plus only the rules that define it, for a
+comparison where everything but the norm is held fixed.
 
 Everything a block needs to know about its depth (its LNS factor, whether it is post-LN in
 Mix-LN, the DeepNorm constants) is fixed when the block is built, from its ORIGINAL index, as
@@ -56,6 +64,7 @@ from depthcurse.train.config import KERNELS, check_architecture
 # trained model exports as a stock LlamaForCausalLM.
 STOCK_LLAMA_NORMS = ("pre", "lns", "scaled-init", "depth-scaled-init", "lns+scaled-init", "completep")
 LNS_NORMS = ("lns", "lns+scaled-init")
+HYBRID_NORMS = ("hybridnorm", "hybridnorm-star")
 
 
 @dataclass
@@ -79,10 +88,11 @@ class ModelConfig:
     dyt_alpha_ffn: float = 0.2
     dyt_alpha_final: float = 0.2
     base_layers: int = 12  # CompleteP's base depth L0: the depth its hyper-parameters are tuned at
+    init: str = "authors"  # "authors": each variant's own init from its authors' code; "common": LLaMA's for all (see INITS)
 
     def __post_init__(self):
         check_architecture(self.norm, self.hidden_size, self.num_heads, self.mix_ratio, (self.dyt_alpha_attn, self.dyt_alpha_ffn, self.dyt_alpha_final),
-                           self.base_layers)
+                           self.base_layers, self.init)
         if self.num_layers < 1 and self.layer_origins is None:
             raise DepthcurseError("the model needs at least one layer")
         if self.layer_origins is None:
@@ -108,6 +118,7 @@ class BlockSpec:
     layerscale_init: float = 0.0
     branch_multiplier: float = 1.0  # CompleteP's L0/L on each branch: a float fixed at build, as LNS's
     dyt: bool = False  # DyT in place of the norms
+    qkv_norm: bool = False  # each head's q, k and v RMS-normed (HybridNorm)
 
 
 def block_spec(cfg: ModelConfig, origin: int) -> BlockSpec:
@@ -117,8 +128,9 @@ def block_spec(cfg: ModelConfig, origin: int) -> BlockSpec:
         kind = "post"
     elif norm == "sandwich":
         kind = "sandwich"
-    elif norm == "hybridnorm":
-        kind = "hybrid"
+    elif norm in HYBRID_NORMS:
+        # HybridNorm*'s first block is Pre-Norm on both branches, its QKV-norm kept
+        kind = "pre" if norm == "hybridnorm-star" and origin == 0 else "hybrid"
     # CaiT's rule for the LayerScale init: smaller for deeper stacks.
     ls_init = 0.1 if L <= 18 else (1e-5 if L <= 24 else 1e-6)
     return BlockSpec(
@@ -129,6 +141,7 @@ def block_spec(cfg: ModelConfig, origin: int) -> BlockSpec:
         layerscale_init=ls_init,
         branch_multiplier=cfg.base_layers / L if norm == "completep" else 1.0,
         dyt=norm == "dyt",
+        qkv_norm=norm in HYBRID_NORMS,
     )
 
 
@@ -261,7 +274,7 @@ class Block(nn.Module):
         self.spec = spec = block_spec(cfg, origin)
         self.origin = origin
         d = cfg.hidden_size
-        self.self_attn = Attention(cfg, qkv_norm=spec.kind == "hybrid")
+        self.self_attn = Attention(cfg, qkv_norm=spec.qkv_norm)
         self.mlp = MLP(cfg)
         if spec.kind != "hybrid":  # HybridNorm's attention reads the stream as it is
             self.input_layernorm = make_norm(cfg, spec, "attn")
@@ -473,10 +486,41 @@ class Transformer(nn.Module):
             block.self_attn.fused = block.mlp.fused = on
 
 
+def _truncated_normal(w: torch.Tensor, std: float, cutoff: float = 3.0) -> None:
+    nn.init.trunc_normal_(w, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)
+
+
+def _olmo_full_megatron(model: nn.Module, cfg: ModelConfig) -> None:
+    """OLMo's `full_megatron` init, which HybridNorm's configs name (BryceZhuo/HybridNorm @ f0dd605,
+    dense_model/olmo/model.py, `reset_parameters` of the model, `OLMoBlock` and `OLMoSequentialBlock`;
+    configs/exps/1.2B-dense-HybriedNorm.yaml): every matrix N(0, init_std) cut off at 3 sigma, the
+    branches' output projections (attn_out, ff_out) at init_std / sqrt(2 L), the embedding at
+    init_std, an untied head at 1 / sqrt(d). Their config ties the head to the embedding; ours
+    stays untied (every variant here has an untied head), so it takes their untied head's rule."""
+    std, L = cfg.init_std, cfg.trained_layers
+    _truncated_normal(model.model.embed_tokens.weight, std)
+    _truncated_normal(model.lm_head.weight, 1.0 / math.sqrt(cfg.hidden_size))
+    for block in model.model.layers:
+        attn, mlp = block.self_attn, block.mlp
+        for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+            _truncated_normal(lin.weight, std)
+        for lin in (attn.o_proj, mlp.down_proj):
+            _truncated_normal(lin.weight, std / math.sqrt(2.0 * L))
+
+
+# Each variant's initialisation as its authors' code draws it, where that differs from LLaMA's
+# N(0, 0.02) plus the rules that define the variant (applied under both inits, in init_weights).
+# Checked against the authors' code, docs/lns-train.md ("Each variant against its authors' code"):
+# Pre-LN, LNS and Mix-LN (the Mix-LN / LayerNorm-Scaling code: LLaMA's init), DeepNorm (its
+# xavier rule, the variant's own), DyT (jiachenzhu/DyT: LLaMA's init), CompleteP (EleutherAI/
+# nanoGPT-mup's depth rules act through the branch multiplier, not the init) need nothing here.
+INIT_RULES = {"hybridnorm": _olmo_full_megatron, "hybridnorm-star": _olmo_full_megatron}
+
+
 @torch.no_grad()
 def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
     """N(0, init_std) for every linear and embedding, ones for the norm gains, then each
-    variant's own rule for the blocks."""
+    variant's own rule for the blocks, then (init "authors") its authors' init where INIT_RULES has one."""
     std, L = cfg.init_std, cfg.trained_layers
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -511,3 +555,5 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
                 nn.init.xavier_normal_(lin.weight, gain=1.0)
             for lin in (attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
                 nn.init.xavier_normal_(lin.weight, gain=beta)
+    if cfg.init == "authors" and cfg.norm in INIT_RULES:
+        INIT_RULES[cfg.norm](model, cfg)

@@ -19,7 +19,7 @@ METHOD_NAMES = {
     "post": "Post-LN", "deepnorm": "DeepNorm", "mix": "Mix-LN", "pre": "Pre-LN", "lns": "Pre-LN + LNS",
     "layerscale": "LayerScale", "skipinit": "SkipInit", "depth-scaled-init": "Depth-Scaled Init",
     "scaled-init": "Scaled Init", "lns+scaled-init": "LNS + Scaled Init", "sandwich": "Sandwich-LN",
-    "dyt": "DyT", "hybridnorm": "HybridNorm", "completep": "CompleteP",
+    "dyt": "DyT", "hybridnorm": "HybridNorm", "hybridnorm-star": "HybridNorm*", "completep": "CompleteP",
 }
 SIZE_ORDER = ("tiny", "130m", "250m", "350m", "1b")
 

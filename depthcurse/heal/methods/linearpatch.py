@@ -1,6 +1,7 @@
 """LinearPatch (Chen et al., NeurIPS 2025, arXiv 2505.24680; code chenxinrui-tsinghua/LinearPatch):
 at each cut, the stream entering the first layer after the removed run is multiplied by one
-matrix P = H D H^T: H a Hadamard rotation (which spreads the few channels with huge outliers over
+matrix P = H D H^T: H a Hadamard rotation, the authors' own matrix (`depthcurse.heal.hadamard`: QuaRot's
+stored matrices times Sylvester's doublings; which spreads the few channels with huge outliers over
 all of them), D per-channel scales that make the rotated stream's mean magnitude before the cut
 that of the stream the run would have given (`layer_select.get_scale_params`, averaged batch by
 batch). `rotate=false` is the code's `diag`: P = D. Optionally P is then trained by distillation
@@ -15,14 +16,13 @@ The authors' code keeps it as a module too (a forward hook)."""
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from depthcurse.errors import DepthcurseError
+from depthcurse.heal.hadamard import hadamard, stored_order
 from depthcurse.heal.linear import run_text, runs_of
 from depthcurse.heal.method import HealContext, Method, at_least
 from depthcurse.heal.objective import HealObjective
@@ -38,57 +38,6 @@ class LinearPatchSettings:
     distill: bool = False  # then trained by KL to the unpruned model, for heal's --steps
 
 
-def _prime(q: int) -> bool:
-    return q > 1 and all(q % p for p in range(2, math.isqrt(q) + 1))
-
-
-SYLVESTER = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
-
-
-def _jacobsthal(q: int) -> torch.Tensor:
-    """Q[i, j] = chi(j - i), chi the quadratic character mod the prime q (chi(0) = 0)."""
-    squares = {i * i % q for i in range(1, q)}
-    chi = torch.tensor([0.0] + [1.0 if i in squares else -1.0 for i in range(1, q)], dtype=torch.float64)
-    idx = torch.arange(q)
-    return chi[(idx[None, :] - idx[:, None]) % q]
-
-
-def _core(m: int) -> torch.Tensor | None:
-    """A (+-1) Hadamard matrix of order m by Paley's constructions (q prime), or None."""
-    if m == 1:
-        return torch.ones(1, 1, dtype=torch.float64)
-    if m == 2:
-        return SYLVESTER.clone()
-    if m % 4:
-        return None
-    q = m - 1
-    if _prime(q) and q % 4 == 3:  # Paley I: [[1, j^T], [-j, Q + I]]
-        ones = torch.ones(q, 1, dtype=torch.float64)
-        return torch.cat([torch.cat([torch.ones(1, 1, dtype=torch.float64), ones.T], 1), torch.cat([-ones, _jacobsthal(q) + torch.eye(q, dtype=torch.float64)], 1)])
-    q = m // 2 - 1
-    if _prime(q) and q % 4 == 1:  # Paley II: C (x) [[1, -1], [-1, -1]] + I (x) [[1, 1], [1, -1]], C = [[0, j^T], [j, Q]]
-        c = torch.zeros(q + 1, q + 1, dtype=torch.float64)
-        c[0, 1:], c[1:, 0], c[1:, 1:] = 1.0, 1.0, _jacobsthal(q)
-        return torch.kron(c, torch.tensor([[1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)) + torch.kron(torch.eye(q + 1, dtype=torch.float64), SYLVESTER)
-    return None
-
-
-def hadamard(n: int) -> torch.Tensor | None:
-    """An orthonormal Hadamard matrix of order n (H H^T = I): Sylvester's doublings of a Paley
-    core of order m, n = m 2^k (SmolLM2's 576 = 36 x 16; Llama's 4096 = 2^12), or None."""
-    m, k = n, 0
-    while True:
-        core = _core(m)
-        if core is not None:
-            h = core
-            for _ in range(k):
-                h = torch.kron(h, SYLVESTER)
-            return h / math.sqrt(n)
-        if m % 2:
-            return None
-        m, k = m // 2, k + 1
-
-
 class LinearPatch(Method):
     name = "linearpatch"
     title = "linear patch (LinearPatch)"
@@ -102,9 +51,8 @@ class LinearPatch(Method):
 
     def check(self, model, layers):
         d = model.get_input_embeddings().weight.shape[-1]
-        if self.settings.rotate and hadamard(d) is None:
-            raise DepthcurseError(f"it rotates the stream by a Hadamard matrix of order {d}, which neither Sylvester's nor Paley's construction gives "
-                                  "here: --method-args rotate=false (a diagonal scale alone)")
+        if self.settings.rotate and stored_order(d) is None:
+            hadamard(d)  # says in one line why not
         n = len(find_blocks(model).layers)
         if max(layers) == n - 1:
             final_norm(model)  # a cut at the end patches the stream entering the final norm

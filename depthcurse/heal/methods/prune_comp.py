@@ -4,9 +4,14 @@ at the cut; one scalar per cut, the mean over channels of mean|x_after| / mean|x
 calibration text (averaged batch by batch, as the code), scales every weight that writes into the
 stream before the cut (the embedding, and each earlier layer's attention and MLP output
 projections). The norms every layer reads through do not see a scale, so the stream reaching the
-cut is the old one times that scalar, at no cost at inference and with no new module. Runs are
-compensated in order of depth, each measured on the model with the earlier ones removed and
-compensated, as the paper's iterative loop.
+cut is the old one times that scalar, at no cost at inference and with no new module.
+
+The loop is the authors' (`mag+.py`'s main loop with `magcomp.py`): one removed layer per round,
+its scale measured on the model with the earlier rounds' layers removed and their compensation
+folded in, then folded in itself. Their rounds go in the order their importance score picks; here
+the layers are given, and the rounds go in order of depth. `per=run` is this tool's earlier way:
+one scale per run of adjacent removed layers, measured across the whole run (on SmolLM2-135M
+without 12-15 it won back 15.6% where the authors' loop won back 13.1%, docs/healing.md).
 
 A model whose input embedding is its output head (tied: SmolLM2) has its head untied in the
 checkpoint, which keeps the unscaled copy: the logits stay the model's own."""
@@ -32,6 +37,7 @@ POSITION_EMBEDDINGS = ("wpe", "embed_positions", "position_embeddings")  # learn
 @dataclass
 class PruneCompSettings:
     calib_tokens: int = 16384
+    per: str = "layer"  # "layer": a scale per removed layer, round by round (the authors' loop); "run": one per run of adjacent layers
 
 
 def writers(model: nn.Module, before: int) -> list[nn.Module]:
@@ -90,18 +96,25 @@ class PruneComp(Method):
 
     def check_settings(self):
         at_least(self.settings, "calib_tokens")
+        if self.settings.per not in ("layer", "run"):
+            raise DepthcurseError(f"per={self.settings.per!r}: use layer (a scale per removed layer, the authors' loop) or run (one per run of adjacent layers)")
 
     def check(self, model, layers):
         for run in runs_of(layers):
             writers(model, run[0])
 
+    def _rounds(self, layers) -> list[tuple[int, ...]]:
+        """What each round removes and compensates, in order: a layer (the authors' loop) or a run."""
+        return [(i,) for i in sorted(layers)] if self.settings.per == "layer" else runs_of(layers)
+
     def describe(self):
-        return f"one scale per removed run on {self.settings.calib_tokens:,} calibration tokens, folded into the writers before it"
+        unit = "removed layer, round by round (the authors' loop)" if self.settings.per == "layer" else "removed run"
+        return f"one scale per {unit} on {self.settings.calib_tokens:,} calibration tokens, folded into the writers before it"
 
     def changes(self, layers):
         factors = getattr(self, "factors", {})
         parts = [f"everything written into the stream before {run_text(run)} (the embedding and the attention and MLP output projections of "
-                 f"layers 0-{run[0] - 1}) scaled by {factors.get(run[0], float('nan')):.4f}" for run in runs_of(layers)]
+                 f"layers 0-{run[0] - 1}) scaled by {factors.get(run[0], float('nan')):.4f}" for run in self._rounds(layers)]
         return "; ".join(parts) + ": those weights changed, no new module" + ("; the tied output head untied, unscaled" if getattr(self, "tied", False) else "")
 
     def untouched(self, layers):
@@ -116,9 +129,9 @@ class PruneComp(Method):
         self.check(model, ctx.layers)
         _check_invariant(model, min(ctx.layers), batches[0].to(ctx.device) if batches else None)
         self.factors: dict[int, float] = {}
-        runs = runs_of(ctx.layers)
-        for run in runs:
-            earlier = tuple(i for r in runs if r[0] < run[0] for i in r)
+        rounds = self._rounds(ctx.layers)
+        for run in rounds:
+            earlier = tuple(i for r in rounds if r[0] < run[0] for i in r)
             ratio, count = None, 0
             with scaled(model, self.factors), removed_layers(model, earlier):
                 kept = [i for i in range(len(blocks)) if i not in earlier]  # the run's blocks, renumbered without the earlier runs
@@ -148,7 +161,7 @@ class PruneComp(Method):
         return scaled(model, getattr(self, "factors", {}))
 
     def cost(self, model, layers):
-        return {"trained_params": 0, "added_params": 0, "solved_params": len(runs_of(layers))}
+        return {"trained_params": 0, "added_params": 0, "solved_params": len(self._rounds(layers))}
 
     @torch.no_grad()
     def finalize(self, model):
