@@ -260,13 +260,16 @@ def _expected_std(norm: str, init: str, name: str, l: int, L: int, d: int, inter
     N(0, 0.02); scaled-init's 0.02/sqrt(2L) on the output projections; depth-scaled-init's
     0.02/sqrt(2(l+1)) on every matrix of block l; DeepNorm's xavier normal (gain 1 on q and k, beta =
     (8L)^(-1/4) on the rest); HybridNorm's OLMo full_megatron (init "authors": every matrix cut off at
-    3 sigma, output projections 0.02/sqrt(2L), an untied head 1/sqrt(d))."""
+    3 sigma, output projections 0.02/sqrt(2L), an untied head 1/sqrt(d)); Mix-LN's embedding N(0, sqrt(2/5))
+    (init "authors")."""
     fan = {"q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d), "gate": (d, inter), "up": (d, inter), "down": (inter, d)}
     output = name in ("o", "down")
     if norm in ("hybridnorm", "hybridnorm-star") and init == "authors":
         if name == "head":
             return TRUNCATED_3_SIGMA / math.sqrt(d)
         return TRUNCATED_3_SIGMA * (0.02 / math.sqrt(2 * L) if output else 0.02)
+    if name == "embed" and norm == "mix" and init == "authors":
+        return math.sqrt(2 / 5)  # the Mix-LN code's _init_weights draws every embedding N(0, sqrt(2/5))
     if name in ("embed", "head"):
         return 0.02
     if norm == "deepnorm":
@@ -554,3 +557,55 @@ def test_trainer_export_from_a_gathered_state_equals_the_model(norm, tmp_path, t
         if "hf-llama" in exports:
             stock = load_model(exports["hf-llama"], device="cpu", dtype="fp32").model
             torch.testing.assert_close(stock(input_ids=x).logits, expected, rtol=0, atol=2e-5)
+
+
+def test_a_normalisation_is_one_module_found_by_name_and_nothing_else_tests_for_it():
+    """Every variant is a module of train/norms registered by defining its class, with its authors'
+    code named; no module outside train/norms compares a norm with a variant's name."""
+    import re
+    from pathlib import Path
+
+    from depthcurse.train.norms import KINDS, REGISTRY, find_norm
+
+    assert tuple(REGISTRY) == NORMS
+    for name, norm in REGISTRY.items():
+        assert find_norm(name) is norm and norm.title and norm.reference and norm.block, name
+        assert all(norm.kind(origin, M.ModelConfig(norm=name, num_layers=8, hidden_size=32, num_heads=4)) in KINDS for origin in range(8))
+    root = Path(M.__file__).resolve().parents[1]
+    names = "|".join(re.escape(n) for n in REGISTRY)
+    compare = re.compile(rf"""norm\s*(==|!=)\s*["']({names})["']|norm\s+(not\s+)?in\s+\(\s*["']({names})["']""")
+    offenders = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py") if "norms" not in p.parts
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if compare.search(line)]
+    assert not offenders, offenders
+
+
+def test_a_users_own_normalisation_plugs_in_by_defining_it():
+    """A variant defined outside the package (here, in the test): Post-LN in the odd blocks, its
+    own init rule; it is found by name, builds, trains and initialises by its rule, no file of ours edited."""
+    from depthcurse.train.norms import REGISTRY, Normalisation
+
+    class OddPost(Normalisation):
+        name = "test-odd-post"
+        title = "odd blocks Post-LN"
+        block = "post in odd blocks, pre in even ones"
+        reference = "this test"
+
+        def kind(self, origin, cfg):
+            return "post" if origin % 2 else "pre"
+
+        def defining_init(self, model, cfg):
+            model.lm_head.weight.normal_(0.0, 0.5)
+
+    try:
+        model = tiny("test-odd-post", layers=4)
+        assert [b.spec.kind for b in model.model.layers] == ["pre", "post", "pre", "post"]
+        assert _std(model.lm_head.weight) == pytest.approx(0.5, rel=0.2)
+        t = ids()
+        loss = model(t, torch.roll(t, -1, 1))
+        loss.backward()
+        assert torch.isfinite(loss)
+        assert TrainConfig(norm="test-odd-post").resolved().norm == "test-odd-post"
+    finally:
+        REGISTRY.pop("test-odd-post", None)
+    with pytest.raises(DepthcurseError, match="unknown norm 'test-odd-post'"):
+        TrainConfig(norm="test-odd-post").resolved()

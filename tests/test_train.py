@@ -714,7 +714,7 @@ def test_lns_report_gives_the_mean_and_spread_over_seeds(run_cli, tmp_path):
     code, out, err = run_cli("lns-report", *sorted(tmp_path.glob("lns-*")), "--out", tmp_path / "cmp")
     assert code == 0, err
     rows = (tmp_path / "cmp" / "seeds.csv").read_text().splitlines()
-    assert len(rows) == 2 and rows[1].startswith("Pre-LN + LNS,lns,tiny,1 2 3,3,")
+    assert len(rows) == 2 and rows[1].startswith("Pre-LN + LNS,lns,authors,tiny,1 2 3,3,")
     import csv
 
     row = next(csv.DictReader((tmp_path / "cmp" / "seeds.csv").open()))
@@ -723,3 +723,27 @@ def test_lns_report_gives_the_mean_and_spread_over_seeds(run_cli, tmp_path):
     assert float(row["val_loss_sd"]) == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in losses.values()) / 2))
     assert (float(row["val_loss_min"]), float(row["val_loss_max"])) == (5.0, 5.3)
     assert "over seeds" in out.replace("\n", " ")
+
+
+def test_lns_report_says_which_init_a_variant_with_its_authors_own_was_trained_with(run_cli, tmp_path):
+    """HybridNorm with its authors' init and with LLaMA's (`--init common`, or a run from before
+    --init, whose config has none) are separate rows, each named with its init; Pre-LN, whose authors'
+    init is LLaMA's, is named plainly."""
+    from depthcurse.train import TrainConfig as Config
+
+    for name, norm, init, ppl in (("hn-authors", "hybridnorm", "authors", 230.0), ("hn-common", "hybridnorm", "common", 990.0),
+                                  ("hn-old", "hybridnorm", None, 991.0), ("pre", "pre", "authors", 270.0)):
+        folder = tmp_path / name
+        folder.mkdir()
+        config = Config(norm=norm, **({"init": init} if init else {})).resolved().to_dict()
+        if init is None:
+            del config["init"]
+        (folder / "config.json").write_text(json.dumps(config))
+        (folder / "summary.json").write_text(json.dumps({"finished": True, "step": 2000, "val_loss": math.log(ppl), "val_ppl": ppl}))
+    code, out, err = run_cli("lns-report", *(tmp_path / n for n in ("hn-authors", "hn-common", "hn-old", "pre")), "--out", tmp_path / "cmp")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert any("HybridNorm (authors init)" in line and "230.00" in line for line in lines)
+    assert any("HybridNorm (common init)" in line for line in lines) and any("Pre-LN " in line and "270.00" in line for line in lines)
+    rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert {r["folder"].rsplit("/", 1)[-1]: r["init"] for r in rows} == {"hn-authors": "authors", "hn-common": "common", "hn-old": "common", "pre": "authors"}

@@ -65,7 +65,7 @@ def lns_train(
             say("note", f"--resume: {out_dir} holds no checkpoint yet, so the run starts from scratch")
         progress.update(bar, total=info["steps"], completed=info["start_step"])
         ranks = f" · {info['world_size']} ranks, {info['parallel']}" if info["parallel"] else ""
-        console.print(f"[bold]{preset}[/] · norm [bold]{norm}[/] · {info['params'] / 1e6:.2f}M parameters · {info['device']} {info['precision']} · "
+        console.print(f"[bold]{preset}[/] · norm [bold]{norm}[/] ({cfg.init} init) · {info['params'] / 1e6:.2f}M parameters · {info['device']} {info['precision']} · "
                       f"kernels {info['kernels']}{ranks} · "
                       f"{info['data']} ({info['val_tokens']} held-out tokens) · {'resuming at step ' + str(info['start_step']) if info['start_step'] else 'from scratch'} · {out_dir}")
 

@@ -11,6 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.train.norms import BUILTIN_NORMS, REGISTRY
 from depthcurse.train.tracking import parse_report_to
 
 CONFIG = "config.json"  # the resolved TrainConfig, in the run folder
@@ -18,12 +19,9 @@ PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16")
 OPTIMIZERS = ("adam", "adamw")
 PARALLEL = ("ddp", "fsdp")
 
-# The normalisation variants (see model.py for what each computes).
-NORMS = (
-    "pre", "post", "deepnorm", "mix", "lns", "scaled-init", "sandwich",
-    "layerscale", "skipinit", "depth-scaled-init", "lns+scaled-init",
-    "dyt", "hybridnorm", "hybridnorm-star", "completep",
-)
+# The normalisation variants that come with depthcurse, one module each in `norms/` (a user's own
+# registers by defining a `Normalisation` subclass).
+NORMS = BUILTIN_NORMS
 # "authors": each variant initialised as its authors' code does (model.INIT_RULES); "common":
 # LLaMA's N(0, 0.02) for every variant, plus only the rules that define it (scaled-init's, DeepNorm's).
 INITS = ("authors", "common")
@@ -77,7 +75,7 @@ class TrainConfig:
     norm: str = _setting("pre", "pre, post, deepnorm, mix, lns, scaled-init, sandwich, layerscale, skipinit, depth-scaled-init, lns+scaled-init, "
                                 "dyt (Dynamic Tanh), hybridnorm (QKV-norm, Post-Norm FFN), hybridnorm-star (HybridNorm*: block 0 Pre-Norm) "
                                 "or completep (depth-muP, alpha = 1).")
-    init: str = _setting("authors", "authors (each norm initialised as its authors' code does: HybridNorm's OLMo full_megatron) "
+    init: str = _setting("authors", "authors (each norm initialised as its authors' code does: HybridNorm's OLMo full_megatron, Mix-LN's embedding) "
                                     "or common (LLaMA's N(0, 0.02) for every norm, plus only the rules that define it: everything but the norm held fixed).")
     mix_ratio: float = _setting(0.25, "Mix-LN: share of the first layers that are Post-LN.")
     dyt_alpha_attn: float = _setting(0.8, "dyt: alpha0 of the attention's DyT (the LLaMA-7B code's 0.8; its 13B 0.6, 34B/70B 0.2).")
@@ -129,8 +127,8 @@ class TrainConfig:
         """A copy with every None filled from the preset and checked: what the run records."""
         if self.preset not in PRESETS:
             raise DepthcurseError(f"unknown preset {self.preset!r}: use one of {', '.join(PRESETS)}")
-        if self.norm not in NORMS:  # before the preset fills the rest: the first thing to say
-            raise DepthcurseError(f"unknown norm {self.norm!r}: use one of {', '.join(NORMS)}")
+        if self.norm not in REGISTRY:  # before the preset fills the rest: the first thing to say
+            raise DepthcurseError(f"unknown norm {self.norm!r}: use one of {', '.join(REGISTRY)}")
         defaults = {**COMMON_DEFAULTS, **PRESETS[self.preset]}
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         for k, v in values.items():
@@ -164,8 +162,8 @@ def options() -> list:
 def check_architecture(norm: str, hidden_size: int, num_heads: int, mix_ratio: float, dyt_alphas: tuple[float, ...] = (1.0,),
                        base_layers: int = 1, init: str = "authors") -> None:
     """The model's own constraints, checked with the run's settings before anything is written."""
-    if norm not in NORMS:
-        raise DepthcurseError(f"unknown norm {norm!r}: use one of {', '.join(NORMS)}")
+    if norm not in REGISTRY:
+        raise DepthcurseError(f"unknown norm {norm!r}: use one of {', '.join(REGISTRY)}")
     if init not in INITS:
         raise DepthcurseError(f"unknown --init {init!r}: use authors or common")
     if not all(a > 0 and math.isfinite(a) for a in dyt_alphas):

@@ -40,6 +40,7 @@ from depthcurse.train.export import export_run
 from depthcurse.train.metrics import METRICS, SUMMARY, MetricsLog, Progress
 from depthcurse.train.tracking import open_trackers
 from depthcurse.train.model import ModelConfig, Transformer, resolve_kernels
+from depthcurse.train.norms import find_norm
 from depthcurse.train.report import plot_layers, plot_loss
 
 
@@ -83,7 +84,7 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Opt
     cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
     params = [p for p in model.parameters() if p.requires_grad]
     fused = {"fused": True} if params and params[0].is_cuda else {}
-    eps = ADAM_EPS * (cfg.base_layers / cfg.num_layers if cfg.norm == "completep" else 1.0)
+    eps = ADAM_EPS * find_norm(cfg.norm).adam_eps_factor(cfg)
     return cls(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=eps, weight_decay=cfg.weight_decay, **fused)
 
 
@@ -420,8 +421,8 @@ def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, st
     summary["exports"] = export_run(model_state, raw.cfg, tokenizer, out_dir)
     summary["environment"] = environment()
     atomic_write(out_dir / SUMMARY, json_text(summary))
-    plot_loss(metrics.rows(), out_dir / "loss.png", title=f"{cfg.preset} · {cfg.norm} · {data.label}")
-    plot_layers({"": metrics.rows()}, out_dir / "layers.png", title=f"{cfg.preset} · {cfg.norm}: per layer at each evaluation")
+    plot_loss(metrics.rows(), out_dir / "loss.png", title=f"{cfg.preset} · {cfg.norm} ({cfg.init} init) · {data.label}")
+    plot_layers({"": metrics.rows()}, out_dir / "layers.png", title=f"{cfg.preset} · {cfg.norm} ({cfg.init} init): per layer at each evaluation")
     return summary
 
 

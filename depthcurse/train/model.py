@@ -5,34 +5,23 @@ init); only where the norms sit and how the blocks are scaled or initialised cha
 `norm`. With `norm="pre"` the model computes exactly what transformers' LlamaForCausalLM
 computes on the same weights, and its parameter names are Llama's, so exporting is a rename.
 
-Variants (L = number of layers, l = 1-based index of a layer in the ORIGINAL stack):
+The variants are `depthcurse.train.norms`, one module each (found by name: `find_norm`): each
+says which of the four wirings below a block gets, the constants its depth fixes and its
+initialisation; this file computes the wirings (L = number of layers, l = the 1-based index of a
+layer in the ORIGINAL stack):
 
-  pre                x = x + Attn(N(x));             x = x + MLP(N(x))
-  post               x = N(x + Attn(x));             x = N(x + MLP(x))
-  deepnorm           x = N(a*x + Attn(x)), a = (2L)^(1/4); xavier init, gain b = (8L)^(-1/4)
-  mix                the first round(mix_ratio*L) blocks post, the others pre
-  lns                pre, with each block's two norm outputs times 1/sqrt(l)
-  scaled-init        pre, o_proj and down_proj init std 0.02/sqrt(2L)
-  sandwich           x = x + N(Attn(N(x)));          x = x + N(MLP(N(x)))
-  layerscale         pre, each branch times a learnable per-channel vector (CaiT init)
-  skipinit           pre, each branch times a learnable scalar initialised to 0
-  depth-scaled-init  pre, every linear of block l init with std 0.02/sqrt(2l)
-  lns+scaled-init    lns with the scaled-init initialisation
-  dyt                pre, every norm D(x) = w * tanh(alpha x) (Zhu et al. 2025, the LLaMA code's:
-                     no bias; alpha0 0.8 for attention's, 0.2 for the MLP's and the final one),
-                     the embedding times a learnable scalar initialised to sqrt(d)
-  hybridnorm         x = x + Attn(x) with q, k, v each RMS-normed per head (no input norm);
-                     x = N(x); x = x + MLP(x) (Zhuo et al. 2025: QKV-norm, Post-Norm on the FFN)
-  hybridnorm-star    HybridNorm*: hybridnorm, but block 0 is Pre-Norm on both branches (QKV-norm kept),
-                     the authors' `norm_pos_special_config` {0: attn_norm, not ffn_residual}
-  completep          pre, each branch times L0/L (depth-muP with alpha = 1: Dey et al. 2025,
-                     CompleteP; L0 the base depth), Adam's eps times L0/L
+  pre       x = x + Attn(N(x));       x = x + MLP(N(x))      (LNS: N times 1/sqrt(l); DyT: N = w tanh(alpha x);
+                                                               CompleteP: each branch times L0/L; LayerScale,
+                                                               SkipInit: each branch times a learnt scale)
+  post      x = N(a x + Attn(x));     x = N(a x + MLP(x))    (a = 1, DeepNorm's (2L)^(1/4))
+  sandwich  x = x + N(Attn(N(x)));    x = x + N(MLP(N(x)))
+  hybrid    x = x + Attn(x), q, k, v RMS-normed per head; x = N(x); x = x + MLP(x)
 
-Initialisation (`init`): "authors" (the default) draws each variant's weights by its authors'
-code (INIT_RULES below: HybridNorm's OLMo `full_megatron`; the others' rules are LLaMA's N(0, 0.02)
-plus the variant's own, which for scaled-init, depth-scaled-init and DeepNorm IS the variant);
-"common" gives every variant LLaMA's N(0, 0.02) plus only the rules that define it, for a
-comparison where everything but the norm is held fixed.
+Initialisation (`init`): "authors" (the default) draws each variant's weights as its authors' code
+does (`Normalisation.authors_init`: HybridNorm's OLMo `full_megatron`, Mix-LN's embedding);
+"common" gives every variant LLaMA's N(0, 0.02) plus only the rules that define it
+(`Normalisation.defining_init`: scaled-init's, DeepNorm's), for a comparison where everything but
+the norm is held fixed.
 
 Everything a block needs to know about its depth (its LNS factor, whether it is post-LN in
 Mix-LN, the DeepNorm constants) is fixed when the block is built, from its ORIGINAL index, as
@@ -59,12 +48,11 @@ from torch import nn
 from depthcurse.errors import DepthcurseError
 from depthcurse.train import kernels as K
 from depthcurse.train.config import KERNELS, check_architecture
+from depthcurse.train.norms import REGISTRY, find_norm
 
 # Variants whose blocks are plain Pre-LN at inference (LNS folds into the norm gains), so a
 # trained model exports as a stock LlamaForCausalLM.
-STOCK_LLAMA_NORMS = ("pre", "lns", "scaled-init", "depth-scaled-init", "lns+scaled-init", "completep")
-LNS_NORMS = ("lns", "lns+scaled-init")
-HYBRID_NORMS = ("hybridnorm", "hybridnorm-star")
+STOCK_LLAMA_NORMS = tuple(name for name, norm in REGISTRY.items() if norm.stock_llama)
 
 
 @dataclass
@@ -122,26 +110,16 @@ class BlockSpec:
 
 
 def block_spec(cfg: ModelConfig, origin: int) -> BlockSpec:
-    L, norm = cfg.trained_layers, cfg.norm
-    kind = "pre"
-    if norm in ("post", "deepnorm") or (norm == "mix" and origin < round(cfg.mix_ratio * L)):
-        kind = "post"
-    elif norm == "sandwich":
-        kind = "sandwich"
-    elif norm in HYBRID_NORMS:
-        # HybridNorm*'s first block is Pre-Norm on both branches, its QKV-norm kept
-        kind = "pre" if norm == "hybridnorm-star" and origin == 0 else "hybrid"
-    # CaiT's rule for the LayerScale init: smaller for deeper stacks.
-    ls_init = 0.1 if L <= 18 else (1e-5 if L <= 24 else 1e-6)
+    norm = find_norm(cfg.norm)
     return BlockSpec(
-        kind=kind,
-        lns_scale=1.0 / math.sqrt(origin + 1) if norm in LNS_NORMS else 1.0,
-        residual_alpha=(2 * L) ** 0.25 if norm == "deepnorm" else 1.0,
-        branch_scale=norm if norm in ("layerscale", "skipinit") else None,
-        layerscale_init=ls_init,
-        branch_multiplier=cfg.base_layers / L if norm == "completep" else 1.0,
-        dyt=norm == "dyt",
-        qkv_norm=norm in HYBRID_NORMS,
+        kind=norm.kind(origin, cfg),
+        lns_scale=1.0 / math.sqrt(origin + 1) if norm.lns else 1.0,
+        residual_alpha=norm.residual_alpha(cfg),
+        branch_scale=norm.branch_scale,
+        layerscale_init=norm.branch_scale_init(cfg),
+        branch_multiplier=norm.branch_multiplier(cfg),
+        dyt=norm.dyt,
+        qkv_norm=norm.qkv_norm(origin, cfg),
     )
 
 
@@ -199,7 +177,7 @@ class DyT(nn.Module):
 
 def make_norm(cfg: ModelConfig, spec: BlockSpec | None, which: str) -> nn.Module:
     """The norm at `which` ("attn", "ffn", "final"): DyT for dyt, else RMSNorm (times LNS's factor in a block)."""
-    if cfg.norm == "dyt":
+    if find_norm(cfg.norm).dyt:
         return DyT(cfg.hidden_size, {"attn": cfg.dyt_alpha_attn, "ffn": cfg.dyt_alpha_ffn, "final": cfg.dyt_alpha_final}[which])
     return RMSNorm(cfg.hidden_size, cfg.norm_eps, spec.lns_scale if spec is not None else 1.0)
 
@@ -377,7 +355,7 @@ class Body(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, origin) for origin in cfg.layer_origins)
         self.norm = make_norm(cfg, None, "final")
-        if cfg.norm == "dyt":  # the authors' LLaMA code: a learnable scalar on the embedding, started at sqrt(d) (tanh is not scale-free)
+        if find_norm(cfg.norm).dyt:  # the authors' LLaMA code: a learnable scalar on the embedding, started at sqrt(d) (tanh is not scale-free)
             self.embed_scale = nn.Parameter(torch.full((1,), math.sqrt(cfg.hidden_size)))
         self.kernels = "off"  # "off", "torch" or "triton": see KERNELS
 
@@ -390,7 +368,7 @@ class Body(nn.Module):
         # attention, for which the flash and memory-efficient backends are eligible.
         mask = _padding_mask(attention_mask, T)
         x = self.embed_tokens(input_ids)
-        if self.cfg.norm == "dyt":
+        if hasattr(self, "embed_scale"):
             x = x * self.embed_scale
         if self.kernels == "off":
             for block in self.layers:
@@ -486,45 +464,14 @@ class Transformer(nn.Module):
             block.self_attn.fused = block.mlp.fused = on
 
 
-def _truncated_normal(w: torch.Tensor, std: float, cutoff: float = 3.0) -> None:
-    nn.init.trunc_normal_(w, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)
-
-
-def _olmo_full_megatron(model: nn.Module, cfg: ModelConfig) -> None:
-    """OLMo's `full_megatron` init, which HybridNorm's configs name (BryceZhuo/HybridNorm @ f0dd605,
-    dense_model/olmo/model.py, `reset_parameters` of the model, `OLMoBlock` and `OLMoSequentialBlock`;
-    configs/exps/1.2B-dense-HybriedNorm.yaml): every matrix N(0, init_std) cut off at 3 sigma, the
-    branches' output projections (attn_out, ff_out) at init_std / sqrt(2 L), the embedding at
-    init_std, an untied head at 1 / sqrt(d). Their config ties the head to the embedding; ours
-    stays untied (every variant here has an untied head), so it takes their untied head's rule."""
-    std, L = cfg.init_std, cfg.trained_layers
-    _truncated_normal(model.model.embed_tokens.weight, std)
-    _truncated_normal(model.lm_head.weight, 1.0 / math.sqrt(cfg.hidden_size))
-    for block in model.model.layers:
-        attn, mlp = block.self_attn, block.mlp
-        for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-            _truncated_normal(lin.weight, std)
-        for lin in (attn.o_proj, mlp.down_proj):
-            _truncated_normal(lin.weight, std / math.sqrt(2.0 * L))
-
-
-# Each variant's initialisation as its authors' code draws it, where that differs from LLaMA's
-# N(0, 0.02) plus the rules that define the variant (applied under both inits, in init_weights).
-# Checked against the authors' code, docs/lns-train.md ("Each variant against its authors' code"):
-# Pre-LN, LNS and Mix-LN (the Mix-LN / LayerNorm-Scaling code: LLaMA's init), DeepNorm (its
-# xavier rule, the variant's own), DyT (jiachenzhu/DyT: LLaMA's init), CompleteP (EleutherAI/
-# nanoGPT-mup's depth rules act through the branch multiplier, not the init) need nothing here.
-INIT_RULES = {"hybridnorm": _olmo_full_megatron, "hybridnorm-star": _olmo_full_megatron}
-
-
 @torch.no_grad()
 def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
-    """N(0, init_std) for every linear and embedding, ones for the norm gains, then each
-    variant's own rule for the blocks, then (init "authors") its authors' init where INIT_RULES has one."""
-    std, L = cfg.init_std, cfg.trained_layers
+    """N(0, init_std) for every linear and embedding, ones for the norm gains, each learnt scale its
+    start, then the variant's defining rules and (init "authors") its authors' own draw."""
+    norm = find_norm(cfg.norm)
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, mean=0.0, std=std)
+            nn.init.normal_(m.weight, mean=0.0, std=cfg.init_std)
         elif isinstance(m, RMSNorm):
             nn.init.ones_(m.weight)
         elif isinstance(m, DyT):
@@ -533,7 +480,6 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
     if hasattr(model.model, "embed_scale"):
         model.model.embed_scale.fill_(math.sqrt(cfg.hidden_size))
     for block in model.model.layers:
-        attn, mlp = block.self_attn, block.mlp
         # every learnable scale from the block's own float constants: what a model built on the meta device and
         # materialised by to_empty (garbage values) gets back, as one built on a device
         if block.spec.branch_scale == "layerscale":
@@ -542,18 +488,6 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
         elif block.spec.branch_scale == "skipinit":
             block.attn_scale.zero_()
             block.mlp_scale.zero_()
-        if cfg.norm in ("scaled-init", "lns+scaled-init"):
-            for w in (attn.o_proj.weight, mlp.down_proj.weight):
-                nn.init.normal_(w, mean=0.0, std=std / math.sqrt(2 * L))
-        elif cfg.norm == "depth-scaled-init":
-            for m in block.modules():
-                if isinstance(m, nn.Linear):
-                    nn.init.normal_(m.weight, mean=0.0, std=std / math.sqrt(2 * (block.origin + 1)))
-        elif cfg.norm == "deepnorm":
-            beta = (8 * L) ** -0.25
-            for lin in (attn.q_proj, attn.k_proj):
-                nn.init.xavier_normal_(lin.weight, gain=1.0)
-            for lin in (attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-                nn.init.xavier_normal_(lin.weight, gain=beta)
-    if cfg.init == "authors" and cfg.norm in INIT_RULES:
-        INIT_RULES[cfg.norm](model, cfg)
+    norm.defining_init(model, cfg)
+    if cfg.init == "authors":
+        norm.authors_init(model, cfg)

@@ -13,14 +13,12 @@ from depthcurse.errors import DepthcurseError
 from depthcurse.io import atomic_write, csv_text, save_figure
 from depthcurse.train.config import CONFIG, RESUMABLE_CHANGES
 from depthcurse.train.metrics import METRICS, SUMMARY, MetricsLog
+from depthcurse.train.norms import REGISTRY, Normalisation
 
-# Table 1's row order and names.
-METHOD_NAMES = {
-    "post": "Post-LN", "deepnorm": "DeepNorm", "mix": "Mix-LN", "pre": "Pre-LN", "lns": "Pre-LN + LNS",
-    "layerscale": "LayerScale", "skipinit": "SkipInit", "depth-scaled-init": "Depth-Scaled Init",
-    "scaled-init": "Scaled Init", "lns+scaled-init": "LNS + Scaled Init", "sandwich": "Sandwich-LN",
-    "dyt": "DyT", "hybridnorm": "HybridNorm", "hybridnorm-star": "HybridNorm*", "completep": "CompleteP",
-}
+# Table 1's row order (the paper's, then the newer fixes); each variant's name is its module's title.
+TABLE1_ORDER = ("post", "deepnorm", "mix", "pre", "lns", "layerscale", "skipinit", "depth-scaled-init", "scaled-init", "lns+scaled-init",
+                "sandwich", "dyt", "hybridnorm", "hybridnorm-star", "completep")
+METHOD_NAMES = {name: REGISTRY[name].title for name in (*TABLE1_ORDER, *(n for n in REGISTRY if n not in TABLE1_ORDER))}
 SIZE_ORDER = ("tiny", "130m", "250m", "350m", "1b")
 
 
@@ -123,14 +121,23 @@ def read_run(folder: Path) -> dict:
     last_val = val[-1] if val else {}
     return {
         "folder": str(folder), "norm": config["norm"], "preset": config["preset"], "config": config, "metrics": rows,
+        "init": config.get("init", "common"),  # a run from before --init drew LLaMA's init for every variant
         "finished": bool(summary and summary.get("finished")),
         "step": (summary or {}).get("step", rows[-1]["step"] if rows else 0),
         "val_loss": (summary or last_val).get("val_loss"), "val_ppl": (summary or last_val).get("val_ppl"),
     }
 
 
+def method_label(norm: str, init: str) -> str:
+    """A variant's name in a table, with its init where its authors' differs from LLaMA's (the
+    two are different runs of one norm: `--init authors` and `--init common`)."""
+    name = METHOD_NAMES.get(norm, norm)
+    own = REGISTRY.get(norm)
+    return f"{name} ({init} init)" if own is not None and type(own).authors_init is not Normalisation.authors_init else name
+
+
 def compare_rows(runs: list[dict]) -> list[dict]:
-    return [{"method": METHOD_NAMES.get(r["norm"], r["norm"]), "norm": r["norm"], "preset": r["preset"], "steps": r["step"],
+    return [{"method": method_label(r["norm"], r["init"]), "norm": r["norm"], "init": r["init"], "preset": r["preset"], "steps": r["step"],
              "finished": r["finished"], "val_loss": r["val_loss"], "val_ppl": r["val_ppl"], "folder": r["folder"]} for r in runs]
 
 
@@ -143,9 +150,10 @@ def table1(runs: list[dict]) -> Table:
     table.add_column("method")
     for s in sizes:
         table.add_column(s.upper() if s != "tiny" else "tiny", justify="right")
-    for norm in sorted({r["norm"] for r in runs}, key=lambda n: list(METHOD_NAMES).index(n) if n in METHOD_NAMES else len(METHOD_NAMES)):
-        mine = [r for r in runs if r["norm"] == norm]
-        name = METHOD_NAMES.get(norm, norm)
+    order = list(METHOD_NAMES)
+    for norm, init in sorted({(r["norm"], r["init"]) for r in runs}, key=lambda k: (order.index(k[0]) if k[0] in order else len(order), k[1])):
+        mine = [r for r in runs if (r["norm"], r["init"]) == (norm, init)]
+        name = method_label(norm, init)
         if max(sum(r["preset"] == s for r in mine) for s in sizes) == 1:
             table.add_row(name, *(_cell(next((r for r in mine if r["preset"] == s), None)) for s in sizes))
             continue
@@ -179,7 +187,7 @@ def seed_groups(runs: list[dict]) -> list[dict]:
         mean = sum(losses) / len(losses)
         sd = math.sqrt(sum((x - mean) ** 2 for x in losses) / (len(losses) - 1))
         first = members[0]
-        out.append({"method": METHOD_NAMES.get(first["norm"], first["norm"]), "norm": first["norm"], "preset": first["preset"],
+        out.append({"method": method_label(first["norm"], first["init"]), "norm": first["norm"], "init": first["init"], "preset": first["preset"],
                     "seeds": seeds, "runs": len(members), "val_loss_mean": mean, "val_loss_sd": sd,
                     "val_loss_min": min(losses), "val_loss_max": max(losses), "val_ppl_of_mean": math.exp(min(mean, 700.0))})
     return out
