@@ -409,3 +409,59 @@ def test_a_comparison_says_which_methods_it_cannot_tell_apart():
     console = Console(record=True, width=300)
     console.print(ties_text(record))
     assert "cannot tell apart" in console.export_text() and "a = b" in ties_text(record) and "c" not in ties_text(record).split(":", 2)[-1]
+
+
+def test_a_table_written_to_a_pipe_keeps_every_cell_whole():
+    """Off a terminal (a log file, a pipe) rich cuts a table to 80 columns and a wide table's cells
+    read `…`; the CLI's console prints it as wide as its cells need, and on a terminal as rich does."""
+    import io
+
+    from rich.table import Table
+
+    from depthcurse.cli.shared import TableConsole
+
+    table = Table(title="wide")
+    for i in range(12):
+        table.add_column(f"column number {i}")
+    table.add_row(*[f"{i * 1.23456:.4g} [{i * 0.01:.2f}, {i * 0.02:.2f}]" for i in range(12)])
+    piped = io.StringIO()
+    TableConsole(file=piped).print(table)
+    text = piped.getvalue()
+    assert "…" not in text and all(f"column number {i}" in text for i in range(12)) and "13.58 [0.11, 0.22]" in text
+    terminal = io.StringIO()
+    TableConsole(file=terminal, force_terminal=True, color_system=None, width=80).print(table)
+    assert max(len(line) for line in terminal.getvalue().splitlines()) <= 80 and "…" in terminal.getvalue()  # rich's own
+
+
+def test_kl_and_agreement_are_kept_window_by_window_and_their_shares_get_intervals():
+    """Each window's KL to the reference and top-1 agreement average to the run's (equal windows), so a
+    share won back on KL or agreement is paired over the windows like the loss's; the unpruned model,
+    the reference itself, pairs as 0 and 1 in every window."""
+    from depthcurse.heal.intervals import items
+    from depthcurse.heal.loop import recovered
+    from depthcurse.tasks import PerplexityTask
+
+    gen = torch.Generator().manual_seed(0)
+    windows = torch.randint(0, 50, (6, 9), generator=gen)
+    task = PerplexityTask.of_windows(windows, source="random", bos=None, batch_size=4)
+    tables = {name: torch.randn(50, 50, generator=gen) * scale for name, scale in (("unpruned", 3.0), ("pruned", 1.0), ("healed", 2.0))}
+    logits = {name: (lambda ids, t=t: t[ids]) for name, t in tables.items()}
+    results = {}
+    for name in tables:
+        reference = logits["unpruned"] if name != "unpruned" else None
+        score = task.evaluate_logits(logits[name], "cpu", reference, per_window=True)
+        entry = {"metric": "loss", "metrics": score.metrics, **{k: v for k, v in score.details.items() if k.startswith("per_window")}}
+        if reference is None:
+            entry["metrics"].update(kl=0.0, agreement=1.0)
+        results[name] = {"held_out": entry}
+    for name in ("pruned", "healed"):
+        m = results[name]["held_out"]
+        assert sum(m["per_window_kl"]) / 6 == pytest.approx(m["metrics"]["kl"], rel=1e-6)
+        assert sum(m["per_window_agreement"]) / 6 == pytest.approx(m["metrics"]["agreement"], rel=1e-9)
+    assert items(results["unpruned"], "held_out", "kl") == [[0.0] * 6] and items(results["unpruned"], "held_out", "agreement") == [[1.0] * 6]
+    shares, why, intervals = recovered({"results": results})
+    for key in ("held_out_kl", "held_out_agreement", "held_out_loss"):
+        if shares.get(key) is not None:
+            low, high = intervals[key]
+            assert low <= shares[key] <= high, key
+    assert any(k in intervals for k in ("held_out_kl", "held_out_agreement"))

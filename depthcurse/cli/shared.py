@@ -14,6 +14,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
 from rich.text import Text
 
 app = typer.Typer(
@@ -22,8 +23,27 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-console = Console()
-err_console = Console(stderr=True)
+
+
+class TableConsole(Console):
+    """rich's console, except that written to a file or a pipe (a cluster's log), a table is printed
+    as wide as its widest cells need instead of cut to 80 columns, where every cell read `…`."""
+
+    def print(self, *objects, **kwargs) -> None:
+        widest = 0
+        if not self.is_terminal:
+            widest = max((self.measure(o, options=self.options.update_width(100_000)).maximum for o in objects if isinstance(o, Table)), default=0)
+        if widest <= self.width:
+            return super().print(*objects, **kwargs)
+        width, self.width = self.width, widest  # rich caps print's own width= at the console's
+        try:
+            super().print(*objects, **kwargs)
+        finally:
+            self.width = width
+
+
+console = TableConsole()
+err_console = TableConsole(stderr=True)
 
 ModelArg = typer.Argument(..., help="Hub id (meta-llama/Llama-2-7b-hf), local folder, .gguf file, or offline alias (smollm2-135m).")
 DtypeOpt = typer.Option("auto", "--dtype", help="auto (checkpoint dtype on GPU, fp32 on CPU), bf16, fp16 or fp32.")

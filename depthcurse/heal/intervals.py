@@ -21,13 +21,24 @@ Z95 = 1.959964  # the normal's 97.5% quantile: a two-sided 95% interval
 
 def items(result: dict, part: str, metric: str) -> list[list[float]] | None:
     """The paired items a model's `metric` on `part` averages, as groups, or None where the run
-    did not keep them: per-window losses for a held-out text's loss; per-question scores for a
+    did not keep them: per-window losses (KL, agreement) for a held-out text's; per-question scores for a
     task's headline (a suite: each member's; `retained` is the average's) or one member's column."""
     entry = result.get(part) if isinstance(result, dict) else None
     if not isinstance(entry, dict):
         return None
     if part in ("held_out", "other"):
-        return [list(entry["per_window"])] if metric == "loss" and entry.get("per_window") else None
+        windows = entry.get("per_window")
+        if not windows:
+            return None
+        if metric == "loss":
+            return [list(windows)]
+        if metric in ("kl", "agreement"):
+            kept = entry.get(f"per_window_{metric}")
+            if kept:
+                return [list(kept)]
+            if entry["metrics"].get("kl") == 0.0 and entry["metrics"].get("agreement") == 1.0:  # the reference itself: 0 and 1 in every window
+                return [[0.0 if metric == "kl" else 1.0] * len(windows)]
+        return None
     per_example = entry.get("per_example")
     if not per_example:
         return None

@@ -35,7 +35,7 @@ from depthcurse.heal.config import CONFIG, RESUMABLE_CHANGES, HealConfig
 from depthcurse.heal.healed import HELD_OUT_METRICS, MODELS, Healed
 from depthcurse.heal.intervals import items, ratio_interval, won_back_interval
 from depthcurse.heal.method import HealContext, Method
-from depthcurse.heal.report import heal_rows
+from depthcurse.heal.report import heal_rows, sites_text
 from depthcurse.heal.sites import massive_at_sites
 from depthcurse.io import atomic_write, ensure_out_dir, environment, json_text, refuse_other_run
 from depthcurse.loading import LoadedModel, load_model, window_length
@@ -283,8 +283,11 @@ def measured_note(record: dict) -> str:
         said = "held out of the text it was healed on (it rewards adapting to that text)" if part == "held_out" else "another source, not trained on"
         parts.append(f"{what.get('data')}: {what.get('windows')} windows of {what.get('seq_len')} tokens ({what.get('tokens'):,} tokens), {said}")
     healed = record["results"].get("healed", {}).get("as")
-    return ("Measured on " + "; ".join(parts) + "." if parts else "") + (f" The healed model measured is {healed}." if healed else "") + \
-        " KL and top-1 agreement: to the unpruned model's predictions on the held-out windows."
+    sites = sites_text(record.get("massive_activation"))
+    return (("Measured on " + "; ".join(parts) + "." if parts else "") + (f" The healed model measured is {healed}." if healed else "")
+            + " KL and top-1 agreement: to the unpruned model's predictions on the held-out windows. In brackets after a share won back"
+            " or retained: its 95% interval, from the differences window by window and question by question (every model is measured"
+            " on the same ones)." + (f" {sites[0].upper()}{sites[1:]}." if sites else ""))
 
 
 def evaluation_results(record: dict) -> list[dict]:
@@ -415,7 +418,7 @@ def retained(measured: dict, unpruned: dict | None) -> dict:
 
 
 def _scored(task, score) -> dict:
-    kept = {key: score.details[key] for key in ("per_window", "per_example") if key in score.details}
+    kept = {key: score.details[key] for key in ("per_window", "per_window_kl", "per_window_agreement", "per_example") if key in score.details}
     return {"metric": task.metric, "higher_is_better": task.higher_is_better, "metrics": score.metrics, "examples": score.examples,
             "data": task.describe().get("data", task.describe().get("task")), **kept}
 

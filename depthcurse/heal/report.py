@@ -72,7 +72,8 @@ def sites_text(found: dict | None) -> str:
     if found["cut_writers"]:
         where.append(f"the cut removes block {', '.join(map(str, found['cut_writers']))}, which writes it")
     if found["fold_writers"]:
-        where.append(f"a repair folded into the block before the cut (block {', '.join(map(str, found['fold_writers']))}) changes what writes it")
+        where.append(f"the block right before the cut (block {', '.join(map(str, found['fold_writers']))}) writes it, so a repair folded into "
+                     "that block's output (linear's and linear-cosine's map) or scaling it (prune-comp) changes the massive activation too")
     return said + ": " + ("; ".join(where) if where else "neither the cut nor a fold site writes it")
 
 

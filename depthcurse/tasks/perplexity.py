@@ -83,8 +83,8 @@ class PerplexityTask:
         and `agreement`, the share of positions where both put the same token first: how close the
         model stays to the one it was made from, which a distillation is trained to minimise.
         `per_window`: each window's mean loss too (`details`), the spread a difference between two
-        models is judged against."""
-        total, count, windows = 0.0, 0, []
+        models is judged against; with `reference_of`, each window's KL and agreement as well."""
+        total, count, windows, window_kl, window_agree = 0.0, 0, [], [], []
         kl, agree = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.long)
         for batch in self.windows.split(self.batch_size):
             batch = batch.to(device)
@@ -96,12 +96,20 @@ class PerplexityTask:
             windows += token_losses.view(batch.shape[0], -1).mean(-1).tolist()
             total += loss.item()
             count += batch[:, 1:].numel()
-            if reference is not None:
+            if reference is not None and per_window:  # window by window: the same sums, and each window's share
+                for row, ref_row in zip(logits, reference.to(logits.device)):
+                    row_kl, row_agree = kl_and_agreement(row, ref_row)
+                    kl, agree = kl + row_kl.cpu(), agree + row_agree.cpu()
+                    window_kl.append(float(row_kl) / row.shape[0])
+                    window_agree.append(int(row_agree) / row.shape[0])
+            elif reference is not None:
                 batch_kl, batch_agree = kl_and_agreement(logits, reference.to(logits.device))
                 kl, agree = kl + batch_kl.cpu(), agree + batch_agree.cpu()
         score = self.score(total, count)
         if per_window:
             score.details["per_window"] = windows
+            if reference_of is not None:
+                score.details.update(per_window_kl=window_kl, per_window_agreement=window_agree)
         if reference_of is not None:
             score.metrics.update(kl=float(kl) / count, agreement=int(agree) / count)
         return score
