@@ -24,7 +24,7 @@ def heal(
     ks: Optional[str] = typer.Option(None, "--ks", help="With --order: numbers of layers removed, e.g. 2,4,8, or shares of the depth, e.g. 25%,50% (the first k of the order)."),
     max_drop: Optional[str] = typer.Option(None, "--max-drop", help="With --order: find the largest k whose healed held-out loss stays within this share of the unpruned model's, e.g. 5% (a bisection over the order's prefixes, or over --ks)."),
     strategy: Optional[str] = typer.Option(None, "--strategy", help="With --order: which of its orders (greedy, one-shot, block-influence, angular, last; angular or deepest for an angular result)."),
-    method: str = typer.Option("lora", "--method", help="How the removal is won back (docs/methods.md): lora (adapters trained on text, Gromov et al.), linear (ReplaceMe's least-squares map, folded in), linear-cosine (ReplaceMe's cosine map), layer (a trained layer per removed run: LLM-Streamline), ffn (a trained FFN per run: LLM-Streamline), tune-last (the last kept layers and the head trained), prune-comp (Prune&Comp's magnitude compensation), linearpatch (LinearPatch), a+b (one after the other, e.g. linear+lora), or your own: module:Class or file.py:Class."),
+    method: Optional[str] = typer.Option(None, "--method", help="How the removal is won back (docs/methods.md; default lora): lora (adapters trained on text, Gromov et al.), linear (ReplaceMe's least-squares map, folded in), linear-cosine (ReplaceMe's cosine map), layer (a trained layer per removed run: LLM-Streamline), ffn (a trained FFN per run: LLM-Streamline), tune-last (the last kept layers and the head trained), prune-comp (Prune&Comp's magnitude compensation), linearpatch (LinearPatch), a+b (one after the other, e.g. linear+lora), or your own: module:Class or file.py:Class."),
     methods: Optional[str] = typer.Option(None, "--methods", help="Instead of --method: several, side by side on the same removal, data and measurements, e.g. lora,linear,layer,linear+lora (each in <out>/<method>/; one this model cannot take is left out, with why)."),
     method_args: Optional[str] = typer.Option(None, "--method-args", help="The methods' own settings, key=value,... (lm-eval's --model_args form), e.g. ridge=0.1 or lora.lora_rank=16 for one method of several; docs/methods.md lists each method's."),
     adapt: Optional[str] = typer.Option(None, "--adapt", help="lora: where the adapters go: all (every kept block, the default) or after (only the blocks after the first removed layer: those before run once per batch, without a backward pass)."),
@@ -87,8 +87,9 @@ def heal(
     if strategy is not None and order is None:
         raise DepthcurseError("--strategy picks one of the orders in --order DIR")
     chosen = healing.parse_methods(methods) if methods is not None else None
-    if chosen is not None and method != "lora":
-        raise DepthcurseError("give --method M or --methods M,M,..., not both")
+    if chosen is not None and method is not None:
+        raise DepthcurseError(f"give --method M or --methods M,M,..., not both (--method {method} with --methods {methods})")
+    method = method or "lora"
     args = healing.method_args(method_args, loss=loss, targets=targets, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
                                adapt=adapt, calib_tokens=calib_tokens, ridge=ridge)
     cfg = healing.HealConfig(layers=(), method=chosen[0] if chosen else method, method_args=args, data=data, steps=steps, batch_size=batch_size,
