@@ -174,6 +174,8 @@ def run_pass(steps: list[str], sizes: Sizes, out: Path, budget_s: float, dry: bo
     save()
     print(f"[pass] {sum(s['status'] == 'ok' for s in record['steps'].values())} of {len(steps)} steps ok in {record['seconds']:.0f} s "
           f"of {budget_s:.0f}; {out / RESULT}", flush=True)
+    if any(s["status"] != "ok" for s in record["steps"].values()):
+        raise SystemExit(1)  # a step asked for did not finish: a script (or the device call) must not read this as done
 
 
 def install_bundle(root: Path = ROOT) -> tuple[dict, dict]:

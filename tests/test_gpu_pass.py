@@ -121,6 +121,16 @@ def test_a_pass_killed_in_the_middle_keeps_the_steps_it_finished(tmp_path):
     assert not alive
 
 
+def test_a_pass_whose_steps_did_not_all_finish_exits_non_zero(tmp_path):
+    """`--budget-s 5` is too little for the speed step (skipped, or stopped at its box): the pass says 0
+    of 1 ok and exits 1 (it exited 0 before, which a script reads as done)."""
+    proc = _start(tmp_path, "--budget-s", "5", "--steps", "speed")
+    stdout, _ = proc.communicate(timeout=120)
+    record = json.loads((tmp_path / "gpu_pass.json").read_text())
+    assert proc.returncode == 1, stdout
+    assert record["steps"]["speed"]["status"] in ("skipped", "timeout") and "[pass] 0 of 1 steps ok" in stdout
+
+
 def test_the_carried_bundle_sets_up_the_steps_environment_or_says_why_not(tmp_path):
     """A folder with `.gpu/setup.sh` (as the bundle tool writes it): what it exports is the steps'
     environment; one that fails is the setup's one line, and the steps keep this environment."""

@@ -645,3 +645,39 @@ def test_a_suite_is_each_task_their_average_and_the_share_of_the_unpruned_averag
     console.print(heal_table(record))
     text = console.export_text()
     assert "retained (of the unpruned average)" in text and "95% interval" in text and re.search(r"\d \[-?\d[.\d]*, \d[.\d]*\]", text)
+
+
+def test_a_comparison_survives_a_method_refused_in_its_prepare(bos_model_dir, docs_file, tmp_path):
+    """A method from outside that refuses the model only when it is prepared (a `DepthcurseError`),
+    and one that fails with a plain error there: each is recorded with its reason, `linear` still
+    runs, and the table says which could not; a comparison where none ran is one line."""
+    from depthcurse.errors import DepthcurseError
+    from depthcurse.heal import Models, heal_methods, methods_table
+    from rich.console import Console
+
+    plugin = tmp_path / "late.py"
+    plugin.write_text(
+        "from depthcurse.errors import DepthcurseError\n"
+        "from depthcurse.heal.method import Method\n"
+        "class Refuses(Method):\n"
+        "    name = 'refuses-late'\n"
+        "    def prepare(self, ctx):\n"
+        "        raise DepthcurseError('it needs a layer this model lacks')\n"
+        "class Breaks(Method):\n"
+        "    name = 'breaks-late'\n"
+        "    def prepare(self, ctx):\n"
+        "        raise ValueError('a bug of the plugin')\n")
+    cfg = _cfg(docs_file, steps=2, every_method=True)
+    refuses, breaks = f"{plugin}:Refuses", f"{plugin}:Breaks"
+    compared = heal_methods(load_model(str(bos_model_dir)), Models(load_model(str(bos_model_dir)), lambda: load_model(str(bos_model_dir))),
+                            cfg, (refuses, "linear", breaks), tmp_path / "three")
+    assert list(compared["methods"]) == ["linear"]
+    assert compared["refused"] == {refuses: "it needs a layer this model lacks", breaks: "it raised ValueError: a bug of the plugin"}
+    assert json.loads((tmp_path / "three" / "heal.json").read_text())["refused"] == compared["refused"]
+    console = Console(record=True, width=500)
+    console.print(methods_table(compared))
+    text = console.export_text()
+    assert "Could not run" in text and "a bug of the plugin" in text
+    with pytest.raises(DepthcurseError, match="none of --methods .* healed this model"):
+        heal_methods(load_model(str(bos_model_dir)), Models(load_model(str(bos_model_dir)), lambda: load_model(str(bos_model_dir))),
+                     cfg, (refuses, breaks), tmp_path / "none")

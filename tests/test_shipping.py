@@ -9,6 +9,8 @@ losses computed here for the budget's answer.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 
@@ -109,6 +111,28 @@ def test_a_model_against_itself_is_one_and_four_of_six_layers_are_four_sixths():
                                                                     "KV cache"]
 
 
+def test_the_time_budget_holds_before_the_fewest_pairs_too():
+    """Each measurement takes 10 s of a clock the test keeps: a pair (both models: a prefill and two
+    decodings each) takes 60 s. With --max-seconds 150 it stops after the second pair, since a third
+    would end at 180 s: within the budget, though 6 pairs were asked (it ran 6 pairs whatever the
+    budget before), and the verdict says the pairs are too few for an interval."""
+    model = tiny_llama(300, layers=6)
+    as_model = {"unpruned": lambda: as_is(model), "pruned": lambda: removed_layers(model, (1, 4))}
+    elapsed = [0.0]
+
+    class TenSeconds(BlockClock):
+        def stop(self):
+            super().stop()
+            elapsed[0] += 10.0
+            return 10.0
+
+    cfg = dataclasses.replace(SMALL, max_seconds=150.0)
+    record = measure_speed(as_model, torch.device("cpu"), cfg, 300, clock=TenSeconds(model), now=lambda: elapsed[0])
+    checks = record["checks"]
+    assert all(c["pairs"] == 2 for c in checks.values()) and elapsed[0] - 60.0 <= 150.0  # the warm-up pair is not measuring
+    assert all(c["status"] == "unstable" and "pairs give no 95% interval" in c["reason"] for c in checks.values())
+
+
 def test_a_timing_that_cannot_be_trusted_says_so():
     """Pairs cancel a machine that drifts between them; one that jumps gives a wide interval,
     flagged unstable; a ratio below the layers' share, or above 1, is flagged impossible. The
@@ -167,18 +191,19 @@ def test_speed_on_the_command_line_measures_a_checkpoint_against_its_source(run_
 
     code, stdout, err = run_cli("drop", tiny_model_dir, "--layers", "1,2", "--out", tmp_path / "dropped")
     assert code == 0, err
-    code, stdout, err = run_cli("speed", tmp_path / "dropped", "--repeats", "2", "--max-repeats", "2", "--prefill-len", "16", "--prompt-len", "4",
+    # --max-seconds 0: one pair and no more (a second would end past the budget), too few for an interval
+    code, stdout, err = run_cli("speed", tmp_path / "dropped", "--max-seconds", "0", "--prefill-len", "16", "--prompt-len", "4",
                                 "--new-tokens", "3", "--decode-batches", "1,2", "--out", tmp_path / "speed")
     assert code == 0, err
     record = json.loads((tmp_path / "speed" / "speed.json").read_text())
     models = record["models"]
     assert (models["unpruned"]["layers"], models["pruned"]["layers"]) == (4, 2) and record["run"]["removed"] == [1, 2]
     for name in ("unpruned", "pruned"):
-        assert models[name]["prefill"]["tokens_per_s"] > 0 and len(models[name]["prefill"]["seconds"]["runs"]) == 2
+        assert models[name]["prefill"]["tokens_per_s"] > 0 and len(models[name]["prefill"]["seconds"]["runs"]) == 1
         assert set(models[name]["decode"]) == {"1", "2"} and models[name]["prefill"]["peak_rise_bytes"] >= 0
     assert "what the removal buys" in " ".join(stdout.split()) and "NOT TRUSTED" in " ".join(stdout.split())
     assert not record["trusted"] and record["card"] is None and record["checks"]["prefill_time"]["status"] == "unstable"
-    assert "not a finding, prefill time: unstable: 2 pairs give no 95% interval" in " ".join(err.split()) and "model card was left" in err
+    assert "not a finding, prefill time: unstable: 1 pair gives no 95% interval" in " ".join(err.split()) and "model card was left" in err
     card = (tmp_path / "dropped" / "README.md").read_text()
     assert "## What the removal buys" not in card
     cfg = SpeedConfig(prefill_len=16, prompt_len=4, new_tokens=3, decode_batches=(1, 2), max_repeats=6)
@@ -199,7 +224,7 @@ def test_speeds_bad_inputs_get_one_line(run_cli, tiny_model_dir, tmp_path):
     assert_one_line_error(*run_cli("speed", tiny_model_dir, "--out", tmp_path / "a"), "give --layers L (removed in memory), or a checkpoint drop or heal made")
     assert_one_line_error(*run_cli("speed", tmp_path / "dropped", "--layers", "2", "--out", tmp_path / "b"), "without layers 1: it is measured against the model it came from")
     assert_one_line_error(*run_cli("speed", tiny_model_dir, "--layers", "0-3", "--out", tmp_path / "c"), "--layers 0-3 removes all 4 layers")
-    assert_one_line_error(*run_cli("speed", tiny_model_dir, "--layers", "1", "--repeats", "0"), "--repeats must be at least 1, got 0")
+    assert_one_line_error(*run_cli("speed", tiny_model_dir, "--layers", "1", "--repeats", "0"), "--repeats must be at least 6, the fewest pairs a 95% interval of the median rests on, got 0")
     assert_one_line_error(*run_cli("speed", tiny_model_dir, "--layers", "1", "--decode-batches", "1,x"), "--decode-batches '1,x': give batch sizes, e.g. 1,8")
     assert_one_line_error(*run_cli("speed", tiny_model_dir, "--layers", "1", "--decode-batches", "0"), "--decode-batches must be batch sizes of at least 1, got 0")
     assert_one_line_error(*run_cli("speed", tiny_model_dir, "--layers", "1", "--repeats", "8", "--max-repeats", "6"), "--max-repeats must be at least --repeats (8), got 6")
@@ -394,4 +419,4 @@ def test_shares_of_the_depth_and_the_budget_bad_inputs(run_cli, bos_model_dir, d
     assert_one_line_error(*run_cli("drop", bos_model_dir, "--layers", "1", "--out", tmp_path / "d", "--push-to-hub", "a b"), "--push-to-hub 'a b' is not a hub repository name")
     assert_one_line_error(*run_cli(*base, "--order", tmp_path, "--ks", "2", "--speed"), "--speed and --push-to-hub take the one healed checkpoint of --layers L")
     assert_one_line_error(*run_cli("speed", bos_model_dir), "give --layers L (removed in memory), or a checkpoint drop or heal made")
-    assert_one_line_error(*run_cli("speed", bos_model_dir, "--layers", "1", "--repeats", "0"), "--repeats must be at least 1, got 0")
+    assert_one_line_error(*run_cli("speed", bos_model_dir, "--layers", "1", "--repeats", "0"), "--repeats must be at least 6, the fewest pairs a 95% interval of the median rests on, got 0")

@@ -166,6 +166,9 @@ def heal(
         elif several:
             console.print(healing.methods_table(record))
             console.print(f"wrote {out_dir / healing.HEAL_JSON} and each method's run, with its healed checkpoint hf/, in {out_dir}/<method>/")
+            if record.get("refused"):  # the table says which and why; the exit code says not every method ran
+                err_console.print(Text(f"not every method ran: {', '.join(record['refused'])} could not (heal.json's refused says why)"), soft_wrap=True)
+                raise typer.Exit(1)
         else:
             console.print(healing.heal_table(record))
             console.print(f"wrote {out_dir / healing.HEAL_JSON}, {out_dir / 'metrics.jsonl'}, {out_dir / 'loss.png'} and the healed checkpoint {record['hf']} "

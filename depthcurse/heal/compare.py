@@ -66,7 +66,8 @@ def heal_methods(loaded: LoadedModel, models: Models, cfg: HealConfig, methods: 
                  on_method: Callable[[str, int, int], None] | None = None, **callbacks) -> dict | None:
     """Heal `cfg.layers` by each of `methods`, each on `models.next()`, checked against `loaded`
     first; the comparison's record, `heal.json` in `out_dir`, on rank 0. A method this model's
-    architecture cannot take is left out, with why, and the others run. `unpruned`: that model's
+    architecture cannot take is left out, with why, and the others run; so is one refused later (in
+    its prepare or training: a `DepthcurseError`, or any error of a method from outside). `unpruned`: that model's
     measurement if it was made already (a healed curve's)."""
     out_dir = ensure_out_dir(out_dir)
     refused = {m: why_not for m in methods if (why_not := refusal(loaded, cfg.for_method(m).build(), cfg.layers)) is not None}
@@ -86,7 +87,16 @@ def heal_methods(loaded: LoadedModel, models: Models, cfg: HealConfig, methods: 
         folder = out_dir / _folder(method)
         point = finished(folder, checked[method])  # finished before an interruption: not loaded again
         if point is None:
-            point = heal(models.next(), cfg.for_method(method), folder, world=world, why=why, **shared, **callbacks)
+            try:
+                point = heal(models.next(), cfg.for_method(method), folder, world=world, why=why, **shared, **callbacks)
+            except Exception as exc:  # refused late (its prepare, its training): the others still run, and the record says why
+                if not isinstance(exc, DepthcurseError) and cfg.for_method(method).build().builtin:
+                    raise  # a built-in method's own error is a bug of ours: not a refusal to file away
+                refused[method] = str(exc) if isinstance(exc, DepthcurseError) else f"it raised {type(exc).__name__}: {exc}"
+                if world.main:
+                    record["refused"] = refused
+                    atomic_write(out_dir / HEAL_JSON, json_text(record))
+                continue
         if not world.main:
             continue
         shared = {name: point["results"][name] for name in ("unpruned", "pruned")}
@@ -97,6 +107,8 @@ def heal_methods(loaded: LoadedModel, models: Models, cfg: HealConfig, methods: 
         record["methods"][method] = {**method_entry(point), "folder": _folder(method)}
         record["ties"] = method_differences(record)
         atomic_write(out_dir / HEAL_JSON, json_text(record))
+    if all(m in refused for m in able):
+        raise DepthcurseError(f"none of --methods {','.join(methods)} healed this model: " + "; ".join(f"{m}: {w}" for m, w in refused.items()))
     return record if world.main else None
 
 

@@ -54,9 +54,11 @@ class SpeedConfig:
     seed: int = 0
 
     def checked(self) -> "SpeedConfig":
-        for name in ("prefill_batch", "prefill_len", "prompt_len", "new_tokens", "repeats"):
+        for name in ("prefill_batch", "prefill_len", "prompt_len", "new_tokens"):
             if getattr(self, name) < 1:
                 raise DepthcurseError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.repeats < MIN_PAIRS:
+            raise DepthcurseError(f"--repeats must be at least {MIN_PAIRS}, the fewest pairs a 95% interval of the median rests on, got {self.repeats}")
         if self.max_repeats < self.repeats:
             raise DepthcurseError(f"--max-repeats must be at least --repeats ({self.repeats}), got {self.max_repeats}")
         if not self.tolerance > 0 or not self.max_seconds >= 0:
@@ -195,12 +197,13 @@ def _decode(model: nn.Module, prompt: torch.Tensor, new_tokens: int, clock: _Clo
 
 
 def measure_speed(as_model: dict[str, Callable[[], contextlib.AbstractContextManager]], device: torch.device, cfg: SpeedConfig, vocab: int,
-                  on_step: Callable[[str, int, int], None] | None = None, clock=None) -> dict:
+                  on_step: Callable[[str, int, int], None] | None = None, clock=None, now: Callable[[], float] = time.monotonic) -> dict:
     """The two models `as_model` makes ("unpruned", "pruned": each a context in which the model
     it gives is that one), measured in turns until every time ratio is steady or the budget is
     spent; the figures, their ratios (the median of the pairs'), each ratio's interval and verdict,
     and the shares of layers, arithmetic and bytes it could reach. `clock`: what times a
-    measurement (`start()`, `stop() -> seconds`), CUDA events or wall time by default."""
+    measurement (`start()`, `stop() -> seconds`), CUDA events or wall time by default; `now`, what
+    the time budget (`max_seconds`) is read from."""
     cfg = cfg.checked()
     clock, memory = clock or _Clock(device), PeakMemory(device)
     prefill_ids = _tokens(vocab, (cfg.prefill_batch, cfg.prefill_len), cfg.seed, device)
@@ -213,6 +216,9 @@ def measure_speed(as_model: dict[str, Callable[[], contextlib.AbstractContextMan
     done, started, r = 0, None, 0
     while True:
         this_round = {}
+        if r >= cfg.warmup:
+            pair_started = now()
+            started = started or pair_started  # the budget counts from the first measured pair's start
         for name in names if r % 2 == 0 else reversed(names):  # A B, then B A: neither always goes first
             with as_model[name]() as model:
                 seconds, rise, kv = _prefill(model, prefill_ids, clock, memory)
@@ -232,10 +238,11 @@ def measure_speed(as_model: dict[str, Callable[[], contextlib.AbstractContextMan
             if on_step:
                 on_step(name, done, 2 * max(r + 1, cfg.warmup + cfg.repeats))
         if r >= cfg.warmup:
-            started = started or time.monotonic()
             for key, u, p in zip(timed, this_round["unpruned"], this_round["pruned"]):
                 pairs[key].ratios.append(p / u)
-            if enough(list(pairs.values()), r + 1 - cfg.warmup, cfg.repeats, cfg.max_repeats, time.monotonic() - started, cfg.max_seconds, cfg.tolerance):
+            ended = now()
+            if enough(list(pairs.values()), r + 1 - cfg.warmup, cfg.repeats, cfg.max_repeats, ended - started, cfg.max_seconds, cfg.tolerance,
+                      last_pair_s=ended - pair_started):
                 break
         r += 1
     models = {}

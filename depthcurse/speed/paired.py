@@ -102,7 +102,8 @@ def judge(ratio: PairedRatio, shares: Shares | None = None, ceiling: float | Non
     `shares`, not above `ceiling` (1 for a pruned model against its source: a subset of its work)."""
     interval, median = ratio.interval, ratio.median
     if interval is None:
-        return Verdict("unstable", f"{len(ratio.ratios)} pairs give no {ratio.confidence:.0%} interval (at least {MIN_PAIRS} do)")
+        n = len(ratio.ratios)
+        return Verdict("unstable", f"{n} {'pair gives' if n == 1 else 'pairs give'} no {ratio.confidence:.0%} interval (at least {MIN_PAIRS} do)")
     lo, hi = interval
     if shares is not None and hi < shares.lowest:
         return Verdict("impossible", f"{median:.3f}x ({lo:.3f}-{hi:.3f}) lies below {shares.lowest:.3f}x, the share of the "
@@ -118,9 +119,13 @@ def judge(ratio: PairedRatio, shares: Shares | None = None, ceiling: float | Non
 
 
 def enough(ratios: list[PairedRatio], pairs: int, min_pairs: int, max_pairs: int, elapsed: float, budget_s: float,
-           tolerance: float = TOLERANCE) -> bool:
+           tolerance: float = TOLERANCE, last_pair_s: float = 0.0) -> bool:
     """Whether to stop measuring: every ratio tight after `min_pairs`, or `max_pairs` reached, or
-    the time budget spent (checked after each pair, so a pair is never cut in half)."""
+    the time budget spent, or another pair as long as the last (`last_pair_s`) would overrun it:
+    checked after each pair, so a pair is never cut in half and the budget holds before
+    `min_pairs` too (fewer pairs then give no interval, which the verdict says)."""
+    if elapsed + last_pair_s > budget_s:
+        return True
     if pairs < min_pairs:
         return False
-    return pairs >= max_pairs or elapsed >= budget_s or all(r.tight(tolerance) for r in ratios)
+    return pairs >= max_pairs or all(r.tight(tolerance) for r in ratios)
