@@ -420,3 +420,18 @@ def test_shares_of_the_depth_and_the_budget_bad_inputs(run_cli, bos_model_dir, d
     assert_one_line_error(*run_cli(*base, "--order", tmp_path, "--ks", "2", "--speed"), "--speed and --push-to-hub take the one healed checkpoint of --layers L")
     assert_one_line_error(*run_cli("speed", bos_model_dir), "give --layers L (removed in memory), or a checkpoint drop or heal made")
     assert_one_line_error(*run_cli("speed", bos_model_dir, "--layers", "1", "--repeats", "0"), "--repeats must be at least 6, the fewest pairs a 95% interval of the median rests on, got 0")
+
+
+def test_an_interval_wholly_between_the_floor_and_one_is_a_finding_however_wide():
+    """Bounded by the layers' share (the floor) and 1, the interval decides: 0.75-0.85 over 6 pairs
+    (+-6%, wider than the tolerance) is a speed-up of 15-25%, said with its width; one reaching 1 or
+    crossing the floor is not a finding; the tolerance only says when to stop measuring."""
+    from depthcurse.speed.paired import PairedRatio, Shares, enough, judge
+
+    shares = Shares(layers=0.7, arithmetic=0.8, bytes=0.85)
+    wide = PairedRatio([0.75, 0.78, 0.80, 0.80, 0.82, 0.85])
+    verdict = judge(wide, shares, ceiling=1.0, tolerance=0.05)
+    assert verdict.status == "ok" and "15% to 25% less" in verdict.reason and "+-" in verdict.reason and verdict.regime == "arithmetic"
+    assert not enough([wide], 6, 6, 40, 0.0, 300.0, tolerance=0.05)  # not steady: measuring goes on
+    assert judge(PairedRatio([0.8, 0.85, 0.9, 0.95, 0.98, 1.01]), shares, ceiling=1.0).status == "unstable"  # reaches 1
+    assert "crosses 0.700x" in judge(PairedRatio([0.65, 0.7, 0.72, 0.75, 0.78, 0.8]), shares, ceiling=1.0).reason

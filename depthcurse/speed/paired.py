@@ -7,11 +7,13 @@ of the pairs' ratios, with a distribution-free interval for that median (order s
 binomial: no assumption that the noise is normal, and a few wild pairs widen it without moving
 it). Measuring goes on until the interval is tight enough or a budget runs out (`enough`).
 
-A verdict then says whether the ratio is a finding: `unstable` when its interval is wider than the
-tolerance (or too few pairs give none), `impossible` when its interval lies wholly below the lowest
-share it can reach (`Shares`: for a removal, of the layers, the arithmetic, the bytes) or wholly
-above a ceiling (1 for a pruned model, which does a subset of the unpruned model's work).
-Otherwise `ok`, with the regime it sits in: the share it is nearest to.
+A verdict then says whether the ratio is a finding: `impossible` when its interval lies wholly below
+the lowest share it can reach (`Shares`: for a removal, of the layers, the arithmetic, the bytes) or
+wholly above a ceiling (1 for a pruned model, which does a subset of the unpruned model's work);
+bounded on both sides, `ok` when the interval lies wholly between the floor and the ceiling (a
+change told apart, with its width said) and `unstable` when it reaches the ceiling or crosses the
+floor; unbounded, `unstable` when the interval is wider than the tolerance (or too few pairs give
+none). An `ok` names its regime: the share it is nearest to.
 """
 
 from __future__ import annotations
@@ -111,6 +113,17 @@ def judge(ratio: PairedRatio, shares: Shares | None = None, ceiling: float | Non
     if ceiling is not None and lo > ceiling:
         return Verdict("impossible", f"{median:.3f}x ({lo:.3f}-{hi:.3f}) lies above {ceiling:.3f}x: the faster side measured slower, though "
                                      "it runs a subset of the other's work: the machine changed while it ran")
+    if shares is not None and ceiling is not None:
+        # Bounded on both sides, the interval itself says whether there is a finding: wholly between
+        # the floor and the ceiling, the change is told apart, however wide (its width is said);
+        # the tolerance then only decides when to stop measuring.
+        if hi >= ceiling:
+            return Verdict("unstable", f"{median:.3f}x, but its interval {lo:.3f}-{hi:.3f} reaches {ceiling:.3f}x over {len(ratio.ratios)} pairs: "
+                                       "no change told apart")
+        if lo < shares.lowest:
+            return Verdict("unstable", f"{median:.3f}x, but its interval {lo:.3f}-{hi:.3f} crosses {shares.lowest:.3f}x, the share of the "
+                                       f"{shares.regime(shares.lowest)} kept, over {len(ratio.ratios)} pairs: the machine changed while it ran")
+        return Verdict("ok", f"{median:.3f}x ({lo:.3f}-{hi:.3f}, +-{ratio.half_width:.1%}): {1 - hi:.0%} to {1 - lo:.0%} less", shares.regime(median))
     if not ratio.tight(tolerance):
         return Verdict("unstable", f"{median:.3f}x, but its interval {lo:.3f}-{hi:.3f} is +-{ratio.half_width:.1%} wide "
                                    f"(more than +-{tolerance:.0%}) over {len(ratio.ratios)} pairs")
