@@ -681,3 +681,55 @@ def test_a_comparison_survives_a_method_refused_in_its_prepare(bos_model_dir, do
     with pytest.raises(DepthcurseError, match="none of --methods .* healed this model"):
         heal_methods(load_model(str(bos_model_dir)), Models(load_model(str(bos_model_dir)), lambda: load_model(str(bos_model_dir))),
                      cfg, (refuses, breaks), tmp_path / "none")
+
+
+def test_an_outside_class_that_breaks_the_contract_is_told_which_rule_in_one_line(tmp_path):
+    """A class that is not a Method says so (not "has no class"); a name that is a built-in
+    method's is refused; `Settings` that is not a dataclass is one line naming the method, not
+    Python's TypeError."""
+    from depthcurse.errors import DepthcurseError
+
+    plugin = tmp_path / "broken.py"
+    plugin.write_text(
+        "from depthcurse.heal.method import Method\n"
+        "class NotAMethod:\n"
+        "    name = 'plain'\n"
+        "class Clash(Method):\n"
+        "    name = 'linear'\n"
+        "class DictSettings(Method):\n"
+        "    name = 'dict-settings'\n"
+        "    Settings = dict\n")
+    for attr, match in (("NotAMethod", "NotAMethod in "), ("Missing", "has no class Missing"), ("Clash", "its name 'linear' is the built-in method's"),
+                        ("DictSettings", "--method dict-settings: its Settings must be a dataclass")):
+        with pytest.raises(DepthcurseError, match=re.escape(match)) as err:
+            build_method(f"{plugin}:{attr}")
+        assert "\n" not in str(err.value)
+    with pytest.raises(DepthcurseError, match="is not a recovery method: make it a subclass of depthcurse.heal.Method"):
+        build_method(f"{plugin}:NotAMethod")
+
+
+def test_a_method_that_says_it_trains_but_gives_nothing_to_train_is_refused_before_its_result(bos_model_dir, docs_file, tmp_path):
+    """`trains = True` with no objective, or with an objective without a trainable parameter, gave
+    a 'healed' checkpoint equal to the plain removal, at a cost of 0 s; now one line names the method
+    and the rule, and no heal.json is written."""
+    from depthcurse.errors import DepthcurseError
+
+    plugin = tmp_path / "idle.py"
+    plugin.write_text(
+        "import torch\n"
+        "from depthcurse.heal.method import Method\n"
+        "class NoObjective(Method):\n"
+        "    name = 'no-objective'\n"
+        "    trains = True\n"
+        "class Frozen(Method):\n"
+        "    name = 'frozen'\n"
+        "    trains = True\n"
+        "    def objective(self, ctx):\n"
+        "        m = torch.nn.Linear(2, 2)\n"
+        "        m.requires_grad_(False)\n"
+        "        return m\n")
+    for attr, said in (("NoObjective", "gave none"), ("Frozen", "has no trainable parameter")):
+        spec = f"{plugin}:{attr}"
+        with pytest.raises(DepthcurseError, match=re.escape(f"--method {spec}: it says it trains (trains = True), but its objective() {said}")):
+            heal(load_model(str(bos_model_dir)), _cfg(docs_file, method=spec), tmp_path / attr)
+        assert not (tmp_path / attr / "heal.json").exists()

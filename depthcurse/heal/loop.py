@@ -150,6 +150,9 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
     healed = Healed(model, cfg.layers, method)
     objective = method.objective(ctx) if method.trains else None
     trained = sum(p.numel() for p in trainable(objective)) if objective is not None else 0
+    if method.trains and not trained:  # else the "healed" checkpoint would be the plain removal, called healed
+        raise DepthcurseError(f"--method {cfg.method}: it says it trains (trains = True), but its objective() "
+                              + ("gave none" if objective is None else "has no trainable parameter"))
     if on_start and world.main:
         on_start({"start_step": 0, "steps": cfg.steps if objective is not None else 0, "trained": trained, "data": data.label,
                   "held_out_tokens": held_out["held_out"].windows[:, 1:].numel(), "device": str(device), "world_size": world.size})

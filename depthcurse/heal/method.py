@@ -29,7 +29,7 @@ import importlib.util
 import math
 import sys
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Callable, ClassVar, Iterator
 
@@ -318,8 +318,13 @@ def _outside(spec: str) -> type[Method]:
     except Exception as exc:  # the user's module failed to import: say where, in one line
         raise DepthcurseError(f"--method {spec}: importing {where} failed: {type(exc).__name__}: {exc}") from exc
     cls = getattr(module, attr, None)
+    if cls is None:
+        raise DepthcurseError(f"--method {spec}: {where} has no class {attr}")
     if not (isinstance(cls, type) and issubclass(cls, Method)):
-        raise DepthcurseError(f"--method {spec}: {where} has no class {attr} made from depthcurse.heal.Method")
+        raise DepthcurseError(f"--method {spec}: {attr} in {where} is not a recovery method: make it a subclass of depthcurse.heal.Method")
+    builtin = builtin_methods().get(cls.name)
+    if builtin is not None and builtin is not cls:
+        raise DepthcurseError(f"--method {spec}: its name {cls.name!r} is the built-in method's: give {attr} a name of its own")
     return cls
 
 
@@ -388,9 +393,18 @@ def _typed(cls, name: str, value, method: str):
     return value
 
 
+def settings_fields(cls: type[Method]) -> tuple:
+    """The fields of `cls.Settings`, which the contract asks to be a dataclass: one line naming the
+    method where it is not (Python's own error would name neither)."""
+    if not (isinstance(cls.Settings, type) and is_dataclass(cls.Settings)):
+        raise DepthcurseError(f"--method {cls.name or cls.__name__}: its Settings must be a dataclass (the settings --method-args sets), "
+                              f"got {getattr(cls.Settings, '__name__', cls.Settings)!s}")
+    return fields(cls.Settings)
+
+
 def configure(cls: type[Method], args: dict) -> Method:
     """An instance of `cls` with `args` (name -> value, text or typed) set on its settings."""
-    known = {f.name for f in fields(cls.Settings)}
+    known = {f.name for f in settings_fields(cls)}
     unknown = sorted(set(args) - known)
     if unknown:
         raise DepthcurseError(f"{said(unknown[0])} does not apply to --method {cls.name or cls.__name__} (its settings: {', '.join(sorted(known)) or 'none'})")
@@ -408,7 +422,7 @@ def build_method(spec: str, args: dict[str, str] | None = None, common: dict | N
     members = []
     used = set()
     for name, cls in zip(names, classes):
-        own = {f.name for f in fields(cls.Settings)}
+        own = {f.name for f in settings_fields(cls)}
         mine = {k: v for k, v in common.items() if k in own}
         for key, value in args.items():
             scope, dot, bare = key.rpartition(".")
@@ -424,7 +438,7 @@ def build_method(spec: str, args: dict[str, str] | None = None, common: dict | N
     unused = [k for k in args if k not in used and "." not in k]
     if unused:
         key = unused[0]
-        has = ", ".join(sorted({f.name for cls in classes for f in fields(cls.Settings)})) or "none"
+        has = ", ".join(sorted({f.name for cls in classes for f in settings_fields(cls)})) or "none"
         raise DepthcurseError(f"{said(key)} does not apply to --method {spec} (its settings: {has})")
     return members[0] if len(members) == 1 else Compose(members)
 
