@@ -33,7 +33,7 @@ from depthcurse.errors import DepthcurseError
 from depthcurse.heal.adapters import trainable
 from depthcurse.heal.config import CONFIG, RESUMABLE_CHANGES, HealConfig
 from depthcurse.heal.healed import HELD_OUT_METRICS, MODELS, Healed
-from depthcurse.heal.intervals import items, ratio_interval, won_back_interval
+from depthcurse.heal.intervals import items, ratio_interval, standard_error, won_back_interval
 from depthcurse.heal.method import HealContext, Method
 from depthcurse.heal.report import heal_rows, sites_text
 from depthcurse.heal.sites import massive_at_sites
@@ -469,8 +469,7 @@ def _noise(results: dict, part: str, metric: str) -> float:
     held-out windows' losses; for a task's accuracy, that of two proportions; 0 where unknown."""
     u, p = results["unpruned"][part], results["pruned"][part]
     if metric == "loss" and "per_window" in u and "per_window" in p and len(u["per_window"]) > 1:
-        diffs = torch.tensor(p["per_window"], dtype=torch.float64) - torch.tensor(u["per_window"], dtype=torch.float64)
-        return float(diffs.std() / math.sqrt(len(diffs)))
+        return standard_error({"unpruned": [u["per_window"]], "pruned": [p["per_window"]]}, {"pruned": 1.0, "unpruned": -1.0})
     if part == "task":
         n = p.get("examples") or 0
         a, b = u["metrics"].get(metric), p["metrics"].get(metric)

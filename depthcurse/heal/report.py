@@ -166,8 +166,8 @@ def heal_table(record: dict) -> Table:
              f"({run.get('method_how') or method})")
     healed_as = record["results"].get("healed", {}).get("as")
     caption = f"{_held_out_caption(record)}; the healed model: {healed_as or 'in memory'}; cost: {cost_text(record.get('cost'))}"
-    if sites_text(record.get("massive_activation")):
-        caption += ". " + sites_text(record.get("massive_activation"))
+    if sites := sites_text(record.get("massive_activation")):
+        caption += ". " + sites
     table = Table(title=title, caption=caption, header_style="bold")
     header, *rows = heal_rows(record)
     for i, name in enumerate(header):
@@ -189,10 +189,10 @@ def methods_table(record: dict) -> Table:
     caption = f"{_held_out_caption(record)}; each method's cell: healed (recovered). {named}"
     if refused:
         caption += ". Could not run: " + "; ".join(f"{m}: {why}" for m, why in refused.items())
-    if ties_text(record):
-        caption += ". " + ties_text(record)
-    if sites_text(record.get("massive_activation")):
-        caption += ". " + sites_text(record.get("massive_activation"))
+    if ties := ties_text(record):
+        caption += ". " + ties
+    if sites := sites_text(record.get("massive_activation")):
+        caption += ". " + sites
     table = Table(title=f"{run['model']} without layers {','.join(map(str, run['layers']))}: every method on the same removal",
                   caption=caption, header_style="bold")
     table.add_column("model")

@@ -1,8 +1,8 @@
 """Where a removal and its repair act, and what sits there: the massive activation (Sun et al.
 2024). A few blocks write into the stream, on one or two tokens (the first of a text), values a
 thousand times the median that the rest of the model reads as a bias. A removal of such a block,
-or a repair folded into it (ReplaceMe's map, Prune&Comp's scale, LinearPatch's patch at the
-block before the cut), changes that value; a loss that weighs every token alike (the cosine map's)
+or a repair folded into the block right before the cut (ReplaceMe's map in its MLP output,
+Prune&Comp's scale on its writers), changes that value; a loss that weighs every token alike (the cosine map's)
 barely sees the error it makes on those few tokens, and the model's output does. So a heal says
 when its cut or its fold site is a block that writes one."""
 

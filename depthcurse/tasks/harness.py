@@ -184,10 +184,10 @@ class LmEvalTask:
             t.set_fewshot_seed(seed=seed)
             if max_gen_toks is not None and t.get_config("output_type") == "generate_until":
                 t.config.generation_kwargs = {**(t.config.generation_kwargs or {}), "max_gen_toks": max_gen_toks}
+        self.headlines = {name: _headline(t) for name, t in loaded["tasks"].items()}
         first = next(iter(loaded["tasks"].values()))
-        metric = next(iter(first._metric_fn_list))
-        filters = [f.get("name", "none") for f in (first.get_config("filter_list") or [])] or ["none"]
-        self.metric = metric_name(f"{metric},{filters[0]}") if not self.members else SUITE_METRIC
+        metric, first_filter = next(iter(self.headlines.values()))
+        self.metric = metric_name(f"{metric},{first_filter}") if not self.members else SUITE_METRIC
         self.higher_is_better = bool(first.higher_is_better().get(metric, True))
         self._lm = None
         # Keep each question's headline score in `details["per_example"]` (lm-eval's logged samples):
@@ -239,10 +239,7 @@ class LmEvalTask:
         questions under its name (a group's subtasks pooled, as its micro-average pools them).
         None where lm-eval logged no samples or a sample's score is not one number per question."""
         samples = results.get("samples") or {}
-        leaves = {}
-        for name, t in self.loaded["tasks"].items():
-            filters = [f.get("name", "none") for f in (t.get_config("filter_list") or [])] or ["none"]
-            leaves[name] = (next(iter(t._metric_fn_list)), filters[0])
+        leaves = self.headlines
         if not samples or not set(leaves) <= set(samples):
             return None
 
@@ -293,6 +290,12 @@ class LmEvalTask:
 
 
 SUITE_METRIC = "average"  # a suite's headline: the mean of its tasks' headline metrics
+
+
+def _headline(task) -> tuple[str, str]:
+    """An lm-eval task's headline: its first metric, on its first filter (what each question scores too)."""
+    filters = [f.get("name", "none") for f in (task.get_config("filter_list") or [])] or ["none"]
+    return next(iter(task._metric_fn_list)), filters[0]
 
 
 def quiet_hflm():

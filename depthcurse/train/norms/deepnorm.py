@@ -1,8 +1,6 @@
 """DeepNorm (Wang et al. 2022, DeepNet): Post-LN with the stream up-weighted by a = (2L)^(1/4) and
 the branches' matrices drawn down by b = (8L)^(-1/4), for a decoder of L layers."""
 
-import math
-
 from depthcurse.train.norms.base import Normalisation, blocks, original_layers
 
 
@@ -23,15 +21,12 @@ class DeepNorm(Normalisation):
         return (2 * original_layers(cfg)) ** 0.25
 
     def defining_init(self, model, cfg):
+        from torch import nn  # lazy: the registry is read without torch
+
         beta = (8 * original_layers(cfg)) ** -0.25
         for block in blocks(model):
             attn, mlp = block.self_attn, block.mlp
             for lin in (attn.q_proj, attn.k_proj):
-                _xavier_normal(lin.weight, 1.0)
+                nn.init.xavier_normal_(lin.weight, gain=1.0)
             for lin in (attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-                _xavier_normal(lin.weight, beta)
-
-
-def _xavier_normal(w, gain: float) -> None:
-    fan_out, fan_in = w.shape
-    w.normal_(0.0, gain * math.sqrt(2.0 / (fan_in + fan_out)))  # torch.nn.init.xavier_normal_, the same draw
+                nn.init.xavier_normal_(lin.weight, gain=beta)
