@@ -2,8 +2,8 @@
 
 A lent GPU comes bare (torch, Triton and transformers, none of our other packages, data or
 weights) for 15 minutes of device time, start-up included, at most 10 minutes a command. This
-script, started there with the bundle carried (`../shared/tools/gpu-bundle`), installs what
-travels with it (`.gpu/setup.sh`), then runs the list in priority order, each step a child
+script, started there with `.gpu/` beside it (packed here by `benchmarks/gpu_bundle.sh`), installs
+what travels with it (`.gpu/setup.sh`), then runs the list in priority order, each step a child
 process (a process group: one that hangs or runs out of memory costs only its own box) with its
 own time box out of `--budget-s`, what one leaves unused going to those after it:
 
@@ -25,8 +25,8 @@ guess. One line is printed per step. `--dry-run` runs the same steps on the CPU 
 in about a minute, within a budget of 240 s (a test runs it, beside other tests), and there the mmlu step also runs its target, so that the
 derivation is checked against a measured run before a GPU's is trusted.
 
-    # on the device tool, after ../shared/tools/gpu-bundle here (carry=[".gpu"], timeout_s=560):
-    python3 benchmarks/gpu_pass.py --out $OUT
+    # on the GPU machine, from a copy of the checkout with .gpu/ (benchmarks/gpu_bundle.sh, run here):
+    python3 benchmarks/gpu_pass.py --out DIR
     .venv/bin/python benchmarks/gpu_pass.py --dry-run --out /tmp/pass      # the CPU rehearsal
 """
 

@@ -173,11 +173,20 @@ def card_text(record: dict) -> str:
     if record.get("weights"):
         lines += [f"**The weights:** {record['weights']}", ""]
     if healing:
-        lines += ["## How it was healed", "", f"By {healing.get('title') or method} (`--method {method}`): {healing.get('how', '')}.", ""]
+        lines += ["## How it was healed", ""]
+        if record.get("unchanged"):
+            lines += [f"**Not healed:** {record['unchanged']}; this checkpoint is the plain removal.", ""]
+        spec = healing.get("spec") or method
+        lines += [f"By {healing.get('title') or method} (`--method {spec}`): {healing.get('how', '')}.", ""]
+        if any(":" in part for part in spec.split("+")):
+            lines += [f"**{method} is not one of depthcurse's methods:** `{spec}` names the file (or module) and the class that define it; "
+                      "the command below makes this checkpoint again where that file is at that path (or that module imports).", ""]
+        if healing.get("cost"):
+            lines += [f"**What it cost:** {healing['cost']} (the method's own work: estimating, training; not the measurements).", ""]
         if healing.get("changes"):
             lines += [f"**What the checkpoint holds besides the removal:** {healing['changes']}.", ""]
         settings = healing.get("settings") or {}
-        lines += [*[f"- {k.replace('_', ' ')}: {v}" for k, v in healing.items() if v is not None and k not in ("method", "title", "how", "changes", "files", "settings")],
+        lines += [*[f"- {k.replace('_', ' ')}: {v}" for k, v in healing.items() if v is not None and k not in ("method", "title", "how", "changes", "files", "settings", "spec", "cost")],
                   *[f"- {k.replace('_', ' ')}: {v}" for k, v in _flat(settings).items()], ""]
     if measured:
         lines += ["## Measured", "", *_markdown(measured), ""]

@@ -25,8 +25,13 @@ def parse_methods(text: str) -> tuple[str, ...]:
     methods = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
     if not methods:
         raise DepthcurseError(f"--methods {text!r}: give methods, e.g. lora,linear")
+    named: dict[str, str] = {}
     for m in methods:
-        build_method(m)  # an unknown name is one line, naming the known ones
+        name = build_method(m).name  # an unknown name is one line, naming the known ones
+        if name in named:
+            raise DepthcurseError(f"--methods {text}: {named[name]} and {m} are both named {name!r}, so the table and heal.json could not tell "
+                                  "them apart: give one a name of its own")
+        named[name] = m
     return methods
 
 
@@ -47,7 +52,7 @@ def method_entry(point: dict) -> dict:
     back (and why not, where there was no gap), the cost, and how it healed."""
     return {"results": point["results"]["healed"], "recovered": point["recovered"], "recovered_why": point.get("recovered_why", {}),
             "recovered_interval": point.get("recovered_interval", {}), "cost": point.get("cost"), "hf_layers": point.get("hf_layers"), "hf_bytes": point.get("hf_bytes"),
-            "title": point["run"].get("method_title"), "how": point["run"].get("method_how")}
+            "title": point["run"].get("method_title"), "how": point["run"].get("method_how"), "unchanged": point.get("unchanged")}
 
 
 class Models:

@@ -9,7 +9,7 @@ import shlex
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.heal.method import Method, build_method, method_settings_text, parse_method_args
+from depthcurse.heal.method import Method, addresses, build_method, method_settings_text, parse_method_args
 from depthcurse.train.config import check_schedule
 from depthcurse.train.tracking import parse_report_to
 
@@ -55,11 +55,10 @@ class HealConfig:
         """This run by `method` alone, with the settings among `method_args` that are its own (in a
         comparison, each method takes those of its fields; `name.key` is that method's only)."""
         mine = {}
-        probe = build_method(method)
-        own = _fields_of(probe)
+        own, named = _fields_of(build_method(method)), addresses(method)
         for key, value in self.method_args.items():
             scope, dot, bare = key.rpartition(".")
-            if dot and scope in method.split("+"):
+            if dot and scope in named:
                 mine[key] = value
             elif not dot and bare in own:
                 mine[key] = value
@@ -90,7 +89,8 @@ class HealConfig:
 
     def healing(self, method: Method) -> dict:
         """How the removal was won back, in the settings that mattered to the method (a model card's)."""
-        out = {"method": method.name, "title": method.title, "how": method.describe(), "settings": method.recorded(), "data": self.data, "seed": self.seed}
+        out = {"method": method.name, "title": method.title, "how": method.describe(), "settings": method.recorded(), "data": self.data, "seed": self.seed,
+               "spec": self.method}  # as typed: an outside method's file or module and class
         if method.trains:
             out.update(steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len, lr=self.lr, warmup=self.warmup)
         return out

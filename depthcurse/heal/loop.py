@@ -35,7 +35,7 @@ from depthcurse.heal.config import CONFIG, RESUMABLE_CHANGES, HealConfig
 from depthcurse.heal.healed import HELD_OUT_METRICS, MODELS, Healed
 from depthcurse.heal.intervals import items, ratio_interval, standard_error, won_back_interval
 from depthcurse.heal.method import HealContext, Method
-from depthcurse.heal.report import heal_rows, sites_text
+from depthcurse.heal.report import cost_text, heal_rows, sites_text
 from depthcurse.heal.sites import massive_at_sites
 from depthcurse.io import atomic_write, ensure_out_dir, environment, json_text, refuse_other_run
 from depthcurse.loading import LoadedModel, load_model, window_length
@@ -148,6 +148,8 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
                       world=world, seed=cfg.seed, phase=phase)
     _prepare_method(method, ctx, out_dir, world, phase)
     healed = Healed(model, cfg.layers, method)
+    with healed.as_model("healed"), healed.as_model("unpruned"):
+        pass  # the method's context hooks checked (they give the model) before anything is measured
     objective = method.objective(ctx) if method.trains else None
     trained = sum(p.numel() for p in trainable(objective)) if objective is not None else 0
     if method.trains and not trained:  # else the "healed" checkpoint would be the plain removal, called healed
@@ -198,6 +200,7 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
         results["healed"]["as"] = f"the saved checkpoint ({record['hf_dtype']}) loaded in {str(loaded.dtype).removeprefix('torch.')}"
         del saved
     record["recovered"], record["recovered_why"], record["recovered_interval"] = recovered(record)
+    record["unchanged"] = unchanged(results)
     if progress is not None:
         record["training"] = {"steps": progress.step, "tokens": progress.tokens, "train_seconds": round(progress.seconds, 3),
                               "tokens_per_s": progress.tokens / max(progress.seconds, 1e-9), "trained_params": trained, "loss": method.loss_name}
@@ -207,9 +210,11 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
     record["environment"] = environment()
     record["wall_time_s"] = round(record.get("wall_time_s", 0.0) + time.perf_counter() - started, 3)
     card = provenance(loaded, list(cfg.layers), n, why=why or "chosen by hand (--layers)", made_by="depthcurse heal", command=cfg.command(loaded.name),
-                      layers_left=record["hf_layers"], healing={**cfg.healing(method), "changes": method.changes(cfg.layers), "files": files},
+                      layers_left=record["hf_layers"], healing={**cfg.healing(method), "changes": method.changes(cfg.layers), "files": files,
+                               "cost": cost_text(record["cost"])},
                       new_at=tuple(sorted(set(cfg.layers) - set(method.removes(cfg.layers)))))
-    write_card(hf, {**card, "measured": heal_rows(record), "evaluation": evaluation_results(record), "measured_note": measured_note(record)})
+    write_card(hf, {**card, "measured": heal_rows(record), "evaluation": evaluation_results(record), "measured_note": measured_note(record),
+                    "unchanged": record["unchanged"]})
     # the card before heal.json says finished
     _write(out_dir, record)
     if progress is not None:
@@ -279,6 +284,18 @@ def calibration_batches(train, tokens: int, cfg: HealConfig, world: World) -> li
     return list(rows.split(cfg.micro_batch))[world.rank :: world.size]
 
 
+UNCHANGED = "the healed model measures exactly as the plain removal (every held-out window's loss and KL): the method changed nothing"
+
+
+def unchanged(results: dict) -> str | None:
+    """Why the healed model is no healed model (`UNCHANGED`), where it scores as the pruned one on
+    every held-out window to float precision; None where it differs."""
+    p, h = results.get("pruned", {}).get("held_out", {}), results.get("healed", {}).get("held_out", {})
+    same = [key for key in ("per_window", "per_window_kl") if key in p and key in h and len(p[key]) == len(h[key])
+            and all(abs(a - b) <= 1e-6 * max(1.0, abs(a)) for a, b in zip(p[key], h[key]))]
+    return UNCHANGED if same and len(same) == len([k for k in ("per_window", "per_window_kl") if k in p]) else None
+
+
 def measured_note(record: dict) -> str:
     """Which measurement is on which text, and how much of it: what a reader of the card needs."""
     parts = []
@@ -294,16 +311,24 @@ def measured_note(record: dict) -> str:
 
 
 def evaluation_results(record: dict) -> list[dict]:
-    """What the card's `model-index` lists: each measurement of the healed model, with its data."""
+    """What the card's `model-index` lists, in the hub's form: the healed model's measurements, one
+    entry per dataset with its metrics (each held-out text; each task of a suite on its own, by its
+    headline metric; the suite's average and its retained share, in percent as the tables say it)."""
     out = []
-    healed = record["results"].get("healed", {})
-    for part, scored in healed.items():
+    for part, scored in record["results"].get("healed", {}).items():
         if not isinstance(scored, dict) or "metrics" not in scored:
             continue
-        for metric, value in scored["metrics"].items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                out.append({"task": "text-generation" if part != "task" else "multiple-choice", "dataset": str(scored.get("data")), "metric": metric,
-                            "value": float(value), "part": part})
+        metrics, data = scored["metrics"], str(scored.get("data"))
+        if part != "task":
+            found = [("text-generation", data, m, metrics.get(m)) for m in HELD_OUT_METRICS]
+        elif "retained" in metrics:  # a suite
+            members = scored.get("member_metrics") or {}
+            found = [("multiple-choice", name, members.get(name, "acc"), metrics[name]) for name in metrics if name not in (SUITE_METRIC, "retained")]
+            found += [("multiple-choice", data, SUITE_METRIC, metrics[SUITE_METRIC]), ("multiple-choice", data, "retained %", 100 * metrics["retained"])]
+        else:
+            found = [("multiple-choice", data, scored["metric"], metrics.get(scored["metric"]))]
+        out += [{"task": task, "dataset": dataset, "metric": metric, "value": float(value), "part": part}
+                for task, dataset, metric, value in found if isinstance(value, (int, float)) and math.isfinite(value)]
     return out
 
 
@@ -422,6 +447,8 @@ def retained(measured: dict, unpruned: dict | None) -> dict:
 
 def _scored(task, score) -> dict:
     kept = {key: score.details[key] for key in ("per_window", "per_window_kl", "per_window_agreement", "per_example") if key in score.details}
+    if getattr(task, "member_metrics", None):
+        kept["member_metrics"] = task.member_metrics  # each member's headline, which the card's model-index names
     return {"metric": task.metric, "higher_is_better": task.higher_is_better, "metrics": score.metrics, "examples": score.examples,
             "data": task.describe().get("data", task.describe().get("task")), **kept}
 

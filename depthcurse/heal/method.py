@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import math
@@ -105,6 +106,9 @@ class Method:
         if cls.name and cls.__module__.startswith("depthcurse.heal.methods."):
             cls.builtin = True
             BUILTIN[cls.name] = cls
+        for hook in HOOKS:  # the contract checked where it is used: see `_checked`
+            if hook in cls.__dict__ and callable(cls.__dict__[hook]):
+                setattr(cls, hook, _checked(hook, cls.__dict__[hook], ours=cls.__module__.startswith("depthcurse.")))
 
     # --- before anything runs
     def check_settings(self) -> None:
@@ -158,12 +162,14 @@ class Method:
         return None
 
     def applied(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        """The model with this method's changes on (the layers are removed apart)."""
-        return contextlib.nullcontext()
+        """A context manager whose `with` gives `model` with this method's changes on (the layers
+        are removed apart), and takes them off again on leaving."""
+        return contextlib.nullcontext(model)
 
     def bypassed(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        """The model with this method's changes off (for changes that are on by default)."""
-        return contextlib.nullcontext()
+        """A context manager whose `with` gives `model` with this method's changes off (for
+        changes that are on by default)."""
+        return contextlib.nullcontext(model)
 
     # --- the checkpoint, made from a copy of the model and the method
     def extra_files(self, folder: Path, layers: tuple[int, ...]) -> dict:
@@ -175,8 +181,9 @@ class Method:
         return model
 
     def placed(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        """The finalized model with the new layers where they stand, for saving."""
-        return contextlib.nullcontext()
+        """A context manager whose `with` gives the finalized `model` with the new layers where
+        they stand, for saving."""
+        return contextlib.nullcontext(model)
 
     def modules(self) -> list[nn.Module]:
         """Modules of its own outside the model (new layers), cast with the model when it is saved."""
@@ -184,6 +191,84 @@ class Method:
 
 
 BUILTIN: dict[str, type[Method]] = {}
+
+# The hooks a method may override; `Method.__init_subclass__` wraps each one a class defines.
+HOOKS = ("check_settings", "check", "describe", "changes", "removes", "untouched", "cost", "recorded", "prepare", "state_dict",
+         "load_state_dict", "objective", "applied", "bypassed", "extra_files", "finalize", "placed", "modules")
+CONTEXTS = ("applied", "bypassed", "placed")  # hooks that give a context manager whose `with` gives the model
+
+
+def _named(method) -> str:
+    return getattr(method, "name", "") or type(method).__name__
+
+
+def _raised(method, hook: str, exc: BaseException) -> DepthcurseError:
+    return DepthcurseError(f"--method {_named(method)}: its {hook}() raised {type(exc).__name__}: {exc}")
+
+
+def _checked(hook: str, fn: Callable, ours: bool) -> Callable:
+    """`fn`, a method's `hook`, held to the contract: an error of a method from outside names the
+    method and the hook (ours show as they are: a bug of ours), a context hook gives a context
+    manager whose `with` gives the model it was given, `finalize` gives a model, and `objective`
+    a module. Whatever breaks the rule is one line naming the method and the rule."""
+
+    @functools.wraps(fn)
+    def call(self, *args, **kwargs):
+        try:
+            out = fn(self, *args, **kwargs)
+        except DepthcurseError:
+            raise
+        except Exception as exc:
+            if ours:
+                raise
+            raise _raised(self, hook, exc) from exc
+        if hook in CONTEXTS:
+            if not (hasattr(out, "__enter__") and hasattr(out, "__exit__")):
+                raise DepthcurseError(f"--method {_named(self)}: {hook}() must return a context manager (a @contextlib.contextmanager "
+                                      f"that yields the model), got {type(out).__name__}")
+            return _Entered(self, hook, args[0] if args else kwargs.get("model"), out, ours)
+        if hook == "finalize" and not isinstance(out, nn.Module):
+            raise DepthcurseError(f"--method {_named(self)}: finalize() must return the model it changed, got {type(out).__name__}")
+        if hook == "objective" and out is not None and not isinstance(out, nn.Module):
+            raise DepthcurseError(f"--method {_named(self)}: objective() must return an nn.Module ((ids, targets) -> summed loss) or None, "
+                                  f"got {type(out).__name__}")
+        return out
+
+    return call
+
+
+class _Entered(contextlib.AbstractContextManager):
+    """A method's context hook, entered: it must give the model it was given (what the heal goes
+    on to measure, train or save); an error in entering or leaving names the method and the hook,
+    while an error of the code inside the `with` passes through as it is."""
+
+    def __init__(self, method, hook: str, model, inner, ours: bool):
+        self.method, self.hook, self.model, self.inner, self.ours = method, hook, model, inner, ours
+
+    def __enter__(self):
+        try:
+            got = self.inner.__enter__()
+        except DepthcurseError:
+            raise
+        except Exception as exc:
+            if self.ours:
+                raise
+            raise _raised(self.method, self.hook, exc) from exc
+        if got is not self.model:
+            self.inner.__exit__(None, None, None)
+            raise DepthcurseError(f"--method {_named(self.method)}: {self.hook}() must give the model it was given to the `with` "
+                                  f"(`yield model`), it gave {type(got).__name__}")
+        return got
+
+    def __exit__(self, kind, exc, tb):
+        try:
+            return self.inner.__exit__(kind, exc, tb)
+        except DepthcurseError:
+            raise
+        except Exception as raised:
+            if self.ours or raised is exc:
+                raise
+            raise _raised(self.method, self.hook, raised) from raised
 
 
 class Compose(Method):
@@ -412,13 +497,25 @@ def configure(cls: type[Method], args: dict) -> Method:
     return cls(settings)
 
 
+def member_specs(spec: str) -> list[str]:
+    """The methods `spec` composes (`a+b`), each as typed."""
+    return [part.strip() for part in spec.split("+")] if ":" not in spec or "+" in spec else [spec.strip()]
+
+
+def addresses(spec: str) -> set[str]:
+    """What `scope.key` in `--method-args` may call the methods of `spec`: each as typed, and by
+    the name the outputs print."""
+    parts = member_specs(spec)
+    return {*parts, *(find_method(p).name for p in parts)}
+
+
 def build_method(spec: str, args: dict[str, str] | None = None, common: dict | None = None) -> Method:
     """The method `spec` names (`a+b` a composition), its settings from `args` (`key=value` for
     whichever member has the key, `name.key=value` for that member alone; a key no member has is
     an error) and from the command line's `common` options (set where a member has the field)."""
     args, common = dict(args or {}), {k: v for k, v in (common or {}).items() if v is not None}
-    names = [part for part in spec.split("+")] if ":" not in spec or "+" in spec else [spec]
-    classes = [find_method(name.strip()) for name in names]
+    names = member_specs(spec)
+    classes = [find_method(name) for name in names]
     members = []
     used = set()
     for name, cls in zip(names, classes):
@@ -426,7 +523,7 @@ def build_method(spec: str, args: dict[str, str] | None = None, common: dict | N
         mine = {k: v for k, v in common.items() if k in own}
         for key, value in args.items():
             scope, dot, bare = key.rpartition(".")
-            if dot and scope in (name, cls.name):
+            if dot and scope in (name, cls.name):  # by its spec as typed, or by its name as the outputs print it
                 if bare not in own:
                     raise DepthcurseError(f"--method-args {key}: {cls.name} has no setting {bare!r} (its settings: {', '.join(sorted(own)) or 'none'})")
                 mine[bare] = value
@@ -435,7 +532,12 @@ def build_method(spec: str, args: dict[str, str] | None = None, common: dict | N
                 mine[key] = value
                 used.add(key)
         members.append(configure(cls, mine))
-    unused = [k for k in args if k not in used and "." not in k]
+    elsewhere = [k for k in args if k not in used and "." in k]
+    if elsewhere:  # scoped to a method this run does not have: said, not dropped
+        scope = elsewhere[0].rpartition(".")[0]
+        raise DepthcurseError(f"--method-args {elsewhere[0]}: no method of --method {spec} is {scope!r} (address one by its name, "
+                              f"{', '.join(c.name for c in classes)}, or by the spec typed, {', '.join(names)})")
+    unused = [k for k in args if k not in used]
     if unused:
         key = unused[0]
         has = ", ".join(sorted({f.name for cls in classes for f in settings_fields(cls)})) or "none"

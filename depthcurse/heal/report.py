@@ -32,8 +32,11 @@ def methods_of(record: dict, method: str | None = None) -> dict[str, dict]:
     run = record.get("run", {})
     method = record.get("method") or run.get("method") or method or LEGACY_METHOD
     return {method: {"results": record["results"]["healed"], "recovered": record.get("recovered", {}), "recovered_why": record.get("recovered_why", {}),
-                     "recovered_interval": record.get("recovered_interval", {}),
+                     "recovered_interval": record.get("recovered_interval", {}), "unchanged": record.get("unchanged"),
                      "cost": record.get("cost"), "title": record.get("title") or run.get("method_title"), "how": record.get("how") or run.get("method_how")}}
+
+
+UNCHANGED_LABEL = "healed (unchanged: as pruned)"  # a method that changed nothing is not called healed
 
 
 def _cell(value) -> str:
@@ -151,7 +154,8 @@ def heal_rows(record: dict) -> list[tuple[str, ...]]:
     rows = [("model", *(header for _, _, header in cols))]
     for name in MODELS:
         r = results.get(name)
-        rows.append((name, *(_measured(r, part, m) if r and part in r else "not measured" for part, m, _ in cols)))
+        label = UNCHANGED_LABEL if name == "healed" and record.get("unchanged") else name
+        rows.append((label, *(_measured(r, part, m) if r and part in r else "not measured" for part, m, _ in cols)))
     rec, why, intervals = record.get("recovered", {}), record.get("recovered_why", {}), record.get("recovered_interval", {})
     rows.append(("recovered", *("" if m == "ppl" else _share(rec, why, _recovered_key(part, m), intervals) for part, m, _ in cols)))
     return rows
@@ -165,7 +169,8 @@ def heal_table(record: dict) -> Table:
     title = (f"{run['model']} without layers {','.join(map(str, run['layers']))}: healed by {run.get('method_title') or method} "
              f"({run.get('method_how') or method})")
     healed_as = record["results"].get("healed", {}).get("as")
-    caption = f"{_held_out_caption(record)}; the healed model: {healed_as or 'in memory'}; cost: {cost_text(record.get('cost'))}"
+    caption = (f"NOT HEALED: {record['unchanged']}. " if record.get("unchanged") else "") + (
+        f"{_held_out_caption(record)}; the healed model: {healed_as or 'in memory'}; cost: {cost_text(record.get('cost'))}")
     if sites := sites_text(record.get("massive_activation")):
         caption += ". " + sites
     table = Table(title=title, caption=caption, header_style="bold")
@@ -206,7 +211,8 @@ def methods_table(record: dict) -> Table:
     for method, entry in methods.items():
         r, rec, why, cost = entry["results"], entry.get("recovered", {}), entry.get("recovered_why", {}), entry.get("cost") or {}
         intervals = entry.get("recovered_interval", {})
-        table.add_row(method, *((_measured(r, part, m) + ("" if m == "ppl" else f" ({_share(rec, why, _recovered_key(part, m), intervals)})")) if part in r else "-"
+        label = method + (" (unchanged: as pruned)" if entry.get("unchanged") else "")
+        table.add_row(label, *((_measured(r, part, m) + ("" if m == "ppl" else f" ({_share(rec, why, _recovered_key(part, m), intervals)})")) if part in r else "-"
                                 for part, m, _ in cols),
                       f"{cost.get('seconds', float('nan')):,.1f}", f"{cost.get('tokens', 0):,}", _params(cost))
     for method, why in refused.items():

@@ -189,6 +189,8 @@ class LmEvalTask:
         metric, first_filter = next(iter(self.headlines.values()))
         self.metric = metric_name(f"{metric},{first_filter}") if not self.members else SUITE_METRIC
         self.higher_is_better = bool(first.higher_is_better().get(metric, True))
+        # A suite's member scored by its own headline (not whichever metric its row lists last)
+        self.member_metrics = {name: metric_name(",".join(self.headlines[name])) for name in self.members or () if name in self.headlines}
         self._lm = None
         # Keep each question's headline score in `details["per_example"]` (lm-eval's logged samples):
         # what a paired interval between two models needs; off for sweeps, whose tables rank no pairs.
@@ -282,7 +284,7 @@ class LmEvalTask:
         for name in self.members:
             row = {metric_name(key): float(v) for key, v in table[name].items() if "," in key and "_stderr" not in key and isinstance(v, (int, float))}
             details[name] = row
-            metrics[name] = next(iter(row.values()))
+            metrics[name] = row[self.member_metrics[name]] if name in self.member_metrics else next(iter(row.values()))  # a group: its first
         metrics[SUITE_METRIC] = sum(metrics[n] for n in self.members) / len(self.members)
         n_samples = results.get("n-samples", {})
         examples = sum(int(v.get("effective", 0)) for k, v in n_samples.items() if k in self.loaded["tasks"])

@@ -70,7 +70,7 @@ class Linear(Method):
         self.calibration, self.hidden = state["calibration"], state["hidden"]
 
     def applied(self, model):
-        return mapped(model, self.maps) if getattr(self, "maps", None) else contextlib.nullcontext()
+        return mapped(model, self.maps) if getattr(self, "maps", None) else contextlib.nullcontext(model)
 
     def cost(self, model, layers):
         d = model.get_input_embeddings().weight.shape[-1]

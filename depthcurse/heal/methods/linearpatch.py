@@ -134,7 +134,7 @@ class LinearPatch(Method):
         return HealObjective(ctx, self, "distill", [holder])
 
     def applied(self, model):
-        return self._patched(model) if getattr(self, "patches", None) else contextlib.nullcontext()
+        return self._patched(model) if getattr(self, "patches", None) else contextlib.nullcontext(model)
 
     def cost(self, model, layers):
         d = model.get_input_embeddings().weight.shape[-1]

@@ -81,9 +81,11 @@ class Lora(Method):
         shared = min(m.untouched(ctx.layers) for m in [*ctx.earlier, self])
         return HealObjective(ctx, self, self.settings.loss, [ctx.model], shared_blocks=shared)
 
+    @contextlib.contextmanager
     def bypassed(self, model):
         peft = getattr(self, "peft", None)
-        return peft.disable_adapter() if peft is not None else contextlib.nullcontext()
+        with peft.disable_adapter() if peft is not None else contextlib.nullcontext():
+            yield model
 
     def cost(self, model, layers):
         peft = getattr(self, "peft", None)
