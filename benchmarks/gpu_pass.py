@@ -116,6 +116,14 @@ def main() -> None:
     run_pass(steps, sizes, args.out, args.budget_s or (240.0 if args.dry_run else 480.0), args.dry_run)
 
 
+def box_for(left: float, to_run: list[str], dry: bool) -> float | None:
+    """The time box of `to_run[0]`: its share of what is `left` of the budget against the shares of
+    the steps still to run (what an earlier step left unused goes to those after it); None where
+    that is too short to run it (the step is skipped, and says why)."""
+    box = left * STEPS[to_run[0]] / sum(STEPS[s] for s in to_run)
+    return box if box >= MIN_BOX_S["dry" if dry else "gpu"] else None
+
+
 def run_pass(steps: list[str], sizes: Sizes, out: Path, budget_s: float, dry: bool) -> None:
     started = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
@@ -146,9 +154,9 @@ def run_pass(steps: list[str], sizes: Sizes, out: Path, budget_s: float, dry: bo
     try:
         for i, name in enumerate(steps):
             left = budget_s - (time.monotonic() - started)
-            box = left * STEPS[name] / sum(STEPS[s] for s in steps[i:])
-            if box < MIN_BOX_S["dry" if dry else "gpu"]:
-                record["steps"][name] = {"status": "skipped", "seconds": 0.0, "box_s": round(box, 1), "figures": {},
+            box = box_for(left, steps[i:], dry)
+            if box is None:
+                record["steps"][name] = {"status": "skipped", "seconds": 0.0, "box_s": 0.0, "figures": {},
                                          "why": f"{left:.0f} s of the budget left"}
             else:
                 proc = _start([name], out, env, dry, box_s=box)

@@ -46,10 +46,9 @@ def test_the_dry_run_finishes_within_its_budget_with_one_entry_per_step(dry_run)
     code, stdout, record = dry_run
     assert code == 0, stdout
     assert record["dry_run"] and list(record["steps"]) == STEPS
-    assert record["seconds"] <= record["budget_s"] + 10  # every box is cut from what is left; a stopped step has a few seconds' grace
-    for name, entry in record["steps"].items():
+    for name, entry in record["steps"].items():  # what it wrote, not how fast (the budget's logic: the test below, on a clock it keeps)
         assert entry["status"] == "ok", (name, entry)
-        assert entry["seconds"] <= entry["box_s"] + 6 and entry["figures"]["line"]
+        assert entry["box_s"] > 0 and entry["figures"]["line"]
     lines = [line for line in stdout.splitlines() if line.startswith("[")]
     assert [line.split("]")[0][1:] for line in lines] == ["setup", *STEPS, "pass"]  # one line a step
     figures = {name: entry["figures"] for name, entry in record["steps"].items()}
@@ -94,6 +93,25 @@ def _wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout: float = 
             return record
         time.sleep(0.2)
     raise AssertionError(f"no {n} steps in {timeout} s")
+
+
+def test_each_step_gets_its_share_of_what_is_left_on_a_clock_the_test_keeps():
+    """The budget's logic without a clock of the machine: each step's box its share of what is left
+    against the steps still to run; a step that uses its whole box leaves the next theirs, one that
+    ends early passes what it left on; the boxes of steps that each use all of theirs add up to the
+    budget; a box below the minimum is a skip."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_pass
+
+    budget, used, boxes = 480.0, 0.0, {}
+    for i, name in enumerate(STEPS):
+        boxes[name] = gpu_pass.box_for(budget - used, STEPS[i:], dry=False)
+        used += boxes[name]  # each step runs to the end of its box
+    assert sum(boxes.values()) == pytest.approx(budget)
+    assert boxes["mmlu"] == pytest.approx(budget * gpu_pass.STEPS["mmlu"] / sum(gpu_pass.STEPS.values()))
+    quick = gpu_pass.box_for(budget - 1.0, STEPS[1:], dry=False)  # the tests took 1 s of their 58 s: the rest goes on
+    assert quick > boxes["mmlu"]
+    assert gpu_pass.box_for(10.0, ["norms"], dry=False) is None and gpu_pass.box_for(10.0, ["norms"], dry=True) == 10.0
 
 
 @real_assets

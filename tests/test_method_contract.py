@@ -362,6 +362,7 @@ def test_a_suite_scores_each_task_by_its_headline_not_its_last_metric():
     task = object.__new__(LmEvalTask)
     task.members = ("arc_easy", "piqa")
     task.member_metrics = {"arc_easy": "acc", "piqa": "acc"}
+    task.groups = {}
     task.loaded = {"tasks": {"arc_easy": None, "piqa": None}}
     results = {"results": {"arc_easy": {"acc,none": 0.5, "acc_stderr,none": 0.1, "acc_norm,none": 0.9},
                            "piqa": {"acc,none": 0.7, "acc_norm,none": 0.1}}, "n-samples": {"arc_easy": {"effective": 3}, "piqa": {"effective": 3}}}

@@ -323,7 +323,10 @@ def evaluation_results(record: dict) -> list[dict]:
             found = [("text-generation", data, m, metrics.get(m)) for m in HELD_OUT_METRICS]
         elif "retained" in metrics:  # a suite
             members = scored.get("member_metrics") or {}
-            found = [("multiple-choice", name, members.get(name, "acc"), metrics[name]) for name in metrics if name not in (SUITE_METRIC, "retained")]
+            grouped = {k for k in metrics if k.endswith((f" {SUITE_METRIC}", " retained"))}  # a named suite of a list, averaged on its own
+            found = [("multiple-choice", name, members.get(name, "acc"), metrics[name]) for name in metrics if name not in (SUITE_METRIC, "retained", *grouped)]
+            found += [("multiple-choice", k.rsplit(" ", 1)[0], SUITE_METRIC if k.endswith(SUITE_METRIC) else "retained %",
+                       metrics[k] * (1 if k.endswith(SUITE_METRIC) else 100)) for k in sorted(grouped)]
             found += [("multiple-choice", data, SUITE_METRIC, metrics[SUITE_METRIC]), ("multiple-choice", data, "retained %", 100 * metrics["retained"])]
         else:
             found = [("multiple-choice", data, scored["metric"], metrics.get(scored["metric"]))]
@@ -439,6 +442,9 @@ def retained(measured: dict, unpruned: dict | None) -> dict:
         base_result = unpruned or measured
         base = base_result["task"]["metrics"][SUITE_METRIC]
         task["metrics"]["retained"] = task["metrics"][SUITE_METRIC] / base if base else float("nan")
+        for key in [k for k in task["metrics"] if k.endswith(f" {SUITE_METRIC}")]:  # each named suite of a list: its own share kept
+            group_base = base_result["task"]["metrics"].get(key)
+            task["metrics"][key.replace(SUITE_METRIC, "retained")] = task["metrics"][key] / group_base if group_base else float("nan")
         groups = {"measured": items(measured, "task", "retained"), "unpruned": items(base_result, "task", "retained")}
         if unpruned is not None and None not in groups.values():
             task["intervals"] = {"retained": ratio_interval(task["metrics"][SUITE_METRIC], base, groups, "measured")}

@@ -17,11 +17,12 @@ from depthcurse.tasks.base import Score, Task
 from depthcurse.loading import check_sequence_length, window_length
 from depthcurse.tasks.harness import SUITE_METRIC, LmEvalTask, check_task_name
 from depthcurse.tasks.perplexity import PerplexityTask
+from depthcurse.tasks.probes import PROBES, SHOTS as PROBE_SHOTS
 from depthcurse.tasks.representation import RepresentationTask
 from depthcurse.tasks.squad import build_squad_task
 from depthcurse.text import load_texts
 
-__all__ = ["Score", "Task", "TASKS", "SUITES", "SUITE_METRIC", "build_task", "head_for_task", "suite_members", "PerplexityTask", "LmEvalTask",
+__all__ = ["Score", "Task", "TASKS", "SUITES", "SUITE_METRIC", "build_task", "head_for_task", "suite_members", "suite_groups", "PerplexityTask", "LmEvalTask",
            "RepresentationTask"]
 
 
@@ -65,6 +66,8 @@ LM_EVAL_TAKES = frozenset({"num_fewshot", "max_gen_toks"})
 SUITES: dict[str, tuple[str, ...]] = {
     # the zero-shot commonsense suite the layer-pruning papers report (ShortGPT, LinearPatch, Prune&Comp, LLM-Streamline)
     "commonsense": ("arc_easy", "arc_challenge", "boolq", "hellaswag", "piqa", "winogrande", "openbookqa"),
+    # generative capability probes (tasks/probes.py): greedy exact match, one forward per example
+    "probes": tuple(PROBES),
 }
 
 
@@ -73,12 +76,18 @@ def suite_members(name: str) -> tuple[str, ...] | None:
     if name in SUITES:
         return SUITES[name]
     if "," in name:
-        members = tuple(dict.fromkeys(t.strip() for t in name.split(",") if t.strip()))
-        inside = [t for t in members if t in TASKS or t in SUITES]
+        listed = tuple(dict.fromkeys(t.strip() for t in name.split(",") if t.strip()))
+        inside = [t for t in listed if t in TASKS]
         if inside:
-            raise DepthcurseError(f"--task {name}: a list takes lm-eval tasks; {inside[0]} is not one")
-        return members
+            raise DepthcurseError(f"--task {name}: a list takes lm-eval tasks and named suites ({', '.join(SUITES)}); {inside[0]} is neither")
+        return tuple(dict.fromkeys(m for t in listed for m in SUITES.get(t, (t,))))  # a named suite in a list: its tasks
     return None
+
+
+def suite_groups(name: str) -> dict[str, tuple[str, ...]]:
+    """The named suites a list holds (`commonsense,probes`), each averaged on its own beside the
+    whole list's average: classification kept against generation kept, in one table."""
+    return {t.strip(): SUITES[t.strip()] for t in name.split(",") if t.strip() in SUITES} if "," in name else {}
 _FLAGS = {"data": "--data", "seq_len": "--seq-len", "num_fewshot": "--num-fewshot", "max_gen_toks": "--max-gen-toks", "bos": "--no-bos"}
 
 
@@ -117,8 +126,10 @@ def build_task(name: str, tokenizer, *, data: str = "auto", seq_len: int | None 
     for option in (o for o, set_ in given.items() if set_ and o not in takes):
         users = [t for t, e in TASKS.items() if option in e.takes] + (["lm-eval tasks"] if option in LM_EVAL_TAKES else [])
         raise DepthcurseError(f"{_FLAGS[option]} does not apply to --task {name}: it is for {', '.join(users)}")
+    if num_fewshot and any(t in PROBES for t in (members or (name,))):
+        raise DepthcurseError(f"--num-fewshot does not apply to --task {name}: each probe's prompt carries its own {PROBE_SHOTS} solved examples")
     if entry is not None:
         return entry.build(tokenizer, data=data, seq_len=seq_len, limit=limit, batch_size=batch_size, model=model, model_source=model_source,
                            **({"bos": bos} if "bos" in entry.takes else {}))
     return LmEvalTask(name, tokenizer, num_fewshot=num_fewshot, limit=limit, batch_size=batch_size, seed=seed, max_gen_toks=max_gen_toks,
-                      members=members)
+                      members=members, groups=suite_groups(name))

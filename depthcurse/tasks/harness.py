@@ -15,6 +15,8 @@ from pathlib import Path
 from depthcurse import assets
 from depthcurse.errors import DepthcurseError
 from depthcurse.tasks.base import Score
+from depthcurse.tasks.probes import PROBES, task_config
+from depthcurse.tasks.probes import describe as describe_probes
 from depthcurse.tasks.task_index import task_manager_from_saved_index
 
 
@@ -150,20 +152,23 @@ class LmEvalTask:
     OUTPUT_TYPES = LOGLIKELIHOOD_TYPES | {"generate_until"}
 
     def __init__(self, task: str, tokenizer, *, num_fewshot: int | None = 0, limit: int | None = None, batch_size: int = 8, seed: int = 1234,
-                 max_gen_toks: int | None = None, members: tuple[str, ...] | None = None):
+                 max_gen_toks: int | None = None, members: tuple[str, ...] | None = None, groups: dict[str, tuple[str, ...]] | None = None):
         quiet_lm_eval()
         self.name, self.tokenizer, self.limit, self.batch_size, self.seed = task, tokenizer, limit, batch_size, seed
         self.members = tuple(members) if members else None  # a suite: several tasks, their average the headline
+        self.groups = dict(groups or {})  # named suites in a list, each also averaged on its own ("<suite> average")
         self.offline = not assets.hub_reachable()
         self.notes: list[str] = []
-        for name in self.members or (task,):
-            check_task_name(name)
+        names = list(self.members or (task,))
+        for name in names:
+            if name not in PROBES:  # depthcurse's own probes are built from their config, not found in lm-eval's index
+                check_task_name(name)
         tm = task_manager()
         compile_templates_once()
         if self.offline:
             assets.go_offline()
         with offline_task_data(self.notes) if self.offline else contextlib.nullcontext():
-            loaded = tm.load(list(self.members or (task,)))
+            loaded = tm.load([task_config(n) if n in PROBES else n for n in names])
         self.loaded = loaded
         types = {n: t.get_config("output_type") for n, t in loaded["tasks"].items()}
         bad = sorted(n for n, kind in types.items() if kind not in self.OUTPUT_TYPES)
@@ -201,11 +206,13 @@ class LmEvalTask:
         return {
             "task": self.name,
             **({"suite": list(self.members)} if self.members else {}),
+            **({"suite_groups": {g: list(m) for g, m in self.groups.items()}} if self.groups else {}),
             "lm_eval_tasks": sorted(self.loaded["tasks"]),
             "num_fewshot": shots[0] if len(shots) == 1 else shots,
             "limit": self.limit,
             "fewshot_seed": self.seed,
             "offline_data": self.offline,
+            **(probes_described if (probes_described := describe_probes(self.loaded["tasks"])).get("probes") else {}),
             "notes": self.notes,
             **({"max_gen_toks": self.max_gen_toks} if self.max_gen_toks is not None else {}),
         }
@@ -286,6 +293,8 @@ class LmEvalTask:
             details[name] = row
             metrics[name] = row[self.member_metrics[name]] if name in self.member_metrics else next(iter(row.values()))  # a group: its first
         metrics[SUITE_METRIC] = sum(metrics[n] for n in self.members) / len(self.members)
+        for group, members in self.groups.items():
+            metrics[f"{group} {SUITE_METRIC}"] = sum(metrics[n] for n in members) / len(members)
         n_samples = results.get("n-samples", {})
         examples = sum(int(v.get("effective", 0)) for k, v in n_samples.items() if k in self.loaded["tasks"])
         return Score(metrics, examples, details)

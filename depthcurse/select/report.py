@@ -1,0 +1,165 @@
+"""`select`'s results as a table, a CSV and a figure: each cell's choice, judged on the same held-out
+measurements, the overlap of the choices, and the decomposition of the held-out scores."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+from rich.table import Table
+
+from depthcurse.heal.intervals import difference_interval
+from depthcurse.io import atomic_write, save_figure
+
+
+def _key(layers) -> str:
+    return ",".join(map(str, layers))
+
+
+def judged(record: dict) -> list[tuple[str, str, str]]:
+    """(column name, where, metric) of every held-out measurement: each text's loss and KL, the task."""
+    out = [(f"{record.get('labels', {}).get(s, s)} {m}", s, m) for s in record["run"]["calibration"] for m in ("loss", "kl")]
+    if record.get("task"):
+        out.append((f"{record['run']['task']} {record['task'][''].get('metric')}", "task", ""))
+    return out
+
+
+def cell_scores(record: dict, name: str) -> dict[str, tuple[float, list[float] | None]]:
+    """A cell's chosen set on each held-out measurement: its mean and the 95% interval of its
+    difference from the unpruned model's (paired windows or questions), put around its mean."""
+    layers = _key(record["cells"][name]["layers"])
+    out = {}
+    for column, where, metric in judged(record):
+        if where == "task":
+            mine, base = record["task"][layers]["items"], record["task"][""]["items"]
+            value = record["task"][layers]["value"]
+        else:
+            mine, base = record["held_out"][where][layers][metric], record["held_out"][where][""][metric]
+            value = sum(mine) / len(mine)
+        low_high = difference_interval(value, sum(base) / len(base), {"chosen": [mine], "unpruned": [base]}, "chosen", "unpruned") if len(mine) == len(base) > 1 else None
+        base_mean = sum(base) / len(base) if base else float("nan")
+        out[column] = (value, [base_mean + low_high[0], base_mean + low_high[1]] if low_high else None)
+    return out
+
+
+def select_rows(record: dict) -> list[list[str]]:
+    header = ["chosen on", "by", "objective", f"layers removed (k = {record['run']['k']})", *(c for c, _, _ in judged(record))]
+    rows = [header, ["unpruned", "", "", "none", *(_cell(_unpruned(record, where, metric)) for _, where, metric in judged(record))]]
+    for name, cell in record["cells"].items():
+        scores = cell_scores(record, name)
+        rows.append([cell["calibration_label"], cell["search"], cell["objective"], _key(cell["layers"]),
+                     *(_cell(v) + (f" [{lh[0]:.4g}, {lh[1]:.4g}]" if lh else "") for v, lh in (scores[c] for c, _, _ in judged(record)))])
+    return rows
+
+
+def _unpruned(record, where, metric):
+    if where == "task":
+        return record["task"][""]["value"]
+    items = record["held_out"][where][""][metric]
+    return sum(items) / len(items)
+
+
+def _cell(value) -> str:
+    return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{value:.4g}"
+
+
+def select_table(record: dict) -> Table:
+    run = record["run"]
+    over = record.get("overlap") or {}
+    caption = (f"each choice judged on held-out windows ({run['eval_windows']} x {run['seq_len']} tokens of each text, never chosen on) "
+               + (f"and on {run['task']} (--limit {run['limit']})" if run.get("task") else "")
+               + "; in brackets the 95% interval from the paired windows or questions (the difference from the unpruned model). "
+               + overlap_text(over) + " " + decomposition_text(record.get("decomposition") or {}))
+    table = Table(title=f"{run['model']}: which {run['k']} layers each calibration and search removes, judged on the same held-out text",
+                  caption=caption, header_style="bold")
+    header, *rows = select_rows(record)
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i < 4 else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def overlap_text(over: dict) -> str:
+    if not over:
+        return ""
+    parts = []
+    if over.get("same_calibration_mean") is not None:
+        parts.append(f"choices made on the same text by different searches overlap {over['same_calibration_mean']:.2f} (mean Jaccard, "
+                     f"{over['same_calibration_pairs']} pairs)")
+    if over.get("same_search_mean") is not None:
+        parts.append(f"by the same search on different texts {over['same_search_mean']:.2f} ({over['same_search_pairs']} pairs)")
+    return ("; ".join(parts) + ".") if parts else ""
+
+
+def decomposition_text(dec: dict) -> str:
+    if "why_not" in dec:
+        return f"No decomposition: {dec['why_not']}."
+    parts = []
+    for name, d in dec.items():
+        iv = d["intervals"]
+        share = lambda k: f"{d['shares'][k]:.0%}" + (f" [{iv[k][0]:.0%}, {iv[k][1]:.0%}]" if iv.get(k) else "")  # noqa: E731
+        parts.append(f"{name}: calibration {share('calibration')}, search {share('search')}, the rest {share('rest')} -> {d['decided_by']}")
+    return ("Spread of the held-out scores (share of the sum of squares, 95% interval by resampling the windows): " + "; ".join(parts) + ".") if parts else ""
+
+
+def write_csv(record: dict, path: Path) -> Path:
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", newline="") as f:
+            writer = csv.writer(f)
+            header = ["chosen_on", "search", "objective", "k", "layers_removed"]
+            cols = judged(record)
+            writer.writerow(header + [f"{c} (held out)" for c, _, _ in cols] + [f"{c} 95% low" for c, _, _ in cols] + [f"{c} 95% high" for c, _, _ in cols])
+            for name, cell in record["cells"].items():
+                scores = cell_scores(record, name)
+                values = [scores[c][0] for c, _, _ in cols]
+                lows = [scores[c][1][0] if scores[c][1] else "" for c, _, _ in cols]
+                highs = [scores[c][1][1] if scores[c][1] else "" for c, _, _ in cols]
+                writer.writerow([cell["calibration_label"], cell["search"], cell["objective"], record["run"]["k"], _key(cell["layers"]), *values, *lows, *highs])
+
+    return atomic_write(path, write)
+
+
+def plot_select(record: dict, path: Path) -> Path:
+    """Left: the Jaccard overlap of every pair of cells' choices. Right: each cell's held-out loss
+    on each text, with its 95% interval, the unpruned model's as a line."""
+    import matplotlib  # lazy: only figures need matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    over = record["overlap"]
+    names = over["cells"]
+    losses = [(c, w) for c, w, m in judged(record) if m == "loss"]
+    fig, axes = plt.subplots(1, 2, figsize=(6 + 0.5 * len(names), 4.8 + 0.15 * len(names)), dpi=120)
+    ax = axes[0]
+    im = ax.imshow(over["matrix"], vmin=0, vmax=1, cmap="viridis")
+    ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    for i, row in enumerate(over["matrix"]):
+        for j, v in enumerate(row):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6, color="w" if v < 0.6 else "k")
+    fig.colorbar(im, ax=ax, fraction=0.046, label="Jaccard overlap of the removed layers")
+    ax.set_title(f"the {record['run']['k']} layers each cell chose", fontsize=9)
+    ax = axes[1]
+    width = 0.8 / max(1, len(losses))
+    for j, (column, where) in enumerate(losses):
+        values, errs = [], [[], []]
+        for name in names:
+            v, lh = cell_scores(record, name)[column]
+            values.append(v)
+            errs[0].append(v - lh[0] if lh else 0)
+            errs[1].append(lh[1] - v if lh else 0)
+        xs = [i + j * width for i in range(len(names))]
+        bars = ax.bar(xs, values, width, yerr=errs, capsize=2, label=f"judged on {column} (held out)")
+        ax.axhline(_unpruned(record, where, "loss"), color=bars.patches[0].get_facecolor(), ls=":", lw=1)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("held-out next-token loss (nats); dotted: unpruned")
+    lows = [v for col, _ in losses for n in names for v in [cell_scores(record, n)[col][0]]]
+    ax.set_ylim(min(_unpruned(record, w, "loss") for _, w in losses) * 0.98, max(lows) * 1.02)
+    ax.legend(fontsize=7)
+    ax.set_title("each choice judged on the same held-out windows", fontsize=9)
+    fig.suptitle(f"{record['run']['model']}: calibration x search, k = {record['run']['k']}", fontsize=10)
+    fig.tight_layout()
+    return save_figure(fig, path)
