@@ -29,11 +29,12 @@ from depthcurse.prune.greedy import GREEDY_JSON, THRESHOLDS, DepthCurves, read_c
 from depthcurse.prune.report import curves_data_text, legend_below, load_prune, plot_greedy, plot_prune_overlay
 from depthcurse.prune.results import RESULTS_JSON, UNIT_NAMES, Sweep
 from depthcurse.card import PROVENANCE, read_card
+from depthcurse.select import SELECT_JSON, plot_select, select_table
 from depthcurse.speed import SPEED_JSON, read_speed, speed_table
 from depthcurse.train import read_run, table1
 from depthcurse.train.config import CONFIG
 
-KINDS = ("greedy", "prune", "angular", "heal", "speed", "checkpoint", "train")
+KINDS = ("greedy", "prune", "angular", "heal", "select", "speed", "checkpoint", "train")
 
 
 def kind_of(folder: Path) -> str:
@@ -42,11 +43,11 @@ def kind_of(folder: Path) -> str:
     if not folder.is_dir():
         raise DepthcurseError(f"{folder} is not a folder: give results folders that depthcurse wrote")
     # a checkpoint drop or heal made holds a transformers config.json too: its card comes before a training run's config
-    for kind, marker in (("greedy", GREEDY_JSON), ("prune", RESULTS_JSON), ("angular", ANGULAR_JSON), ("heal", HEAL_JSON), ("speed", SPEED_JSON),
-                         ("checkpoint", PROVENANCE), ("train", CONFIG)):
+    for kind, marker in (("greedy", GREEDY_JSON), ("prune", RESULTS_JSON), ("angular", ANGULAR_JSON), ("heal", HEAL_JSON), ("select", SELECT_JSON),
+                         ("speed", SPEED_JSON), ("checkpoint", PROVENANCE), ("train", CONFIG)):
         if (folder / marker).is_file() and (kind != "train" or "norm" in json.loads((folder / marker).read_text())):
             return kind
-    raise DepthcurseError(f"{folder} holds no depthcurse result ({GREEDY_JSON}, {RESULTS_JSON}, {ANGULAR_JSON}, {HEAL_JSON}, {SPEED_JSON}, "
+    raise DepthcurseError(f"{folder} holds no depthcurse result ({GREEDY_JSON}, {RESULTS_JSON}, {ANGULAR_JSON}, {HEAL_JSON}, {SELECT_JSON}, {SPEED_JSON}, "
                           f"a checkpoint's {PROVENANCE}, or an lns-train run's {CONFIG})")
 
 
@@ -197,6 +198,16 @@ def _heal_section(folders: list[Path], figures: Path) -> str:
     return "\n\n".join(parts)
 
 
+def _select_section(folders: list[Path], figures: Path) -> str:
+    parts = ["## Calibration against search: which layers each choice removes, judged on the same held-out text"]
+    for i, folder in enumerate(folders):
+        record = json.loads((folder / SELECT_JSON).read_text())
+        figure = plot_select(record, figures / f"select_{i}.png")
+        parts += [f"### {record['run'].get('model')} · k = {record['run']['k']} · {folder}", markdown_table(select_table(record)),
+                  f"![overlap and held-out scores]({figures.name}/{figure.name})"]
+    return "\n\n".join(parts)
+
+
 def _speed_section(folders: list[Path]) -> str:
     parts = ["## What a removal buys: speed and memory, pruned against unpruned"]
     for folder in folders:
@@ -252,6 +263,8 @@ def write_report(folders: list[Path], out: Path) -> Path:
             sections.append(_angular_section(by_kind["angular"], figures))
         if by_kind["heal"]:
             sections.append(_heal_section(by_kind["heal"], figures))
+        if by_kind["select"]:
+            sections.append(_select_section(by_kind["select"], figures))
         if by_kind["speed"]:
             sections.append(_speed_section(by_kind["speed"]))
         if by_kind["checkpoint"]:

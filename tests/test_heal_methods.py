@@ -364,7 +364,7 @@ def test_heal_methods_on_the_command_line_and_their_bad_input(run_cli, bos_model
     assert_one_line_error(*run_cli(*base, "--layers", "2"), "--calib-tokens does not apply to --method lora")
     assert_one_line_error(*run_cli(*lora, "--layers", "2", "--method-args", "rank"), "--method-args 'rank': give key=value pairs")
     assert_one_line_error(*run_cli(*lora, "--layers", "2", "--method-args", "rank=4"), "--method-args rank does not apply to --method lora (its settings: adapt,")
-    assert_one_line_error(*run_cli(*lora, "--layers", "2", "--method-args", "lora_rank=four"), "--lora-rank four: lora's lora_rank takes int")
+    assert_one_line_error(*run_cli(*lora, "--layers", "2", "--method-args", "lora_rank=four"), "--method-args lora_rank=four: lora's lora_rank takes int")
     assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "linear", "--methods", "lora,layer"), "give --method M or --methods M,M,..., not both")
     # --method lora, the default, given with --methods: refused too (it was dropped silently)
     assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "lora", "--methods", "linear"), "not both (--method lora with --methods linear)")

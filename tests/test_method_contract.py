@@ -226,6 +226,8 @@ def test_a_boolean_setting_reads_1_and_0(text, value, tmp_path):
     assert build_method("linearpatch", {"rotate": text}).settings.rotate is value
     with pytest.raises(DepthcurseError, match="takes bool"):
         build_method("linearpatch", {"rotate": "2"})
+    with pytest.raises(DepthcurseError, match=r"^--method-args calib_tokens=abc: linear's calib_tokens takes int$"):
+        build_method("linear", {"calib_tokens": "abc"})  # was reported as --calib-tokens abc
 
 
 # Each built-in method's defaults, as its paper and code set them (the module's `source` names both).

@@ -67,7 +67,7 @@ def test_every_method_registers_by_defining_it_and_takes_its_settings_by_name():
     from depthcurse.errors import DepthcurseError
 
     for spec, args, match in (("lora", {"rank": "4"}, "--method-args rank does not apply to --method lora"),
-                              ("lora", {"lora_rank": "x"}, "--lora-rank x: lora's lora_rank takes int"),
+                              ("lora", {"lora_rank": "x"}, "--method-args lora_rank=x: lora's lora_rank takes int"),
                               ("linear+lora", {"epochs": "3"}, "--method-args epochs does not apply to --method linear+lora"),
                               ("lora+linear", {}, "only the last method of a composition may train"),
                               ("magic", {}, "unknown --method 'magic'"),

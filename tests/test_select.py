@@ -113,6 +113,27 @@ def test_select_on_the_command_line_and_its_bad_input(run_cli, tiny_model_dir, t
                                 "--eval-windows", "3", "--seq-len", "16", "--out", str(tmp_path / "cli"))
     assert code == 0, err
     assert all((tmp_path / "cli" / f).is_file() for f in ("select.json", "select.csv", "select.png"))
+    code, _, err = run_cli("report", str(tmp_path / "cli"), "--out", str(tmp_path / "page.md"))
+    assert code == 0, err
+    page = (tmp_path / "page.md").read_text()
+    assert "## Calibration against search" in page and "select_0.png" in page
     for args, said in ((("--search", "magic"), "--search magic: use greedy"), (("--k", "0"), "--k must be at least 1"),
                        (("--objective", "acc"), "--objective acc: use ppl, kl"), (("--eval-windows", "1"), "--eval-windows must be at least 2")):
         assert_one_line_error(*run_cli("select", str(tiny_model_dir), "--calibration", two_texts[0], *args, "--out", str(tmp_path / "bad")), said)
+
+
+def test_scoring_from_the_kept_streams_equals_the_models_own_forward(tiny_model_dir, two_texts):
+    """The fast path (the unpruned streams kept, a removal run from its first removed block) gives
+    the plain path's losses and KLs (the model's own forward with the layers removed)."""
+    from depthcurse.select.grid import Scorer
+
+    loaded = load_model(str(tiny_model_dir))
+    cfg = SelectConfig(k=2, calibration=(two_texts[0],), calib_windows=3, eval_windows=2, seq_len=16, batch_size=2)
+    texts = text_windows(loaded.tokenizer, two_texts[0], cfg)
+    fast = Scorer(loaded.model, texts, cfg, {}, lambda: None)
+    plain = Scorer(loaded.model, texts, cfg, {}, lambda: None)
+    plain.streams = None
+    assert fast.streams is not None
+    for removed in ((0,), (2,), (1, 3), (0, 2, 3)):
+        (fl, fk), (pl, pk) = fast._measured(removed), plain._measured(removed)
+        assert fl == pytest.approx(pl, rel=1e-5, abs=1e-6) and fk == pytest.approx(pk, rel=1e-4, abs=1e-6)

@@ -474,7 +474,8 @@ def _typed(cls, name: str, value, method: str):
                 raise ValueError(value)
             return number
     except ValueError:
-        raise DepthcurseError(f"{said(name)} {value}: {method}'s {name} takes {getattr(kind, '__name__', kind)}") from None
+        # text reaches here from --method-args alone (the command line's own options arrive typed)
+        raise DepthcurseError(f"--method-args {name}={value}: {method}'s {name} takes {getattr(kind, '__name__', kind)}") from None
     return value
 
 

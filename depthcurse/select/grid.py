@@ -31,9 +31,14 @@ from typing import Callable
 
 import torch
 
+from depthcurse.angular.measurement import measure
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import atomic_write, ensure_out_dir, json_text, refuse_other_run
+from depthcurse.prune.engine import evaluate_variants, why_unsupported
+from depthcurse.prune.stepping import Stepper, Unsupported
 from depthcurse.surgery import num_layers, removed_layers
+from depthcurse.tasks import PerplexityTask, build_task
+from depthcurse.text import load_texts
 
 SELECT_JSON = "select.json"
 SEARCHES = ("greedy", "one-shot", "angular", "bi")
@@ -99,8 +104,6 @@ class Texts:
 def text_windows(tokenizer, source: str, cfg: SelectConfig) -> Texts:
     """`calib_windows` + `eval_windows` windows of `source` (heal's and ppl's packing), split by a
     seeded shuffle so that neither part is one stretch of the text."""
-    from depthcurse.tasks import PerplexityTask
-    from depthcurse.text import load_texts
 
     texts, label = load_texts(source)
     want = cfg.calib_windows + cfg.eval_windows
@@ -130,17 +133,61 @@ def per_window(model, windows: torch.Tensor, batch_size: int, reference: list[to
 
 
 class Scorer:
-    """A text's calibration score of any removal: (loss, KL), each measured once and kept."""
+    """A text's calibration score of any removal: (loss, KL), each measured once and kept. Where
+    prune's `Stepper` runs the model (Llama-like decoders), the unpruned model's stream entering
+    every block is kept once for the calibration windows, and a removal runs from its first removed
+    block on (the blocks before it compute as in the unpruned model): about half the block passes
+    of a greedy search. Elsewhere, the model's own forward with the layers removed."""
 
     def __init__(self, model, texts: Texts, cfg: SelectConfig, known: dict[str, list[float]], on_new: Callable[[], None]):
         self.model, self.texts, self.cfg, self.known, self.on_new = model, texts, cfg, known, on_new
         _, _, self.reference = per_window(model, texts.calibration, cfg.batch_size)  # the unpruned model's predictions, once
+        self.streams = self._streams()
+
+    @torch.no_grad()
+    def _streams(self) -> list[tuple[object, object, list[torch.Tensor]]] | None:
+        """Per batch: the stepper, its context and the stream entering each block (None: no stepper)."""
+        try:
+            stepper = Stepper(self.model)
+            stepper.check()
+        except (Unsupported, AssertionError, RuntimeError):
+            return None
+        out = []
+        for start in range(0, len(self.texts.calibration), self.cfg.batch_size):
+            ids = self.texts.calibration[start : start + self.cfg.batch_size].to(stepper.device)
+            ctx = stepper.context(ids.shape[1], 0)
+            h, entering = stepper.embed(ids), []
+            for i in range(stepper.n_layers):
+                entering.append(h)
+                h = stepper.block(i, h, ctx)
+            out.append((stepper, ctx, entering))
+        return out
+
+    @torch.no_grad()
+    def _measured(self, removed: tuple[int, ...]) -> tuple[list[float], list[float]]:
+        if self.streams is None:
+            with removed_layers(self.model, removed):
+                losses, kls, _ = per_window(self.model, self.texts.calibration, self.cfg.batch_size, self.reference)
+            return losses, kls
+        losses, kls = [], []
+        first = min(removed)
+        for b, (stepper, ctx, entering) in enumerate(self.streams):
+            h = entering[first]
+            for i in range(first, stepper.n_layers):
+                if i not in removed:
+                    h = stepper.block(i, h, ctx)
+            ids = self.texts.calibration[b * self.cfg.batch_size : (b + 1) * self.cfg.batch_size].to(h.device)
+            logp = torch.log_softmax(stepper.logits(h)[:, :-1], dim=-1)
+            losses += (-logp.gather(-1, ids[:, 1:, None])[..., 0]).mean(1).tolist()
+            ref = self.reference[b].to(logp.device)
+            kls += (ref.exp() * (ref - logp)).sum(-1).mean(1).tolist()
+        return losses, kls
 
     def __call__(self, removed: tuple[int, ...]) -> dict[str, float]:
-        key = ",".join(map(str, sorted(removed)))
+        removed = tuple(sorted(removed))
+        key = ",".join(map(str, removed))
         if key not in self.known:
-            with removed_layers(self.model, tuple(sorted(removed))):
-                losses, kls, _ = per_window(self.model, self.texts.calibration, self.cfg.batch_size, self.reference)
+            losses, kls = self._measured(removed)
             self.known[key] = [sum(losses) / len(losses), sum(kls) / len(kls)]
             self.on_new()
         loss, kl = self.known[key]
@@ -162,7 +209,6 @@ def one_shot(score: Scorer, n: int, k: int, objective: str) -> list[int]:
 def by_stream(model, texts: Texts, cfg: SelectConfig) -> dict[str, list[int]]:
     """The two searches that read the residual stream alone, from one angular-distance pass over the
     calibration windows (`angular.measure`, over every token: a few windows have too few last tokens)."""
-    from depthcurse.angular.measurement import measure
 
     masks = torch.ones_like(texts.calibration)
     batches = [(texts.calibration[i : i + cfg.batch_size], masks[i : i + cfg.batch_size]) for i in range(0, len(masks), cfg.batch_size)]
@@ -247,8 +293,6 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
 
 def judge_on_task(loaded, cfg: SelectConfig, sets: list[tuple[int, ...]]) -> dict:
     """Every chosen set on the task at once, by prune's reuse engine (each question's score kept)."""
-    from depthcurse.prune.engine import evaluate_variants, why_unsupported
-    from depthcurse.tasks import build_task
 
     task = build_task(cfg.task, loaded.tokenizer, limit=cfg.limit, batch_size=cfg.batch_size, seed=cfg.seed, model=loaded.model, model_source=loaded.source)
     task.per_example = True

@@ -67,8 +67,8 @@ def _cell(value) -> str:
 def select_table(record: dict) -> Table:
     run = record["run"]
     over = record.get("overlap") or {}
-    caption = (f"each choice judged on held-out windows ({run['eval_windows']} x {run['seq_len']} tokens of each text, never chosen on) "
-               + (f"and on {run['task']} (--limit {run['limit']})" if run.get("task") else "")
+    caption = (f"each choice judged on held-out windows ({run['eval_windows']} x {run['seq_len']} tokens of each text, never chosen on)"
+               + (f" and on {run['task']} (--limit {run['limit']})" if run.get("task") else "")
                + "; in brackets the 95% interval from the paired windows or questions (the difference from the unpruned model). "
                + overlap_text(over) + " " + decomposition_text(record.get("decomposition") or {}))
     table = Table(title=f"{run['model']}: which {run['k']} layers each calibration and search removes, judged on the same held-out text",
@@ -156,10 +156,10 @@ def plot_select(record: dict, path: Path) -> Path:
         ax.axhline(_unpruned(record, where, "loss"), color=bars.patches[0].get_facecolor(), ls=":", lw=1)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("held-out next-token loss (nats); dotted: unpruned")
-    lows = [v for col, _ in losses for n in names for v in [cell_scores(record, n)[col][0]]]
-    ax.set_ylim(min(_unpruned(record, w, "loss") for _, w in losses) * 0.98, max(lows) * 1.02)
+    tops = [(lh[1] if lh else v) for col, _ in losses for n in names for v, lh in [cell_scores(record, n)[col]]]
+    ax.set_ylim(min(_unpruned(record, w, "loss") for _, w in losses) * 0.98, max(tops) * 1.03)
     ax.legend(fontsize=7)
-    ax.set_title("each choice judged on the same held-out windows", fontsize=9)
+    ax.set_title("every choice, the same held-out windows", fontsize=9)
     fig.suptitle(f"{record['run']['model']}: calibration x search, k = {record['run']['k']}", fontsize=10)
     fig.tight_layout()
     return save_figure(fig, path)
