@@ -482,6 +482,7 @@ def test_requests_are_those_lm_eval_builds_itself(tiny_tokenizer, monkeypatch, o
         ("mmlu_anatomy", 5, 3, ["llama-gqa", "qwen2-sliding"]),
         ("arc_easy", 0, 6, ["llama-tied", "qwen2-sliding"]),
         ("arc_easy,piqa", 0, 3, ["llama-tied"]),  # a suite: each task and their average
+        ("probe_copy_4,probe_add_2d", 0, 4, ["llama-gqa"]),  # the capability probes: greedy exact match (is_greedy), lm-eval's own loop alike
     ],
 )
 def test_lm_eval_tasks_equal_the_lm_eval_engine(shared, tiny_tokenizer, task_name, shots, limit, kinds, one_torch_thread):
