@@ -291,9 +291,10 @@ def unchanged(results: dict) -> str | None:
     """Why the healed model is no healed model (`UNCHANGED`), where it scores as the pruned one on
     every held-out window to float precision; None where it differs."""
     p, h = results.get("pruned", {}).get("held_out", {}), results.get("healed", {}).get("held_out", {})
-    same = [key for key in ("per_window", "per_window_kl") if key in p and key in h and len(p[key]) == len(h[key])
-            and all(abs(a - b) <= 1e-6 * max(1.0, abs(a)) for a, b in zip(p[key], h[key]))]
-    return UNCHANGED if same and len(same) == len([k for k in ("per_window", "per_window_kl") if k in p]) else None
+    kept = [key for key in ("per_window", "per_window_kl") if key in p]
+    same = kept and all(key in h and len(p[key]) == len(h[key]) and all(abs(a - b) <= 1e-6 * max(1.0, abs(a)) for a, b in zip(p[key], h[key]))
+                        for key in kept)
+    return UNCHANGED if same else None
 
 
 def measured_note(record: dict) -> str:

@@ -202,8 +202,18 @@ def _named(method) -> str:
     return getattr(method, "name", "") or type(method).__name__
 
 
-def _raised(method, hook: str, exc: BaseException) -> DepthcurseError:
-    return DepthcurseError(f"--method {_named(method)}: its {hook}() raised {type(exc).__name__}: {exc}")
+@contextlib.contextmanager
+def _blamed(method, hook: str, ours: bool, passing: BaseException | None = None) -> Iterator[None]:
+    """An error raised inside is the method's `hook`'s: one line naming both. Ours show as they
+    are (a bug of ours), and so does `passing` (the error of the code inside a `with` it gave)."""
+    try:
+        yield
+    except DepthcurseError:
+        raise
+    except Exception as exc:
+        if ours or exc is passing:
+            raise
+        raise DepthcurseError(f"--method {_named(method)}: its {hook}() raised {type(exc).__name__}: {exc}") from exc
 
 
 def _checked(hook: str, fn: Callable, ours: bool) -> Callable:
@@ -214,14 +224,8 @@ def _checked(hook: str, fn: Callable, ours: bool) -> Callable:
 
     @functools.wraps(fn)
     def call(self, *args, **kwargs):
-        try:
+        with _blamed(self, hook, ours):
             out = fn(self, *args, **kwargs)
-        except DepthcurseError:
-            raise
-        except Exception as exc:
-            if ours:
-                raise
-            raise _raised(self, hook, exc) from exc
         if hook in CONTEXTS:
             if not (hasattr(out, "__enter__") and hasattr(out, "__exit__")):
                 raise DepthcurseError(f"--method {_named(self)}: {hook}() must return a context manager (a @contextlib.contextmanager "
@@ -246,14 +250,8 @@ class _Entered(contextlib.AbstractContextManager):
         self.method, self.hook, self.model, self.inner, self.ours = method, hook, model, inner, ours
 
     def __enter__(self):
-        try:
+        with _blamed(self.method, self.hook, self.ours):
             got = self.inner.__enter__()
-        except DepthcurseError:
-            raise
-        except Exception as exc:
-            if self.ours:
-                raise
-            raise _raised(self.method, self.hook, exc) from exc
         if got is not self.model:
             self.inner.__exit__(None, None, None)
             raise DepthcurseError(f"--method {_named(self.method)}: {self.hook}() must give the model it was given to the `with` "
@@ -261,14 +259,8 @@ class _Entered(contextlib.AbstractContextManager):
         return got
 
     def __exit__(self, kind, exc, tb):
-        try:
+        with _blamed(self.method, self.hook, self.ours, passing=exc):
             return self.inner.__exit__(kind, exc, tb)
-        except DepthcurseError:
-            raise
-        except Exception as raised:
-            if self.ours or raised is exc:
-                raise
-            raise _raised(self.method, self.hook, raised) from raised
 
 
 class Compose(Method):

@@ -36,7 +36,7 @@ def methods_of(record: dict, method: str | None = None) -> dict[str, dict]:
                      "cost": record.get("cost"), "title": record.get("title") or run.get("method_title"), "how": record.get("how") or run.get("method_how")}}
 
 
-UNCHANGED_LABEL = "healed (unchanged: as pruned)"  # a method that changed nothing is not called healed
+UNCHANGED_MARK = " (unchanged: as pruned)"  # a method that changed nothing is not called healed
 
 
 def _cell(value) -> str:
@@ -154,7 +154,7 @@ def heal_rows(record: dict) -> list[tuple[str, ...]]:
     rows = [("model", *(header for _, _, header in cols))]
     for name in MODELS:
         r = results.get(name)
-        label = UNCHANGED_LABEL if name == "healed" and record.get("unchanged") else name
+        label = name + (UNCHANGED_MARK if name == "healed" and record.get("unchanged") else "")
         rows.append((label, *(_measured(r, part, m) if r and part in r else "not measured" for part, m, _ in cols)))
     rec, why, intervals = record.get("recovered", {}), record.get("recovered_why", {}), record.get("recovered_interval", {})
     rows.append(("recovered", *("" if m == "ppl" else _share(rec, why, _recovered_key(part, m), intervals) for part, m, _ in cols)))
@@ -211,7 +211,7 @@ def methods_table(record: dict) -> Table:
     for method, entry in methods.items():
         r, rec, why, cost = entry["results"], entry.get("recovered", {}), entry.get("recovered_why", {}), entry.get("cost") or {}
         intervals = entry.get("recovered_interval", {})
-        label = method + (" (unchanged: as pruned)" if entry.get("unchanged") else "")
+        label = method + (UNCHANGED_MARK if entry.get("unchanged") else "")
         table.add_row(label, *((_measured(r, part, m) + ("" if m == "ppl" else f" ({_share(rec, why, _recovered_key(part, m), intervals)})")) if part in r else "-"
                                 for part, m, _ in cols),
                       f"{cost.get('seconds', float('nan')):,.1f}", f"{cost.get('tokens', 0):,}", _params(cost))

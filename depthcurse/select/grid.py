@@ -123,13 +123,22 @@ def per_window(model, windows: torch.Tensor, batch_size: int, reference: list[to
     for b, start in enumerate(range(0, len(windows), batch_size)):
         ids = windows[start : start + batch_size].to(device)
         logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].float(), dim=-1)
-        nll = -logp.gather(-1, ids[:, 1:, None])[..., 0]
-        losses += nll.mean(1).tolist()
+        batch_losses, batch_kls = window_scores(logp, ids, reference[b] if reference is not None else None)
+        losses += batch_losses
         if reference is not None:
-            ref = reference[b].to(device)
-            kls += (ref.exp() * (ref - logp)).sum(-1).mean(1).tolist()
+            kls += batch_kls
         logprobs.append(logp.cpu())
     return losses, kls, logprobs
+
+
+def window_scores(logp: torch.Tensor, ids: torch.Tensor, reference: torch.Tensor | None) -> tuple[list[float], list[float]]:
+    """A batch's log-probs of the next tokens as each window's mean loss and, against `reference`
+    (the unpruned model's log-probs), its mean KL(unpruned || model)."""
+    losses = (-logp.gather(-1, ids[:, 1:, None])[..., 0]).mean(1).tolist()
+    if reference is None:
+        return losses, []
+    ref = reference.to(logp.device)
+    return losses, (ref.exp() * (ref - logp)).sum(-1).mean(1).tolist()
 
 
 class Scorer:
@@ -141,18 +150,20 @@ class Scorer:
 
     def __init__(self, model, texts: Texts, cfg: SelectConfig, known: dict[str, list[float]], on_new: Callable[[], None]):
         self.model, self.texts, self.cfg, self.known, self.on_new = model, texts, cfg, known, on_new
-        _, _, self.reference = per_window(model, texts.calibration, cfg.batch_size)  # the unpruned model's predictions, once
-        self.streams = self._streams()
+        self.streams, self.reference = self._streams()
+        if self.streams is None:
+            _, _, self.reference = per_window(model, texts.calibration, cfg.batch_size)  # the unpruned model's predictions, once
 
     @torch.no_grad()
-    def _streams(self) -> list[tuple[object, object, list[torch.Tensor]]] | None:
-        """Per batch: the stepper, its context and the stream entering each block (None: no stepper)."""
+    def _streams(self) -> tuple[list[tuple[object, object, list[torch.Tensor]]] | None, list[torch.Tensor] | None]:
+        """Per batch: the stepper, its context and the stream entering each block; and the unpruned
+        model's log-probs from the same pass (None, None: no stepper)."""
         try:
             stepper = Stepper(self.model)
             stepper.check()
         except (Unsupported, AssertionError, RuntimeError):
-            return None
-        out = []
+            return None, None
+        out, reference = [], []
         for start in range(0, len(self.texts.calibration), self.cfg.batch_size):
             ids = self.texts.calibration[start : start + self.cfg.batch_size].to(stepper.device)
             ctx = stepper.context(ids.shape[1], 0)
@@ -161,7 +172,8 @@ class Scorer:
                 entering.append(h)
                 h = stepper.block(i, h, ctx)
             out.append((stepper, ctx, entering))
-        return out
+            reference.append(torch.log_softmax(stepper.logits(h)[:, :-1], dim=-1).cpu())
+        return out, reference
 
     @torch.no_grad()
     def _measured(self, removed: tuple[int, ...]) -> tuple[list[float], list[float]]:
@@ -177,10 +189,9 @@ class Scorer:
                 if i not in removed:
                     h = stepper.block(i, h, ctx)
             ids = self.texts.calibration[b * self.cfg.batch_size : (b + 1) * self.cfg.batch_size].to(h.device)
-            logp = torch.log_softmax(stepper.logits(h)[:, :-1], dim=-1)
-            losses += (-logp.gather(-1, ids[:, 1:, None])[..., 0]).mean(1).tolist()
-            ref = self.reference[b].to(logp.device)
-            kls += (ref.exp() * (ref - logp)).sum(-1).mean(1).tolist()
+            batch_losses, batch_kls = window_scores(torch.log_softmax(stepper.logits(h)[:, :-1], dim=-1), ids, self.reference[b])
+            losses += batch_losses
+            kls += batch_kls
         return losses, kls
 
     def __call__(self, removed: tuple[int, ...]) -> dict[str, float]:
@@ -344,50 +355,38 @@ def _shares(y: dict[tuple[str, str], float], rows: list[str], cols: list[str]) -
 
 
 def decomposition(record: dict, cfg: SelectConfig) -> dict:
-    """Per measurement judged on (each text's held-out loss and KL, all texts' mean loss, the task):
-    how much of the spread of the cells' scores goes with the calibration text and how much with
-    the search (and objective), with 95% intervals from resampling the held-out windows (or
-    questions), paired across cells."""
+    """Per measurement judged on (each text's held-out loss and KL, the task): how much of the
+    spread of the cells' scores goes with the calibration text and how much with the search (and
+    objective), with 95% intervals from resampling the held-out windows (or questions), paired
+    across cells."""
     cells = record["cells"]
     rows = list(cfg.calibration)
     cols = sorted({(c["search"], c["objective"]) for c in cells.values()})
     if len(rows) < 2 or len(cols) < 2:
         return {"why_not": "a decomposition needs two calibration texts and two searches (or objectives) at least"}
     where = {(c["calibration"], (c["search"], c["objective"])): ",".join(map(str, c["layers"])) for c in cells.values()}
-    measures: dict[str, Callable[[str, list[int] | None], float]] = {}
-
-    def held(source, metric):
-        def value(key, pick):
-            items = record["held_out"][source][key][metric]
-            pick = pick if pick is not None else range(len(items))
-            return sum(items[i] for i in pick) / len(pick)
-        return value
-
-    sizes = {}
-    for source in cfg.calibration:
-        for metric in ("loss", "kl"):
-            name = f"{record.get('labels', {}).get(source, source)} held-out {metric}"
-            measures[name] = held(source, metric)
-            sizes[name] = cfg.eval_windows
+    # each measurement: a chosen set's key -> its items (windows or questions), paired across sets
+    measures: dict[str, Callable[[str], list[float]]] = {
+        f"{record.get('labels', {}).get(source, source)} held-out {metric}": (lambda key, source=source, metric=metric: record["held_out"][source][key][metric])
+        for source in cfg.calibration for metric in ("loss", "kl")}
     if record.get("task"):
-        def task_value(key, pick):
-            items = record["task"][key]["items"]
-            pick = pick if pick is not None else range(len(items))
-            return sum(items[i] for i in pick) / max(1, len(pick))
-        name = f"{cfg.task} {record['task'][''].get('metric')}"
-        measures[name] = task_value
-        sizes[name] = len(record["task"][""]["items"])
+        measures[f"{cfg.task} {record['task'][''].get('metric')}"] = lambda key: record["task"][key]["items"]
+    mean = lambda items, pick: sum(items[i] for i in pick) / len(pick)  # noqa: E731
     rng = random.Random(cfg.seed)
     out = {}
-    for name, value in measures.items():
-        grid = {(r, c): value(where[r, c], None) for r in rows for c in cols if (r, c) in where}
-        if len(grid) < len(rows) * len(cols) or sizes[name] < 2:
+    if len(where) < len(rows) * len(cols):
+        return out  # a cell not chosen yet: no full grid to decompose
+    for name, items_of in measures.items():
+        size = len(items_of(""))
+        if size < 2:
             continue
+        every = range(size)
+        grid = {(r, c): mean(items_of(where[r, c]), every) for r in rows for c in cols}
         shares = _shares(grid, rows, cols)
         draws = {k: [] for k in shares}
         for _ in range(BOOTSTRAP):
-            pick = [rng.randrange(sizes[name]) for _ in range(sizes[name])]
-            s = _shares({(r, c): value(where[r, c], pick) for r in rows for c in cols}, rows, cols)
+            pick = [rng.randrange(size) for _ in range(size)]
+            s = _shares({(r, c): mean(items_of(where[r, c]), pick) for r in rows for c in cols}, rows, cols)
             for k, v in s.items():
                 if math.isfinite(v):
                     draws[k].append(v)

@@ -144,10 +144,11 @@ def plot_select(record: dict, path: Path) -> Path:
     ax.set_title(f"the {record['run']['k']} layers each cell chose", fontsize=9)
     ax = axes[1]
     width = 0.8 / max(1, len(losses))
+    scores = {name: cell_scores(record, name) for name in names}  # each cell's intervals worked out once
     for j, (column, where) in enumerate(losses):
         values, errs = [], [[], []]
         for name in names:
-            v, lh = cell_scores(record, name)[column]
+            v, lh = scores[name][column]
             values.append(v)
             errs[0].append(v - lh[0] if lh else 0)
             errs[1].append(lh[1] - v if lh else 0)
@@ -156,7 +157,7 @@ def plot_select(record: dict, path: Path) -> Path:
         ax.axhline(_unpruned(record, where, "loss"), color=bars.patches[0].get_facecolor(), ls=":", lw=1)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("held-out next-token loss (nats); dotted: unpruned")
-    tops = [(lh[1] if lh else v) for col, _ in losses for n in names for v, lh in [cell_scores(record, n)[col]]]
+    tops = [(lh[1] if lh else v) for col, _ in losses for n in names for v, lh in [scores[n][col]]]
     ax.set_ylim(min(_unpruned(record, w, "loss") for _, w in losses) * 0.98, max(tops) * 1.03)
     ax.legend(fontsize=7)
     ax.set_title("every choice, the same held-out windows", fontsize=9)

@@ -76,7 +76,7 @@ def suite_members(name: str) -> tuple[str, ...] | None:
     if name in SUITES:
         return SUITES[name]
     if "," in name:
-        listed = tuple(dict.fromkeys(t.strip() for t in name.split(",") if t.strip()))
+        listed = _listed(name)
         inside = [t for t in listed if t in TASKS]
         if inside:
             raise DepthcurseError(f"--task {name}: a list takes lm-eval tasks and named suites ({', '.join(SUITES)}); {inside[0]} is neither")
@@ -87,7 +87,12 @@ def suite_members(name: str) -> tuple[str, ...] | None:
 def suite_groups(name: str) -> dict[str, tuple[str, ...]]:
     """The named suites a list holds (`commonsense,probes`), each averaged on its own beside the
     whole list's average: classification kept against generation kept, in one table."""
-    return {t.strip(): SUITES[t.strip()] for t in name.split(",") if t.strip() in SUITES} if "," in name else {}
+    return {t: SUITES[t] for t in _listed(name) if t in SUITES} if "," in name else {}
+
+
+def _listed(name: str) -> tuple[str, ...]:
+    """The names of a comma-separated list, each once, in order."""
+    return tuple(dict.fromkeys(t.strip() for t in name.split(",") if t.strip()))
 _FLAGS = {"data": "--data", "seq_len": "--seq-len", "num_fewshot": "--num-fewshot", "max_gen_toks": "--max-gen-toks", "bos": "--no-bos"}
 
 

@@ -212,7 +212,7 @@ class LmEvalTask:
             "limit": self.limit,
             "fewshot_seed": self.seed,
             "offline_data": self.offline,
-            **(probes_described if (probes_described := describe_probes(self.loaded["tasks"])).get("probes") else {}),
+            **describe_probes(self.loaded["tasks"]),
             "notes": self.notes,
             **({"max_gen_toks": self.max_gen_toks} if self.max_gen_toks is not None else {}),
         }

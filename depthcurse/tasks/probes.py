@@ -135,6 +135,8 @@ def task_config(name: str, seed: int = SEED) -> dict:
 
 
 def describe(names) -> dict:
-    """What a result records of the probes it ran: how their examples were made."""
-    return {"probes": {n: {"capability": PROBES[n].capability, "rung": PROBES[n].rung} for n in names if n in PROBES},
-            "probe_seed": SEED, "probe_shots": SHOTS, "probe_metric": "greedy exact match of the answer and a newline (teacher-forced argmax)"}
+    """What a result records of the probes among `names`: how their examples were made (nothing
+    where there are none)."""
+    ran = {n: {"capability": PROBES[n].capability, "rung": PROBES[n].rung} for n in names if n in PROBES}
+    return {"probes": ran, "probe_seed": SEED, "probe_shots": SHOTS,
+            "probe_metric": "greedy exact match of the answer and a newline (teacher-forced argmax)"} if ran else {}
