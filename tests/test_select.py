@@ -137,3 +137,10 @@ def test_scoring_from_the_kept_streams_equals_the_models_own_forward(tiny_model_
     for removed in ((0,), (2,), (1, 3), (0, 2, 3)):
         (fl, fk), (pl, pk) = fast._measured(removed), plain._measured(removed)
         assert fl == pytest.approx(pl, rel=1e-5, abs=1e-6) and fk == pytest.approx(pk, rel=1e-4, abs=1e-6)
+    # and both are KL(unpruned || pruned) per window, worked out here by torch's kl_div
+    with torch.no_grad():
+        unpruned = torch.log_softmax(loaded.model(input_ids=texts.calibration).logits[:, :-1].float(), -1)
+        with removed_layers(loaded.model, (1, 3)):
+            pruned = torch.log_softmax(loaded.model(input_ids=texts.calibration).logits[:, :-1].float(), -1)
+    by_hand = torch.nn.functional.kl_div(pruned, unpruned, log_target=True, reduction="none").sum(-1).mean(1).tolist()
+    assert fast._measured((1, 3))[1] == pytest.approx(by_hand, rel=1e-4, abs=1e-6)
