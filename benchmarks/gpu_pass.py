@@ -90,7 +90,7 @@ DRY = Sizes(device="cpu", dtype="fp32", shape="tiny", mmlu_slice=2, mmlu_target=
                         "--seq-len", "64"),
             norms=dict(preset="tiny", device="cpu", batch_size=2, seq_len=32, kernels="torch", max_rounds=8, warmup=1, vocab=512,
                        shape=dict(num_layers=2, hidden_size=64, intermediate_size=176)),
-            heal=dict(layers=(2,), steps=2, batch_size=2, seq_len=64, eval_windows=1, calib_tokens=256),
+            heal=dict(layers=(2,), steps=2, batch_size=2, seq_len=64, eval_windows=2, calib_tokens=256),
             tests=("-k", "cuda", "tests/test_kernels.py", "tests/test_model.py"))
 TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
             rope_theta=10000.0, tie_word_embeddings=False)

@@ -15,6 +15,7 @@ import math
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
 import uuid
@@ -115,6 +116,48 @@ def ensure_out_dir(path: Path, what: str = "--out") -> Path:
     return path
 
 
+LOCK_FILE = ".depthcurse-lock"
+# The folders this process holds (`claim_out_dir`), each with its open lock file.
+_claims: dict[Path, object] = {}
+
+
+def claim_out_dir(path: Path, what: str = "--out") -> Path:
+    """`ensure_out_dir`, and the folder this process's alone until it ends (`release_claims`): a
+    second run writing the same results folder at once would overwrite the first's files with its
+    own, so it is refused in one line that names the process holding it. The lock is the kernel's
+    (flock on `LOCK_FILE`): it goes with the process, so a crashed run leaves none behind. Under
+    torchrun only rank 0 takes it (the ranks of one run share their folder)."""
+    import fcntl  # lazy: POSIX only, where the lock is taken
+
+    path = ensure_out_dir(path, what)
+    key = path.resolve()
+    if key in _claims or os.environ.get("RANK", "0") != "0":
+        return path
+    handle = open(path / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise DepthcurseError(f"{what} {path} is being written by another run ({holder}): wait for it to end, or give another {what}") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(sys.argv)[:200]}")
+    handle.flush()
+    _claims[key] = handle
+    return path
+
+
+def release_claims() -> None:
+    """Give up every folder `claim_out_dir` took (the lock files go too)."""
+    for path, handle in list(_claims.items()):
+        with contextlib.suppress(OSError):
+            (path / LOCK_FILE).unlink()
+        handle.close()
+        del _claims[path]
+
+
 @contextlib.contextmanager
 def removing_empty_on_failure():
     """Run a command so that the folders `ensure_out_dir` creates for it are removed again, deepest
@@ -126,12 +169,15 @@ def removing_empty_on_failure():
         yield
     except SystemExit as exc:
         if exc.code not in (0, None):
+            release_claims()
             _remove_empty(_created)
         raise
     except BaseException:
+        release_claims()
         _remove_empty(_created)
         raise
     finally:
+        release_claims()
         _created = None
 
 

@@ -23,13 +23,13 @@ from depthcurse.angular import load_angular
 from depthcurse.angular.report import plot_angular
 from depthcurse.angular.result import ANGULAR_JSON
 from depthcurse.errors import DepthcurseError
-from depthcurse.heal import HEAL_JSON, curve_table, heal_table, methods_table, plot_heal_curve, read_heal
+from depthcurse.heal import HEAL_JSON, curve_table, heal_table, heal_verdicts, methods_table, plot_heal_curve, read_heal
 from depthcurse.io import atomic_write, ensure_out_dir, save_figure
 from depthcurse.prune.greedy import GREEDY_JSON, THRESHOLDS, DepthCurves, read_curves
 from depthcurse.prune.report import curves_data_text, legend_below, load_prune, plot_greedy, plot_prune_overlay
 from depthcurse.prune.results import RESULTS_JSON, UNIT_NAMES, Sweep
 from depthcurse.card import PROVENANCE, read_card
-from depthcurse.select import SELECT_JSON, plot_select, select_table
+from depthcurse.select import SELECT_JSON, plot_select, select_table, select_verdicts
 from depthcurse.speed import SPEED_JSON, read_speed, speed_table
 from depthcurse.train import read_run, table1
 from depthcurse.train.config import CONFIG
@@ -63,6 +63,11 @@ def markdown_table(table: Table) -> str:
     title = f"*{plain(table.title)}*\n\n" if table.title else ""
     caption = f"\n\n{plain(table.caption)}" if table.caption else ""  # what was measured, on what: as the screen shows it
     return title + "\n".join(lines) + caption
+
+
+def _bullets(lines: list[str]) -> list[str]:
+    """Verdict lines after a table, as one Markdown list (none: nothing)."""
+    return ["\n".join(f"- {line}" for line in lines)] if lines else []
 
 
 def _rows(headers: list[str], rows: list[list]) -> str:
@@ -188,9 +193,9 @@ def _heal_section(folders: list[Path], figures: Path) -> str:
             able = [m for m in record["run"]["methods"] if m not in (record.get("refused") or {})]
             done = [m for m in able if m in record["methods"]]
             status = "" if len(done) == len(able) else f" · {len(done)} of {len(able)} methods finished"
-            parts += [f"### {record['run']['model']} · methods compared · {folder}{status}", markdown_table(methods_table(record))]
+            parts += [f"### {record['run']['model']} · methods compared · {folder}{status}", markdown_table(methods_table(record)), *_bullets(heal_verdicts(record))]
         elif "recovered" in record:
-            parts += [f"### {record['run']['model']} · {folder}", markdown_table(heal_table(record))]
+            parts += [f"### {record['run']['model']} · {folder}", markdown_table(heal_table(record)), *_bullets(heal_verdicts(record))]
             if (folder / SPEED_JSON).is_file():
                 parts.append(markdown_table(speed_table(read_speed(folder))))
         else:
@@ -204,7 +209,7 @@ def _select_section(folders: list[Path], figures: Path) -> str:
         record = json.loads((folder / SELECT_JSON).read_text())
         figure = plot_select(record, figures / f"select_{i}.png")
         parts += [f"### {record['run'].get('model')} · k = {record['run']['k']} · {folder}", markdown_table(select_table(record)),
-                  f"![overlap and held-out scores]({figures.name}/{figure.name})"]
+                  *_bullets(select_verdicts(record)), f"![overlap and held-out scores]({figures.name}/{figure.name})"]
     return "\n\n".join(parts)
 
 

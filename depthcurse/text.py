@@ -1,4 +1,5 @@
-"""Plain text for perplexity and representation measurements: C4, the offline Wikipedia, or a file.
+"""Plain text for perplexity and representation measurements: C4, the offline Wikipedia, offline
+code, mathematics or dialogue (`assets.kinds`), or a file.
 
 `load_texts` returns documents (strings); tokenising and windowing belong to whoever measures,
 who puts `start_tokens` (the model's BOS) first where the model expects it.
@@ -11,13 +12,14 @@ import json
 from pathlib import Path
 
 from depthcurse import assets
+from depthcurse.assets.kinds import KINDS, kind_texts
 from depthcurse.errors import DepthcurseError
 
 C4_REPO = "allenai/c4"
 # The first validation shard (about 45k documents) is more text than any measurement here uses.
 C4_VALIDATION_FILE = "en/c4-validation.00000-of-00008.json.gz"
 
-TEXT_SOURCES = ("auto", "c4", "wiki")
+TEXT_SOURCES = ("auto", "c4", "wiki", *KINDS)
 
 
 def text_source(data: str) -> str:
@@ -27,22 +29,34 @@ def text_source(data: str) -> str:
     return data
 
 
-def load_texts(data: str = "auto") -> tuple[list[str], str]:
+def text_kind(data: str) -> str:
+    """What sort of text a source is, as a finding must say: prose, code, mathematics, dialogue, or a file's."""
+    data = text_source(data)
+    if data in KINDS:
+        return KINDS[data].kind
+    return {"c4": "prose (web)", "wiki": "prose (encyclopedic)"}.get(data, "a file")
+
+
+def load_texts(data: str = "auto", option: str = "--data") -> tuple[list[str], str]:
     """Documents for `data` and a short label for the results files.
 
-    `auto` is C4 validation where the hub is reachable and the offline Wikipedia text otherwise.
-    Anything that is not a source name is read as a local .txt, .jsonl/.json or .parquet file.
+    `auto` is C4 validation where the hub is reachable and the offline Wikipedia text otherwise;
+    `code`, `math` and `dialogue` are offline texts of those kinds (`assets.kinds`). Anything that
+    is not a source name is read as a local .txt, .jsonl/.json or .parquet file. `option` is the
+    command-line option that named `data`, for the one-line errors.
     """
     data = text_source(data)
     if data == "c4":
-        return _c4_validation(), "c4-validation"
+        return _c4_validation(option), "c4-validation"
     if data == "wiki":
         return [t for t in assets.wiki_texts() if t.strip()], "wiki"
+    if data in KINDS:
+        return kind_texts(data), data
     path = Path(data).expanduser()
     if not path.exists():
-        raise DepthcurseError(f"no such data file: {data} (or use one of: {', '.join(TEXT_SOURCES)})")
+        raise DepthcurseError(f"{option} {data}: no such data file (or use one of: {', '.join(TEXT_SOURCES)})")
     if path.is_dir():
-        raise DepthcurseError(f"--data {path} is a folder: give a .txt, .jsonl, .json or .parquet file")
+        raise DepthcurseError(f"{option} {path} is a folder: give a .txt, .jsonl, .json or .parquet file")
     texts = _read_file(path)
     wrong = next(((i, t) for i, t in enumerate(texts) if not isinstance(t, str)), None)
     if wrong is not None:
@@ -70,9 +84,9 @@ def start_text(tokenizer, ids: list[int]) -> str | None:
     return "".join(tokenizer.convert_ids_to_tokens(ids)) if ids else None
 
 
-def _c4_validation() -> list[str]:
+def _c4_validation(option: str = "--data") -> list[str]:
     if not assets.hub_reachable():
-        raise DepthcurseError("C4 comes from the hub, which is not reachable: use --data wiki or --data PATH")
+        raise DepthcurseError(f"{option} c4: C4 comes from the hub, which is not reachable: use {option} wiki (or code, math, dialogue, a file)")
     import datasets  # lazy: only C4 needs datasets (1 s to import)
 
     try:

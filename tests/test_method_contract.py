@@ -154,8 +154,10 @@ def test_a_method_that_changes_nothing_is_flagged_unchanged_in_the_table_and_car
     assert record["unchanged"] and "changed nothing" in record["unchanged"]
     console = Console(record=True, width=400)
     console.print(heal_table(record))
+    from depthcurse.heal import heal_verdicts
+
     text = " ".join(console.export_text().split())
-    assert "NOT HEALED" in text and "healed (unchanged: as pruned)" in text
+    assert "healed (unchanged: as pruned)" in text and heal_verdicts(record)[0].startswith("NOT HEALED: ") and "changed nothing" in heal_verdicts(record)[0]
     card = (tmp_path / "idle" / "hf" / "README.md").read_text()
     assert "**Not healed:**" in card
     linear = heal(load_model(str(bos_model_dir)), _cfg(docs_file, method="linear"), tmp_path / "linear")
@@ -309,8 +311,9 @@ def _suite_result(avg_parts: dict[str, float]) -> dict:
                      "data": "commonsense", "member_metrics": {k: "acc" for k in avg_parts}}}
 
 
+@pytest.mark.statistics
 def test_retained_is_the_share_of_the_unpruned_average():
-    from depthcurse.heal.loop import retained
+    from depthcurse.heal.shares import retained
 
     unpruned = retained(_suite_result({"arc_easy": 0.6, "piqa": 0.8}), None)
     pruned = retained(_suite_result({"arc_easy": 0.3, "piqa": 0.6}), unpruned)
@@ -318,6 +321,7 @@ def test_retained_is_the_share_of_the_unpruned_average():
     assert pruned["task"]["metrics"]["retained"] == pytest.approx(0.45 / 0.7)
 
 
+@pytest.mark.statistics
 def test_the_model_index_lists_the_healed_model_one_entry_per_task_and_retained_in_percent():
     """The hub's form: each task of a suite its own dataset with its headline metric, the suite's
     average and retained (in percent, as the tables say it), the held-out text's loss; every number
@@ -325,7 +329,7 @@ def test_the_model_index_lists_the_healed_model_one_entry_per_task_and_retained_
     from depthcurse.card import card_text
     import yaml
 
-    from depthcurse.heal.loop import evaluation_results
+    from depthcurse.heal.model_index import evaluation_results
 
     def model(arc, piqa, loss):
         return {**_suite_result({"arc_easy": arc, "piqa": piqa}), "held_out": {"metric": "loss", "metrics": {"loss": loss, "ppl": math.exp(loss)},
@@ -382,18 +386,21 @@ def test_a_new_layer_in_a_removed_place_is_traced_to_no_source_layer():
     assert record["layers_from"] == [0, 1, None, 4, 5]  # block 2 of the healed model is new, trained; block 3 was the source's 4
 
 
+@pytest.mark.statistics
 def test_the_noise_of_a_paired_mean_shrinks_as_one_over_root_n():
-    from depthcurse.heal.intervals import standard_error
+    from depthcurse.heal.intervals import paired_spread
 
     a = [1.0, 2.0, 4.0, 3.0, 5.0, 9.0, 2.0, 6.0]
     b = [0.5, 2.5, 3.0, 3.0, 4.0, 7.0, 2.5, 5.0]
     diff = [x - y for x, y in zip(a, b)]
     mean = sum(diff) / len(diff)
     sd = math.sqrt(sum((d - mean) ** 2 for d in diff) / (len(diff) - 1))
-    assert standard_error({"a": [a], "b": [b]}, {"a": 1.0, "b": -1.0}) == pytest.approx(sd / math.sqrt(len(diff)))
+    spread = paired_spread({"a": [a], "b": [b]}, {"a": 1.0, "b": -1.0})
+    assert spread.se == pytest.approx(sd / math.sqrt(len(diff))) and spread.df == len(diff) - 1
 
 
 # --------------------------------------------------------------------------- speed's verdicts and stopping
+@pytest.mark.statistics
 def test_speed_calls_a_ratio_impossible_only_when_its_whole_interval_is_above_one():
     from depthcurse.speed.paired import PairedRatio, Shares, judge
 
@@ -404,6 +411,7 @@ def test_speed_calls_a_ratio_impossible_only_when_its_whole_interval_is_above_on
     assert straddles.status == "unstable" and "reaches 1.000x" in straddles.reason
 
 
+@pytest.mark.statistics
 def test_speed_stops_measuring_when_every_ratio_is_steady_not_any():
     from depthcurse.speed.paired import PairedRatio, enough
 

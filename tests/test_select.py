@@ -16,7 +16,8 @@ from helpers import assert_one_line_error
 from depthcurse.errors import DepthcurseError
 from depthcurse.loading import load_model
 from depthcurse.select import SelectConfig, run_select, select_table
-from depthcurse.select.grid import _shares, jaccard, text_windows
+from depthcurse.select.grid import greedy, one_shot, source_labels, text_windows
+from depthcurse.select.statistics import jaccard
 from depthcurse.surgery import removed_layers
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -99,13 +100,43 @@ def test_each_cell_is_its_search_by_hand_and_the_grid_resumes(tiny_model_dir, tw
         run_select(loaded, SelectConfig(k=1, calibration=tuple(two_texts), calib_windows=3, eval_windows=4, seq_len=16), tmp_path / "grid")
 
 
-def test_the_shares_are_a_two_way_decomposition_worked_out_by_hand():
-    # rows (calibration) differ by 2, columns (search) by 0: all of the spread goes with the calibration
-    y = {("a", "x"): 1.0, ("a", "y"): 1.0, ("b", "x"): 3.0, ("b", "y"): 3.0}
-    assert _shares(y, ["a", "b"], ["x", "y"]) == {"calibration": 1.0, "search": 0.0, "rest": 0.0}
-    y = {("a", "x"): 1.0, ("a", "y"): 2.0, ("b", "x"): 1.0, ("b", "y"): 4.0}  # grand 2; rows 1.5, 2.5; columns 1, 3
-    shares = _shares(y, ["a", "b"], ["x", "y"])  # total 6: rows 2 x 0.5 = 1, columns 2 x 2 = 4, rest 1
-    assert shares == pytest.approx({"calibration": 1 / 6, "search": 4 / 6, "rest": 1 / 6})
+@pytest.mark.statistics
+def test_greedy_and_one_shot_rank_by_the_cells_objective_worked_out_by_hand():
+    """Four layers whose removals' loss and KL disagree: by loss greedy takes 0 then 1 (0.1, then 0.3
+    beside 0.4 and 0.9), one-shot 0 and 2; by KL greedy takes 3 then 2 (0.05, then 0.10), one-shot 3 and 1."""
+    table = {(0,): (0.1, 0.9), (1,): (0.3, 0.2), (2,): (0.2, 0.6), (3,): (0.5, 0.05),
+             (0, 1): (0.3, 1.0), (0, 2): (0.4, 1.0), (0, 3): (0.9, 1.0), (1, 2): (0.8, 0.5), (1, 3): (0.7, 0.3), (2, 3): (0.6, 0.1)}
+    asked = []
+
+    def score(removed):
+        asked.append(tuple(sorted(removed)))
+        loss, kl = table[tuple(sorted(removed))]
+        return {"ppl": loss, "kl": kl}
+
+    assert greedy(score, 4, 2, "ppl") == [0, 1] and greedy(score, 4, 2, "kl") == [2, 3]
+    assert one_shot(score, 4, 2, "ppl") == [0, 2] and one_shot(score, 4, 2, "kl") == [1, 3]
+    assert greedy(score, 4, 1, "kl") == [3]
+
+
+def test_calibration_texts_of_one_name_in_two_folders_keep_apart(tmp_path, two_texts):
+    """Two files called lee.txt in two folders are two texts: their labels (and so their cells) differ,
+    and a text named twice is refused."""
+    a, b = tmp_path / "a" / "lee.txt", tmp_path / "b" / "lee.txt"
+    for path in (a, b):
+        path.parent.mkdir()
+        path.write_text("x")
+    assert source_labels([str(a), str(b), "wiki"]) == {str(a): "a/lee", str(b): "b/lee", "wiki": "wiki"}
+    assert source_labels([str(a), two_texts[0]]) == {str(a): "lee", two_texts[0]: "one"}
+    with pytest.raises(DepthcurseError, match="--calibration names .* more than once"):
+        SelectConfig(k=1, calibration=(str(a), str(tmp_path / "a" / ".." / "a" / "lee.txt"))).checked()
+
+
+def test_held_out_windows_are_never_calibration_windows(tiny_tokenizer, two_texts):
+    cfg = SelectConfig(k=1, calibration=(two_texts[0],), calib_windows=5, eval_windows=7, seq_len=16)
+    texts = text_windows(tiny_tokenizer, two_texts[0], cfg)
+    assert texts.calibration.shape == (5, 16) and texts.held_out.shape == (7, 16)
+    every = torch.cat([texts.calibration, texts.held_out])
+    assert len({tuple(w.tolist()) for w in every}) == 12  # twelve different windows, none in both parts
 
 
 def test_select_on_the_command_line_and_its_bad_input(run_cli, tiny_model_dir, two_texts, tmp_path):
@@ -117,9 +148,22 @@ def test_select_on_the_command_line_and_its_bad_input(run_cli, tiny_model_dir, t
     assert code == 0, err
     page = (tmp_path / "page.md").read_text()
     assert "## Calibration against search" in page and "select_0.png" in page
+    said = " ".join(stdout.split())
+    # the verdicts, a line each after the table: the overlap, and no decision from 3 windows
+    assert "- overlap of the choices (mean Jaccard): the same text by different searches" in said
+    assert "cannot tell (3 held-out items are too few to resample" in said and "decided by the" not in said
     for args, said in ((("--search", "magic"), "--search magic: use greedy"), (("--k", "0"), "--k must be at least 1"),
-                       (("--objective", "acc"), "--objective acc: use ppl, kl"), (("--eval-windows", "1"), "--eval-windows must be at least 2")):
-        assert_one_line_error(*run_cli("select", str(tiny_model_dir), "--calibration", two_texts[0], *args, "--out", str(tmp_path / "bad")), said)
+                       (("--objective", "acc"), "--objective acc: use ppl, kl"), (("--eval-windows", "1"), "--eval-windows must be at least 2"),
+                       (("--search", "greedy,greedy"), "--search names greedy more than once"),
+                       (("--objective", "ppl,ppl"), "--objective names ppl more than once"),
+                       (("--search", "angular,bi", "--objective", "kl"), "--objective kl: no search of --search angular,bi reads an objective"),
+                       (("--limit", "5"), "--limit applies to --task, which is not given"),
+                       (("--seq-len", "100000"), "--seq-len 100000 is longer than LlamaForCausalLM accepts"),
+                       (("--calibration", "c4"), "--calibration c4: C4 comes from the hub")):
+        args = ("--k", "1", *args) if args[0] == "--calibration" else ("--k", "1", "--calibration", two_texts[0], *args)
+        assert_one_line_error(*run_cli("select", str(tiny_model_dir), *args, "--out", str(tmp_path / "bad")), said)
+    code, _, err = run_cli("select", str(tiny_model_dir), "--calibration", f"{two_texts[0]},{two_texts[0]}", "--out", str(tmp_path / "bad"))
+    assert code == 1 and "--calibration names" in err and "more than once" in err
 
 
 def test_scoring_from_the_kept_streams_equals_the_models_own_forward(tiny_model_dir, two_texts):
@@ -144,3 +188,59 @@ def test_scoring_from_the_kept_streams_equals_the_models_own_forward(tiny_model_
             pruned = torch.log_softmax(loaded.model(input_ids=texts.calibration).logits[:, :-1].float(), -1)
     by_hand = torch.nn.functional.kl_div(pruned, unpruned, log_target=True, reduction="none").sum(-1).mean(1).tolist()
     assert fast._measured((1, 3))[1] == pytest.approx(by_hand, rel=1e-4, abs=1e-6)
+
+
+def test_an_interrupted_select_says_where_it_stopped_and_resumes(run_cli, tiny_model_dir, two_texts, tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM (which the CLI turns into the same) during the grid: the finished pieces are
+    in select.json, the one line says what it was doing and that a rerun continues, and the rerun
+    ends with the record an uninterrupted run makes."""
+    import depthcurse.select as select_package
+
+    args = ["select", str(tiny_model_dir), "--k", "1", "--calibration", ",".join(two_texts), "--search", "greedy,bi", "--calib-windows", "2",
+            "--eval-windows", "3", "--seq-len", "16"]
+    real = select_package.run_select
+
+    def stopped_at_the_second_step(loaded, cfg, out, *, on_phase, on_step):
+        def step(label, done, total):
+            on_step(label, done, total)
+            if done == 1:
+                raise KeyboardInterrupt
+        return real(loaded, cfg, out, on_phase=on_phase, on_step=step)
+
+    monkeypatch.setattr(select_package, "run_select", stopped_at_the_second_step)
+    code, _, err = run_cli(*args, "--out", tmp_path / "cut")
+    said = " ".join(err.split())
+    assert code == 130 and "interrupted while choosing on one" in said and "(2 of 2)" in said and "rerun the same command to continue" in said
+    kept = json.loads((tmp_path / "cut" / "select.json").read_text())
+    assert list(kept["cells"]) == ["one/greedy/ppl"]  # the first cell finished before the stop, and is kept
+    monkeypatch.setattr(select_package, "run_select", real)
+    assert run_cli(*args, "--out", tmp_path / "cut")[0] == 0
+    assert run_cli(*args, "--out", tmp_path / "whole")[0] == 0
+    resumed, whole = (json.loads((tmp_path / f / "select.json").read_text()) for f in ("cut", "whole"))
+    assert resumed["cells"] == whole["cells"] and resumed["held_out"] == whole["held_out"] and resumed["decomposition"] == whole["decomposition"]
+
+
+def test_select_stops_on_sigterm_and_keeps_what_it_finished(tiny_model_dir, two_texts, tmp_path):
+    """A scheduler's SIGTERM, sent once select.json holds a finished piece: the run ends (exit 130, the
+    one line), not at the end of its work. The wait below guards against a hang; it times nothing."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "term"
+    proc = subprocess.Popen([sys.executable, "-m", "depthcurse", "select", str(tiny_model_dir), "--k", "1", "--calibration", ",".join(two_texts),
+                             "--search", "greedy,bi", "--calib-windows", "2", "--eval-windows", "3", "--seq-len", "16", "--task", "probes", "--limit", "2",
+                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        while not (out / "select.json").exists() and proc.poll() is None:
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "interrupted while" in err and "rerun the same command to continue" in err, err
+    assert json.loads((out / "select.json").read_text())["cells"]

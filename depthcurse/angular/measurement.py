@@ -23,6 +23,9 @@ from depthcurse.text import load_texts
 POSITIONS = ("last", "all")
 
 
+MIN_VECTORS = 8  # token vectors a distance is averaged over, at least
+
+
 def check_options(*, tokens: int, seq_len: int, batch_size: int, position: str) -> None:
     """Validate the options that do not need the model (raises DepthcurseError)."""
     if tokens <= 0:
@@ -141,6 +144,12 @@ def measure_text(
     check_options(tokens=tokens, seq_len=seq_len, batch_size=batch_size, position=position)
     docs, label = load_texts(data)
     tokenised = tokenise_docs(tokenizer, docs, seq_len=seq_len, budget=tokens)
+    vectors = len(tokenised.sequences) if position == "last" else tokenised.tokens
+    if vectors < MIN_VECTORS:
+        per = "one per document (--token-position last)" if position == "last" else "one per token"
+        raise DepthcurseError(f"--tokens {tokens} gives {vectors} token vector{'s' if vectors != 1 else ''} of {label}, {per}: every angular distance is a "
+                              f"mean over them, and fewer than {MIN_VECTORS} make a heatmap of noise; give more --tokens"
+                              + (" or --token-position all" if position == "last" else ""))
     batches = make_batches(tokenised.sequences, batch_size, pad_id_of(tokenizer))
     if on_start is not None:
         on_start()

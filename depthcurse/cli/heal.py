@@ -10,11 +10,11 @@ from rich.progress import TextColumn
 from rich.text import Text
 
 from depthcurse.cli.shared import (
-    DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, err_console, join_ranks, load,
-    model_line, once, progress_bar, push, showing, slug, time_checkpoint,
+    SUITES_HELP, DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, err_console, join_ranks, load,
+    model_line, once, progress_bar, push, showing, slug, time_checkpoint, verdicts,
 )
 from depthcurse.errors import DepthcurseError
-from depthcurse.io import ensure_out_dir
+from depthcurse.io import claim_out_dir
 
 
 def heal(
@@ -44,7 +44,7 @@ def heal(
     warmup: Optional[int] = typer.Option(None, "--warmup", help="Warm-up steps (default: a tenth of --steps)."),
     eval_windows: int = typer.Option(32, "--eval-windows", help="Held-out windows (of --seq-len tokens, from documents never trained on) the models are measured on."),
     eval_data: Optional[str] = typer.Option(None, "--eval-data", help="Also measure on --eval-windows windows of text of another source (wiki, c4, a file): what a method won back beyond the text it healed on."),
-    task: Optional[str] = typer.Option(None, "--task", "-t", help="Also measure on this task: any lm-eval task prune takes (arc_easy, mmlu, ...), or a suite: commonsense (ARC-e, ARC-c, BoolQ, HellaSwag, PIQA, WinoGrande, OpenBookQA: each, their average and the share of the unpruned model's kept) or a list, arc_easy,piqa."),
+    task: Optional[str] = typer.Option(None, "--task", "-t", help="Also measure on this task: any lm-eval task prune takes (arc_easy, mmlu, ...), or " + SUITES_HELP + "."),
     limit: Optional[int] = typer.Option(None, "--limit", help="--task: examples per subtask (default all)."),
     num_fewshot: int = typer.Option(0, "--num-fewshot", help="--task: few-shot examples in each prompt."),
     granularity: str = typer.Option("layer", "--granularity", help="What is removed: layer (only whole layers are healed for now)."),
@@ -106,7 +106,7 @@ def heal(
     along = f"order-{slug(str(order))}-" + (f"k{ks.replace(',', '-').replace('%', 'pc')}" if ks else f"within{max_drop.replace('%', 'pc')}") if order else ""
     tag = slug(f"{along or 'L' + layers.replace(',', '_')}-{how}" + (f"-{loss}" if loss else ""))
     out_dir = out or Path("runs") / "heal" / slug(model) / tag
-    ensure_out_dir(out_dir)
+    claim_out_dir(out_dir)
     world = join_ranks(device, "ddp")
     try:
         import torch  # lazy: start-up
@@ -165,12 +165,14 @@ def heal(
             console.print(f"wrote {out_dir / healing.HEAL_JSON}, {figure}, and each k's run in {out_dir}/kNNN/" + ("<method>/" if several else ""))
         elif several:
             console.print(healing.methods_table(record))
+            verdicts(healing.heal_verdicts(record))
             console.print(f"wrote {out_dir / healing.HEAL_JSON} and each method's run, with its healed checkpoint hf/, in {out_dir}/<method>/")
             if record.get("refused"):  # the table says which and why; the exit code says not every method ran
                 err_console.print(Text(f"not every method ran: {', '.join(record['refused'])} could not (heal.json's refused says why)"), soft_wrap=True)
                 raise typer.Exit(1)
         else:
             console.print(healing.heal_table(record))
+            verdicts(healing.heal_verdicts(record))
             console.print(f"wrote {out_dir / healing.HEAL_JSON}, {out_dir / 'metrics.jsonl'}, {out_dir / 'loss.png'} and the healed checkpoint {record['hf']} "
                           f"({record['hf_dtype']}, {record['hf_bytes'] / 1e6:,.1f} MB, with its model card)")
             if speed:

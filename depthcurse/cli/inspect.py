@@ -11,7 +11,7 @@ from depthcurse.cli.shared import (
     DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, load, measure_angular, slug,
 )
 from depthcurse.errors import DepthcurseError
-from depthcurse.io import ensure_out_dir
+from depthcurse.io import claim_out_dir
 
 
 def angular_distance(
@@ -39,7 +39,7 @@ def angular_distance(
     if identity_tokens < 0 or probes < 1:
         raise DepthcurseError("--identity-tokens must be 0 or more and --probes at least 1")
     out_dir = out or Path("runs") / "angular" / slug(model)
-    ensure_out_dir(out_dir)
+    claim_out_dir(out_dir)
     loaded = load(model, head="base", dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
     max_n = angular.check_max_n(max_n, num_layers(loaded.model))
     result = measure_angular(loaded, out_dir, data=data, tokens=tokens, seq_len=seq_len, batch_size=batch_size, position=token_position, max_n=max_n,

@@ -15,7 +15,7 @@ from depthcurse.cli.shared import (
     push, show_speed, showing, slug, time_checkpoint,
 )
 from depthcurse.errors import DepthcurseError
-from depthcurse.io import ensure_out_dir
+from depthcurse.io import claim_out_dir, ensure_out_dir
 
 
 PushOpt = typer.Option(None, "--push-to-hub", help="Also upload the saved folder to this hub repository (namespace/name), with the token huggingface_hub finds (HF_TOKEN, `hf auth login`).")
@@ -44,7 +44,7 @@ def drop(
 
     if push_to_hub is not None:
         check_repo(push_to_hub)
-    ensure_out_dir(out)
+    ensure_out_dir(out)  # a checkpoint folder, written whole in one swap (atomic_write): no lock file inside it
 
     loaded = load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision, keep_dtype=True)
     source = Path(loaded.source)
@@ -96,7 +96,7 @@ def speed(
                               "the model it came from; leave --layers out")
     if made is None and layers is None:
         raise DepthcurseError("give --layers L (removed in memory), or a checkpoint drop or heal made (measured against its source)")
-    out_dir = ensure_out_dir(out or Path("runs") / "speed" / slug(model))
+    out_dir = claim_out_dir(out or Path("runs") / "speed" / slug(model))
     if made is not None:
         time_checkpoint(Path(model), out_dir, device=device, dtype=dtype, trust_remote_code=trust_remote_code, cfg=cfg)
         return

@@ -9,16 +9,16 @@ import typer
 from rich.text import Text
 
 from depthcurse.cli.shared import (
-    DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, err_console, join_ranks, load,
+    SUITES_HELP, DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, err_console, join_ranks, load,
     measure_angular, model_line, once, progress_bar, say, showing, slug,
 )
 from depthcurse.errors import DepthcurseError
-from depthcurse.io import ensure_out_dir
+from depthcurse.io import claim_out_dir
 
 
 def prune(
     model: str = ModelArg,
-    task: str = typer.Option("ppl", "--task", "-t", help="ppl, mmlu, any lm-eval task: log-likelihood (arc_easy, hellaswag, piqa, sciq...) or generative (gsm8k, nq_open: each variant generates on its own), squad (extractive QA encoders) or repr (any model, made for encoders: mean-pooled embedding kept); or a suite of lm-eval tasks, commonsense or a list (arc_easy,piqa): each, their average and the share of it kept."),
+    task: str = typer.Option("ppl", "--task", "-t", help="ppl, mmlu, any lm-eval task: log-likelihood (arc_easy, hellaswag, piqa, sciq...) or generative (gsm8k, nq_open: each variant generates on its own), squad (extractive QA encoders) or repr (any model, made for encoders: mean-pooled embedding kept); or " + SUITES_HELP + "."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Layers to remove one at a time, e.g. 0,3,5-8 (default: all)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="ppl: number of text windows (default 32); squad: questions (default all); repr: passages (default 256); lm-eval tasks: examples per subtask (default all)."),
     num_fewshot: int = typer.Option(0, "--num-fewshot", help="Few-shot examples in each prompt (lm-eval tasks)."),
@@ -91,7 +91,7 @@ def prune(
     block_tag = f"-block{block}" if block is not None else (f"-greedy{greedy}" if greedy is not None else ("-orders" if orders is not None else ""))
     unit_tag = f"-{granularity}" if granularity != "layer" else ""
     out_dir = out or Path("runs") / "prune" / slug(model) / f"{task}{shot_tag}{unit_tag}{block_tag}"
-    ensure_out_dir(out_dir)
+    claim_out_dir(out_dir)
     world = join_ranks(device)
     try:
         gpus = rank_gpus() if world.parallel and device != "cpu" and torch.cuda.is_available() else None  # this rank's share

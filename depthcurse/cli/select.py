@@ -6,25 +6,29 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.text import Text
 
-from depthcurse.cli.shared import DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, load, model_line, progress_bar, say, showing, slug
+from depthcurse.cli.shared import (SUITES_HELP, DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, err_console, load, model_line, once, progress_bar,
+                                   say, showing, slug, verdicts)
+from depthcurse.io import claim_out_dir
 
 
 def _names(text: str) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    """A comma-separated list as typed, duplicates kept (`SelectConfig.checked` refuses them)."""
+    return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
 def select(
     model: str = ModelArg,
     k: int = typer.Option(4, "--k", help="Layers each cell removes."),
-    calibration: str = typer.Option("wiki", "--calibration", help="Texts to choose on, comma-separated: wiki, c4 or a .txt/.jsonl/.parquet file; each is also held out and judged on."),
-    objective: str = typer.Option("ppl", "--objective", help="What greedy and one-shot minimise on the calibration windows, comma-separated: ppl (next-token loss) and/or kl (KL from the unpruned model)."),
+    calibration: str = typer.Option("wiki", "--calibration", help="Texts to choose on, comma-separated: wiki (prose), c4 (web prose, from the hub), code (Python), math (MATH problems and solutions), dialogue (CoQA's question and answer turns) or a .txt/.jsonl/.parquet file; each is also held out and judged on."),
+    objective: Optional[str] = typer.Option(None, "--objective", help="What greedy and one-shot minimise on the calibration windows, comma-separated: ppl (next-token loss; the default) and/or kl (KL from the unpruned model)."),
     search: str = typer.Option("greedy,angular", "--search", help="How the k layers are found, comma-separated: greedy, one-shot (the k cheapest single removals), angular (Gromov et al.'s block), bi (ShortGPT's Block Influence)."),
     calib_windows: int = typer.Option(8, "--calib-windows", help="Windows of each text the choice is made on."),
     eval_windows: int = typer.Option(16, "--eval-windows", help="Other windows of each text every choice is judged on."),
     seq_len: int = typer.Option(128, "--seq-len", help="Tokens per window."),
     batch_size: int = typer.Option(4, "--batch-size", help="Windows per forward pass."),
-    task: Optional[str] = typer.Option(None, "--task", help="Also judge every choice on this task (probes, commonsense, an lm-eval task), by prune's reuse engine."),
+    task: Optional[str] = typer.Option(None, "--task", help="Also judge every choice on this task, by prune's reuse engine: an lm-eval task, or " + SUITES_HELP + "."),
     limit: Optional[int] = typer.Option(None, "--limit", help="With --task: examples per task."),
     seed: int = typer.Option(1234, "--seed", help="Seed of the split into calibration and held-out windows."),
     out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default runs/select/<model>)."),
@@ -36,19 +40,40 @@ def select(
     """Does the calibration or the search decide which layers go? Each calibration text x objective x
     search chooses k layers; every choice is judged on the same held-out windows (and --task); the
     overlap of the choices and a two-way decomposition of the held-out scores say which decided."""
-    from depthcurse.select import SELECT_JSON, SelectConfig, plot_select, run_select, select_table, write_csv
+    from depthcurse.select import SELECT_JSON, SelectConfig, plot_select, run_select, select_table, select_verdicts, write_csv
+    from depthcurse.stats import MIN_ITEMS
 
-    cfg = SelectConfig(k=k, calibration=_names(calibration), objectives=_names(objective), searches=_names(search), calib_windows=calib_windows,
-                       eval_windows=eval_windows, seq_len=seq_len, batch_size=batch_size, task=task, limit=limit, seed=seed)
-    cfg.checked()  # the options alone, before a model loads (k against its layers after)
+    cfg = SelectConfig(k=k, calibration=_names(calibration), objectives=_names(objective) if objective is not None else None, searches=_names(search),
+                       calib_windows=calib_windows, eval_windows=eval_windows, seq_len=seq_len, batch_size=batch_size, task=task, limit=limit, seed=seed)
+    checked = cfg.checked()  # the options alone, before a model loads (k against its layers after)
+    if checked.eval_windows < MIN_ITEMS and len(checked.calibration) > 1 and len(checked.cells()) > len(checked.calibration):
+        say("note", f"--eval-windows {checked.eval_windows}: fewer than {MIN_ITEMS} held-out windows are too few to resample, so the decomposition "
+                    "will say it cannot tell which factor decided (the intervals of each score are Student's t, honest at any number)")
+    out = claim_out_dir(out or Path("runs/select") / slug(model))
     loaded = load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
-    console.print(model_line(loaded))
-    out = out or Path("runs/select") / slug(model)
+    header = once(lambda: console.print(model_line(loaded)))  # said when the work starts, after every check of the input
     progress = progress_bar()
     bar = progress.add_task("starting", total=None)
-    with showing(progress):
-        record = run_select(loaded, cfg, out, on_phase=lambda text: progress.update(bar, description=text, completed=0, total=None),
-                            on_step=lambda label, done, total: progress.update(bar, description=label, completed=done, total=total))
+    where = {"phase": "starting"}
+
+    def on_phase(text: str) -> None:
+        header()
+        where["phase"] = text
+        progress.update(bar, description=text, completed=0, total=None)
+
+    def on_step(label: str, done: int, total: int) -> None:
+        where["phase"] = f"{where['phase'].split(': ', 1)[0]}: {label} ({done + 1} of {total})"
+        progress.update(bar, description=label, completed=done, total=total)
+
+    try:
+        with showing(progress):
+            record = run_select(loaded, cfg, out, on_phase=on_phase, on_step=on_step)
+    except KeyboardInterrupt:
+        err_console.print(Text(f"interrupted while {where['phase']}: every finished piece is in {out / SELECT_JSON}; rerun the same command to continue"),
+                          soft_wrap=True)
+        raise typer.Exit(130)
+    header()  # a run found finished had no phase to say it
     console.print(select_table(record))
+    verdicts(select_verdicts(record))
     written = [out / SELECT_JSON, write_csv(record, out / "select.csv"), plot_select(record, out / "select.png")]
     say("written", ", ".join(map(str, written)), "green")

@@ -62,10 +62,23 @@ def _main(debug: bool = typer.Option(False, "--debug", help="Show full traceback
         quiet_lm_eval()
 
 
+# What every --task says of the suites it takes (prune, heal, select): the same words, so none forgets one.
+SUITES_HELP = ("a suite: commonsense (ARC-e, ARC-c, BoolQ, HellaSwag, PIQA, WinoGrande, OpenBookQA), probes (the capability probes: arithmetic, "
+               "brackets, copying, recall, each a ladder of rungs scored by greedy exact match) or a list (arc_easy,piqa; commonsense,probes): "
+               "each task, their average and the share of the unpruned model's kept")
+
+
 def say(label: str, text: str, style: str = "yellow") -> None:
     """`label: text` on stderr; the text is printed as it is (no rich markup, no :emoji: codes),
     since it holds paths, option values and messages from other libraries."""
     err_console.print(Text.assemble((f"{label}:", style), " ", text), highlight=False, soft_wrap=True)
+
+
+def verdicts(lines: list[str]) -> None:
+    """A comparison's verdicts (ties, what it cannot tell, what did not run), a line each after its
+    table on stdout, where a reader looks for the result: not folded into the table's caption."""
+    for line in lines:
+        console.print(Text(f"- {line}"), soft_wrap=True, highlight=False)
 
 
 def slug(text: str) -> str:

@@ -15,7 +15,7 @@ from rich.text import Text
 
 from depthcurse.cli.shared import console, err_console, fail, progress_bar, say, showing, slug
 from depthcurse.errors import DepthcurseError
-from depthcurse.io import ensure_out_dir
+from depthcurse.io import claim_out_dir
 from depthcurse.train import incomparable, read_run, seed_groups, seeds_table, table1, write_compare
 from depthcurse.train.config import TrainConfig
 from depthcurse.train.config import options as train_options
@@ -57,6 +57,7 @@ def lns_train(
     # Under torchrun only rank 0 talks; another rank says only an error of its own (_fail).
     main_rank = int(os.environ.get("RANK", "0")) == 0
     out_dir = out or Path("runs") / "train" / f"{preset}-{slug(norm)}-s{seed}"
+    claim_out_dir(out_dir)
     progress = progress_bar(TaskProgressColumn(), TextColumn("{task.fields[stats]}"), disable=not main_rank)
     bar = progress.add_task("training", total=None, stats="")
 
@@ -100,7 +101,7 @@ def lns_report(
 ) -> None:
     """Overlay the loss curves of training runs and print their perplexities in the layout of the paper's Table 1."""
     read = [read_run(r) for r in runs]
-    ensure_out_dir(out)
+    claim_out_dir(out)
     paths = write_compare(read, out)
     console.print(table1(read))
     groups = seed_groups(read)

@@ -22,9 +22,12 @@ from depthcurse.runtime import World
 
 def parse_methods(text: str) -> tuple[str, ...]:
     """Method names (each a registered one, `a+b`, or `module:Class`), each checked to be found."""
-    methods = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    methods = tuple(m.strip() for m in text.split(",") if m.strip())
     if not methods:
         raise DepthcurseError(f"--methods {text!r}: give methods, e.g. lora,linear")
+    twice = sorted({m for m in methods if methods.count(m) > 1})
+    if twice:
+        raise DepthcurseError(f"--methods {text}: {', '.join(twice)} given more than once (each method runs once)")
     named: dict[str, str] = {}
     for m in methods:
         name = build_method(m).name  # an unknown name is one line, naming the known ones

@@ -141,6 +141,9 @@ def _check(cfg: HealConfig) -> None:
     for name in ("steps", "batch_size", "micro_batch", "eval_windows", "save_every", "log_every"):
         if getattr(cfg, name) < 1:
             raise DepthcurseError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.eval_windows < 2:
+        raise DepthcurseError(f"--eval-windows must be at least 2, got {cfg.eval_windows}: every share and difference comes with a 95% interval, "
+                              "which needs two paired windows at least")
     if cfg.batch_size % cfg.micro_batch:
         raise DepthcurseError(f"--batch-size {cfg.batch_size} is not a multiple of --micro-batch {cfg.micro_batch}")
     if cfg.seq_len is not None and cfg.seq_len < 3:

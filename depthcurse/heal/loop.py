@@ -32,17 +32,18 @@ from depthcurse.card import provenance, write_card
 from depthcurse.errors import DepthcurseError
 from depthcurse.heal.adapters import trainable
 from depthcurse.heal.config import CONFIG, RESUMABLE_CHANGES, HealConfig
-from depthcurse.heal.healed import HELD_OUT_METRICS, MODELS, Healed
-from depthcurse.heal.intervals import items, ratio_interval, standard_error, won_back_interval
+from depthcurse.heal.healed import MODELS, Healed
 from depthcurse.heal.method import HealContext, Method
+from depthcurse.heal.model_index import evaluation_results
 from depthcurse.heal.report import cost_text, heal_rows, sites_text
+from depthcurse.heal.shares import recovered, with_retained
 from depthcurse.heal.sites import massive_at_sites
 from depthcurse.io import atomic_write, ensure_out_dir, environment, json_text, refuse_other_run
 from depthcurse.loading import LoadedModel, load_model, window_length
 from depthcurse.prune.engine import evaluate_variants, why_unsupported
 from depthcurse.runtime import DTYPES, World
 from depthcurse.surgery import num_layers, parse_layers
-from depthcurse.tasks import SUITE_METRIC, PerplexityTask, build_task, head_for_task
+from depthcurse.tasks import PerplexityTask, build_task, head_for_task
 from depthcurse.text import load_texts, start_text, start_tokens, text_source
 from depthcurse.train.checkpoint import CHECKPOINT, CheckpointManager, ModelState, OptimizerState, RNGState, TrainState, load_checkpoint
 from depthcurse.train.data import build_data
@@ -181,8 +182,7 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
         if name in results:
             continue  # measured before an interruption
         phase(f"measuring the {name} model")
-        results[name] = retained(measure(as_model[name], device, held_out, task, reference=as_model["unpruned"] if name != "unpruned" else None),
-                                 results.get("unpruned"))
+        results[name] = measure(as_model[name], device, held_out, task, reference=as_model["unpruned"] if name != "unpruned" else None)
         _write(out_dir, record)
     phase("saving the healed checkpoint")
     n = num_layers(model)
@@ -195,10 +195,10 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
     if "healed" not in results:
         phase("measuring the healed model (the saved checkpoint)")
         saved = load_model(str(hf), dtype=next(k for k, v in DTYPES.items() if v == loaded.dtype), device=device.type)
-        results["healed"] = retained(measure(lambda: contextlib.nullcontext(saved.model), device, held_out, task, reference=as_model["unpruned"]),
-                                     results["unpruned"])
+        results["healed"] = measure(lambda: contextlib.nullcontext(saved.model), device, held_out, task, reference=as_model["unpruned"])
         results["healed"]["as"] = f"the saved checkpoint ({record['hf_dtype']}) loaded in {str(loaded.dtype).removeprefix('torch.')}"
         del saved
+    with_retained(results)
     record["recovered"], record["recovered_why"], record["recovered_interval"] = recovered(record)
     record["unchanged"] = unchanged(results)
     if progress is not None:
@@ -311,31 +311,6 @@ def measured_note(record: dict) -> str:
             " on the same ones)." + (f" {sites[0].upper()}{sites[1:]}." if sites else ""))
 
 
-def evaluation_results(record: dict) -> list[dict]:
-    """What the card's `model-index` lists, in the hub's form: the healed model's measurements, one
-    entry per dataset with its metrics (each held-out text; each task of a suite on its own, by its
-    headline metric; the suite's average and its retained share, in percent as the tables say it)."""
-    out = []
-    for part, scored in record["results"].get("healed", {}).items():
-        if not isinstance(scored, dict) or "metrics" not in scored:
-            continue
-        metrics, data = scored["metrics"], str(scored.get("data"))
-        if part != "task":
-            found = [("text-generation", data, m, metrics.get(m)) for m in HELD_OUT_METRICS]
-        elif "retained" in metrics:  # a suite
-            members = scored.get("member_metrics") or {}
-            grouped = {k for k in metrics if k.endswith((f" {SUITE_METRIC}", " retained"))}  # a named suite of a list, averaged on its own
-            found = [("multiple-choice", name, members.get(name, "acc"), metrics[name]) for name in metrics if name not in (SUITE_METRIC, "retained", *grouped)]
-            found += [("multiple-choice", k.rsplit(" ", 1)[0], SUITE_METRIC if k.endswith(SUITE_METRIC) else "retained %",
-                       metrics[k] * (1 if k.endswith(SUITE_METRIC) else 100)) for k in sorted(grouped)]
-            found += [("multiple-choice", data, SUITE_METRIC, metrics[SUITE_METRIC]), ("multiple-choice", data, "retained %", 100 * metrics["retained"])]
-        else:
-            found = [("multiple-choice", data, scored["metric"], metrics.get(scored["metric"]))]
-        out += [{"task": task, "dataset": dataset, "metric": metric, "value": float(value), "part": part}
-                for task, dataset, metric, value in found if isinstance(value, (int, float)) and math.isfinite(value)]
-    return out
-
-
 def _train(objective, method: Method, cfg: HealConfig, data, out_dir: Path, run: dict, state: dict | None, world: World, device, vocab: int,
            stop_after: int | None, on_progress, phase) -> TrainState:
     """The trained methods' loop: `train.loop.train_step` on `objective`, resumable from `state`."""
@@ -434,82 +409,12 @@ def evaluate_task(model, task):
     return task.evaluate(model)
 
 
-def retained(measured: dict, unpruned: dict | None) -> dict:
-    """A suite's average as the share of the unpruned model's ("retained %", as the pruning papers
-    report their zero-shot suites), put beside it in the task's metrics, with its 95% interval
-    from the paired questions in the task's `intervals`."""
-    task = measured.get("task")
-    if task is not None and SUITE_METRIC in task["metrics"]:
-        base_result = unpruned or measured
-        base = base_result["task"]["metrics"][SUITE_METRIC]
-        task["metrics"]["retained"] = task["metrics"][SUITE_METRIC] / base if base else float("nan")
-        for key in [k for k in task["metrics"] if k.endswith(f" {SUITE_METRIC}")]:  # each named suite of a list: its own share kept
-            group_base = base_result["task"]["metrics"].get(key)
-            task["metrics"][key.replace(SUITE_METRIC, "retained")] = task["metrics"][key] / group_base if group_base else float("nan")
-        groups = {"measured": items(measured, "task", "retained"), "unpruned": items(base_result, "task", "retained")}
-        if unpruned is not None and None not in groups.values():
-            task["intervals"] = {"retained": ratio_interval(task["metrics"][SUITE_METRIC], base, groups, "measured")}
-    return measured
-
-
 def _scored(task, score) -> dict:
     kept = {key: score.details[key] for key in ("per_window", "per_window_kl", "per_window_agreement", "per_example") if key in score.details}
     if getattr(task, "member_metrics", None):
         kept["member_metrics"] = task.member_metrics  # each member's headline, which the card's model-index names
     return {"metric": task.metric, "higher_is_better": task.higher_is_better, "metrics": score.metrics, "examples": score.examples,
             "data": task.describe().get("data", task.describe().get("task")), **kept}
-
-
-NOISE_SES = 2.0  # a gap smaller than this many standard errors of the paired difference is not one
-
-
-def recovered(record: dict) -> tuple[dict, dict, dict]:
-    """Per measurement (held-out loss, KL and agreement, the other text's, the task's headline
-    metric): the share of what the removal cost that healing won back, (pruned - healed) /
-    (pruned - unpruned); 1 is all of it, 0 none, negative worse than pruned. None where there was
-    no gap to win back (the removal did not hurt, or the gap is within the noise), with why in
-    the second dict; the third, each share's 95% interval where the paired windows or questions
-    were kept (`intervals`). Perplexity has no share: on its scale a share of the loss gap reads larger."""
-    results = record["results"]
-    if not all(m in results for m in MODELS):
-        return {}, {}, {}
-    out, why, intervals = {}, {}, {}
-    for part in results["pruned"]:
-        if not isinstance(results["pruned"][part], dict) or "metrics" not in results["pruned"][part]:
-            continue
-        metrics = [m for m in HELD_OUT_METRICS if m != "ppl"] if part in ("held_out", "other") else [results["pruned"][part]["metric"]]
-        for metric in metrics:
-            u, p, h = (results[m][part]["metrics"].get(metric) if part in results[m] else None for m in MODELS)
-            if None in (u, p, h) or not all(map(math.isfinite, (u, p, h))):
-                continue
-            key = f"{part}_{metric}" if part != "task" else f"task_{metric}"
-            higher = results["pruned"][part].get("higher_is_better", False) if part == "task" else metric == "agreement"
-            gap = (u - p) if higher else (p - u)  # what the removal cost, positive when it hurt
-            noise = _noise(results, part, metric)
-            if gap <= 0:
-                out[key], why[key] = None, "no gap to win back: the removal did not hurt"
-            elif gap <= NOISE_SES * noise:
-                out[key], why[key] = None, f"no gap to win back: {gap:.4g} is within the noise ({NOISE_SES:g} standard errors: {NOISE_SES * noise:.4g})"
-            else:
-                out[key] = (p - h) / (p - u)
-                groups = {m: items(results[m], part, metric) for m in MODELS}
-                if None not in groups.values():
-                    intervals[key] = won_back_interval(u, p, h, groups)
-    return out, why, intervals
-
-
-def _noise(results: dict, part: str, metric: str) -> float:
-    """The standard error of the pruned-minus-unpruned difference of `metric`: paired over the
-    held-out windows' losses; for a task's accuracy, that of two proportions; 0 where unknown."""
-    u, p = results["unpruned"][part], results["pruned"][part]
-    if metric == "loss" and "per_window" in u and "per_window" in p and len(u["per_window"]) > 1:
-        return standard_error({"unpruned": [u["per_window"]], "pruned": [p["per_window"]]}, {"pruned": 1.0, "unpruned": -1.0})
-    if part == "task":
-        n = p.get("examples") or 0
-        a, b = u["metrics"].get(metric), p["metrics"].get(metric)
-        if n and a is not None and b is not None and 0 <= a <= 1 and 0 <= b <= 1:
-            return math.sqrt((a * (1 - a) + b * (1 - b)) / n)
-    return 0.0
 
 
 def _prepare(out_dir: Path, run: dict, world: World) -> dict | None:

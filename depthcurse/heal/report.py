@@ -82,14 +82,29 @@ def sites_text(found: dict | None) -> str:
 
 def ties_text(record: dict) -> str:
     """The pairs of methods a comparison cannot tell apart: their difference's 95% interval holds 0."""
-    parts = []
+    return "; ".join(ties_lines(record))
+
+
+def ties_lines(record: dict) -> list[str]:
+    """A line per ranked measurement on which some methods cannot be told apart (their paired
+    difference's 95% interval holds 0), or one line saying every pair was told apart."""
+    lines = []
     for key, pairs in (record.get("ties") or {}).items():
         tied = [" = ".join(p["methods"]) for p in pairs if p["apart"] is False]
         if tied:
-            parts.append(f"on {key.replace('_', ' ')}: " + ", ".join(tied))
-    if not parts:
-        return "every pair of methods told apart on every ranked measurement (95% intervals of the paired differences)" if record.get("ties") else ""
-    return "cannot tell apart (the 95% interval of their paired difference holds 0): " + "; ".join(parts)
+            lines.append(f"cannot tell apart on {key.replace('_', ' ')} (the 95% interval of the paired difference holds 0): " + ", ".join(tied))
+    if not lines and record.get("ties"):
+        return ["every pair of methods told apart on every ranked measurement (95% intervals of the paired differences)"]
+    return lines
+
+
+def heal_verdicts(record: dict) -> list[str]:
+    """What a reader must not miss, a line each, said after the table: a model that was not healed
+    at all, the methods that could not run, the ties of a comparison."""
+    lines = [f"NOT HEALED: {record['unchanged']}"] if record.get("unchanged") else []
+    lines += [f"NOT HEALED: {m}: {e['unchanged']}" for m, e in methods_of(record).items() if e.get("unchanged")] if "methods" in record else []
+    lines += [f"could not run: {m}: {why}" for m, why in (record.get("refused") or {}).items()]
+    return lines + ties_lines(record)
 
 
 def _columns(results: dict) -> list[tuple[str, str, str]]:
@@ -169,8 +184,7 @@ def heal_table(record: dict) -> Table:
     title = (f"{run['model']} without layers {','.join(map(str, run['layers']))}: healed by {run.get('method_title') or method} "
              f"({run.get('method_how') or method})")
     healed_as = record["results"].get("healed", {}).get("as")
-    caption = (f"NOT HEALED: {record['unchanged']}. " if record.get("unchanged") else "") + (
-        f"{_held_out_caption(record)}; the healed model: {healed_as or 'in memory'}; cost: {cost_text(record.get('cost'))}")
+    caption = f"{_held_out_caption(record)}; the healed model: {healed_as or 'in memory'}; cost: {cost_text(record.get('cost'))}"
     if sites := sites_text(record.get("massive_activation")):
         caption += ". " + sites
     table = Table(title=title, caption=caption, header_style="bold")
@@ -192,10 +206,6 @@ def methods_table(record: dict) -> Table:
     named = "; ".join(f"{m}: {method_name(e, m)}, {e.get('how') or ''}" for m, e in methods.items())
     refused = record.get("refused") or {}
     caption = f"{_held_out_caption(record)}; each method's cell: healed (recovered). {named}"
-    if refused:
-        caption += ". Could not run: " + "; ".join(f"{m}: {why}" for m, why in refused.items())
-    if ties := ties_text(record):
-        caption += ". " + ties
     if sites := sites_text(record.get("massive_activation")):
         caption += ". " + sites
     table = Table(title=f"{run['model']} without layers {','.join(map(str, run['layers']))}: every method on the same removal",

@@ -13,6 +13,7 @@ from depthcurse.errors import DepthcurseError
 from depthcurse.io import ensure_out_dir, save_figure
 from depthcurse.prune.greedy import THRESHOLDS, DepthCurves
 from depthcurse.prune.results import RESULTS_JSON, UNIT_NAMES, Sweep, data_text, prune_rows, read_sweep
+from depthcurse.tasks.probes import PROBES
 
 
 def plot_prune(sweep: Sweep, path: Path) -> Path:
@@ -128,8 +129,13 @@ def prune_table(sweep: Sweep) -> Table:
     caption = "s: seconds spent scoring the variant" + (" (the reuse engine scores them together: an equal share of its time)" if shared else "")
     if not sweep.complete:
         caption = f"{sweep.status_text()}\n{caption}"
-    table = Table(title=title, caption=caption, header_style="bold")
     extra = [m for m in (rows[0] if rows else {}) if m not in {"unit", "removed", "data", "drop", "rel_drop", "examples", "seconds"}]
+    capabilities = list(sweep.capabilities(sweep.variants[0])) if sweep.variants else []
+    if capabilities:  # the probes: a column per capability with its interval, in place of a column per rung (prune.csv keeps both)
+        extra = [m for m in extra if m not in PROBES and not any(m.startswith(f"{c} ") for c in capabilities)]
+        caption += ("\ncapabilities (probes): the share of the examples solved over the capability's rungs, with its 95% Wilson interval; "
+                    "each rung's score is in prune.csv and prune.json")
+    table = Table(title=title, caption=caption, header_style="bold")
     table.add_column(f"{sweep.unit} removed", justify="right")
     for m in extra:
         # lm-eval's metric names are long (exact_match_flexible-extract): wrapped, never cut to the same prefix
@@ -142,7 +148,7 @@ def prune_table(sweep: Sweep) -> Table:
         style = "bold red" if r["removed"] != "none" and r["drop"] in worst else ("bold" if r["removed"] == "none" else None)
         table.add_row(
             r["removed"],
-            *[_fmt(r[m]) for m in extra],
+            *[_fmt(r[m]) if m not in capabilities else _with_interval(r, m) for m in extra],
             _fmt(r["drop"], signed=True),
             "" if not math.isfinite(r["rel_drop"]) else f"{r['rel_drop']:+.1%}",
             str(r["examples"]),
@@ -172,6 +178,11 @@ def block_table(sweep: Sweep, choices: list[BlockChoice]) -> Table:
         table.add_row(c.rule, c.label, f"{c.distance:.4f}", _fmt(v.metrics[sweep.metric]), _fmt(drop, signed=True),
                       "" if not math.isfinite(rel) else f"{rel:+.1%}")
     return table
+
+
+def _with_interval(row: dict, name: str) -> str:
+    low, high = row.get(f"{name} 95% low"), row.get(f"{name} 95% high")
+    return _fmt(row[name]) + (f" [{low:.2f}, {high:.2f}]" if isinstance(low, float) and isinstance(high, float) else "")
 
 
 def _fmt(value, signed: bool = False) -> str:

@@ -14,6 +14,7 @@ from typing import Iterable
 
 from depthcurse.errors import DepthcurseError
 from depthcurse.tasks.harness import SUITE_METRIC
+from depthcurse.tasks.probes import capability_scores, per_rung
 from depthcurse.io import atomic_write, csv_text, json_text
 
 RESULTS_JSON = "prune.json"
@@ -109,13 +110,20 @@ class Sweep:
         worse = b - x if self.higher_is_better else x - b
         return worse, (worse / abs(b) if b else float("nan"))
 
+    def capabilities(self, v: VariantResult) -> dict[str, dict]:
+        """The capability probes among `v`'s scores, by capability: the share solved over its rungs'
+        examples with its Wilson interval (empty where no probe ran)."""
+        return capability_scores(v.metrics, per_rung(self.run.get("limit")))
+
     def to_json(self) -> dict:
+        capabilities = {v.label: c for v in self.variants if (c := self.capabilities(v))}
         return {"run": self.run, "metric": self.metric, "higher_is_better": self.higher_is_better, "n_layers": self.n_layers,
-                "unit": self.unit, "complete": self.complete, "asked": self.asked, **self.meta, "variants": [asdict(v) for v in self.variants]}
+                "unit": self.unit, "complete": self.complete, "asked": self.asked, **self.meta, "variants": [asdict(v) for v in self.variants],
+                **({"capabilities": capabilities} if capabilities else {})}
 
     @classmethod
     def from_json(cls, data: dict) -> "Sweep":
-        keys = {"run", "metric", "higher_is_better", "n_layers", "variants", "unit", "complete", "asked"}
+        keys = {"run", "metric", "higher_is_better", "n_layers", "variants", "unit", "complete", "asked", "capabilities"}
         return cls(
             run=data["run"],
             metric=data["metric"],
@@ -166,6 +174,9 @@ def prune_rows(sweep: Sweep) -> list[dict]:
         row.update({m: v.metrics.get(m, float("nan")) for m in metric_names})
         if suite:  # a suite's average as the share of the unpruned model's, as the pruning papers report it
             row["retained"] = v.metrics.get(SUITE_METRIC, float("nan")) / base.metrics[SUITE_METRIC]
+        for capability, c in sweep.capabilities(v).items():  # the probes by capability, with Wilson's interval over their examples
+            row.update({capability: c["score"], f"{capability} 95% low": c["interval"][0], f"{capability} 95% high": c["interval"][1],
+                        f"{capability} examples": c["examples"]})
         row.update({"drop": drop, "rel_drop": rel, "examples": v.examples, "seconds": v.seconds})
         rows.append(row)
     return rows

@@ -22,10 +22,8 @@ finished piece is in `select.json` as soon as it is made, so an interrupted run 
 from __future__ import annotations
 
 import json
-import math
-import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -34,24 +32,25 @@ import torch
 from depthcurse.angular.measurement import measure
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import atomic_write, ensure_out_dir, json_text, refuse_other_run
+from depthcurse.loading import check_sequence_length
 from depthcurse.prune.engine import evaluate_variants, why_unsupported
 from depthcurse.prune.stepping import Stepper, Unsupported
+from depthcurse.select.statistics import decomposition, key, overlap
 from depthcurse.surgery import num_layers, removed_layers
 from depthcurse.tasks import PerplexityTask, build_task
-from depthcurse.text import load_texts
+from depthcurse.text import load_texts, text_kind
 
 SELECT_JSON = "select.json"
 SEARCHES = ("greedy", "one-shot", "angular", "bi")
 BY_OBJECTIVE = ("greedy", "one-shot")  # the searches that score removals by the objective
 OBJECTIVES = ("ppl", "kl")
-BOOTSTRAP = 1000
 
 
 @dataclass
 class SelectConfig:
     k: int
-    calibration: tuple[str, ...]  # text sources (wiki, c4, a file) the choice is made on
-    objectives: tuple[str, ...] = ("ppl",)
+    calibration: tuple[str, ...]  # text sources (wiki, c4, code, math, dialogue, a file) the choice is made on
+    objectives: tuple[str, ...] | None = None  # None: not given (ppl, where a search reads one)
     searches: tuple[str, ...] = ("greedy", "angular")
     calib_windows: int = 8
     eval_windows: int = 16
@@ -62,16 +61,28 @@ class SelectConfig:
     seed: int = 1234
 
     def checked(self, n_layers: int | None = None) -> "SelectConfig":
+        """The config with its defaults filled in, or one line on what is wrong with it."""
         if self.k < 1:
             raise DepthcurseError(f"--k must be at least 1, got {self.k}")
         if n_layers is not None and not self.k < n_layers:
             raise DepthcurseError(f"--k {self.k} is out of range: the model has {n_layers} layers (1-{n_layers - 1})")
-        for name, given, known in (("--objective", self.objectives, OBJECTIVES), ("--search", self.searches, SEARCHES)):
+        if self.objectives is not None and not any(s in BY_OBJECTIVE for s in self.searches):
+            raise DepthcurseError(f"--objective {','.join(self.objectives)}: no search of --search {','.join(self.searches)} reads an objective "
+                                  f"(only {' and '.join(BY_OBJECTIVE)} do)")
+        objectives = self.objectives if self.objectives is not None else ("ppl",)
+        for name, given, known in (("--objective", objectives, OBJECTIVES), ("--search", self.searches, SEARCHES)):
             bad = [g for g in given if g not in known]
             if bad or not given:
                 raise DepthcurseError(f"{name} {','.join(given) or '(none)'}: use {', '.join(known)}")
         if not self.calibration:
-            raise DepthcurseError("--calibration: give at least one text (wiki, c4, or a file)")
+            raise DepthcurseError("--calibration: give at least one text (wiki, c4, code, math, dialogue, or a file)")
+        for name, given in (("--calibration", [str(Path(c).expanduser().resolve()) if Path(c).suffix else c for c in self.calibration]),
+                            ("--objective", objectives), ("--search", self.searches)):
+            twice = sorted({g for g in given if given.count(g) > 1})
+            if twice:
+                raise DepthcurseError(f"{name} names {', '.join(twice)} more than once: each cell would be measured twice, as if two")
+        if self.limit is not None and self.task is None:
+            raise DepthcurseError("--limit applies to --task, which is not given")
         for name in ("calib_windows", "eval_windows", "batch_size"):
             if getattr(self, name) < 1:
                 raise DepthcurseError(f"--{name.replace('_', '-')} must be at least 1")
@@ -79,7 +90,7 @@ class SelectConfig:
             raise DepthcurseError("--eval-windows must be at least 2: the intervals need paired windows")
         if self.seq_len < 8:
             raise DepthcurseError("--seq-len must be at least 8")
-        return self
+        return replace(self, objectives=objectives)
 
     def cells(self) -> list[tuple[str, str, str]]:
         """(calibration, search, objective) of every cell; a search that reads no objective is one
@@ -87,9 +98,23 @@ class SelectConfig:
         return [(c, s, o) for c in self.calibration for s in self.searches for o in (self.objectives if s in BY_OBJECTIVE else ("-",))]
 
 
-def cell_name(cell) -> str:
+def source_labels(sources) -> dict[str, str]:
+    """A short name for each calibration text that no other shares: a source's own name (wiki, code)
+    or a file's name without its suffix, with as many of its folders before it as it takes to tell
+    two files of one name apart (a/lee, b/lee)."""
+    parts = {s: (Path(s).expanduser().resolve().with_suffix("").parts if Path(s).suffix else (s,)) for s in sources}
+    out = {}
+    for s, p in parts.items():
+        depth = 1
+        while depth < len(p) and any(o != s and parts[o][-depth:] == p[-depth:] for o in parts):
+            depth += 1
+        out[s] = "/".join(p[-depth:])
+    return out
+
+
+def cell_name(cell, labels: dict[str, str]) -> str:
     c, s, o = cell
-    return f"{Path(c).stem if Path(c).suffix else c}/{s}" + (f"/{o}" if o != "-" else "")
+    return f"{labels[c]}/{s}" + (f"/{o}" if o != "-" else "")
 
 
 @dataclass
@@ -103,9 +128,9 @@ class Texts:
 
 def text_windows(tokenizer, source: str, cfg: SelectConfig) -> Texts:
     """`calib_windows` + `eval_windows` windows of `source` (heal's and ppl's packing), split by a
-    seeded shuffle so that neither part is one stretch of the text."""
+    seeded shuffle so that neither part is one stretch of the text, and no window is in both."""
 
-    texts, label = load_texts(source)
+    texts, label = load_texts(source, option="--calibration")
     want = cfg.calib_windows + cfg.eval_windows
     windows = PerplexityTask(tokenizer, texts, source=label, seq_len=cfg.seq_len, limit=want, warn_short=False).windows
     if len(windows) < want:
@@ -196,12 +221,12 @@ class Scorer:
 
     def __call__(self, removed: tuple[int, ...]) -> dict[str, float]:
         removed = tuple(sorted(removed))
-        key = ",".join(map(str, removed))
-        if key not in self.known:
+        name = key(removed)
+        if name not in self.known:
             losses, kls = self._measured(removed)
-            self.known[key] = [sum(losses) / len(losses), sum(kls) / len(kls)]
+            self.known[name] = [sum(losses) / len(losses), sum(kls) / len(kls)]
             self.on_new()
-        loss, kl = self.known[key]
+        loss, kl = self.known[name]
         return {"ppl": loss, "kl": kl}
 
 
@@ -229,11 +254,6 @@ def by_stream(model, texts: Texts, cfg: SelectConfig) -> dict[str, list[int]]:
             "bi": sorted(sorted(range(n), key=lambda l: (result.block_influence[l], l))[: cfg.k])}
 
 
-def jaccard(a, b) -> float:
-    a, b = set(a), set(b)
-    return len(a & b) / len(a | b) if a | b else 1.0
-
-
 def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[str], None] | None = None,
                on_step: Callable[[str, int, int], None] | None = None) -> dict:
     """The grid in `out_dir` (resumed from its `select.json`): each cell's choice, the choices'
@@ -241,6 +261,8 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
     model, tokenizer = loaded.model, loaded.tokenizer
     n = num_layers(model)
     cfg = cfg.checked(n)
+    check_sequence_length(model, cfg.seq_len)
+    labels = source_labels(cfg.calibration)
     phase = on_phase or (lambda text: None)
     out_dir = ensure_out_dir(out_dir)
     run = {**{k: v for k, v in loaded.describe().items() if k != "device"}, **{k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
@@ -254,49 +276,49 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
     started = time.perf_counter()
     cells = cfg.cells()
     texts: dict[str, Texts] = {}
-    for source in cfg.calibration:
-        phase(f"tokenising {source}")
+    for source in cfg.calibration:  # before the first phase: a text that cannot be read is the one line said
         texts[source] = text_windows(tokenizer, source, cfg)
     model.eval()
     for source in cfg.calibration:  # the choices
-        todo = [c for c in cells if c[0] == source and cell_name(c) not in record["cells"]]
+        todo = [c for c in cells if c[0] == source and cell_name(c, labels) not in record["cells"]]
         if not todo:
             continue
-        phase(f"choosing on {texts[source].label}")
+        phase(f"choosing on {labels[source]}")
         known = record["calibration_scores"].setdefault(source, {})
         score = Scorer(model, texts[source], cfg, known, save) if any(c[1] in BY_OBJECTIVE for c in todo) else None
         stream = by_stream(model, texts[source], cfg) if any(c[1] not in BY_OBJECTIVE for c in todo) else {}
         for i, cell in enumerate(todo):
             if on_step:
-                on_step(cell_name(cell), i, len(todo))
+                on_step(cell_name(cell, labels), i, len(todo))
             _, search, objective = cell
             chosen = (greedy if search == "greedy" else one_shot)(score, n, cfg.k, objective) if search in BY_OBJECTIVE else stream[search]
-            record["cells"][cell_name(cell)] = {"calibration": source, "calibration_label": texts[source].label, "search": search,
-                                               "objective": objective, "layers": chosen}
+            record["cells"][cell_name(cell, labels)] = {"calibration": source, "calibration_label": labels[source], "search": search,
+                                                        "objective": objective, "layers": chosen}
             save()
     chosen_sets = sorted({tuple(c["layers"]) for c in record["cells"].values()})
     for source in cfg.calibration:  # every choice judged on every text's held-out windows
         held = record["held_out"].setdefault(source, {})
-        todo = [s for s in chosen_sets if ",".join(map(str, s)) not in held]
+        todo = [s for s in chosen_sets if key(s) not in held]
         if not todo:
             continue
-        phase(f"judging on {texts[source].label} (held out)")
+        phase(f"judging on {labels[source]} (held out)")
         base_losses, _, reference = per_window(model, texts[source].held_out, cfg.batch_size)
         held.setdefault("", {"loss": base_losses, "kl": [0.0] * len(base_losses)})
         for i, layers in enumerate(todo):
             if on_step:
-                on_step(f"{texts[source].label}: without {','.join(map(str, layers))}", i, len(todo))
+                on_step(f"{labels[source]}: without {key(layers)}", i, len(todo))
             with removed_layers(model, layers):
                 losses, kls, _ = per_window(model, texts[source].held_out, cfg.batch_size, reference)
-            held[",".join(map(str, layers))] = {"loss": losses, "kl": kls}
+            held[key(layers)] = {"loss": losses, "kl": kls}
             save()
-    if cfg.task and not all(",".join(map(str, s)) in record["task"] for s in chosen_sets):
+    if cfg.task and not all(key(s) in record["task"] for s in chosen_sets):
         phase(f"judging on {cfg.task}")
         record["task"] = judge_on_task(loaded, cfg, [(), *chosen_sets])
         save()
-    record["labels"] = {source: t.label for source, t in texts.items()}
-    record["overlap"] = overlap(record)
-    record["decomposition"] = decomposition(record, cfg)
+    record["labels"] = labels
+    record["kinds"] = {source: text_kind(source) for source in cfg.calibration}
+    record["overlap"] = overlap(record["cells"])
+    record["decomposition"] = decomposition(record, cfg.seed)
     record["wall_time_s"] = round(record.get("wall_time_s", 0.0) + time.perf_counter() - started, 3)
     save()
     return record
@@ -314,102 +336,7 @@ def judge_on_task(loaded, cfg: SelectConfig, sets: list[tuple[int, ...]]) -> dic
     out = {}
     for s in sets:
         per = scores[s].details.get("per_example") or {}
-        out[",".join(map(str, s))] = {"metric": task.metric, "value": scores[s].metrics[task.metric], "metrics": scores[s].metrics,
+        out[key(s)] = {"metric": task.metric, "value": scores[s].metrics[task.metric], "metrics": scores[s].metrics,
                                       "items": [v for part in per.values() for v in part]}
     out["describe"] = task.describe()
     return out
-
-
-def overlap(record: dict) -> dict:
-    """Jaccard of every pair of cells' choices, and its mean over the pairs that share the
-    calibration (differing in search or objective) against those that share the search and
-    objective (differing in calibration): which of the two moves the choice."""
-    names = list(record["cells"])
-    sets = {n: record["cells"][n]["layers"] for n in names}
-    matrix = [[jaccard(sets[a], sets[b]) for b in names] for a in names]
-    same_cal, same_search = [], []
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            ca, cb = record["cells"][a], record["cells"][b]
-            if ca["calibration"] == cb["calibration"]:
-                same_cal.append(jaccard(sets[a], sets[b]))
-            elif (ca["search"], ca["objective"]) == (cb["search"], cb["objective"]):
-                same_search.append(jaccard(sets[a], sets[b]))
-    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-    return {"cells": names, "matrix": matrix, "same_calibration_mean": mean(same_cal), "same_calibration_pairs": len(same_cal),
-            "same_search_mean": mean(same_search), "same_search_pairs": len(same_search)}
-
-
-def _shares(y: dict[tuple[str, str], float], rows: list[str], cols: list[str]) -> dict[str, float]:
-    """Two-way decomposition without replication: the share of the total sum of squares that goes
-    with the rows (calibration), with the columns (search), and the rest (their interaction)."""
-    grand = sum(y.values()) / len(y)
-    row = {r: sum(y[r, c] for c in cols) / len(cols) for r in rows}
-    col = {c: sum(y[r, c] for r in rows) / len(rows) for c in cols}
-    total = sum((v - grand) ** 2 for v in y.values())
-    if total <= 0:
-        return {"calibration": float("nan"), "search": float("nan"), "rest": float("nan")}
-    ss_row = len(cols) * sum((v - grand) ** 2 for v in row.values())
-    ss_col = len(rows) * sum((v - grand) ** 2 for v in col.values())
-    return {"calibration": ss_row / total, "search": ss_col / total, "rest": max(0.0, 1 - (ss_row + ss_col) / total)}
-
-
-def decomposition(record: dict, cfg: SelectConfig) -> dict:
-    """Per measurement judged on (each text's held-out loss and KL, the task): how much of the
-    spread of the cells' scores goes with the calibration text and how much with the search (and
-    objective), with 95% intervals from resampling the held-out windows (or questions), paired
-    across cells."""
-    cells = record["cells"]
-    rows = list(cfg.calibration)
-    cols = sorted({(c["search"], c["objective"]) for c in cells.values()})
-    if len(rows) < 2 or len(cols) < 2:
-        return {"why_not": "a decomposition needs two calibration texts and two searches (or objectives) at least"}
-    where = {(c["calibration"], (c["search"], c["objective"])): ",".join(map(str, c["layers"])) for c in cells.values()}
-    # each measurement: a chosen set's key -> its items (windows or questions), paired across sets
-    measures: dict[str, Callable[[str], list[float]]] = {
-        f"{record.get('labels', {}).get(source, source)} held-out {metric}": (lambda key, source=source, metric=metric: record["held_out"][source][key][metric])
-        for source in cfg.calibration for metric in ("loss", "kl")}
-    if record.get("task"):
-        measures[f"{cfg.task} {record['task'][''].get('metric')}"] = lambda key: record["task"][key]["items"]
-    mean = lambda items, pick: sum(items[i] for i in pick) / len(pick)  # noqa: E731
-    rng = random.Random(cfg.seed)
-    out = {}
-    if len(where) < len(rows) * len(cols):
-        return out  # a cell not chosen yet: no full grid to decompose
-    for name, items_of in measures.items():
-        size = len(items_of(""))
-        if size < 2:
-            continue
-        every = range(size)
-        grid = {(r, c): mean(items_of(where[r, c]), every) for r in rows for c in cols}
-        shares = _shares(grid, rows, cols)
-        draws = {k: [] for k in shares}
-        for _ in range(BOOTSTRAP):
-            pick = [rng.randrange(size) for _ in range(size)]
-            s = _shares({(r, c): mean(items_of(where[r, c]), pick) for r in rows for c in cols}, rows, cols)
-            for k, v in s.items():
-                if math.isfinite(v):
-                    draws[k].append(v)
-        intervals = {k: _percentiles(v) for k, v in draws.items()}
-        out[name] = {"shares": shares, "intervals": intervals, "scores": {f"{r}|{c[0]}/{c[1]}": v for (r, c), v in grid.items()},
-                     "decided_by": _decided(shares, intervals)}
-    return out
-
-
-def _percentiles(values: list[float]) -> list[float] | None:
-    if len(values) < 20:
-        return None
-    values = sorted(values)
-    return [values[int(0.025 * (len(values) - 1))], values[int(0.975 * (len(values) - 1))]]
-
-
-def _decided(shares: dict, intervals: dict) -> str:
-    """Which factor the spread goes with, said only where the intervals tell the two apart."""
-    c, s = intervals.get("calibration"), intervals.get("search")
-    if c is None or s is None:
-        return "cannot tell (too few resamples)"
-    if c[0] > s[1]:
-        return "calibration"
-    if s[0] > c[1]:
-        return "search"
-    return "cannot tell apart (the 95% intervals of the two shares overlap)"

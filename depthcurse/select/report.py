@@ -9,12 +9,9 @@ from pathlib import Path
 
 from rich.table import Table
 
-from depthcurse.heal.intervals import difference_interval
 from depthcurse.io import atomic_write, save_figure
-
-
-def _key(layers) -> str:
-    return ",".join(map(str, layers))
+from depthcurse.select.statistics import key as _key
+from depthcurse.stats.intervals import difference_interval
 
 
 def judged(record: dict) -> list[tuple[str, str, str]]:
@@ -66,11 +63,11 @@ def _cell(value) -> str:
 
 def select_table(record: dict) -> Table:
     run = record["run"]
-    over = record.get("overlap") or {}
-    caption = (f"each choice judged on held-out windows ({run['eval_windows']} x {run['seq_len']} tokens of each text, never chosen on)"
+    kinds = record.get("kinds") or {}
+    texts = ", ".join(f"{record.get('labels', {}).get(s, s)} ({kinds[s]})" if s in kinds else record.get("labels", {}).get(s, s) for s in run["calibration"])
+    caption = (f"texts: {texts}; each choice judged on held-out windows ({run['eval_windows']} x {run['seq_len']} tokens of each text, never chosen on)"
                + (f" and on {run['task']} (--limit {run['limit']})" if run.get("task") else "")
-               + "; in brackets the 95% interval from the paired windows or questions (the difference from the unpruned model). "
-               + overlap_text(over) + " " + decomposition_text(record.get("decomposition") or {}))
+               + "; in brackets the 95% interval (Student's t) of the difference from the unpruned model over the paired windows or questions, put around the score")
     table = Table(title=f"{run['model']}: which {run['k']} layers each calibration and search removes, judged on the same held-out text",
                   caption=caption, header_style="bold")
     header, *rows = select_rows(record)
@@ -81,27 +78,27 @@ def select_table(record: dict) -> Table:
     return table
 
 
-def overlap_text(over: dict) -> str:
-    if not over:
-        return ""
-    parts = []
+def select_verdicts(record: dict) -> list[str]:
+    """What the grid says, a line each after its table: how much the choices overlap, and per
+    held-out measurement which factor its spread goes with (or that it cannot tell)."""
+    over, dec = record.get("overlap") or {}, record.get("decomposition") or {}
+    lines = []
     if over.get("same_calibration_mean") is not None:
-        parts.append(f"choices made on the same text by different searches overlap {over['same_calibration_mean']:.2f} (mean Jaccard, "
-                     f"{over['same_calibration_pairs']} pairs)")
-    if over.get("same_search_mean") is not None:
-        parts.append(f"by the same search on different texts {over['same_search_mean']:.2f} ({over['same_search_pairs']} pairs)")
-    return ("; ".join(parts) + ".") if parts else ""
-
-
-def decomposition_text(dec: dict) -> str:
+        lines.append(f"overlap of the choices (mean Jaccard): the same text by different searches {over['same_calibration_mean']:.2f} "
+                     f"({over['same_calibration_pairs']} pairs)" + (f"; the same search on different texts {over['same_search_mean']:.2f} "
+                                                                    f"({over['same_search_pairs']} pairs)" if over.get("same_search_mean") is not None else ""))
     if "why_not" in dec:
-        return f"No decomposition: {dec['why_not']}."
-    parts = []
+        return lines + [f"no decomposition: {dec['why_not']}"]
     for name, d in dec.items():
         iv = d["intervals"]
         share = lambda k: f"{d['shares'][k]:.0%}" + (f" [{iv[k][0]:.0%}, {iv[k][1]:.0%}]" if iv.get(k) else "")  # noqa: E731
-        parts.append(f"{name}: calibration {share('calibration')}, search {share('search')}, the rest {share('rest')} -> {d['decided_by']}")
-    return ("Spread of the held-out scores (share of the sum of squares, 95% interval by resampling the windows): " + "; ".join(parts) + ".") if parts else ""
+        lines.append(f"{name}: spread with the calibration {share('calibration')}, with the search {share('search')}, the rest {share('rest')} "
+                     f"(share of the sum of squares, 95% paired bootstrap over {d.get('items', '?')} items): {_decided(d['decided_by'])}")
+    return lines
+
+
+def _decided(verdict: str) -> str:
+    return f"decided by the {verdict}" if verdict in ("calibration", "search") else verdict
 
 
 def write_csv(record: dict, path: Path) -> Path:

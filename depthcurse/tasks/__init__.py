@@ -80,7 +80,13 @@ def suite_members(name: str) -> tuple[str, ...] | None:
         inside = [t for t in listed if t in TASKS]
         if inside:
             raise DepthcurseError(f"--task {name}: a list takes lm-eval tasks and named suites ({', '.join(SUITES)}); {inside[0]} is neither")
-        return tuple(dict.fromkeys(m for t in listed for m in SUITES.get(t, (t,))))  # a named suite in a list: its tasks
+        members = [m for t in listed for m in SUITES.get(t, (t,))]  # a named suite in a list: its tasks
+        twice = next((m for m in members if members.count(m) > 1), None)
+        if twice is not None:
+            within = [t for t in listed if twice in SUITES.get(t, ())]
+            raise DepthcurseError(f"--task {name}: {twice} would be scored twice" + (f" (it is in {within[0]})" if within else "") +
+                                  ", and the average would weigh it double: give each task once")
+        return tuple(members)
     return None
 
 
@@ -91,8 +97,8 @@ def suite_groups(name: str) -> dict[str, tuple[str, ...]]:
 
 
 def _listed(name: str) -> tuple[str, ...]:
-    """The names of a comma-separated list, each once, in order."""
-    return tuple(dict.fromkeys(t.strip() for t in name.split(",") if t.strip()))
+    """The names of a comma-separated list, in order (`suite_members` refuses one given twice)."""
+    return tuple(t.strip() for t in name.split(",") if t.strip())
 _FLAGS = {"data": "--data", "seq_len": "--seq-len", "num_fewshot": "--num-fewshot", "max_gen_toks": "--max-gen-toks", "bos": "--no-bos"}
 
 

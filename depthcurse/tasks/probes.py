@@ -25,6 +25,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from depthcurse.stats.intervals import wilson
+
 SHOTS = 5  # examples of the same rung before each question
 STOP = "\n"  # what ends an answer: the continuation scored is answer + STOP
 SEED = 1234  # the examples' seed; recorded with every result (`describe`)
@@ -140,3 +142,26 @@ def describe(names) -> dict:
     ran = {n: {"capability": PROBES[n].capability, "rung": PROBES[n].rung} for n in names if n in PROBES}
     return {"probes": ran, "probe_seed": SEED, "probe_shots": SHOTS,
             "probe_metric": "greedy exact match of the answer and a newline (teacher-forced argmax)"} if ran else {}
+
+
+CAPABILITIES = tuple(dict.fromkeys(p.capability for p in PROBES.values()))
+
+
+def per_rung(limit: int | None) -> int:
+    """Examples each probe scores under `--limit` (its pool where none is given)."""
+    return min(limit, POOL) if limit else POOL
+
+
+def capability_scores(metrics: dict[str, float], examples: int) -> dict[str, dict]:
+    """Each capability among `metrics` (probe name -> exact-match rate, each over `examples`
+    examples): the share of its examples solved over all its rungs, their count, and the 95%
+    Wilson interval of that proportion (honest at 20 examples, where the normal's is not)."""
+    out = {}
+    for capability in CAPABILITIES:
+        rungs = [name for name, probe in PROBES.items() if probe.capability == capability and name in metrics]
+        if not rungs or examples < 1:
+            continue
+        solved = sum(round(metrics[name] * examples) for name in rungs)
+        n = examples * len(rungs)
+        out[capability] = {"score": solved / n, "solved": solved, "examples": n, "rungs": rungs, "interval": wilson(solved, n)}
+    return out

@@ -39,8 +39,18 @@ class Linear(Method):
     def solver(self, ctx: HealContext):
         return lambda d, device: LeastSquares(d, device, self.settings.ridge)
 
+    def fewest_tokens(self, d: int) -> int:
+        """The calibration tokens the map needs: a d x d least-squares map is determined by d tokens
+        at least (fewer leave its Gram matrix singular: the "healed" model can be far worse than the
+        plain removal); a ridge makes any number well posed."""
+        return d if self.settings.ridge == 0 else 1
+
     def check(self, model, layers):
         check_linear(model, layers)
+        d = model.get_input_embeddings().weight.shape[-1]
+        if self.settings.calib_tokens < self.fewest_tokens(d):
+            raise DepthcurseError(f"--method {self.name}: calib_tokens {self.settings.calib_tokens:,} is fewer than the {d:,} inputs of its "
+                                  f"{d} x {d} least-squares map: give --calib-tokens {d} or more (or a ridge, --method-args ridge=0.01)")
 
     def describe(self):
         return (f"a linear map per removed run on {self.settings.calib_tokens:,} calibration tokens"
@@ -56,9 +66,13 @@ class Linear(Method):
     def prepare(self, ctx: HealContext):
         started = time.perf_counter()
         batches = ctx.calibration(self.settings.calib_tokens)
+        tokens = int(ctx.world.sum(torch.tensor(sum(b.numel() for b in batches))).item())
+        d = ctx.model.get_input_embeddings().weight.shape[-1]
+        if tokens < self.fewest_tokens(d):
+            raise DepthcurseError(f"--method {self.name}: the calibration text gave {tokens:,} tokens, fewer than the {d:,} inputs of its "
+                                  f"{d} x {d} least-squares map: give a longer --data text (or a ridge, --method-args ridge=0.01)")
         self.maps = estimate_maps(ctx.model, ctx.layers, batches, reduce=ctx.world.sum, solver=self.solver(ctx),
                                   on_batch=lambda done, total: ctx.phase(f"estimating the linear maps ({done}/{total} batches)"))
-        tokens = int(ctx.world.sum(torch.tensor(sum(b.numel() for b in batches))).item())
         self.calibration = {"seconds": round(time.perf_counter() - started, 3), "tokens": tokens}
         self.hidden = ctx.model.get_input_embeddings().weight.shape[-1]
 
