@@ -49,7 +49,7 @@ def main() -> None:
             else:
                 got = []
                 for i, (c, s, o) in enumerate(cells):
-                    one = SelectConfig(calibration=(c,), searches=(s,), objectives=(o if o != "-" else grid.objectives[0],), **common)
+                    one = SelectConfig(calibration=(c,), searches=(s,), objectives=(o,) if o != "-" else None, **common)
                     record = run_select(loaded, one, folder / f"cell{i}")
                     got += [(x["calibration"], x["search"], x["objective"], tuple(x["layers"])) for x in record["cells"].values()]
                 chosen["cells"] = sorted(got)

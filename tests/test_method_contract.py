@@ -77,6 +77,12 @@ class RaisesInCost(Method):
     name = "raises-in-cost"
     def cost(self, model, layers):
         return {}["trained_params"]
+
+class ObjectiveNotModule(Method):
+    name = "objective-not-module"
+    trains = True
+    def objective(self, ctx):
+        return lambda ids, targets: ids.float().sum()
 '''
 
 
@@ -87,6 +93,7 @@ class RaisesInCost(Method):
     ("RaisesInFinalize", "--method raises-in-finalize: its finalize() raised RuntimeError: shapes differ"),
     ("FinalizeGivesNothing", "--method finalize-gives-nothing: finalize() must return the model it changed, got NoneType"),
     ("RaisesInCost", "--method raises-in-cost: its cost() raised KeyError: 'trained_params'"),
+    ("ObjectiveNotModule", "--method objective-not-module: objective() must return an nn.Module ((ids, targets) -> summed loss) or None, got function"),
 ])
 def test_a_method_that_breaks_a_hooks_rule_is_one_line_naming_it_before_its_healed_result(attr, said, bos_model_dir, docs_file, tmp_path):
     """`applied()` that gives no model (the 'healed' model was the plain removal, called healed), no

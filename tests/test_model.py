@@ -260,14 +260,16 @@ def _expected_std(norm: str, init: str, name: str, l: int, L: int, d: int, inter
     N(0, 0.02); scaled-init's 0.02/sqrt(2L) on the output projections; depth-scaled-init's
     0.02/sqrt(2(l+1)) on every matrix of block l; DeepNorm's xavier normal (gain 1 on q and k, beta =
     (8L)^(-1/4) on the rest); HybridNorm's OLMo full_megatron (init "authors": every matrix cut off at
-    3 sigma, output projections 0.02/sqrt(2L), an untied head 1/sqrt(d)); Mix-LN's embedding N(0, sqrt(2/5))
+    3 sigma at the small-init rule's sqrt(2/(5d)) (their configs' 0.013975424859373685 at d = 2048),
+    output projections that over sqrt(2L), an untied head 1/sqrt(d)); Mix-LN's embedding N(0, sqrt(2/5))
     (init "authors")."""
     fan = {"q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d), "gate": (d, inter), "up": (d, inter), "down": (inter, d)}
     output = name in ("o", "down")
     if norm in ("hybridnorm", "hybridnorm-star") and init == "authors":
         if name == "head":
             return TRUNCATED_3_SIGMA / math.sqrt(d)
-        return TRUNCATED_3_SIGMA * (0.02 / math.sqrt(2 * L) if output else 0.02)
+        base = math.sqrt(2 / (5 * d))
+        return TRUNCATED_3_SIGMA * (base / math.sqrt(2 * L) if output else base)
     if name == "embed" and norm == "mix" and init == "authors":
         return math.sqrt(2 / 5)  # the Mix-LN code's _init_weights draws every embedding N(0, sqrt(2/5))
     if name in ("embed", "head"):
@@ -302,6 +304,13 @@ def test_every_variants_initialisation_is_its_authors_rule(norm, init):
                 assert float(lin.weight.abs().max()) <= 3 * expected / TRUNCATED_3_SIGMA + 1e-9, (name, l)
     for name, w in named.items():
         assert _std(w) == pytest.approx(_expected_std(norm, init, name, 0, L, d, inter), rel=0.04), name
+
+
+def test_hybridnorms_base_std_is_its_configs_rule_at_the_models_width():
+    from depthcurse.train.norms.hybridnorm import small_init_std
+
+    assert small_init_std(2048) == 0.013975424859373685  # BryceZhuo/HybridNorm's two configs, init_std
+    assert small_init_std(64) == pytest.approx(0.0790569, rel=1e-6)
 
 
 def test_hybridnorm_star_is_pre_norm_in_its_first_block_only():

@@ -120,6 +120,10 @@ def test_decided_by_names_a_factor_only_where_the_intervals_are_apart():
     assert decided_by({"rows": [0.0, 0.2], "columns": [0.3, 0.9]}) == "columns"
     assert decided_by({"rows": [0.1, 0.5], "columns": [0.4, 0.9]}).startswith("cannot tell apart")
     assert decided_by({"rows": [0.2, 0.5], "columns": [0.5, 0.9]}).startswith("cannot tell apart")  # touching is not apart
+    assert decided_by({"rows": [0.5, 0.9], "columns": [0.2, 0.5]}).startswith("cannot tell apart")  # nor from the other side
+    # the rows' interval reaching above the columns' but starting inside it: overlapping, however high it reaches
+    assert decided_by({"rows": [0.3, 0.95], "columns": [0.4, 0.9]}).startswith("cannot tell apart")
+    assert decided_by({"rows": [0.4, 0.9], "columns": [0.3, 0.95]}).startswith("cannot tell apart")
     assert decided_by({"rows": None, "columns": [0.5, 0.9]}).startswith("cannot tell")
     assert decided_by({"rows": [0.6, 0.9], "columns": [0.0, 0.2]}, "4 items are too few").startswith("cannot tell (4 items")
 

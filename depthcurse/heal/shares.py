@@ -60,7 +60,7 @@ def recovered(record: dict) -> tuple[dict, dict, dict]:
             u, p, h = (results[m][part]["metrics"].get(metric) if part in results[m] else None for m in MODELS)
             if None in (u, p, h) or not all(map(math.isfinite, (u, p, h))):
                 continue
-            key = f"{part}_{metric}" if part != "task" else f"task_{metric}"
+            key = f"{part}_{metric}"
             higher = results["pruned"][part].get("higher_is_better", False) if part == "task" else metric == "agreement"
             gap = (u - p) if higher else (p - u)  # what the removal cost, positive when it hurt
             noise = gap_noise(results, part, metric).half_width()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from depthcurse.stats.bootstrap import TooFewItems, check_items, resample
+from depthcurse.stats.bootstrap import TooFewItems, resample
 from depthcurse.stats.decomposition import COLUMNS, REST, ROWS, decided_by, shares
 
 # the decomposition's factors, as select names them
@@ -88,10 +88,8 @@ def decomposition(record: dict, seed: int) -> dict:
         n = table.shape[-1]
         point = {FACTORS[k]: v for k, v in shares(table.mean(-1)).items()}
         try:
-            check_items(n, "held-out items")
             drawn = resample(lambda picks: shares(table[..., picks].mean(-1)), n, seed=seed, what="held-out items")  # (rows, cols, draws)
-            intervals = {FACTORS[k]: v for k, v in drawn.items()}
-            why_not = None
+            intervals, why_not = {FACTORS[k]: v for k, v in drawn.items()}, None
         except TooFewItems as exc:
             intervals, why_not = {FACTORS[k]: None for k in FACTORS}, str(exc)
         verdict = decided_by({ROWS: intervals["calibration"], COLUMNS: intervals["search"]}, why_not)

@@ -27,11 +27,11 @@ def shares(y: np.ndarray) -> dict[str, np.ndarray]:
     total = ((y - grand) ** 2).sum(axis=(0, 1))
     ss_rows = c * ((y.mean(axis=1) - grand) ** 2).sum(axis=0)
     ss_columns = r * ((y.mean(axis=0) - grand) ** 2).sum(axis=0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        spread = total > 0
-        row_share = np.where(spread, ss_rows / np.where(spread, total, 1), np.nan)
-        column_share = np.where(spread, ss_columns / np.where(spread, total, 1), np.nan)
-    rest = np.where(spread, np.maximum(0.0, 1 - row_share - column_share), np.nan)
+    spread = total > 0
+    safe = np.where(spread, total, 1.0)  # a grid with no spread has no shares (NaN), and no 0 / 0 on the way
+    row_share = np.where(spread, ss_rows / safe, np.nan)
+    column_share = np.where(spread, ss_columns / safe, np.nan)
+    rest = np.maximum(0.0, 1 - row_share - column_share)  # NaN stays NaN
     return {ROWS: row_share, COLUMNS: column_share, REST: rest}
 
 

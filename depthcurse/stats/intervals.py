@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from scipy.special import ndtri, stdtrit
+from scipy.special import stdtrit
 
 CONFIDENCE = 0.95
 
@@ -26,8 +26,7 @@ CONFIDENCE = 0.95
 def t_quantile(df: float, confidence: float = CONFIDENCE) -> float:
     """The two-sided `confidence` quantile of Student's t at `df` degrees of freedom (the normal's
     at df = inf): 12.706 at 1, 2.776 at 4, 1.960 at inf for 95%."""
-    upper = 1 - (1 - confidence) / 2
-    return float(ndtri(upper)) if math.isinf(df) else float(stdtrit(df, upper))
+    return float(stdtrit(df, 1 - (1 - confidence) / 2))  # scipy's t quantile is the normal's at df = inf
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ def interval(value: float, spread: Spread, confidence: float = CONFIDENCE) -> li
 
 def mean_interval(values: list[float], confidence: float = CONFIDENCE) -> list[float] | None:
     """The t interval of the mean of `values` (one sample; paired differences are one)."""
-    return interval(mean(values), paired_spread({"x": [list(values)]}, {"x": 1.0}), confidence) if len(values) > 1 else None
+    return interval(mean(values), paired_spread({"x": [list(values)]}, {"x": 1.0}), confidence) if values else None
 
 
 def difference_interval(a: float, b: float, groups: dict[str, list[list[float]]], first: str, second: str,
@@ -115,8 +114,8 @@ def wilson(successes: float, n: int, confidence: float = CONFIDENCE) -> list[flo
     denominator = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denominator
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
-    # at 0 of n and n of n the ends are 0 and 1 exactly (rounding would put the estimate outside)
-    return [0.0 if successes <= 0 else max(0.0, centre - half), 1.0 if successes >= n else min(1.0, centre + half)]
+    # Wilson's ends lie in [0, 1]; at 0 of n and n of n they are 0 and 1 exactly (rounding would put the estimate outside)
+    return [0.0 if successes <= 0 else centre - half, 1.0 if successes >= n else centre + half]
 
 
 def apart(low_high: list[float] | None) -> bool | None:

@@ -35,12 +35,17 @@ POOL = 500  # examples a probe can give (--limit takes the first)
 
 @dataclass(frozen=True)
 class Probe:
-    """One rung of one capability: `make(rng) -> (question, answer)`; the prompt is `SHOTS`
-    solved examples and the question, each `question + answer` on its own line."""
+    """One rung of one capability: `make(rng) -> (question, answer)`, the ladder's generator at the
+    rung's `size` (digits, open brackets, letters, keys); the prompt is `SHOTS` solved examples and
+    the question, each `question + answer` on its own line."""
 
     capability: str  # arithmetic, brackets, copying, recall
     rung: str  # what makes it harder: "2 digits", "depth 4", ...
-    make: Callable[[random.Random], tuple[str, str]]
+    ladder: Callable[[int], Callable[[random.Random], tuple[str, str]]]
+    size: int
+
+    def make(self, rng: random.Random) -> tuple[str, str]:
+        return self.ladder(self.size)(rng)  # the generator made when asked, not at import: its code is what runs now
 
 
 def _digits(rng: random.Random, n: int) -> int:
@@ -102,11 +107,11 @@ def _recall(pairs: int):
 #: every probe, by the lm-eval task name it runs as; the ladders go from what SmolLM2-135M mostly
 #: solves to what it mostly does not (docs/probes.md has its scores)
 PROBES: dict[str, Probe] = {
-    **{f"probe_add_{n}d": Probe("arithmetic", f"addition, {n} digit{'s' if n > 1 else ''}", _add(n)) for n in (1, 2, 3)},
-    **{f"probe_mul_{n}d": Probe("arithmetic", f"multiplication, {n} digit{'s' if n > 1 else ''} x 1", _mul(n)) for n in (1, 2)},
-    **{f"probe_brackets_{d}": Probe("brackets", f"close {d} open brackets", _dyck(d)) for d in (1, 2, 4)},
-    **{f"probe_copy_{n}": Probe("copying", f"copy {n} letters", _copy(n)) for n in (4, 8, 16)},
-    **{f"probe_recall_{n}": Probe("recall", f"recall 1 of {n} keys", _recall(n)) for n in (2, 4, 8)},
+    **{f"probe_add_{n}d": Probe("arithmetic", f"addition, {n} digit{'s' if n > 1 else ''}", _add, n) for n in (1, 2, 3)},
+    **{f"probe_mul_{n}d": Probe("arithmetic", f"multiplication, {n} digit{'s' if n > 1 else ''} x 1", _mul, n) for n in (1, 2)},
+    **{f"probe_brackets_{d}": Probe("brackets", f"close {d} open brackets", _dyck, d) for d in (1, 2, 4)},
+    **{f"probe_copy_{n}": Probe("copying", f"copy {n} letters", _copy, n) for n in (4, 8, 16)},
+    **{f"probe_recall_{n}": Probe("recall", f"recall 1 of {n} keys", _recall, n) for n in (2, 4, 8)},
 }
 
 
