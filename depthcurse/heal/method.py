@@ -25,12 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib
-import importlib.util
-import math
-import sys
-import typing
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable, ClassVar, Iterator
 
@@ -38,6 +33,8 @@ import torch
 from torch import nn
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.plugins import entry_points_of, load_outside, parse_args, typed
+from depthcurse.plugins import settings_fields as plugin_settings_fields
 from depthcurse.runtime import World
 from depthcurse.surgery import removed_layers
 
@@ -368,39 +365,15 @@ def builtin_methods() -> dict[str, type[Method]]:
 
 
 def _entry_point_methods() -> dict[str, object]:
-    from importlib.metadata import entry_points
-
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINTS)}
+    return entry_points_of(ENTRY_POINTS)
 
 
 def _outside(spec: str) -> type[Method]:
     """`module:Class` or `path/to/file.py:Class`: a user's method, loaded without editing ours."""
-    where, _, attr = spec.rpartition(":")
-    try:
-        if where.endswith(".py"):
-            path = Path(where).expanduser()
-            if not path.is_file():
-                raise DepthcurseError(f"--method {spec}: no file {path}")
-            name = f"depthcurse_outside_{path.stem}"
-            module = sys.modules.get(name)
-            if module is None or getattr(module, "__file__", None) != str(path.resolve()):
-                loader_spec = importlib.util.spec_from_file_location(name, path.resolve())
-                module = importlib.util.module_from_spec(loader_spec)
-                sys.modules[name] = module
-                loader_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except DepthcurseError:
-        raise
-    except Exception as exc:  # the user's module failed to import: say where, in one line
-        raise DepthcurseError(f"--method {spec}: importing {where} failed: {type(exc).__name__}: {exc}") from exc
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise DepthcurseError(f"--method {spec}: {where} has no class {attr}")
-    if not (isinstance(cls, type) and issubclass(cls, Method)):
-        raise DepthcurseError(f"--method {spec}: {attr} in {where} is not a recovery method: make it a subclass of depthcurse.heal.Method")
+    cls = load_outside(spec, Method, "--method", "a recovery method", "depthcurse.heal.Method")
     builtin = builtin_methods().get(cls.name)
     if builtin is not None and builtin is not cls:
+        attr = spec.rpartition(":")[2]
         raise DepthcurseError(f"--method {spec}: its name {cls.name!r} is the built-in method's: give {attr} a name of its own")
     return cls
 
@@ -429,55 +402,17 @@ def method_names() -> list[str]:
 # --------------------------------------------------------------------------- settings
 def parse_method_args(text: str | None) -> dict[str, str]:
     """`key=value,key=value` (lm-eval's `--model_args`), kept as text until a method's field types it."""
-    if not text or not text.strip():
-        return {}
-    out = {}
-    for part in (p for p in text.split(",") if p.strip()):
-        key, eq, value = part.partition("=")
-        if not eq or not key.strip():
-            raise DepthcurseError(f"--method-args {text!r}: give key=value pairs, e.g. ridge=0.1,calib_tokens=32768")
-        out[key.strip()] = value.strip()
-    return out
+    return parse_args(text, "--method-args", "ridge=0.1,calib_tokens=32768")
 
 
 def _typed(cls, name: str, value, method: str):
     """`value` (text from the command line, or already typed) as the type of `cls`'s field `name`."""
-    if not isinstance(value, str):
-        return value
-    kind = typing.get_type_hints(cls).get(name, str)
-    args = typing.get_args(kind)
-    if type(None) in args:  # `int | None`: "none" is None, else the other type
-        if value.lower() in ("none", "null"):
-            return None
-        kind = next(a for a in args if a is not type(None))
-    try:
-        if kind is bool:
-            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError(value)
-            return value.lower() in ("true", "1", "yes")
-        if kind is int:
-            number = float(value)
-            if not number.is_integer():
-                raise ValueError(value)
-            return int(number)
-        if kind is float:
-            number = float(value)
-            if not math.isfinite(number):
-                raise ValueError(value)
-            return number
-    except ValueError:
-        # text reaches here from --method-args alone (the command line's own options arrive typed)
-        raise DepthcurseError(f"--method-args {name}={value}: {method}'s {name} takes {getattr(kind, '__name__', kind)}") from None
-    return value
+    return typed(cls, name, value, method, "--method-args")
 
 
 def settings_fields(cls: type[Method]) -> tuple:
-    """The fields of `cls.Settings`, which the contract asks to be a dataclass: one line naming the
-    method where it is not (Python's own error would name neither)."""
-    if not (isinstance(cls.Settings, type) and is_dataclass(cls.Settings)):
-        raise DepthcurseError(f"--method {cls.name or cls.__name__}: its Settings must be a dataclass (the settings --method-args sets), "
-                              f"got {getattr(cls.Settings, '__name__', cls.Settings)!s}")
-    return fields(cls.Settings)
+    """The fields of `cls.Settings`, which the contract asks to be a dataclass."""
+    return plugin_settings_fields(cls, "--method", "--method-args")
 
 
 def configure(cls: type[Method], args: dict) -> Method:
