@@ -535,3 +535,58 @@ def test_a_grid_without_spread_has_no_shares_and_warns_of_nothing():
     assert all(math.isnan(v) for v in shares(np.full((3, 4), 2.5)).values())
     stacked = shares(np.stack([np.full((2, 2), 1.0), np.array([[1.0, 2.0], [3.0, 4.0]])], axis=-1))
     assert math.isnan(stacked["rows"][0]) and stacked["rows"][1] == pytest.approx(0.8)  # rows' SS 2 x 2 x 1 = 4 of 5
+
+
+# --------------------------------------------------------------------------- select: how far each pick is from the best
+
+
+def _distance_record(with_exact: bool):
+    """One text, k = 2 of 4 blocks: the six removals' calibration [loss, KL], by hand; held-out
+    losses of three windows for the picks."""
+    scores = {"0,1": [3.0, 0.5], "0,2": [2.5, 0.4], "0,3": [2.8, 0.1], "1,2": [2.9, 0.3], "1,3": [2.7, 0.2], "2,3": [3.1, 0.6],
+              "1": [2.0, 0.05], "2": [2.1, 0.06]}  # single removals (greedy's first step) are not k-sets
+    cells = {"t/greedy/ppl": {"calibration": "t", "search": "greedy", "objective": "ppl", "layers": [1, 3]},
+             "t/angular": {"calibration": "t", "search": "angular", "objective": "-", "layers": [2, 3]},
+             "t/random/ppl": {"calibration": "t", "search": "random", "objective": "ppl", "layers": [0, 2], "drawn": ["0,2", "2,3", "0,1"]}}
+    if with_exact:
+        cells["t/exact/ppl"] = {"calibration": "t", "search": "exact", "objective": "ppl", "layers": [0, 2]}
+    held = {"": {"loss": [1.0, 1.0, 1.0], "kl": [0.0] * 3}, "1,3": {"loss": [1.3, 1.5, 1.4], "kl": [0.1] * 3},
+            "2,3": {"loss": [1.6, 1.9, 1.6], "kl": [0.2] * 3}, "0,2": {"loss": [1.1, 1.2, 1.3], "kl": [0.05] * 3}}
+    return {"run": {"k": 2, "n_layers": 4, "calibration": ["t"], "objectives": ["ppl", "kl"]}, "cells": cells, "labels": {"t": "t"},
+            "calibration_scores": {"t": scores}, "held_out": {"t": held}}
+
+
+def test_each_pick_against_the_exact_optimum_by_hand():
+    """ppl: the optimum 0,2 (2.5); greedy's 1,3 (2.7) ranks 2 of 6 (one better: 1/6), angular's 2,3
+    (3.1) 6 of 6; of the random draws (2.5, 3.1, 3.0) one beats greedy's pick and two beat angular's.
+    Held out, greedy minus the optimum: 0.2, 0.3, 0.1, mean 0.2, sd 0.1, t(2) 4.3027."""
+    from depthcurse.select.statistics import distances
+
+    got = distances(_distance_record(with_exact=True))
+    ppl = got["t ppl"]
+    assert (ppl["best"], ppl["best_score"], ppl["exact"], ppl["space"], ppl["scored"]) == ("0,2", 2.5, True, 6, 6)
+    assert ppl["all_scores"] == [2.5, 2.7, 2.8, 2.9, 3.0, 3.1] and ppl["null_scores"] == [2.5, 3.0, 3.1] and ppl["random_draws"] == 3
+    greedy = ppl["picks"]["t/greedy/ppl"]
+    assert (greedy["layers"], greedy["score"], greedy["gap"], greedy["is_best"], greedy["rank"], greedy["of"]) == ("1,3", 2.7, pytest.approx(0.2), False, 2, 6)
+    assert greedy["percentile"] == pytest.approx(1 / 6) and greedy["random_better"] == pytest.approx(1 / 3)
+    assert greedy["held_out"]["t held-out loss"] == pytest.approx([0.2 - 4.302653 * 0.1 / math.sqrt(3), 0.2 + 4.302653 * 0.1 / math.sqrt(3)], abs=1e-5)
+    angular = ppl["picks"]["t/angular"]
+    assert (angular["rank"], angular["random_better"], angular["is_best"]) == (6, pytest.approx(2 / 3), False)
+    assert ppl["picks"]["t/exact/ppl"]["is_best"] and ppl["picks"]["t/exact/ppl"]["rank"] == 1 and ppl["picks"]["t/exact/ppl"]["gap"] == 0.0
+    kl = got["t kl"]  # no exact and no random cell by KL: the best any search scored, no ranks, no null
+    assert (kl["best"], kl["exact"], kl["all_scores"], kl["null_scores"]) == ("0,3", False, None, None)
+    assert set(kl["picks"]) == {"t/angular"} and "rank" not in kl["picks"]["t/angular"] and "random_better" not in kl["picks"]["t/angular"]
+    assert kl["picks"]["t/angular"]["gap"] == pytest.approx(0.5)
+
+
+def test_without_exact_the_best_is_the_best_scored_and_ties_go_to_the_first_key():
+    from depthcurse.select.statistics import distances
+
+    record = _distance_record(with_exact=False)
+    record["calibration_scores"]["t"]["1,2"] = [2.5, 0.3]  # a tie with 0,2 at 2.5
+    ppl = distances(record)["t ppl"]
+    assert (ppl["best"], ppl["exact"], ppl["all_scores"]) == ("0,2", False, None)
+    record["run"]["objectives"] = ["kl"]
+    assert list(distances(record)) == ["t kl"]
+    record["calibration_scores"]["t"] = {"1": [2.0, 0.1]}
+    assert distances(record) == {}  # no k-set scored: nothing to place

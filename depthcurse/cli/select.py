@@ -20,10 +20,12 @@ def _names(text: str) -> tuple[str, ...]:
 
 def select(
     model: str = ModelArg,
-    k: int = typer.Option(4, "--k", help="Layers each cell removes."),
+    k: int = typer.Option(4, "--k", help="Units each cell removes: k blocks (or, with --granularity sub-block, k attention and k MLP branches)."),
     calibration: str = typer.Option("wiki", "--calibration", help="Texts to choose on, comma-separated: wiki (prose), c4 (web prose, from the hub), code (Python), math (MATH problems and solutions), dialogue (CoQA's question and answer turns) or a .txt/.jsonl/.parquet file; each is also held out and judged on."),
-    objective: Optional[str] = typer.Option(None, "--objective", help="What greedy and one-shot minimise on the calibration windows, comma-separated: ppl (next-token loss; the default) and/or kl (KL from the unpruned model)."),
-    search: str = typer.Option("greedy,angular", "--search", help="How the k layers are found, comma-separated: greedy, one-shot (the k cheapest single removals), angular (Gromov et al.'s block), bi (ShortGPT's Block Influence)."),
+    objective: Optional[str] = typer.Option(None, "--objective", help="What the searches that score removals minimise on the calibration windows (greedy, one-shot, exact, evo, random), comma-separated: ppl (next-token loss; the default) and/or kl (KL from the unpruned model: EvoPress's default)."),
+    search: str = typer.Option("greedy,angular", "--search", help="How the k units are found, comma-separated: greedy, one-shot (the k cheapest single removals), angular (Gromov et al.'s block), bi (ShortGPT's Block Influence), exact (every removal: the optimum), evo (EvoPress's evolutionary search), random (the best of random draws: the null distribution), last (the k blocks before the final one), or module:Class / file.py:Class of your own."),
+    search_args: Optional[str] = typer.Option(None, "--search-args", help="The searches' settings, key=value,... (name.key=value for one search): exact.max_sets, evo.offspring, evo.generations, random.sets, ..."),
+    granularity: str = typer.Option("layer", "--granularity", help="What a removal takes: layer (whole blocks) or sub-block (k attention and k MLP branches, EvoPress's default; for exact, evo, random and last)."),
     calib_windows: int = typer.Option(8, "--calib-windows", help="Windows of each text the choice is made on."),
     eval_windows: int = typer.Option(16, "--eval-windows", help="Other windows of each text every choice is judged on."),
     seq_len: int = typer.Option(128, "--seq-len", help="Tokens per window."),
@@ -37,14 +39,17 @@ def select(
     trust_remote_code: bool = TrustOpt,
     revision: Optional[str] = RevisionOpt,
 ) -> None:
-    """Does the calibration or the search decide which layers go? Each calibration text x objective x
-    search chooses k layers; every choice is judged on the same held-out windows (and --task); the
-    overlap of the choices and a two-way decomposition of the held-out scores say which decided."""
-    from depthcurse.select import SELECT_JSON, SelectConfig, plot_select, run_select, select_table, select_verdicts, write_csv
+    """Which k units go, and how good is each choice? Each calibration text x objective x search
+    chooses k units; every choice is judged on the same held-out windows (and --task) and against the
+    best removal (the exact optimum with --search exact); the overlap of the choices and a two-way
+    decomposition of the held-out scores say whether the calibration or the search decided."""
+    from depthcurse.select import (SELECT_JSON, SelectConfig, distance_table, parse_search_args, plot_distances, plot_select, run_select,
+                                   select_table, select_verdicts, write_csv)
     from depthcurse.stats import MIN_ITEMS
 
     cfg = SelectConfig(k=k, calibration=_names(calibration), objectives=_names(objective) if objective is not None else None, searches=_names(search),
-                       calib_windows=calib_windows, eval_windows=eval_windows, seq_len=seq_len, batch_size=batch_size, task=task, limit=limit, seed=seed)
+                       calib_windows=calib_windows, eval_windows=eval_windows, seq_len=seq_len, batch_size=batch_size, task=task, limit=limit, seed=seed,
+                       granularity=granularity, search_args=parse_search_args(search_args))
     checked = cfg.checked()  # the options alone, before a model loads (k against its layers after)
     if checked.eval_windows < MIN_ITEMS and len(checked.calibration) > 1 and len(checked.cells()) > len(checked.calibration):
         say("note", f"--eval-windows {checked.eval_windows}: fewer than {MIN_ITEMS} held-out windows are too few to resample, so the decomposition "
@@ -74,6 +79,12 @@ def select(
         raise typer.Exit(130)
     header()  # a run found finished had no phase to say it
     console.print(select_table(record))
+    distances = distance_table(record)
+    if distances is not None:
+        console.print(distances)
     verdicts(select_verdicts(record))
     written = [out / SELECT_JSON, write_csv(record, out / "select.csv"), plot_select(record, out / "select.png")]
+    figure = plot_distances(record, out / "distances.png")
+    if figure is not None:
+        written.append(figure)
     say("written", ", ".join(map(str, written)), "green")

@@ -1,29 +1,30 @@
-"""`depthcurse select`: does the calibration or the search decide which layers go?
+"""`depthcurse select`: which k units each calibration text, objective and search removes, how
+good each choice is, and what decided it.
 
 "Rethinking Layer Redundancy: Calibration Matters More Than Search" (arXiv 2604.24938) finds that
 the layers a depth-pruning method removes depend more on its calibration (the text, and the
 objective the choice is judged by) than on its search algorithm. This runs that question on one
-model as one grid: for each calibration text x objective x search, the k layers chosen; each
-choice judged on the same held-out measurements (held-out windows of every text, and a task such
-as the probes or the commonsense suite); how much the chosen sets overlap (Jaccard); and how much
-of the spread of the held-out scores goes with the calibration and how much with the search.
+model as one grid: for each calibration text x objective x search, the k units chosen; each choice
+judged on the same held-out measurements (held-out windows of every text, and a task such as the
+probes or the commonsense suite); how much the chosen sets overlap (Jaccard); how much of the spread
+of the held-out scores goes with the calibration and how much with the search; and how far each
+choice falls from the best removal there is (`exact`) or from blind draws (`random`).
 
-The searches reuse what prune has: `greedy` (remove the layer whose removal costs least, k times,
-measured exactly), `one-shot` (the k cheapest single removals), `angular` (Gromov et al.'s block
-of k adjacent layers, the least angular distance between its input and output) and `bi` (ShortGPT's
-Block Influence, 1 - cos(input, output), the k lowest); the first two by the objective (`ppl`:
-the next-token loss on the calibration windows; `kl`: KL from the unpruned model's predictions),
-the last two by the text alone. Work is shared: a text's windows and the unpruned model's
-predictions on them are made once, a removal's calibration score once for every search and
-objective that asks for it, and the held-out measurements once per distinct chosen set. Every
-finished piece is in `select.json` as soon as it is made, so an interrupted run resumes there.
+A search is one class behind the contract of `select.search`, found by name in its registry
+(`select/searches/`: greedy, one-shot, angular, bi, exact, evo, random, last; a user's own by
+`file.py:Class`). Work is shared: a text's windows, the unpruned model's predictions and its
+stream entering every block are made once (`select.scoring`), a removal's calibration score once
+for every search and objective that asks for it, and the held-out measurements once per distinct
+chosen set. Every finished piece is in `select.json` as soon as it is made, so an interrupted run
+resumes there.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -34,15 +35,15 @@ from depthcurse.errors import DepthcurseError
 from depthcurse.io import atomic_write, ensure_out_dir, json_text, refuse_other_run
 from depthcurse.loading import check_sequence_length
 from depthcurse.prune.engine import evaluate_variants, why_unsupported
-from depthcurse.prune.stepping import Stepper, Unsupported
-from depthcurse.select.statistics import decomposition, key, overlap
-from depthcurse.surgery import num_layers, removed_layers
+from depthcurse.select import searches as _builtin  # noqa: F401 (defines the built-in searches, which registers them)
+from depthcurse.select.scoring import CalibrationScorer, removal_context, window_scores
+from depthcurse.select.search import GRANULARITIES, Search, SearchContext, Space, build_searches, key, settings_text
+from depthcurse.select.statistics import decomposition, distances, overlap
+from depthcurse.surgery import find_blocks, num_layers
 from depthcurse.tasks import PerplexityTask, build_task
 from depthcurse.text import load_texts, text_kind
 
 SELECT_JSON = "select.json"
-SEARCHES = ("greedy", "one-shot", "angular", "bi")
-BY_OBJECTIVE = ("greedy", "one-shot")  # the searches that score removals by the objective
 OBJECTIVES = ("ppl", "kl")
 
 
@@ -51,7 +52,7 @@ class SelectConfig:
     k: int
     calibration: tuple[str, ...]  # text sources (wiki, c4, code, math, dialogue, a file) the choice is made on
     objectives: tuple[str, ...] | None = None  # None: not given (ppl, where a search reads one)
-    searches: tuple[str, ...] = ("greedy", "angular")
+    searches: tuple[str, ...] = ("greedy", "angular")  # names, or module:Class / file.py:Class of one's own
     calib_windows: int = 8
     eval_windows: int = 16
     seq_len: int = 128
@@ -59,30 +60,50 @@ class SelectConfig:
     task: str | None = None  # judged on it too (probes, commonsense, an lm-eval task), with `limit`
     limit: int | None = None
     seed: int = 1234
+    granularity: str = "layer"  # or "sub-block": k attention and k MLP branches
+    search_args: dict = field(default_factory=dict)  # --search-args, name.key -> value
 
-    def checked(self, n_layers: int | None = None) -> "SelectConfig":
-        """The config with its defaults filled in, or one line on what is wrong with it."""
+    def built(self) -> dict[str, Search]:
+        """The searches, by name, their settings set."""
+        return build_searches(self.searches, self.search_args)
+
+    def checked(self, n_layers: int | None = None, space: Space | None = None) -> "SelectConfig":
+        """The config with its defaults filled in, or one line on what is wrong with it; given the
+        model's layers (or the space, with what a pass costs here), every search's own check of the
+        space too (a budget it cannot keep)."""
         if self.k < 1:
             raise DepthcurseError(f"--k must be at least 1, got {self.k}")
-        if n_layers is not None and not self.k < n_layers:
-            raise DepthcurseError(f"--k {self.k} is out of range: the model has {n_layers} layers (1-{n_layers - 1})")
-        if self.objectives is not None and not any(s in BY_OBJECTIVE for s in self.searches):
+        if self.granularity not in GRANULARITIES:
+            raise DepthcurseError(f"unknown --granularity {self.granularity!r}: use {', '.join(GRANULARITIES)}")
+        if not self.searches:
+            raise DepthcurseError("--search (none): give at least one search")
+        twice = sorted({g for g in self.searches if self.searches.count(g) > 1})
+        if twice:
+            raise DepthcurseError(f"--search names {', '.join(twice)} more than once: each cell would be measured twice, as if two")
+        searches = self.built()
+        for name, search in searches.items():
+            if self.granularity not in search.granularities:
+                raise DepthcurseError(f"--search {name} removes {' or '.join(search.granularities)} units, not {self.granularity} "
+                                      f"(--granularity {self.granularity} takes {', '.join(n for n, s in searches.items() if self.granularity in s.granularities) or 'exact, evo, random, last'})")
+        if self.objectives is not None and not any(s.reads == "objective" for s in searches.values()):
             raise DepthcurseError(f"--objective {','.join(self.objectives)}: no search of --search {','.join(self.searches)} reads an objective "
-                                  f"(only {' and '.join(BY_OBJECTIVE)} do)")
+                                  f"(only {', '.join(n for n, s in sorted(searches.items()) if s.reads == 'objective') or 'greedy, one-shot, exact, evo and random'} do)")
         objectives = self.objectives if self.objectives is not None else ("ppl",)
-        for name, given, known in (("--objective", objectives, OBJECTIVES), ("--search", self.searches, SEARCHES)):
-            bad = [g for g in given if g not in known]
-            if bad or not given:
-                raise DepthcurseError(f"{name} {','.join(given) or '(none)'}: use {', '.join(known)}")
+        bad = [o for o in objectives if o not in OBJECTIVES]
+        if bad or not objectives:
+            raise DepthcurseError(f"--objective {','.join(objectives) or '(none)'}: use {', '.join(OBJECTIVES)}")
         if not self.calibration:
             raise DepthcurseError("--calibration: give at least one text (wiki, c4, code, math, dialogue, or a file)")
         for name, given in (("--calibration", [str(Path(c).expanduser().resolve()) if Path(c).suffix else c for c in self.calibration]),
-                            ("--objective", objectives), ("--search", self.searches)):
+                            ("--objective", objectives)):
             twice = sorted({g for g in given if given.count(g) > 1})
             if twice:
                 raise DepthcurseError(f"{name} names {', '.join(twice)} more than once: each cell would be measured twice, as if two")
         if self.limit is not None and self.task is None:
             raise DepthcurseError("--limit applies to --task, which is not given")
+        if self.task is not None and self.granularity != "layer":
+            raise DepthcurseError(f"--task judges whole-block removals (prune's reuse engine); with --granularity {self.granularity} the choices "
+                                  "are judged on the held-out windows alone: leave --task out")
         for name in ("calib_windows", "eval_windows", "batch_size"):
             if getattr(self, name) < 1:
                 raise DepthcurseError(f"--{name.replace('_', '-')} must be at least 1")
@@ -90,12 +111,28 @@ class SelectConfig:
             raise DepthcurseError("--eval-windows must be at least 2: the intervals need paired windows")
         if self.seq_len < 8:
             raise DepthcurseError("--seq-len must be at least 8")
+        if n_layers is not None or space is not None:
+            space = (space or Space(n_layers, self.k, self.granularity)).check()
+            for search in searches.values():
+                search.check(space)
         return replace(self, objectives=objectives)
 
     def cells(self) -> list[tuple[str, str, str]]:
         """(calibration, search, objective) of every cell; a search that reads no objective is one
         cell per text, its objective "-"."""
-        return [(c, s, o) for c in self.calibration for s in self.searches for o in (self.objectives if s in BY_OBJECTIVE else ("-",))]
+        searches = self.built()
+        return [(c, name, o) for c in self.calibration for name, search in searches.items()
+                for o in (self.objectives if search.reads == "objective" else ("-",))]
+
+    def identity(self) -> dict:
+        """What a run is, as `select.json` keeps it (the granularity and settings where not the defaults,
+        so that a run made before they existed is the same run)."""
+        out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
+        if out["granularity"] == "layer":
+            del out["granularity"]
+        if not out["search_args"]:
+            del out["search_args"]
+        return out
 
 
 def source_labels(sources) -> dict[str, str]:
@@ -148,125 +185,54 @@ def per_window(model, windows: torch.Tensor, batch_size: int, reference: list[to
     for b, start in enumerate(range(0, len(windows), batch_size)):
         ids = windows[start : start + batch_size].to(device)
         logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].float(), dim=-1)
-        batch_losses, batch_kls = window_scores(logp, ids, reference[b] if reference is not None else None)
-        losses += batch_losses
+        loss, kl = window_scores(logp, ids, reference[b] if reference is not None else None)
+        losses += loss.mean(1).tolist()
         if reference is not None:
-            kls += batch_kls
+            kls += kl.mean(1).tolist()
         logprobs.append(logp.cpu())
     return losses, kls, logprobs
 
 
-def window_scores(logp: torch.Tensor, ids: torch.Tensor, reference: torch.Tensor | None) -> tuple[list[float], list[float]]:
-    """A batch's log-probs of the next tokens as each window's mean loss and, against `reference`
-    (the unpruned model's log-probs), its mean KL(unpruned || model)."""
-    losses = (-logp.gather(-1, ids[:, 1:, None])[..., 0]).mean(1).tolist()
-    if reference is None:
-        return losses, []
-    ref = reference.to(logp.device)
-    return losses, (ref.exp() * (ref - logp)).sum(-1).mean(1).tolist()
+def stream_pass(model, windows: torch.Tensor, batch_size: int, k: int):
+    """The angular-distance pass the stream searches read, over every token of the calibration
+    windows (`angular.measure`: a few windows have too few last tokens)."""
+    masks = torch.ones_like(windows)
+    batches = [(windows[i : i + batch_size], masks[i : i + batch_size]) for i in range(0, len(masks), batch_size)]
+    return measure(model, batches, position="all", max_n=k, identity_tokens=0)
 
 
-class Scorer:
-    """A text's calibration score of any removal: (loss, KL), each measured once and kept. Where
-    prune's `Stepper` runs the model (Llama-like decoders), the unpruned model's stream entering
-    every block is kept once for the calibration windows, and a removal runs from its first removed
-    block on (the blocks before it compute as in the unpruned model): about half the block passes
-    of a greedy search. Elsewhere, the model's own forward with the layers removed."""
-
-    def __init__(self, model, texts: Texts, cfg: SelectConfig, known: dict[str, list[float]], on_new: Callable[[], None]):
-        self.model, self.texts, self.cfg, self.known, self.on_new = model, texts, cfg, known, on_new
-        self.streams, self.reference = self._streams()
-        if self.streams is None:
-            _, _, self.reference = per_window(model, texts.calibration, cfg.batch_size)  # the unpruned model's predictions, once
-
-    @torch.no_grad()
-    def _streams(self) -> tuple[list[tuple[object, object, list[torch.Tensor]]] | None, list[torch.Tensor] | None]:
-        """Per batch: the stepper, its context and the stream entering each block; and the unpruned
-        model's log-probs from the same pass (None, None: no stepper)."""
-        try:
-            stepper = Stepper(self.model)
-            stepper.check()
-        except (Unsupported, AssertionError, RuntimeError):
-            return None, None
-        out, reference = [], []
-        for start in range(0, len(self.texts.calibration), self.cfg.batch_size):
-            ids = self.texts.calibration[start : start + self.cfg.batch_size].to(stepper.device)
-            ctx = stepper.context(ids.shape[1], 0)
-            h, entering = stepper.embed(ids), []
-            for i in range(stepper.n_layers):
-                entering.append(h)
-                h = stepper.block(i, h, ctx)
-            out.append((stepper, ctx, entering))
-            reference.append(torch.log_softmax(stepper.logits(h)[:, :-1], dim=-1).cpu())
-        return out, reference
-
-    @torch.no_grad()
-    def _measured(self, removed: tuple[int, ...]) -> tuple[list[float], list[float]]:
-        if self.streams is None:
-            with removed_layers(self.model, removed):
-                losses, kls, _ = per_window(self.model, self.texts.calibration, self.cfg.batch_size, self.reference)
-            return losses, kls
-        losses, kls = [], []
-        first = min(removed)
-        for b, (stepper, ctx, entering) in enumerate(self.streams):
-            h = entering[first]
-            for i in range(first, stepper.n_layers):
-                if i not in removed:
-                    h = stepper.block(i, h, ctx)
-            ids = self.texts.calibration[b * self.cfg.batch_size : (b + 1) * self.cfg.batch_size].to(h.device)
-            batch_losses, batch_kls = window_scores(torch.log_softmax(stepper.logits(h)[:, :-1], dim=-1), ids, self.reference[b])
-            losses += batch_losses
-            kls += batch_kls
-        return losses, kls
-
-    def __call__(self, removed: tuple[int, ...]) -> dict[str, float]:
-        removed = tuple(sorted(removed))
-        name = key(removed)
-        if name not in self.known:
-            losses, kls = self._measured(removed)
-            self.known[name] = [sum(losses) / len(losses), sum(kls) / len(kls)]
-            self.on_new()
-        loss, kl = self.known[name]
-        return {"ppl": loss, "kl": kl}
+def head_blocks(model) -> float:
+    """The output head's cost in blocks, each token: its parameters over a block's (SmolLM2-135M's
+    about 8: a 49,152-token vocabulary on a 576-wide stream)."""
+    block = sum(p.numel() for p in find_blocks(model).layers[0].parameters())
+    return model.get_output_embeddings().weight.numel() / block if block else 0.0
 
 
-def greedy(score: Scorer, n: int, k: int, objective: str) -> list[int]:
-    removed: list[int] = []
-    for _ in range(k):  # ties to the lowest layer: the path never depends on the order of evaluation
-        best = min((score(tuple(removed + [u]))[objective], u) for u in range(n) if u not in removed)[1]
-        removed.append(best)
-    return sorted(removed)
-
-
-def one_shot(score: Scorer, n: int, k: int, objective: str) -> list[int]:
-    return sorted(sorted(range(n), key=lambda u: (score((u,))[objective], u))[:k])
-
-
-def by_stream(model, texts: Texts, cfg: SelectConfig) -> dict[str, list[int]]:
-    """The two searches that read the residual stream alone, from one angular-distance pass over the
-    calibration windows (`angular.measure`, over every token: a few windows have too few last tokens)."""
-
-    masks = torch.ones_like(texts.calibration)
-    batches = [(texts.calibration[i : i + cfg.batch_size], masks[i : i + cfg.batch_size]) for i in range(0, len(masks), cfg.batch_size)]
-    result = measure(model, batches, position="all", max_n=cfg.k, identity_tokens=0)
-    n = result.num_layers
-    return {"angular": list(result.block_choices(cfg.k)[0].layers),
-            "bi": sorted(sorted(range(n), key=lambda l: (result.block_influence[l], l))[: cfg.k])}
+@torch.no_grad()
+def seconds_per_block_pass(model, windows: torch.Tensor, batch_size: int) -> float:
+    """One block over every calibration window: the unpruned forward over them, timed once, shared
+    out over its blocks and its head (what a budget's "about how long" rests on)."""
+    device = model.get_input_embeddings().weight.device
+    started = time.perf_counter()
+    for i in range(0, len(windows), batch_size):
+        model(input_ids=windows[i : i + batch_size].to(device), use_cache=False)
+    return (time.perf_counter() - started) / (num_layers(model) + head_blocks(model))
 
 
 def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[str], None] | None = None,
                on_step: Callable[[str, int, int], None] | None = None) -> dict:
-    """The grid in `out_dir` (resumed from its `select.json`): each cell's choice, the choices'
-    held-out measurements, their overlap and the two-way decomposition of the held-out scores."""
+    """The grid in `out_dir` (resumed from its `select.json`): each cell's choice with what it cost,
+    the choices' held-out measurements, their overlap, the two-way decomposition of the held-out
+    scores and each choice's distance from the best removal found."""
     model, tokenizer = loaded.model, loaded.tokenizer
     n = num_layers(model)
-    cfg = cfg.checked(n)
+    given, cfg = cfg, cfg.checked()
+    Space(n, cfg.k, cfg.granularity).check()
     check_sequence_length(model, cfg.seq_len)
     labels = source_labels(cfg.calibration)
     phase = on_phase or (lambda text: None)
     out_dir = ensure_out_dir(out_dir)
-    run = {**{k: v for k, v in loaded.describe().items() if k != "device"}, **{k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
-           "n_layers": n}
+    run = {**{k: v for k, v in loaded.describe().items() if k != "device"}, **cfg.identity(), "n_layers": n}
     path = out_dir / SELECT_JSON
     record = json.loads(path.read_text()) if path.exists() else {}
     if record:
@@ -275,27 +241,60 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
     save = lambda: atomic_write(path, json_text(record))  # noqa: E731
     started = time.perf_counter()
     cells = cfg.cells()
+    searches = cfg.built()
     texts: dict[str, Texts] = {}
     for source in cfg.calibration:  # before the first phase: a text that cannot be read is the one line said
         texts[source] = text_windows(tokenizer, source, cfg)
     model.eval()
+    space = Space(n, cfg.k, cfg.granularity)
+    if any(getattr(s.settings, "max_sets", None) for s in searches.values()):  # a budget's "about how long", from this machine's speed
+        space = replace(space, seconds_per_block_pass=seconds_per_block_pass(model, texts[cfg.calibration[0]].calibration, cfg.batch_size),
+                        head_blocks=head_blocks(model))
+    cfg = given.checked(space=space)  # every search's own check, before any of them runs
     for source in cfg.calibration:  # the choices
         todo = [c for c in cells if c[0] == source and cell_name(c, labels) not in record["cells"]]
         if not todo:
             continue
         phase(f"choosing on {labels[source]}")
         known = record["calibration_scores"].setdefault(source, {})
-        score = Scorer(model, texts[source], cfg, known, save) if any(c[1] in BY_OBJECTIVE for c in todo) else None
-        stream = by_stream(model, texts[source], cfg) if any(c[1] not in BY_OBJECTIVE for c in todo) else {}
+        calibration = texts[source].calibration
+        scorer = CalibrationScorer(model, calibration, cfg.batch_size, known, save, cfg.granularity) \
+            if any(searches[c[1]].reads == "objective" for c in todo) else None
+        streams = functools.cache(lambda calibration=calibration: stream_pass(model, calibration, cfg.batch_size, cfg.k))
         for i, cell in enumerate(todo):
+            name = cell_name(cell, labels)
             if on_step:
-                on_step(cell_name(cell, labels), i, len(todo))
-            _, search, objective = cell
-            chosen = (greedy if search == "greedy" else one_shot)(score, n, cfg.k, objective) if search in BY_OBJECTIVE else stream[search]
-            record["cells"][cell_name(cell, labels)] = {"calibration": source, "calibration_label": labels[source], "search": search,
-                                                        "objective": objective, "layers": chosen}
+                on_step(name, i, len(todo))
+            _, search_name, objective = cell
+            search = searches[search_name]
+            asked: set[str] = set()  # the removals this search scored on every window, shared with another or not
+
+            def score_many(removals, o=objective, asked=asked):
+                asked.update(key(r) for r in removals)
+                return [d[o] for d in scorer.score_many(removals)]
+
+            ctx = SearchContext(space=space, objective=objective, windows=len(calibration), window_tokens=calibration.shape[1],
+                                score=lambda r, score_many=score_many: score_many([r])[0], score_many=score_many,
+                                score_on=lambda r, w, t, o=objective: scorer.score_on(r, w, t, o), streams=streams, seed=cfg.seed,
+                                phase=lambda text, name=name: on_step(f"{name}: {text}", i, len(todo)) if on_step else None)
+            before = replace(scorer.cost) if scorer is not None else None
+            cell_started = time.perf_counter()
+            chosen = search.run(ctx)
+            entry = {"calibration": source, "calibration_label": labels[source], "search": search_name, "objective": objective,
+                     "layers": list(chosen), "seconds": round(time.perf_counter() - cell_started, 3)}
+            if scorer is not None:  # what scoring cost this cell (removals another cell had scored cost nothing again)
+                entry["cost"] = {**scorer.cost.minus(before).summary(len(calibration)), "removals_asked": len(asked)}
+            if settings_text(search):
+                entry["settings"] = settings_text(search)
+            if ctx.notes:
+                entry["notes"] = ctx.notes
+            if getattr(search, "drawn", None) is not None:  # the random draws: the null distribution a pick is placed in
+                entry["drawn"] = [key(r) for r in search.drawn]
+            record["cells"][name] = entry
             save()
-    chosen_sets = sorted({tuple(c["layers"]) for c in record["cells"].values()})
+        if scorer is not None:  # every choice's own calibration score (a stream search's too), for its distance from the best
+            scorer.score_many([tuple(c["layers"]) for c in record["cells"].values() if c["calibration"] == source])
+    chosen_sets = sorted({tuple(c["layers"]) for c in record["cells"].values()}, key=key)
     for source in cfg.calibration:  # every choice judged on every text's held-out windows
         held = record["held_out"].setdefault(source, {})
         todo = [s for s in chosen_sets if key(s) not in held]
@@ -304,12 +303,12 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
         phase(f"judging on {labels[source]} (held out)")
         base_losses, _, reference = per_window(model, texts[source].held_out, cfg.batch_size)
         held.setdefault("", {"loss": base_losses, "kl": [0.0] * len(base_losses)})
-        for i, layers in enumerate(todo):
+        for i, removal in enumerate(todo):
             if on_step:
-                on_step(f"{labels[source]}: without {key(layers)}", i, len(todo))
-            with removed_layers(model, layers):
+                on_step(f"{labels[source]}: without {key(removal)}", i, len(todo))
+            with removal_context(model, removal, cfg.granularity):
                 losses, kls, _ = per_window(model, texts[source].held_out, cfg.batch_size, reference)
-            held[key(layers)] = {"loss": losses, "kl": kls}
+            held[key(removal)] = {"loss": losses, "kl": kls}
             save()
     if cfg.task and not all(key(s) in record["task"] for s in chosen_sets):
         phase(f"judging on {cfg.task}")
@@ -319,6 +318,7 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
     record["kinds"] = {source: text_kind(source) for source in cfg.calibration}
     record["overlap"] = overlap(record["cells"])
     record["decomposition"] = decomposition(record, cfg.seed)
+    record["distances"] = distances(record)
     record["wall_time_s"] = round(record.get("wall_time_s", 0.0) + time.perf_counter() - started, 3)
     save()
     return record

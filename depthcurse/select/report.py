@@ -87,6 +87,7 @@ def select_verdicts(record: dict) -> list[str]:
         lines.append(f"overlap of the choices (mean Jaccard): the same text by different searches {over['same_calibration_mean']:.2f} "
                      f"({over['same_calibration_pairs']} pairs)" + (f"; the same search on different texts {over['same_search_mean']:.2f} "
                                                                     f"({over['same_search_pairs']} pairs)" if over.get("same_search_mean") is not None else ""))
+    lines += distance_verdicts(record)
     if "why_not" in dec:
         return lines + [f"no decomposition: {dec['why_not']}"]
     for name, d in dec.items():
@@ -159,5 +160,86 @@ def plot_select(record: dict, path: Path) -> Path:
     ax.legend(fontsize=7)
     ax.set_title("every choice, the same held-out windows", fontsize=9)
     fig.suptitle(f"{record['run']['model']}: calibration x search, k = {record['run']['k']}", fontsize=10)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def distance_rows(record: dict) -> list[list[str]]:
+    """Each pick against the best removal of its text and objective: its calibration score, the
+    gap, where it ranks among every removal (exact) and how many random draws beat it, and its
+    held-out loss on each text as a paired difference from the best's, with its 95% interval."""
+    dist = record.get("distances") or {}
+    texts = [f"{record.get('labels', {}).get(s, s)} held-out loss" for s in record["run"]["calibration"]]
+    header = ["chosen on / objective", "search", "removed", "calibration score", "gap to the best", "rank among all removals",
+              "random draws better", *(f"{c}: minus the best's [95%]" for c in texts)]
+    rows = [header]
+    for name, d in dist.items():
+        for cell, pick in sorted(d["picks"].items(), key=lambda kv: kv[1]["score"]):
+            rank = f"{pick['rank']:,} of {pick['of']:,} ({pick['percentile']:.0%} better)" if "rank" in pick else "-"
+            better = f"{pick['random_better']:.0%} of {d['random_draws']}" if "random_better" in pick else "-"
+            held = []
+            for c in texts:
+                low_high = pick["held_out"].get(c)
+                diff = None if low_high is None else (low_high[0] + low_high[1]) / 2
+                held.append("-" if low_high is None else f"{diff:+.4f} [{low_high[0]:+.4f}, {low_high[1]:+.4f}]")
+            rows.append([name, record["cells"][cell]["search"] + (" (best)" if pick["is_best"] else ""), pick["layers"], f"{pick['score']:.4f}",
+                         f"{pick['gap']:+.4f}", rank, better, *held])
+    return rows
+
+
+def distance_table(record: dict) -> Table | None:
+    """How far each pick is from the best removal (the exact optimum where `exact` ran)."""
+    dist = record.get("distances") or {}
+    if not dist:
+        return None
+    header, *rows = distance_rows(record)
+    exact = any(d["exact"] for d in dist.values())
+    caption = ("calibration score: the objective on the calibration windows (ppl: mean next-token loss; kl: mean KL from the unpruned "
+               "model); the best: " + ("the exact optimum over every removal where exact ran, else the best any search scored" if exact
+                                       else "the best removal any search scored (no exact run)")
+               + "; held out: the pick's held-out loss minus the best's, paired over the windows, Student's t")
+    table = Table(title=f"{record['run']['model']}: how far each pick of {record['run']['k']} is from the best", caption=caption, header_style="bold")
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i < 3 else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def distance_verdicts(record: dict) -> list[str]:
+    """Per text and objective: the best removal, and which picks found it."""
+    lines = []
+    for name, d in (record.get("distances") or {}).items():
+        found = sorted({record["cells"][c]["search"] for c, p in d["picks"].items() if p["is_best"]})
+        what = "exact optimum" if d["exact"] else f"best of the {d['scored']:,} removals scored (no exact run: not known to be the optimum)"
+        lines.append(f"{name}: the {what} removes {d['best']} ({d['best_score']:.4f}); found by {', '.join(found) or 'no other search'}")
+    return lines
+
+
+def plot_distances(record: dict, path: Path) -> Path | None:
+    """Where each search's pick falls among every removal's calibration score (exact) or the random
+    draws', one panel per text and objective."""
+    dist = {n: d for n, d in (record.get("distances") or {}).items() if d["all_scores"] or d["null_scores"]}
+    if not dist:
+        return None
+    import matplotlib  # lazy: only figures need matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(dist), figsize=(5.2 * len(dist), 4.2), dpi=120, squeeze=False)
+    for ax, (name, d) in zip(axes[0], dist.items()):
+        scores = d["all_scores"] or d["null_scores"]
+        what = f"all {len(scores):,} removals" if d["all_scores"] else f"{len(scores)} random removals"
+        ax.hist(scores, bins=min(60, max(10, len(scores) // 20)), color="0.75", label=what)
+        for i, (cell, pick) in enumerate(sorted(d["picks"].items(), key=lambda kv: kv[1]["score"])):
+            color = f"C{i % 10}"
+            ax.axvline(pick["score"], color=color, lw=1.5, label=f"{record['cells'][cell]['search']}: {pick['layers']}")
+        ax.set_xlabel(f"calibration {d['objective']} ({'mean loss' if d['objective'] == 'ppl' else 'mean KL from the unpruned model'})")
+        ax.set_ylabel("removals")
+        ax.set_title(f"{name}: where each pick falls", fontsize=9)
+        ax.legend(fontsize=6)
+    fig.suptitle(f"{record['run']['model']}: k = {record['run']['k']}, every pick against {'every removal' if any(d['all_scores'] for d in dist.values()) else 'random removals'}",
+                 fontsize=10)
     fig.tight_layout()
     return save_figure(fig, path)

@@ -6,6 +6,10 @@ Overlap: the Jaccard index of two cells' chosen sets, its mean over the pairs of
 that share the calibration text (differing in search or objective) against the pairs that share
 the search and objective (differing in text): which of the two moves the choice.
 
+Distances: for each calibration text and objective, every pick against the best removal there is
+(the exact optimum) or that any search found, and where it falls among every removal or among
+blind random draws.
+
 Decomposition: for each held-out measurement, the grid of the cells' mean scores (calibration
 texts x searches) split into the texts' share of its sum of squares, the searches' and the rest
 (`stats.decomposition`), each with a paired bootstrap interval over the measurement's items (the
@@ -16,13 +20,17 @@ are too few items to resample.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from depthcurse.stats.bootstrap import TooFewItems, resample
 from depthcurse.stats.decomposition import COLUMNS, REST, ROWS, decided_by, shares
+from depthcurse.stats.intervals import difference_interval
 
 # the decomposition's factors, as select names them
 FACTORS = {ROWS: "calibration", COLUMNS: "search", REST: "rest"}
+OBJECTIVES_KEPT = ("ppl", "kl")  # the order a calibration score keeps them in: [loss, KL]
 
 
 def key(layers) -> str:
@@ -95,4 +103,55 @@ def decomposition(record: dict, seed: int) -> dict:
         verdict = decided_by({ROWS: intervals["calibration"], COLUMNS: intervals["search"]}, why_not)
         out[name] = {"shares": point, "intervals": intervals, "items": n, "decided_by": FACTORS.get(verdict, verdict),
                      "scores": {f"{r}|{c[0]}/{c[1]}": float(table[i, j].mean()) for i, r in enumerate(rows) for j, c in enumerate(cols)}}
+    return out
+
+
+def _size(removal_key: str) -> int:
+    return len([u for u in removal_key.split(",") if u])
+
+
+def distances(record: dict) -> dict:
+    """Per calibration text and objective: the best removal scored there (the exact optimum where
+    `exact` ran, else the best any search found), and each cell's pick against it: its calibration
+    score and gap, its rank and percentile among every removal of the space (where `exact` ran) and
+    among the random draws (where `random` ran: the share of blind draws better than it), and on
+    each held-out measurement the 95% interval of its paired difference from the optimum's."""
+    cells, run = record["cells"], record["run"]
+    k, units = run["k"], run["k"] * (2 if run.get("granularity", "layer") == "sub-block" else 1)
+    labels = record.get("labels", {})
+    measured = measurements(record) if record.get("held_out") else {}
+    out = {}
+    for source, known in record.get("calibration_scores", {}).items():
+        for index, objective in enumerate(OBJECTIVES_KEPT):
+            if objective not in (run.get("objectives") or ["ppl"]):
+                continue
+            here = {n: c for n, c in cells.items() if c["calibration"] == source and c["objective"] in (objective, "-")}
+            scores = {name: v[index] for name, v in known.items() if _size(name) == units}
+            if not here or not scores:
+                continue
+            exact = next((c for c in here.values() if c["search"] == "exact" and c["objective"] == objective), None)
+            best = key(exact["layers"]) if exact else min(scores, key=lambda name: (scores[name], name))
+            draws = next((c["drawn"] for c in here.values() if c["search"] == "random" and c["objective"] == objective and c.get("drawn")), None)
+            null = sorted(scores[d] for d in draws if d in scores) if draws else None
+            everything = sorted(scores.values()) if exact else None
+            picks = {}
+            for name, cell in here.items():
+                mine = key(cell["layers"])
+                if mine not in scores:
+                    continue
+                value = scores[mine]
+                pick = {"layers": mine, "score": value, "gap": value - scores[best], "is_best": mine == best}
+                if everything is not None:
+                    better = sum(1 for v in everything if v < value)
+                    pick.update(rank=better + 1, of=len(everything), percentile=better / len(everything))
+                if null:
+                    pick["random_better"] = sum(1 for v in null if v < value) / len(null)
+                pick["held_out"] = {m: difference_interval(sum(items[mine]) / len(items[mine]), sum(items[best]) / len(items[best]),
+                                                           {"pick": [items[mine]], "best": [items[best]]}, "pick", "best")
+                                    for m, items in measured.items() if mine in items and best in items}
+                picks[name] = pick
+            out[f"{labels.get(source, source)} {objective}"] = {
+                "calibration": source, "objective": objective, "best": best, "best_score": scores[best], "exact": exact is not None,
+                "space": math.comb(run["n_layers"], k) ** (1 if units == k else 2), "scored": len(scores),
+                "random_draws": len(null) if null else 0, "picks": picks, "all_scores": everything, "null_scores": null}
     return out

@@ -1,0 +1,259 @@
+"""A removal's score on the calibration windows, and what scoring cost.
+
+Every search asks the same question, "how much does removing these units cost on the calibration
+windows?", and the answers are shared: a removal's loss and KL are measured once (`known`, kept in
+`select.json`) for every search and objective that asks. Where prune's `Stepper` runs the model
+(Llama-like decoders), the unpruned model's stream entering every block is kept once, and a removal
+runs from its first removed block on: the blocks before it compute exactly what the unpruned model
+does. `score_many` goes further for whole blocks: the removals that remove the same blocks below
+block j share everything up to j, so a depth-first walk over the removed-block prefixes (a trie of
+the removals) computes each shared prefix's stream once, holding at most k + 1 streams of a batch
+at a time (`exact` scores every k-set this way). Elsewhere (another architecture, or sub-blocks,
+whose removal runs through the block's own forward with a branch zeroed), a removal runs from its
+first touched block with the units removed.
+
+Costs are counted in full-calibration passes: a block (or the output head) applied to every
+calibration window once is one pass; `naive` is what scoring every removal from the first block
+would have cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from depthcurse.prune.stepping import Stepper, Unsupported
+from depthcurse.select.search import Removal, key
+from depthcurse.surgery import num_layers, removed_layers, removed_units
+
+
+@dataclass
+class Cost:
+    """What scoring took, in full-calibration passes (fractions where some windows ran)."""
+
+    window_blocks: int = 0  # blocks applied, times the windows they were applied to
+    window_heads: int = 0  # output-head applications, times their windows
+    sets: int = 0  # removals scored on every calibration window
+    subset_scores: int = 0  # removals scored on some windows (EvoPress's stages)
+    tokens: int = 0  # tokens scored in all (every window's length, each time it is scored)
+    seconds: float = 0.0
+    naive_window_blocks: int = 0  # the blocks a plain forward of every scored removal would have run
+
+    def minus(self, before: "Cost") -> "Cost":
+        """What was spent since `before` (a copy taken then)."""
+        return Cost(**{f: getattr(self, f) - getattr(before, f) for f in self.__dataclass_fields__})
+
+    def summary(self, windows: int) -> dict:
+        return {"block_passes": self.window_blocks / windows, "head_passes": self.window_heads / windows,
+                "naive_block_passes": self.naive_window_blocks / windows, "sets_scored": self.sets,
+                "subset_scores": self.subset_scores, "tokens_scored": self.tokens, "seconds": round(self.seconds, 3)}
+
+
+def window_scores(logp: torch.Tensor, ids: torch.Tensor, reference: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A batch's log-probs of the next tokens as each position's loss [b, T-1] and, against
+    `reference` (the unpruned model's log-probs), each position's KL(unpruned || model)."""
+    losses = -logp.gather(-1, ids[:, 1:, None])[..., 0]
+    if reference is None:
+        return losses, None
+    ref = reference.to(logp.device)
+    return losses, (ref.exp() * (ref - logp)).sum(-1)
+
+
+def removal_context(model, removal: Removal, granularity: str):
+    """The model with `removal` out, as a context: whole blocks, or each kind of branch zeroed."""
+    if granularity == "layer":
+        return removed_layers(model, removal)
+    stack = contextlib.ExitStack()
+    for kind, part in (("a", "attn"), ("m", "mlp")):
+        units = [int(u[1:]) for u in removal if u[0] == kind]
+        if units:
+            stack.enter_context(removed_units(model, units, part))
+    return stack
+
+
+@dataclass
+class _Batch:
+    ids: torch.Tensor
+    ctx: object = None
+    entering: list[torch.Tensor] = field(default_factory=list)  # the unpruned stream entering each block
+    reference: torch.Tensor | None = None  # the unpruned model's log-probs
+
+
+class CalibrationScorer:
+    """The calibration windows' scores of any removal; `known` maps a removal's key to its mean
+    [loss, KL] (kept by the caller: `on_new` is called after each new one)."""
+
+    def __init__(self, model, windows: torch.Tensor, batch_size: int, known: dict[str, list[float]], on_new: Callable[[], None],
+                 granularity: str = "layer"):
+        self.model, self.windows, self.batch_size, self.known, self.on_new = model, windows, batch_size, known, on_new
+        self.granularity, self.n = granularity, num_layers(model)
+        self.cost = Cost()
+        self.stepper = self._stepper()
+        self.batches = self._unpruned()
+
+    @property
+    def window_count(self) -> int:
+        return len(self.windows)
+
+    def _stepper(self) -> Stepper | None:
+        try:
+            stepper = Stepper(self.model)
+            stepper.check()
+            return stepper
+        except (Unsupported, AssertionError, RuntimeError):
+            return None
+
+    @torch.no_grad()
+    def _unpruned(self) -> list[_Batch]:
+        """Per batch of windows: the unpruned stream entering every block and the unpruned model's
+        log-probs, from one pass (the model's own forward where there is no stepper)."""
+        batches = []
+        for start in range(0, len(self.windows), self.batch_size):
+            ids = self.windows[start : start + self.batch_size]
+            if self.stepper is None:
+                logits = self.model(input_ids=ids.to(self.model.get_input_embeddings().weight.device), use_cache=False).logits
+                batches.append(_Batch(ids, reference=torch.log_softmax(logits[:, :-1].float(), -1).cpu()))
+                continue
+            ids = ids.to(self.stepper.device)
+            ctx = self.stepper.context(ids.shape[1], 0)
+            h, entering = self.stepper.embed(ids), []
+            for i in range(self.n):
+                entering.append(h)
+                h = self.stepper.block(i, h, ctx)
+            batches.append(_Batch(ids, ctx, entering, torch.log_softmax(self.stepper.logits(h)[:, :-1], dim=-1).cpu()))
+        return batches
+
+    # --------------------------------------------------------------------------- one removal, every window
+    def __call__(self, removal: Removal) -> dict[str, float]:
+        """{"ppl": mean next-token loss, "kl": mean KL from the unpruned model} of `removal` on every
+        calibration window, measured once."""
+        name = key(removal)
+        if name not in self.known:
+            self.score_many([removal])
+        loss, kl = self.known[name]
+        return {"ppl": loss, "kl": kl}
+
+    def score_many(self, removals: list[Removal]) -> list[dict[str, float]]:
+        """Every removal of `removals` on every window, those not yet known measured together (for
+        whole blocks by the prefix walk); their scores, in order."""
+        todo = sorted({key(r): tuple(r) for r in removals if key(r) not in self.known}.values())
+        if todo:
+            started = time.perf_counter()
+            per_window = self._walk(todo) if self.stepper is not None and self.granularity == "layer" else self._one_by_one(todo)
+            for removal, (losses, kls) in zip(todo, per_window):
+                self.known[key(removal)] = [sum(losses) / len(losses), sum(kls) / len(kls)]
+                self.cost.naive_window_blocks += (self.n - len(removal)) * len(self.windows)
+            self.cost.sets += len(todo)
+            self.cost.tokens += len(todo) * self.windows.numel()
+            self.cost.seconds += time.perf_counter() - started
+            self.on_new()
+        return [dict(zip(("ppl", "kl"), self.known[key(r)])) for r in removals]
+
+    @torch.no_grad()
+    def _walk(self, removals: list[Removal]) -> list[tuple[list[float], list[float]]]:
+        """The depth-first walk over the removed-block prefixes, batch by batch: each node of the
+        trie of `removals` advances its stream past the kept blocks before its child's removed one,
+        once, and a removal's leaf runs the blocks after its last removed one and the head."""
+        trie: dict = {}
+        for r in removals:
+            node = trie
+            for layer in r:
+                node = node.setdefault(layer, {})
+            node[None] = r  # the leaf: the removal that ends here
+        out: dict[Removal, tuple[list[float], list[float]]] = {r: ([], []) for r in removals}
+        for batch in self.batches:
+            width = len(batch.ids)
+
+            def finish(h, at: int, removal):
+                for i in range(at, self.n):
+                    h = self.stepper.block(i, h, batch.ctx)
+                self.cost.window_blocks += (self.n - at) * width
+                self.cost.window_heads += width
+                losses, kls = window_scores(torch.log_softmax(self.stepper.logits(h)[:, :-1], dim=-1), batch.ids, batch.reference)
+                out[removal][0].extend(losses.mean(1).tolist())
+                out[removal][1].extend(kls.mean(1).tolist())
+
+            def visit(node: dict, h: torch.Tensor | None, at: int):
+                """`h`: the stream entering block `at` with this node's blocks removed (None at the
+                root: the unpruned stream, kept for every block)."""
+                if None in node:
+                    finish(h, at, node[None])
+                for layer in sorted(k for k in node if k is not None):
+                    if h is None:
+                        child_h = batch.entering[layer]
+                    else:
+                        for i in range(at, layer):  # the kept blocks between, once for every child after them
+                            h = self.stepper.block(i, h, batch.ctx)
+                        self.cost.window_blocks += (layer - at) * width
+                        at, child_h = layer, h
+                    visit(node[layer], child_h, layer + 1)
+
+            visit(trie, None, 0)
+        return [out[r] for r in removals]
+
+    @torch.no_grad()
+    def _one_by_one(self, removals: list[Removal]) -> list[tuple[list[float], list[float]]]:
+        out = []
+        for removal in removals:
+            losses, kls = self._measured(removal, range(len(self.windows)))
+            out.append((losses.mean(1).tolist(), kls.mean(1).tolist()))
+        return out
+
+    # --------------------------------------------------------------------------- some windows
+    def score_on(self, removal: Removal, windows: list[int], last_tokens: int, objective: str) -> float:
+        """`objective` on the given windows, the last cut to its first `last_tokens` tokens, as
+        EvoPress's selection stages score a minibatch: the mean over every next-token prediction
+        (a window of t tokens makes t - 1). Not kept: a stage's minibatch is its own."""
+        started = time.perf_counter()
+        losses, kls = self._measured(removal, windows)
+        values = losses if objective == "ppl" else kls
+        keep = torch.ones_like(values, dtype=torch.bool)
+        keep[-1, max(0, last_tokens - 1):] = False
+        self.cost.subset_scores += 1
+        self.cost.tokens += (len(windows) - 1) * self.windows.shape[1] + last_tokens
+        self.cost.seconds += time.perf_counter() - started
+        return float(values[keep].sum() / keep.sum())
+
+    def _removed(self, removal: Removal):
+        return removal_context(self.model, removal, self.granularity)
+
+    def _first(self, removal: Removal) -> int:
+        return min(int(u) if self.granularity == "layer" else int(u[1:]) for u in removal)
+
+    @torch.no_grad()
+    def _measured(self, removal: Removal, windows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-position loss and KL [windows, T-1] of `removal` on the given windows: from its first
+        touched block on the kept unpruned streams where the stepper runs, else the model's forward."""
+        windows = list(windows)
+        by_batch: dict[int, list[int]] = {}
+        for w in windows:
+            by_batch.setdefault(w // self.batch_size, []).append(w)
+        found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for b, ws in by_batch.items():
+            batch = self.batches[b]
+            rows = torch.tensor([w % self.batch_size for w in ws])
+            ids = batch.ids[rows]
+            with self._removed(removal):
+                if self.stepper is None:
+                    logits = self.model(input_ids=ids.to(self.model.get_input_embeddings().weight.device), use_cache=False).logits
+                    logp = torch.log_softmax(logits[:, :-1].float(), -1)
+                    self.cost.window_blocks += (self.n - (len(removal) if self.granularity == "layer" else 0)) * len(ws)
+                else:
+                    first = self._first(removal)
+                    h = batch.entering[first][rows.to(batch.entering[first].device)]
+                    # whole blocks: the kept ones after the first removed; sub-blocks: every block from the
+                    # first touched one, its branch zeroed by the hooks `_removed` put on
+                    kept = [i for i in range(first, self.n) if self.granularity != "layer" or i not in removal]
+                    for i in kept:
+                        h = self.stepper.block(i, h, batch.ctx)
+                    self.cost.window_blocks += len(kept) * len(ws)
+                    logp = torch.log_softmax(self.stepper.logits(h)[:, :-1], dim=-1)
+            self.cost.window_heads += len(ws)
+            loss, kl = window_scores(logp, ids.to(logp.device), batch.reference[rows])
+            for j, w in enumerate(ws):
+                found[w] = (loss[j].cpu(), kl[j].cpu())
+        return torch.stack([found[w][0] for w in windows]), torch.stack([found[w][1] for w in windows])

@@ -1,0 +1,293 @@
+"""The contract a search meets, and the registry that finds one by name.
+
+A search chooses which units to remove: k whole blocks, or (`sub-block` granularity) k attention
+and k MLP branches, as EvoPress removes them by default. It is one class in one file: what it is
+given (`SearchContext`: the space of removals, the scorer of any removal on the calibration
+windows, whose every call is counted, the angular-distance pass where it reads the streams, a seed
+and its own `Settings`) and what it gives (the chosen removal; the scorer keeps every removal it
+scored with its score, and what that cost). `select`'s grid, its statistics and its report depend
+on this contract and never on a search's name, as the heal loop depends on `heal.method`.
+
+Where a search is found (`find_search`): the built-in ones, in `select/searches/`, one module
+each, registered by defining them; outside ones by `module:Class` or `path/to/file.py:Class`, or
+by name through the entry-point group `depthcurse.select_searches`. `--search-args key=value,...`
+sets their settings (`name.key=value` for one search alone), as `--method-args` does a method's.
+
+A removal is a tuple of units, sorted: block indices (`3, 7`) for whole blocks; `a3`, `m7` (the
+attention branch of block 3, the MLP branch of block 7) for sub-blocks. `key` writes one as the
+results files do.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
+
+from depthcurse.errors import DepthcurseError
+from depthcurse.plugins import entry_points_of, load_outside, parse_args, settings_fields, typed
+
+ENTRY_POINTS = "depthcurse.select_searches"
+GRANULARITIES = ("layer", "sub-block")
+READS = ("objective", "streams", "nothing")  # what a search needs: the scorer, the angular pass, neither
+
+Unit = int | str  # a block index (layer granularity), or "a3" / "m3" (an attention or MLP branch)
+Removal = tuple  # of units, sorted
+
+
+def key(removal) -> str:
+    """A removal as the results files write it: `3,7` or `a3,m7`."""
+    return ",".join(map(str, removal))
+
+
+def parse_key(text: str) -> Removal:
+    """`key`'s text back to a removal."""
+    parts = [p for p in text.split(",") if p]
+    return tuple(int(p) if p.lstrip("-").isdigit() else p for p in parts)
+
+
+def canonical(units, granularity: str) -> Removal:
+    """`units` in the one order every removal is kept in: blocks ascending; sub-blocks attention
+    first, each kind by block."""
+    if granularity == "layer":
+        return tuple(sorted(int(u) for u in units))
+    return tuple(sorted(units, key=lambda u: (u[0], int(u[1:]))))
+
+
+@dataclass(frozen=True)
+class Space:
+    """What a search chooses from: `n` blocks, `k` removed (sub-blocks: k attention and k MLP
+    branches, EvoPress's default), and which units may go (`allowed`, all by default)."""
+
+    n: int
+    k: int
+    granularity: str = "layer"
+    # what a pass costs here, for a budget's "about how long" (0: not measured)
+    seconds_per_block_pass: float = 0.0  # one block over every calibration window
+    head_blocks: float = 0.0  # the output head's cost in blocks (its parameters over a block's)
+
+    def sets_text(self) -> str:
+        return f"C({self.n}, {self.k})" + ("" if self.granularity == "layer" else "^2 (k attention and k MLP branches)")
+
+    def units(self, kind: str | None = None) -> list[Unit]:
+        """Every unit a removal may take (of one kind, "a" or "m", for sub-blocks)."""
+        if self.granularity == "layer":
+            return list(range(self.n))
+        kinds = (kind,) if kind else ("a", "m")
+        return [f"{t}{i}" for t in kinds for i in range(self.n)]
+
+    def sets(self) -> int:
+        """How many removals there are: C(n, k), or C(n, k)^2 for sub-blocks."""
+        return math.comb(self.n, self.k) ** (1 if self.granularity == "layer" else 2)
+
+    def every(self):
+        """Every removal, in lexicographic order."""
+        if self.granularity == "layer":
+            return itertools.combinations(range(self.n), self.k)
+        return (tuple(f"a{i}" for i in a) + tuple(f"m{i}" for i in m)
+                for a in itertools.combinations(range(self.n), self.k) for m in itertools.combinations(range(self.n), self.k))
+
+    def why_illegal(self, removal) -> str | None:
+        """Why `removal` is not one of this space's (None: it is)."""
+        units = list(removal)
+        if len(set(units)) != len(units):
+            return f"it names a unit twice ({key(removal)})"
+        if self.granularity == "layer":
+            if not all(isinstance(u, int) and not isinstance(u, bool) and 0 <= u < self.n for u in units):
+                return f"{key(removal)} is not a set of block indices 0-{self.n - 1}"
+            return None if len(units) == self.k else f"it removes {len(units)} blocks, not k = {self.k}"
+        bad = [u for u in units if not (isinstance(u, str) and u[:1] in "am" and u[1:].isdigit() and int(u[1:]) < self.n)]
+        if bad:
+            return f"{bad[0]!r} is not a sub-block (a0-a{self.n - 1}, m0-m{self.n - 1})"
+        counts = {t: sum(1 for u in units if u[0] == t) for t in "am"}
+        return None if counts == {"a": self.k, "m": self.k} else (
+            f"it removes {counts['a']} attention and {counts['m']} MLP branches, not k = {self.k} of each")
+
+    def check(self) -> "Space":
+        if self.granularity not in GRANULARITIES:
+            raise DepthcurseError(f"unknown --granularity {self.granularity!r}: use {', '.join(GRANULARITIES)}")
+        if not 1 <= self.k < self.n:
+            raise DepthcurseError(f"--k {self.k} is out of range: the model has {self.n} layers (1-{self.n - 1})")
+        return self
+
+
+@dataclass
+class SearchContext:
+    """What `select` gives a search to work with."""
+
+    space: Space
+    objective: str  # what `score` returns: "ppl" (mean next-token loss) or "kl" (mean KL from the unpruned model)
+    score: Callable[[Removal], float]  # a removal's objective on every calibration window (kept, counted)
+    score_many: Callable[[list], list[float]]  # many removals at once (the prefix walk: each shared prefix computed once)
+    score_on: Callable[[Removal, list[int], int], float]  # on some windows only: (removal, window indices, tokens of the last one)
+    windows: int  # calibration windows
+    window_tokens: int  # tokens a window scores (its next-token predictions)
+    streams: Callable[[], object]  # the angular-distance pass over the calibration windows (`angular.AngularResult`), made once when asked
+    seed: int = 1234
+    phase: Callable[[str], None] = field(default=lambda text: None)
+    notes: list[str] = field(default_factory=list)  # what a search says of how it ran (a scaled stage, a budget): kept in the cell
+
+
+@dataclass
+class NoSettings:
+    """A search with nothing to set."""
+
+
+class Search:
+    """A way to choose which units go. Subclass it, name it, and give it `run`; `Settings` (a
+    dataclass whose defaults are its paper's) holds what `--search-args` sets."""
+
+    name: ClassVar[str] = ""
+    title: ClassVar[str] = ""  # in words, for tables
+    source: ClassVar[str] = ""  # the paper, and the authors' code it follows
+    reads: ClassVar[str] = "objective"  # what it needs (`READS`): a cell per objective when "objective"
+    granularities: ClassVar[tuple[str, ...]] = ("layer",)
+    Settings: ClassVar[type] = NoSettings
+    builtin: ClassVar[bool] = False
+
+    def __init__(self, settings=None):
+        self.settings = settings if settings is not None else self.Settings()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.name and cls.__module__.startswith("depthcurse.select.searches."):
+            cls.builtin = True
+            BUILTIN[cls.name] = cls
+        if "run" in cls.__dict__:
+            cls.run = _checked_run(cls.__dict__["run"], ours=cls.__module__.startswith("depthcurse."))
+        if "check" in cls.__dict__:
+            cls.check = _checked_check(cls.__dict__["check"], ours=cls.__module__.startswith("depthcurse."))
+
+    def check(self, space: Space) -> None:
+        """One clear error, before any work, where this search cannot run on `space` (a budget it
+        cannot keep, a setting that cannot work)."""
+
+    def run(self, ctx: SearchContext) -> Removal:
+        raise NotImplementedError
+
+
+BUILTIN: dict[str, type[Search]] = {}
+
+
+def _named(search) -> str:
+    return getattr(search, "name", "") or type(search).__name__
+
+
+def _checked_check(fn, ours: bool):
+    @functools.wraps(fn)
+    def check(self, space):
+        try:
+            return fn(self, space)
+        except DepthcurseError:
+            raise
+        except Exception as exc:
+            if ours:
+                raise
+            raise DepthcurseError(f"--search {_named(self)}: its check() raised {type(exc).__name__}: {exc}") from exc
+    return check
+
+
+def _checked_run(fn, ours: bool):
+    """`run`, held to the contract: it gives a removal of the space (k units of its granularity,
+    each once), which the grid then keeps; an outside search's error is one line naming it."""
+
+    @functools.wraps(fn)
+    def run(self, ctx: SearchContext):
+        try:
+            chosen = fn(self, ctx)
+        except DepthcurseError:
+            raise
+        except Exception as exc:
+            if ours:
+                raise
+            raise DepthcurseError(f"--search {_named(self)}: its run() raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(chosen, (tuple, list)):
+            raise DepthcurseError(f"--search {_named(self)}: run() must return the removal it chose (a tuple of units), got {type(chosen).__name__}")
+        why = ctx.space.why_illegal(chosen)
+        if why is not None:
+            raise DepthcurseError(f"--search {_named(self)}: run() chose no removal of this grid: {why}")
+        return canonical(chosen, ctx.space.granularity)
+
+    return run
+
+
+# --------------------------------------------------------------------------- finding one
+def _outside(spec: str) -> type[Search]:
+    cls = load_outside(spec, Search, "--search", "a search", "depthcurse.select.Search")
+    builtin = BUILTIN.get(cls.name)
+    if builtin is not None and builtin is not cls:
+        raise DepthcurseError(f"--search {spec}: its name {cls.name!r} is the built-in search's: give {spec.rpartition(':')[2]} a name of its own")
+    if not cls.name:
+        raise DepthcurseError(f"--search {spec}: give {cls.__name__} a name (the class attribute `name`): the results name each search by it")
+    if cls.reads not in READS:
+        raise DepthcurseError(f"--search {spec}: its `reads` must be one of {', '.join(READS)}, got {cls.reads!r}")
+    return cls
+
+
+def find_search(spec: str) -> type[Search]:
+    """The class a search name, `module:Class` or `file.py:Class` names."""
+    if ":" in spec:
+        return _outside(spec)
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    plugged = entry_points_of(ENTRY_POINTS).get(spec)
+    if plugged is not None:
+        cls = plugged.load()
+        if not (isinstance(cls, type) and issubclass(cls, Search)):
+            raise DepthcurseError(f"--search {spec}: the entry point {plugged.value} is not a depthcurse.select.Search")
+        return cls
+    raise DepthcurseError(f"--search {spec}: use {', '.join(search_names())}, or module:Class / file.py:Class for your own")
+
+
+def search_names() -> list[str]:
+    return sorted({*BUILTIN, *entry_points_of(ENTRY_POINTS)})
+
+
+def parse_search_args(text: str | None) -> dict[str, str]:
+    return parse_args(text, "--search-args", "exact.max_sets=100000,evo.offspring=16")
+
+
+def build_searches(specs: tuple[str, ...], args: dict[str, str] | None = None) -> dict[str, Search]:
+    """Each search `specs` names, by its name, with its settings from `args` (`key=value` for
+    every search that has the key, `name.key=value` for one alone; a key none has is an error)."""
+    args = dict(args or {})
+    classes = {spec: find_search(spec) for spec in specs}
+    names = {}
+    for spec, cls in classes.items():
+        if cls.name in names:
+            raise DepthcurseError(f"--search {','.join(specs)}: {names[cls.name]} and {spec} are both named {cls.name!r}: give one a name of its own")
+        names[cls.name] = spec
+    built, used = {}, set()
+    for spec, cls in classes.items():
+        own = {f.name for f in settings_fields(cls, "--search", "--search-args")}
+        mine = {}
+        for name, value in args.items():
+            scope, dot, bare = name.rpartition(".")
+            if dot and scope in (spec, cls.name):
+                if bare not in own:
+                    raise DepthcurseError(f"--search-args {name}: {cls.name} has no setting {bare!r} (its settings: {', '.join(sorted(own)) or 'none'})")
+                mine[bare] = value
+                used.add(name)
+            elif not dot and name in own:
+                mine[name] = value
+                used.add(name)
+        settings = cls.Settings(**{k: typed(cls.Settings, k, v, cls.name, "--search-args") for k, v in mine.items()})
+        built[cls.name] = cls(settings)
+    unused = [name for name in args if name not in used]
+    if unused:
+        scope = unused[0].rpartition(".")[0]
+        if scope:
+            raise DepthcurseError(f"--search-args {unused[0]}: no search of --search {','.join(specs)} is {scope!r}")
+        raise DepthcurseError(f"--search-args {unused[0]}: no search of --search {','.join(specs)} has that setting")
+    return built
+
+
+def settings_text(search: Search) -> str:
+    """A search's settings away from their defaults, as `--search-args` takes them."""
+    from dataclasses import fields
+
+    defaults = search.Settings()
+    return ",".join(f"{f.name}={getattr(search.settings, f.name)}" for f in fields(search.settings)
+                    if getattr(search.settings, f.name) != getattr(defaults, f.name))

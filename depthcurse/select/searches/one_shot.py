@@ -1,0 +1,15 @@
+"""One-shot ranking: the k blocks whose single removal costs least on the calibration objective
+(greedy's first step, read k deep)."""
+
+from depthcurse.select.search import Search
+
+
+class OneShot(Search):
+    name = "one-shot"
+    title = "one-shot"
+    source = "the k cheapest single removals"
+
+    def run(self, ctx):
+        units = list(range(ctx.space.n))
+        scores = ctx.score_many([(u,) for u in units])
+        return tuple(sorted(u for _, u in sorted(zip(scores, units))[: ctx.space.k]))

@@ -1,0 +1,380 @@
+"""`select`'s searches behind their contract (issue 65): the exact optimum against a brute force done
+another way (each removal built by `removed_layers` and run whole), the prefix walk's scores and
+block passes against the plain path and the counting formula, EvoPress's loop candidate by candidate
+against a line-by-line port of `evo_drop_search.py` (IST-DASLab/EvoPress @ 50888a0), its defaults
+against `scripts/run_drop_search.sh`, the baselines, a search from outside, and the bad input.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import assert_one_line_error
+
+from depthcurse.errors import DepthcurseError
+from depthcurse.loading import load_model
+from depthcurse.select import SelectConfig, run_select
+from depthcurse.select.scoring import CalibrationScorer
+from depthcurse.select.search import Space, SearchContext, build_searches, key
+from depthcurse.select.searches.evo import PAPER_DEFAULTS, Evo, EvoSettings, generations_for, scaled_tokens
+from depthcurse.select.searches.exact import walk_passes
+from depthcurse.surgery import removed_layers
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture()
+def text(tmp_path):
+    from conftest import CORPUS
+
+    path = tmp_path / "text.txt"
+    path.write_text("\n\n".join(f"w{i} {CORPUS[i % len(CORPUS)]} {CORPUS[(i * 5 + 1) % len(CORPUS)]}" for i in range(80)))
+    return str(path)
+
+
+@pytest.fixture()
+def six(tmp_path, tiny_tokenizer):
+    """A tiny Llama of 6 layers: C(6, 2) = 15 and C(6, 3) = 20 removals."""
+    from helpers import tiny_llama
+
+    path = tmp_path / "six"
+    tiny_llama(len(tiny_tokenizer), layers=6, seed=3).save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return load_model(str(path))
+
+
+def _plain(model, windows, removal):
+    """Mean next-token loss and KL(unpruned || pruned) of `removal`, by the model's own forward on a
+    model built without those layers (no stepping, no kept streams)."""
+    with torch.no_grad():
+        ref = torch.log_softmax(model(input_ids=windows).logits[:, :-1].float(), -1)
+        with removed_layers(model, removal):
+            logp = torch.log_softmax(model(input_ids=windows).logits[:, :-1].float(), -1)
+    loss = -logp.gather(-1, windows[:, 1:, None])[..., 0]
+    kl = torch.nn.functional.kl_div(logp, ref, log_target=True, reduction="none").sum(-1)
+    return loss.mean().item(), kl.mean().item()
+
+
+# --------------------------------------------------------------------------- exact and the prefix walk
+
+
+def test_the_prefix_walk_scores_every_removal_as_a_plain_forward_does_and_counts_its_block_passes(six, tiny_tokenizer, text):
+    from depthcurse.select.grid import text_windows
+
+    windows = text_windows(tiny_tokenizer, text, SelectConfig(k=2, calibration=(text,), calib_windows=5, eval_windows=2, seq_len=16)).calibration
+    for k in (2, 3):
+        known = {}
+        scorer = CalibrationScorer(six.model, windows, 2, known, lambda: None)
+        every = list(itertools.combinations(range(6), k))
+        got = scorer.score_many(every)
+        for removal, scores in zip(every, got):
+            loss, kl = _plain(six.model, windows, removal)
+            assert scores["ppl"] == pytest.approx(loss, rel=1e-5) and scores["kl"] == pytest.approx(kl, rel=1e-4, abs=1e-7), removal
+        blocks, heads = walk_passes(6, k)
+        cost = scorer.cost.summary(len(windows))
+        # the walk's block passes are its own count, each shared prefix once; the naive count, every removal through every kept block
+        assert (cost["block_passes"], cost["head_passes"]) == (blocks, heads) and cost["naive_block_passes"] == math.comb(6, k) * (6 - k)
+        assert cost["sets_scored"] == len(every) and json.dumps(known)  # kept as the record keeps it
+
+
+def test_walk_passes_is_the_trie_counted_by_hand():
+    # every 2-set of 4: advances 2 + 1 + 0 (from 0, 1, 2 to their last child), finishes 2 + 1 + 0 + 1 + 0 + 0
+    assert walk_passes(4, 2) == (7, 6)
+    assert walk_passes(30, 3) == (31_437, 4_060)  # against the naive 4,060 x 27 = 109,620
+    for n, k in ((5, 1), (6, 3), (7, 4)):  # the formula against a walk over the trie, counted here
+        blocks = 0
+        for prefix_len in range(1, k + 1):
+            for prefix in itertools.combinations(range(n), prefix_len):
+                if n - 1 - prefix[-1] < k - prefix_len:
+                    continue  # no completion
+                if prefix_len == k:
+                    blocks += n - 1 - prefix[-1]
+                else:
+                    children = [c for c in range(prefix[-1] + 1, n) if n - 1 - c >= k - prefix_len - 1]
+                    blocks += children[-1] - (prefix[-1] + 1)
+        assert walk_passes(n, k) == (blocks, math.comb(n, k)), (n, k)
+
+
+def test_the_exact_optimum_is_a_brute_force_done_another_way(six, text, tmp_path, tiny_tokenizer):
+    """select's exact cell at k = 2 (ppl and KL) is the best of the 15 removals, each scored here by
+    the model's own forward on the calibration windows; every pick's rank is counted from them."""
+    from depthcurse.select.grid import text_windows
+
+    cfg = SelectConfig(k=2, calibration=(text,), objectives=("ppl", "kl"), searches=("exact", "greedy", "angular", "random", "last"),
+                       calib_windows=4, eval_windows=3, seq_len=16, batch_size=2, search_args={"random.sets": "6"})
+    record = run_select(six, cfg, tmp_path / "grid")
+    windows = text_windows(tiny_tokenizer, text, cfg).calibration
+    plain = {r: _plain(six.model, windows, r) for r in itertools.combinations(range(6), 2)}
+    for index, objective in enumerate(("ppl", "kl")):
+        best = min(plain, key=lambda r: (round(plain[r][index], 6), r))
+        assert record["cells"][f"text/exact/{objective}"]["layers"] == list(best)
+        d = record["distances"][f"text {objective}"]
+        assert d["exact"] and d["best"] == key(best) and d["space"] == 15 and len(d["all_scores"]) == 15
+        for cell, pick in d["picks"].items():
+            mine = tuple(int(u) for u in pick["layers"].split(","))
+            assert pick["rank"] == 1 + sum(1 for r in plain if plain[r][index] < plain[mine][index] - 1e-7), cell
+    assert record["cells"]["text/last"]["layers"] == [3, 4]  # the k before the final block
+    drawn = record["cells"]["text/random/ppl"]["drawn"]
+    assert len(set(drawn)) == 6 and record["cells"]["text/random/kl"]["drawn"] == drawn  # one seed, the same draws for both objectives
+
+
+def test_exact_resumes_where_it_stopped(six, text, tmp_path):
+    cfg = SelectConfig(k=2, calibration=(text,), searches=("exact",), calib_windows=3, eval_windows=2, seq_len=16, batch_size=2)
+    whole = run_select(six, cfg, tmp_path / "whole")
+    saved = json.loads((tmp_path / "whole" / "select.json").read_text())
+    cut = {**saved, "cells": {}, "held_out": {}, "calibration_scores": {s: dict(list(v.items())[:7]) for s, v in saved["calibration_scores"].items()}}
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "select.json").write_text(json.dumps(cut))
+    again = run_select(six, cfg, tmp_path / "cut")
+    assert again["cells"]["text/exact/ppl"]["layers"] == whole["cells"]["text/exact/ppl"]["layers"]
+    assert again["cells"]["text/exact/ppl"]["cost"]["sets_scored"] == 15 - 7  # the seven scored before the stop not scored again
+
+
+# --------------------------------------------------------------------------- EvoPress
+
+
+def port_of_evopress(n: int, k: int, fitness, windows: int, window_tokens: int, seed: int, block_mode: bool, population_size=1, offspring=32,
+                     initially_generated=64, initial_tokens=2048, survivors_per_selection=(2, 1), tokens_per_selection=(2048, 32768),
+                     max_mutations=3, generations=None):
+    """`evo_drop_search.py`'s main() and selection(), line by line (IST-DASLab/EvoPress @ 50888a0), the
+    model and its fitness replaced by `fitness(state, minibatch ids, tokens of the last)`, the global
+    `random` seeded as their fix_seed does. Returns every selection's candidates, in order."""
+    random.seed(seed)
+    seen = []
+    calibration_data = [window_tokens] * windows  # each "sequence" by its length
+
+    def selection(candidates, num_survive, num_tokens):
+        minibatch_ids, tokens_used, last = [], 0, window_tokens
+        while tokens_used < num_tokens:
+            minibatch_id = random.randint(0, len(calibration_data) - 1)
+            if minibatch_id in minibatch_ids:
+                continue
+            minibatch_ids.append(minibatch_id)
+            if tokens_used + calibration_data[minibatch_id] > num_tokens:
+                last = num_tokens - tokens_used
+                tokens_used = num_tokens
+            else:
+                last = calibration_data[minibatch_id]
+                tokens_used += calibration_data[minibatch_id]
+        seen.append([copy.deepcopy(c) for c in candidates])
+        fitnesses = [fitness(c, minibatch_ids, last) for c in candidates]
+        best_ids = np.argsort(fitnesses)[:num_survive]
+        return [candidates[i] for i in best_ids], [fitnesses[i] for i in best_ids]
+
+    total_blocks, blocks_to_remove = n, k
+    generations = generations if generations is not None else int(k * (n - k) / 1.5)
+    initial_population_candidates = []
+    while len(initial_population_candidates) < initially_generated:
+        removed_state = {"attn": [False] * total_blocks, "mlp": [False] * total_blocks}
+        attn_remove_ind = random.sample(list(range(total_blocks)), blocks_to_remove)
+        for ind in attn_remove_ind:
+            removed_state["attn"][ind] = True
+        mlp_remove_ind = random.sample(list(range(total_blocks)), blocks_to_remove)
+        for ind in mlp_remove_ind:
+            removed_state["mlp"][ind] = True
+        if block_mode:
+            removed_state["mlp"] = copy.deepcopy(removed_state["attn"])
+        if removed_state in initial_population_candidates:
+            continue
+        initial_population_candidates.append(removed_state)
+    population, train_fitnesses = selection(initial_population_candidates, population_size, initial_tokens)
+    for gen_id in range(generations):
+        offspring_list = []
+        while len(offspring_list) < offspring:
+            offspring_ = copy.deepcopy(random.choice(population))
+            num_flips = min(random.randint(1, max_mutations), random.randint(1, max_mutations))
+            for _ in range(num_flips):
+                remove_type = random.randint(0, 1)
+                subblock_type = "attn" if remove_type == 0 else "mlp"
+                remove_ind = random.randint(0, total_blocks - 1)
+                while offspring_[subblock_type][remove_ind]:
+                    remove_ind = random.randint(0, total_blocks - 1)
+                add_ind = random.randint(0, total_blocks - 1)
+                while not offspring_[subblock_type][add_ind]:
+                    add_ind = random.randint(0, total_blocks - 1)
+                offspring_[subblock_type][remove_ind] = True
+                offspring_[subblock_type][add_ind] = False
+            if block_mode:
+                offspring_["mlp"] = copy.deepcopy(offspring_["attn"])
+            if offspring_ in offspring_list or offspring_ in population:
+                continue
+            offspring_list.append(offspring_)
+        for num_survive, num_tokens in zip(survivors_per_selection, tokens_per_selection):
+            if num_survive == survivors_per_selection[-1]:
+                for i in range(len(population)):
+                    if population[i] not in offspring_list:
+                        offspring_list.append(population[i])
+            offspring_list, train_fitnesses = selection(offspring_list, num_survive, num_tokens)
+        population = offspring_list
+    return seen, population[0]
+
+
+def _fitness(state, ids, last):
+    """A made-up fitness of a state on a minibatch: distinct for every candidate, and moved by the
+    minibatch, so that a different draw would change the survivors."""
+    attn = sum((i + 1) ** 1.5 for i, r in enumerate(state["attn"]) if r)
+    mlp = sum((i + 2) ** 1.2 for i, r in enumerate(state["mlp"]) if r)
+    return -(attn + 0.7 * mlp) + 0.01 * sum(ids) + 0.001 * last
+
+
+def _state(removal, n):
+    state = {"attn": [False] * n, "mlp": [False] * n}
+    for u in removal:
+        if isinstance(u, int):
+            state["attn"][u] = state["mlp"][u] = True
+        else:
+            state["attn" if u[0] == "a" else "mlp"][int(u[1:])] = True
+    return state
+
+
+@pytest.mark.parametrize("granularity", ["layer", "sub-block"])
+def test_evo_makes_the_candidates_evopress_makes_one_by_one(granularity):
+    """The same seed, the same scores: every selection's candidates the port's, in the same order,
+    and the same final choice (30 blocks, k = 6, their defaults, 12 generations, 16 windows of 512)."""
+    n, k, windows, window_tokens = 30, 6, 16, 512
+    block_mode = granularity == "layer"
+    seen, final = port_of_evopress(n, k, _fitness, windows, window_tokens, seed=7, block_mode=block_mode, generations=12,
+                                   tokens_per_selection=(2048, 8192))
+    search = Evo(EvoSettings(generations=12, tokens_per_selection="2048/8192"))
+    space = Space(n, k, granularity)
+    search.check(space)
+    ctx = SearchContext(space=space, objective="kl", score=None, score_many=None, windows=windows, window_tokens=window_tokens, streams=None, seed=7,
+                        score_on=lambda removal, ids, last: _fitness(_state(removal, n), ids, last))
+    chosen = search.run(ctx)
+    ours = [[_state(r, n) for r in stage["candidates"]] for stage in search.trace]
+    assert len(ours) == len(seen) == 1 + 12 * 2
+    assert ours == seen
+    assert _state(chosen, n) == final and not ctx.notes  # 16 x 512 tokens: no stage scaled
+
+
+def test_evo_keeps_evopress_defaults_and_scales_its_stages_to_the_calibration_text():
+    assert {f: getattr(EvoSettings(), f) for f in EvoSettings.__dataclass_fields__} == {k: v for k, v in PAPER_DEFAULTS.items() if k != "fitness"}
+    assert PAPER_DEFAULTS["fitness"] == "kl" and generations_for(32, 12) == 160 and generations_for(30, 8) == 117  # their script's int(k (n - k) / 1.5)
+    assert scaled_tokens([2048, 2048, 32768], 40_000) == ([2048, 2048, 32768], 1.0)
+    assert scaled_tokens([2048, 2048, 32768], 1024) == ([64, 64, 1024], 1024 / 32768)  # 8 windows x 128: the last stage every token
+    assert scaled_tokens([2048, 32768], 16) == ([2, 16], 16 / 32768)  # never below one prediction
+
+
+def test_evo_on_a_model_says_when_it_scaled_its_stages(six, text, tmp_path):
+    cfg = SelectConfig(k=2, calibration=(text,), objectives=("kl",), searches=("evo",), calib_windows=4, eval_windows=2, seq_len=16, batch_size=2,
+                       search_args={"evo.generations": "2", "evo.offspring": "4", "evo.initially_generated": "5"})
+    record = run_select(six, cfg, tmp_path / "evo")
+    cell = record["cells"]["text/evo/kl"]
+    assert len(cell["layers"]) == 2 and cell["notes"][0].startswith("evo: the calibration windows hold 64 tokens, fewer than its stages ask")
+    # 5 initially; each generation 4 children, then the best 2 of them with the parent (never a child: duplicates are drawn again)
+    assert cell["cost"]["subset_scores"] == 5 + 2 * (4 + 3)
+    assert cell["settings"] == "offspring=4,initially_generated=5,generations=2"
+
+
+# --------------------------------------------------------------------------- sub-blocks
+
+
+def test_sub_block_removals_score_as_branches_zeroed_by_hand(six, text, tiny_tokenizer, tmp_path):
+    """A sub-block removal (attention of block 1, MLP of block 3) scores as the model with those two
+    branches' outputs zeroed in its own forward; exact over C(4, 1)^2 = 16 on a 4-block model."""
+    from helpers import tiny_llama
+
+    from depthcurse.select.grid import text_windows
+
+    windows = text_windows(tiny_tokenizer, text, SelectConfig(k=1, calibration=(text,), calib_windows=3, eval_windows=2, seq_len=16)).calibration
+    scorer = CalibrationScorer(six.model, windows, 2, {}, lambda: None, granularity="sub-block")
+    got = scorer(("a1", "m3"))
+    zero = lambda module, args, output: (torch.zeros_like(output[0]), *output[1:]) if isinstance(output, tuple) else torch.zeros_like(output)  # noqa: E731
+    hooks = [six.model.model.layers[1].self_attn.register_forward_hook(zero), six.model.model.layers[3].mlp.register_forward_hook(zero)]
+    try:
+        with torch.no_grad():
+            logp = torch.log_softmax(six.model(input_ids=windows).logits[:, :-1].float(), -1)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert got["ppl"] == pytest.approx((-logp.gather(-1, windows[:, 1:, None])[..., 0]).mean().item(), rel=1e-5)
+    path = tmp_path / "four"
+    tiny_llama(len(tiny_tokenizer), layers=4, seed=5).save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    four = load_model(str(path))
+    cfg = SelectConfig(k=1, calibration=(text,), searches=("exact", "last", "random"), calib_windows=3, eval_windows=2, seq_len=16, batch_size=2,
+                       granularity="sub-block", search_args={"random.sets": "4"})
+    record = run_select(four, cfg, tmp_path / "sub")
+    scores = record["calibration_scores"][text]
+    assert len([k for k in scores if len(k.split(",")) == 2]) == 16
+    best = min((v[0], k) for k, v in scores.items() if len(k.split(",")) == 2)[1]
+    assert ",".join(record["cells"]["text/exact/ppl"]["layers"]) == best and record["cells"]["text/last"]["layers"] == ["a2", "m2"]
+
+
+# --------------------------------------------------------------------------- the contract and the bad input
+
+
+PLUGIN = '''
+from depthcurse.select.search import Search
+
+class Middle(Search):
+    name = "middle"
+    reads = "nothing"
+    def run(self, ctx):
+        start = (ctx.space.n - ctx.space.k) // 2
+        return tuple(range(start, start + ctx.space.k))
+
+class TooMany(Search):
+    name = "too-many"
+    reads = "nothing"
+    def run(self, ctx):
+        return tuple(range(ctx.space.k + 1))
+
+class Raises(Search):
+    name = "raises"
+    def run(self, ctx):
+        return ctx.score_many([(0,)])[5]
+'''
+
+
+def test_a_search_from_outside_runs_and_one_that_breaks_the_contract_is_one_line(run_cli, six, text, tmp_path):
+    plugin = tmp_path / "my_searches.py"
+    plugin.write_text(PLUGIN)
+    cfg = SelectConfig(k=2, calibration=(text,), searches=(f"{plugin}:Middle", "last"), calib_windows=3, eval_windows=2, seq_len=16)
+    record = run_select(six, cfg, tmp_path / "plug")
+    assert record["cells"]["text/middle"]["layers"] == [2, 3]
+    with pytest.raises(DepthcurseError, match=r"^--search too-many: run\(\) chose no removal of this grid: it removes 3 blocks, not k = 2$"):
+        run_select(six, SelectConfig(k=2, calibration=(text,), searches=(f"{plugin}:TooMany",), calib_windows=3, eval_windows=2, seq_len=16), tmp_path / "bad1")
+    with pytest.raises(DepthcurseError, match=r"^--search raises: its run\(\) raised IndexError: list index out of range$"):
+        run_select(six, SelectConfig(k=2, calibration=(text,), searches=(f"{plugin}:Raises",), calib_windows=3, eval_windows=2, seq_len=16), tmp_path / "bad2")
+
+
+def test_a_failed_cell_loses_no_finished_one(six, text, tmp_path):
+    plugin = tmp_path / "my_searches.py"
+    plugin.write_text(PLUGIN)
+    cfg = SelectConfig(k=2, calibration=(text,), searches=("last", f"{plugin}:Raises"), calib_windows=3, eval_windows=2, seq_len=16)
+    with pytest.raises(DepthcurseError):
+        run_select(six, cfg, tmp_path / "grid")
+    assert json.loads((tmp_path / "grid" / "select.json").read_text())["cells"]["text/last"]["layers"] == [3, 4]
+
+
+def test_select_with_searches_on_the_command_line_and_its_bad_input(run_cli, tiny_model_dir, text, tmp_path):
+    code, stdout, err = run_cli("select", tiny_model_dir, "--k", "2", "--calibration", text, "--search", "exact,greedy,angular,evo,random", "--calib-windows", "4",
+                                "--eval-windows", "8", "--seq-len", "16", "--search-args", "evo.generations=2,evo.offspring=3,evo.initially_generated=4,random.sets=3",
+                                "--out", tmp_path / "cli")
+    assert code == 0, err
+    said = " ".join(stdout.split())
+    assert "how far each pick of 2 is from the best" in said and "text ppl: the exact optimum removes" in said
+    assert (tmp_path / "cli" / "distances.png").is_file()
+    base = ["select", tiny_model_dir, "--calibration", text, "--calib-windows", "2", "--eval-windows", "2", "--seq-len", "16", "--out", tmp_path / "bad"]
+    for args, said in (
+        (["--search", "magic"], "--search magic: use angular, bi, evo, exact, greedy, last, one-shot, random"),
+        (["--k", "4", "--search", "exact"], "--k 4 is out of range: the model has 4 layers (1-3)"),
+        (["--k", "2", "--search", "exact", "--search-args", "exact.max_sets=3"], "--search exact: C(4, 2) = 6 removals, more than exact.max_sets=3"),
+        (["--k", "1", "--search", "evo", "--search-args", "evo.offspring=1"], "survivors cannot outnumber the offspring"),
+        (["--k", "1", "--search", "evo", "--search-args", "evo.tokens_per_selection=2048"], "must have one entry per selection stage each"),
+        (["--k", "1", "--search", "evo"], "initially_generated (64) is more than the 4 distinct removals of C(4, 1)"),
+        (["--k", "1", "--search", "greedy", "--granularity", "sub-block"], "--search greedy removes layer units, not sub-block"),
+        (["--k", "1", "--search", "exact", "--granularity", "columns"], "unknown --granularity 'columns'"),
+        (["--k", "1", "--search", "exact", "--search-args", "exact.budget=3"], "--search-args exact.budget: exact has no setting 'budget'"),
+        (["--k", "1", "--search", "exact", "--search-args", "max_sets=lots"], "--search-args max_sets=lots: exact's max_sets takes int"),
+    ):
+        assert_one_line_error(*run_cli(*base, *args), said)
