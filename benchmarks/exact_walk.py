@@ -20,7 +20,6 @@ import time
 import torch
 
 from depthcurse.loading import load_model
-from depthcurse.prune.stepping import Stepper
 from depthcurse.select.grid import SelectConfig, text_windows
 from depthcurse.select.scoring import CalibrationScorer
 from depthcurse.select.searches.exact import CHUNK, walk_passes

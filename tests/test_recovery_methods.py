@@ -652,8 +652,7 @@ def test_a_comparison_survives_a_method_refused_in_its_prepare(bos_model_dir, do
     and one that fails with a plain error there: each is recorded with its reason, `linear` still
     runs, and the table says which could not; a comparison where none ran is one line."""
     from depthcurse.errors import DepthcurseError
-    from depthcurse.heal import Models, heal_methods, methods_table
-    from rich.console import Console
+    from depthcurse.heal import Models, heal_methods
 
     plugin = tmp_path / "late.py"
     plugin.write_text(

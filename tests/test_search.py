@@ -23,7 +23,7 @@ from depthcurse.errors import DepthcurseError
 from depthcurse.loading import load_model
 from depthcurse.select import SelectConfig, run_select
 from depthcurse.select.scoring import CalibrationScorer
-from depthcurse.select.search import Space, SearchContext, build_searches, key
+from depthcurse.select.search import Space, SearchContext, key
 from depthcurse.select.searches.evo import PAPER_DEFAULTS, Evo, EvoSettings, generations_for, scaled_tokens
 from depthcurse.select.searches.exact import walk_passes
 from depthcurse.surgery import removed_layers
