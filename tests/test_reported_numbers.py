@@ -590,3 +590,16 @@ def test_without_exact_the_best_is_the_best_scored_and_ties_go_to_the_first_key(
     assert list(distances(record)) == ["t kl"]
     record["calibration_scores"]["t"] = {"1": [2.0, 0.1]}
     assert distances(record) == {}  # no k-set scored: nothing to place
+
+
+def test_prunes_greedy_says_where_its_pick_falls_among_an_exact_runs_removals():
+    from depthcurse.select.statistics import optimum_lines
+
+    record = _distance_record(with_exact=True)
+    record["run"].update(model="m", calib_windows=4, seq_len=64)
+    assert optimum_lines(record, {1: (1,), 2: (3, 1)}, "m") == [
+        "optimum at k = 2 (select's exact, ppl on t's 4 calibration windows x 64 tokens): without 0,2, 2.5000; greedy's 1,3 ranks 2 of 6 there (2.7000, +0.2000)"]
+    assert optimum_lines(record, {2: (0, 2)}, "m")[0].endswith("greedy's 0,2 is it")
+    assert optimum_lines(record, {2: (0, 2)}, "another model") == [] and optimum_lines(record, {3: (0, 1, 2)}, "m") == []
+    record["run"]["granularity"] = "sub-block"
+    assert optimum_lines(record, {2: (0, 2)}, "m") == []

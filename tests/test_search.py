@@ -378,3 +378,13 @@ def test_select_with_searches_on_the_command_line_and_its_bad_input(run_cli, tin
         (["--k", "1", "--search", "exact", "--search-args", "max_sets=lots"], "--search-args max_sets=lots: exact's max_sets takes int"),
     ):
         assert_one_line_error(*run_cli(*base, *args), said)
+
+
+def test_prune_greedy_beside_an_exact_run_says_where_its_pick_falls(run_cli, tiny_model_dir, text, tmp_path):
+    out = tmp_path / "both"
+    assert run_cli("select", tiny_model_dir, "--k", "2", "--calibration", text, "--search", "exact", "--calib-windows", "3", "--eval-windows", "2",
+                   "--seq-len", "16", "--out", out)[0] == 0
+    code, stdout, err = run_cli("prune", tiny_model_dir, "--task", "ppl", "--data", text, "--seq-len", "16", "--limit", "4", "--greedy", "2", "--out", out)
+    assert code == 0, err
+    said = " ".join(stdout.split())
+    assert "- optimum at k = 2 (select's exact, ppl on text's 3 calibration windows x 16 tokens): without" in said and "greedy's" in said

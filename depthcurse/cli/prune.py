@@ -10,7 +10,7 @@ from rich.text import Text
 
 from depthcurse.cli.shared import (
     SUITES_HELP, DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, err_console, join_ranks, load,
-    measure_angular, model_line, once, progress_bar, say, showing, slug,
+    measure_angular, model_line, once, progress_bar, say, showing, slug, verdicts,
 )
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import claim_out_dir
@@ -212,6 +212,13 @@ def _show_curves(result, out_dir: Path) -> None:
         return
     sweeps.plot_greedy(result, out_dir / "greedy.png")
     console.print(sweeps.greedy_table(result))
+    if (out_dir / "select.json").is_file() and "greedy" in result.curves:  # an exact select run of some k beside it: where greedy's pick falls
+        import json
+
+        from depthcurse.select.statistics import optimum_lines
+
+        verdicts(optimum_lines(json.loads((out_dir / "select.json").read_text()), {p.k: tuple(p.removed) for p in result.curves["greedy"]},
+                               result.run.get("model")))
     console.print(f"wrote {out_dir / 'greedy.json'}, {out_dir / 'greedy.csv'}, {out_dir / 'greedy.png'}")
 
 

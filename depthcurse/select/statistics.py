@@ -155,3 +155,32 @@ def distances(record: dict) -> dict:
                 "space": math.comb(run["n_layers"], k) ** (1 if units == k else 2), "scored": len(scores),
                 "random_draws": len(null) if null else 0, "picks": picks, "all_scores": everything, "null_scores": null}
     return out
+
+
+def optimum_lines(select_record: dict, removed_at: dict[int, tuple], model: str | None = None) -> list[str]:
+    """For `prune --greedy`: where a `select` run with `exact` at some k lies in the same folder,
+    where greedy's removal at that k falls among every removal on that run's calibration windows
+    (its rank, and the optimum's removal and score), one line per text and objective. `removed_at`:
+    k -> the units greedy had removed after k steps."""
+    run = select_record.get("run", {})
+    if model is not None and run.get("model") not in (None, model):
+        return []
+    k = run.get("k")
+    removal = removed_at.get(k)
+    if removal is None:
+        return []
+    mine, lines = key(sorted(removal)), []
+    labels = select_record.get("labels", {})
+    for cell in select_record.get("cells", {}).values():
+        if cell["search"] != "exact" or run.get("granularity", "layer") != "layer":
+            continue
+        index = OBJECTIVES_KEPT.index(cell["objective"])
+        scores = {name: v[index] for name, v in select_record["calibration_scores"].get(cell["calibration"], {}).items() if _size(name) == k}
+        if mine not in scores:
+            continue
+        best = key(cell["layers"])
+        rank = 1 + sum(1 for v in scores.values() if v < scores[mine])
+        where = f"{labels.get(cell['calibration'], cell['calibration'])}'s {run.get('calib_windows')} calibration windows x {run.get('seq_len')} tokens"
+        lines.append(f"optimum at k = {k} (select's exact, {cell['objective']} on {where}): without {best}, {scores[best]:.4f}; greedy's {mine} "
+                     + ("is it" if mine == best else f"ranks {rank:,} of {len(scores):,} there ({scores[mine]:.4f}, {scores[mine] - scores[best]:+.4f})"))
+    return lines

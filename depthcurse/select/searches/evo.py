@@ -38,7 +38,7 @@ from depthcurse.select.search import Search, Space
 
 # scripts/run_drop_search.sh @ 50888a0 (and evo_drop_search.py's argparse defaults where the script sets none)
 PAPER_DEFAULTS = {"population_size": 1, "offspring": 32, "initially_generated": 64, "initial_tokens": 2048, "survivors_per_selection": "2/1",
-                  "tokens_per_selection": "2048/32768", "max_mutations": 3, "generations": None, "fitness": "kl"}
+                  "tokens_per_selection": "2048/32768", "max_mutations": 3, "generations": None, "fitness": "kl", "seed": None}
 
 
 @dataclass
@@ -51,6 +51,7 @@ class EvoSettings:
     tokens_per_selection: str = "2048/32768"  # calibration tokens each stage scores on
     max_mutations: int = 3
     generations: int | None = None  # None: k (n - k) / 1.5, their script's rule
+    seed: int | None = None  # None: select's --seed (which also splits the windows): another here reruns the search alone
 
 
 def stages(text: str, name: str) -> list[int]:
@@ -154,7 +155,7 @@ class Evo(Search):
                              f"population; {asked} in each generation): every stage scaled by {factor:.4g}, to {initial_tokens:,}; "
                              f"{', then '.join(f'{t:,}' for t in stage_tokens)} (the largest: every calibration token)")
         generations = s.generations if s.generations is not None else generations_for(n, k)
-        rng = random.Random(ctx.seed)
+        rng = random.Random(ctx.seed if s.seed is None else s.seed)
         self.trace = trace = []
         legal = list(range(n))
         initial: list[dict] = []

@@ -15,6 +15,7 @@ from depthcurse.select.search import Search, Space, canonical
 @dataclass
 class RandomSettings:
     sets: int = 200  # removals drawn
+    seed: int | None = None  # None: select's --seed
 
 
 class RandomSets(Search):
@@ -32,7 +33,7 @@ class RandomSets(Search):
                                   "use exact for all of them")
 
     def run(self, ctx):
-        rng = random.Random(f"random:{ctx.seed}")
+        rng = random.Random(f"random:{ctx.seed if self.settings.seed is None else self.settings.seed}")
         space, drawn = ctx.space, {}
         while len(drawn) < self.settings.sets:
             if space.granularity == "layer":
