@@ -109,3 +109,21 @@ def settings_fields(cls, option: str, args_option: str) -> tuple:
         raise DepthcurseError(f"{option} {cls.name or cls.__name__}: its Settings must be a dataclass (the settings {args_option} sets), "
                               f"got {getattr(cls.Settings, '__name__', cls.Settings)!s}")
     return fields(cls.Settings)
+
+
+def scoped(args: dict, spec: str, name: str, own: set[str], args_option: str) -> tuple[dict, set[str]]:
+    """The settings in `args` meant for one plug-in: `key=value` where it has the key, and
+    `scope.key=value` where the scope is its spec as typed or its name as the outputs print it (one
+    line if it has no such key); and the argument keys used."""
+    mine, used = {}, set()
+    for key, value in args.items():
+        scope, dot, bare = key.rpartition(".")
+        if dot and scope in (spec, name):
+            if bare not in own:
+                raise DepthcurseError(f"{args_option} {key}: {name} has no setting {bare!r} (its settings: {', '.join(sorted(own)) or 'none'})")
+            mine[bare] = value
+            used.add(key)
+        elif not dot and key in own:
+            mine[key] = value
+            used.add(key)
+    return mine, used

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.plugins import entry_points_of, load_outside, parse_args, typed
+from depthcurse.plugins import entry_points_of, load_outside, parse_args, scoped, typed
 from depthcurse.plugins import settings_fields as plugin_settings_fields
 from depthcurse.runtime import World
 from depthcurse.surgery import removed_layers
@@ -448,18 +448,9 @@ def build_method(spec: str, args: dict[str, str] | None = None, common: dict | N
     used = set()
     for name, cls in zip(names, classes):
         own = {f.name for f in settings_fields(cls)}
-        mine = {k: v for k, v in common.items() if k in own}
-        for key, value in args.items():
-            scope, dot, bare = key.rpartition(".")
-            if dot and scope in (name, cls.name):  # by its spec as typed, or by its name as the outputs print it
-                if bare not in own:
-                    raise DepthcurseError(f"--method-args {key}: {cls.name} has no setting {bare!r} (its settings: {', '.join(sorted(own)) or 'none'})")
-                mine[bare] = value
-                used.add(key)
-            elif not dot and key in own:
-                mine[key] = value
-                used.add(key)
-        members.append(configure(cls, mine))
+        given, taken = scoped(args, name, cls.name, own, "--method-args")  # by its spec as typed, or by its name as the outputs print it
+        used |= taken
+        members.append(configure(cls, {**{k: v for k, v in common.items() if k in own}, **given}))
     elsewhere = [k for k in args if k not in used and "." in k]
     if elsewhere:  # scoped to a method this run does not have: said, not dropped
         scope = elsewhere[0].rpartition(".")[0]

@@ -68,12 +68,17 @@ def select_table(record: dict) -> Table:
     caption = (f"texts: {texts}; each choice judged on held-out windows ({run['eval_windows']} x {run['seq_len']} tokens of each text, never chosen on)"
                + (f" and on {run['task']} (--limit {run['limit']})" if run.get("task") else "")
                + "; in brackets the 95% interval (Student's t) of the difference from the unpruned model over the paired windows or questions, put around the score")
-    table = Table(title=f"{run['model']}: which {run['k']} layers each calibration and search removes, judged on the same held-out text",
-                  caption=caption, header_style="bold")
-    header, *rows = select_rows(record)
+    return _table(f"{run['model']}: which {run['k']} units each calibration and search removes, judged on the same held-out text", caption,
+                  select_rows(record), left=4)
+
+
+def _table(title: str, caption: str, rows: list[list[str]], left: int) -> Table:
+    """A table of `rows` (the first the header), its first `left` columns left-aligned."""
+    table = Table(title=title, caption=caption, header_style="bold")
+    header, *body = rows
     for i, name in enumerate(header):
-        table.add_column(name, justify="left" if i < 4 else "right")
-    for row in rows:
+        table.add_column(name, justify="left" if i < left else "right")
+    for row in body:
         table.add_row(*row)
     return table
 
@@ -198,12 +203,7 @@ def distance_table(record: dict) -> Table | None:
                "model); the best: " + ("the exact optimum over every removal where exact ran, else the best any search scored" if exact
                                        else "the best removal any search scored (no exact run)")
                + "; held out: the pick's held-out loss minus the best's, paired over the windows, Student's t")
-    table = Table(title=f"{record['run']['model']}: how far each pick of {record['run']['k']} is from the best", caption=caption, header_style="bold")
-    for i, name in enumerate(header):
-        table.add_column(name, justify="left" if i < 3 else "right")
-    for row in rows:
-        table.add_row(*row)
-    return table
+    return _table(f"{record['run']['model']}: how far each pick of {record['run']['k']} is from the best", caption, [header, *rows], left=3)
 
 
 def distance_verdicts(record: dict) -> list[str]:

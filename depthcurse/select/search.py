@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.plugins import entry_points_of, load_outside, parse_args, settings_fields, typed
+from depthcurse.plugins import entry_points_of, load_outside, parse_args, scoped, settings_fields, typed
 
 ENTRY_POINTS = "depthcurse.select_searches"
 GRANULARITIES = ("layer", "sub-block")
@@ -262,17 +262,8 @@ def build_searches(specs: tuple[str, ...], args: dict[str, str] | None = None) -
     built, used = {}, set()
     for spec, cls in classes.items():
         own = {f.name for f in settings_fields(cls, "--search", "--search-args")}
-        mine = {}
-        for name, value in args.items():
-            scope, dot, bare = name.rpartition(".")
-            if dot and scope in (spec, cls.name):
-                if bare not in own:
-                    raise DepthcurseError(f"--search-args {name}: {cls.name} has no setting {bare!r} (its settings: {', '.join(sorted(own)) or 'none'})")
-                mine[bare] = value
-                used.add(name)
-            elif not dot and name in own:
-                mine[name] = value
-                used.add(name)
+        mine, taken = scoped(args, spec, cls.name, own, "--search-args")
+        used |= taken
         settings = cls.Settings(**{k: typed(cls.Settings, k, v, cls.name, "--search-args") for k, v in mine.items()})
         built[cls.name] = cls(settings)
     unused = [name for name in args if name not in used]
