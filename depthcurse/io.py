@@ -129,9 +129,11 @@ def claim_out_dir(path: Path, what: str = "--out") -> Path:
     torchrun only rank 0 takes it (the ranks of one run share their folder)."""
     import fcntl  # lazy: POSIX only, where the lock is taken
 
+    if os.environ.get("RANK", "0") != "0":
+        return _sibling_folder(Path(path).expanduser(), what)
     path = ensure_out_dir(path, what)
     key = path.resolve()
-    if key in _claims or os.environ.get("RANK", "0") != "0":
+    if key in _claims:
         return path
     handle = open(path / LOCK_FILE, "a+")
     try:
@@ -147,6 +149,23 @@ def claim_out_dir(path: Path, what: str = "--out") -> Path:
     handle.flush()
     _claims[key] = handle
     return path
+
+
+# How long a torchrun rank other than 0 waits for rank 0 to make the results folder.
+SIBLING_WAIT_S = 120.0
+
+
+def _sibling_folder(path: Path, what: str, *, clock=time.monotonic, sleep=time.sleep) -> Path:
+    """The folder rank 0 claims, as another rank of its run sees it: rank 0 alone makes it, so that
+    a run failing at once removes it again (the rank that made an empty folder is the one that
+    removes it, and only rank 0 knows when its lock has gone). Waits for it, then, past
+    `SIBLING_WAIT_S` (rank 0 held up or gone: torchrun stops this rank then), makes it itself."""
+    deadline = clock() + SIBLING_WAIT_S
+    while not path.is_dir() and clock() < deadline:
+        if path.exists():
+            raise DepthcurseError(f"{what} {path} is a file, not a folder")
+        sleep(0.05)
+    return path if path.is_dir() else ensure_out_dir(path, what)
 
 
 def release_claims() -> None:

@@ -112,6 +112,34 @@ def test_a_results_folder_is_one_runs_at_a_time(tmp_path):
     assert not (mine / LOCK_FILE).exists()
 
 
+def test_only_rank_0_makes_the_results_folder_so_a_failed_run_removes_it(tmp_path, monkeypatch):
+    """Under torchrun the other ranks wait for rank 0's folder: had one of them made it, rank 0's
+    lock file would keep it from being removed when the run fails at once (CI saw that race)."""
+    from depthcurse import io as dio
+
+    monkeypatch.setenv("RANK", "1")
+    now, naps = [0.0], []
+
+    def sleep(seconds):  # rank 0 makes the folder while this rank sleeps its third nap
+        naps.append(seconds)
+        now[0] += seconds
+        if len(naps) == 3:
+            (tmp_path / "run").mkdir()
+
+    got = dio._sibling_folder(tmp_path / "run", "--out", clock=lambda: now[0], sleep=sleep)
+    assert got == tmp_path / "run" and len(naps) == 3 and not list(got.iterdir())  # no write probe, no lock
+    monkeypatch.setattr(dio, "_created", [])
+    late = dio._sibling_folder(tmp_path / "late", "--out", clock=lambda: now[0], sleep=sleep)  # rank 0 never came
+    assert late.is_dir() and now[0] >= dio.SIBLING_WAIT_S and dio._created == [tmp_path / "late"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DepthcurseError, match="is a file, not a folder"):
+        dio.claim_out_dir(tmp_path / "file")
+    monkeypatch.setenv("RANK", "0")
+    dio.claim_out_dir(tmp_path / "run")
+    assert (tmp_path / "run" / dio.LOCK_FILE).exists()
+    dio.release_claims()
+
+
 @pytest.mark.parametrize("command", [
     ["prune", "{model}", "--task", "ppl"], ["heal", "{model}", "--layers", "1"], ["select", "{model}", "--k", "1"],
     ["angular-distance", "{model}"], ["lns-train", "--steps", "2"], ["speed", "{model}", "--layers", "1"]])
