@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import keyword
 import math
 import sys
 import typing
@@ -67,8 +68,23 @@ def parse_args(text: str | None, option: str, example: str) -> dict[str, str]:
         key, eq, value = part.partition("=")
         if not eq or not key.strip():
             raise DepthcurseError(f"{option} {text!r}: give key=value pairs, e.g. {example}")
-        out[key.strip()] = value.strip()
+        scope, dot, bare = key.strip().rpartition(".")
+        if keyword.iskeyword(bare):  # `as=code`: a setting a Python keyword names is its field with a trailing underscore (PEP 8's rule)
+            bare += "_"
+        out[f"{scope}{dot}{bare}"] = value.strip()
     return out
+
+
+def changed_settings(settings) -> str:
+    """A plug-in's settings away from their defaults, as `key=value,...` takes them (`as_` as `as`)."""
+    defaults = type(settings)()
+    return ",".join(f"{setting_name(f.name)}={getattr(settings, f.name)}" for f in fields(settings)
+                    if getattr(settings, f.name) != getattr(defaults, f.name))
+
+
+def setting_name(field_name: str) -> str:
+    """How a user types the setting a field holds: `as_` is `as`."""
+    return field_name[:-1] if field_name.endswith("_") and keyword.iskeyword(field_name[:-1]) else field_name
 
 
 def typed(cls, name: str, value, owner: str, option: str):

@@ -360,6 +360,21 @@ def _remove(model: nn.Module, layers: Iterable[int]) -> Callable[[], None]:
 
 
 @contextmanager
+def placed_layers(model: nn.Module, replacements: dict[int, nn.Module]) -> Iterator[nn.Module]:
+    """`model` with each of `replacements` (an index -> a block) in that block's place: a trained or
+    merged layer where its run's first layer, or its base, stands; put back afterwards."""
+    blocks = find_blocks(model).layers
+    old = {i: blocks[i] for i in replacements}
+    try:
+        for i, layer in replacements.items():
+            blocks[i] = layer
+        yield model
+    finally:
+        for i, layer in old.items():
+            blocks[i] = layer
+
+
+@contextmanager
 def removed_layers(model: nn.Module, layers: Iterable[int]) -> Iterator[nn.Module]:
     """Run ``model`` without the given blocks, then put it back exactly as it was.
 

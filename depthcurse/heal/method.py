@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ClassVar, Iterator
 
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.plugins import entry_points_of, load_outside, parse_args, scoped, typed
+from depthcurse.plugins import changed_settings, entry_points_of, load_outside, parse_args, scoped, typed
 from depthcurse.plugins import settings_fields as plugin_settings_fields
 from depthcurse.runtime import World
 from depthcurse.surgery import removed_layers
@@ -478,6 +478,4 @@ def method_settings_text(method: Method) -> str:
     """The method's settings away from their defaults, as `--method-args` takes them."""
     if isinstance(method, Compose):
         return ",".join(f"{m.name}.{part}" for m in method.members for part in method_settings_text(m).split(",") if part)
-    defaults = method.Settings()
-    return ",".join(f"{f.name}={getattr(method.settings, f.name)}" for f in fields(method.settings)
-                    if getattr(method.settings, f.name) != getattr(defaults, f.name))
+    return changed_settings(method.settings)

@@ -21,7 +21,7 @@ from torch import nn
 
 from depthcurse.heal.linear import runs_of
 from depthcurse.heal.streams import StopForward, first_tensor, run_stopped
-from depthcurse.surgery import find_blocks, removed_layers
+from depthcurse.surgery import find_blocks, placed_layers, removed_layers
 
 
 class ReplacementObjective(nn.Module):
@@ -98,21 +98,6 @@ def trainable_copy(layer: nn.Module) -> nn.Module:
 def removed_with(layers: tuple[int, ...]) -> tuple[int, ...]:
     """The layers a replacement removes: each run but its first layer, whose place the new layer takes."""
     return tuple(i for run in runs_of(layers) for i in run[1:])
-
-
-@contextlib.contextmanager
-def placed_layers(model: nn.Module, replacements: dict[int, nn.Module]) -> Iterator[nn.Module]:
-    """`model` with each new layer where its run's first layer stands (the rest of the run still
-    there: the caller removes it); put back afterwards."""
-    blocks = find_blocks(model).layers
-    old = {i: blocks[i] for i in replacements}
-    try:
-        for i, layer in replacements.items():
-            blocks[i] = layer
-        yield model
-    finally:
-        for i, layer in old.items():
-            blocks[i] = layer
 
 
 @contextlib.contextmanager

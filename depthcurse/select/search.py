@@ -3,7 +3,8 @@
 A search chooses which units to remove: k whole blocks, or (`sub-block` granularity) k attention
 and k MLP branches, as EvoPress removes them by default. It is one class in one file: what it is
 given (`SearchContext`: the space of removals, the scorer of any removal on the calibration
-windows, whose every call is counted, the angular-distance pass where it reads the streams, a seed
+windows, whose every call is counted, the angular-distance pass where it reads the streams, the model
+and the windows themselves where it runs a model of its own making (LaCo's and SWM's merges), a seed
 and its own `Settings`) and what it gives (the chosen removal; the scorer keeps every removal it
 scored with its score, and what that cost). `select`'s grid, its statistics and its report depend
 on this contract and never on a search's name, as the heal loop depends on `heal.method`.
@@ -27,11 +28,11 @@ from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.plugins import entry_points_of, load_outside, parse_args, scoped, settings_fields, typed
+from depthcurse.plugins import changed_settings, entry_points_of, load_outside, parse_args, scoped, settings_fields, typed
 
 ENTRY_POINTS = "depthcurse.select_searches"
 GRANULARITIES = ("layer", "sub-block")
-READS = ("objective", "streams", "nothing")  # what a search needs: the scorer, the angular pass, neither
+READS = ("objective", "streams", "model", "nothing")  # what a search needs: the scorer, the angular pass, the model itself (a merge's), none
 
 Unit = int | str  # a block index (layer granularity), or "a3" / "m3" (an attention or MLP branch)
 Removal = tuple  # of units, sorted
@@ -128,6 +129,8 @@ class SearchContext:
     seed: int = 1234
     phase: Callable[[str], None] = field(default=lambda text: None)
     notes: list[str] = field(default_factory=list)  # what a search says of how it ran (a scaled stage, a budget): kept in the cell
+    model: object = None  # the model in memory, every layer in place, for a search that runs what it makes (`reads = "model"`: a merge's)
+    calibration: object = None  # the calibration windows' token ids (windows x tokens), which `score` measures on
 
 
 @dataclass
@@ -277,8 +280,4 @@ def build_searches(specs: tuple[str, ...], args: dict[str, str] | None = None) -
 
 def settings_text(search: Search) -> str:
     """A search's settings away from their defaults, as `--search-args` takes them."""
-    from dataclasses import fields
-
-    defaults = search.Settings()
-    return ",".join(f"{f.name}={getattr(search.settings, f.name)}" for f in fields(search.settings)
-                    if getattr(search.settings, f.name) != getattr(defaults, f.name))
+    return changed_settings(search.settings)

@@ -9,7 +9,8 @@ import torch
 
 from depthcurse.heal.linear import run_text, runs_of
 from depthcurse.heal.method import HealContext, Method
-from depthcurse.heal.replacement import ReplacementObjective, placed_layers, removed_with, trainable_copy
+from depthcurse.heal.replacement import ReplacementObjective, removed_with, trainable_copy
+from depthcurse.surgery import placed_layers
 
 
 class Layer(Method):

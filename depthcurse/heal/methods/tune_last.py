@@ -21,8 +21,7 @@ from torch import nn
 from depthcurse.errors import DepthcurseError
 from depthcurse.heal.method import HealContext, Method
 from depthcurse.heal.objective import HealObjective
-from depthcurse.heal.replacement import placed_layers
-from depthcurse.surgery import find_blocks
+from depthcurse.surgery import find_blocks, placed_layers
 
 
 @dataclass
