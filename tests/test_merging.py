@@ -336,3 +336,39 @@ def test_select_judges_laco_and_swm_beside_greedy(run_cli, tiny_model_dir, text_
     assert line.startswith("error: --search laco merged 0 of k = 2 layers away at threshold 1.0 (similarities 0.") and "lower laco.threshold" in line
     kept = json.loads((tmp_path / "short" / "select.json").read_text())["cells"]
     assert [c["search"] for c in kept.values()] == ["greedy"]
+
+
+# --------------------------------------------------------------------------- MKA's released code
+def _mka_layer_fusion(model, layer1_idx, layer2_idx, ratio_i, weight_types):
+    """SempraETY/Pruning-via-Merging @ 3b60b00, pipeline.py's layer_fusion (its prints left out)."""
+    import numpy as np
+
+    layer1_params = {name: param for name, param in model.named_parameters() if f"model.layers.{layer1_idx}." in name}
+    layer2_params = {name: param for name, param in model.named_parameters() if f"model.layers.{layer2_idx}." in name}
+    for weight_type in weight_types:
+        w1 = layer1_params.get(f"model.layers.{layer1_idx}.{weight_type}")
+        w2 = layer2_params.get(f"model.layers.{layer2_idx}.{weight_type}")
+        if w1 is not None and w2 is not None:
+            ratio_j = 1 - ratio_i
+            w_fused = ratio_i * w1.detach().float().cpu().numpy() + ratio_j * w2.detach().float().cpu().numpy()
+            w_fused_tensor = torch.tensor(np.asarray(w_fused)).to(w1.device)
+            model.state_dict()[f"model.layers.{layer1_idx}.{weight_type}"] = w_fused_tensor.view_as(w1).to(w1.dtype)
+    model.model.layers = torch.nn.ModuleList([layer for k, layer in enumerate(model.model.layers) if k != layer2_idx])
+    return model
+
+
+def test_mkas_released_fusion_writes_into_a_copy_of_the_state_dict_so_it_only_removes_the_last_layer():
+    """docs/healing.md states it: MKA's pipeline.py assigns the fused weights into the dict
+    `model.state_dict()` returns, a fresh one, so no parameter changes; with its loop always fusing
+    the last two layers, k rounds remove the last k layers and merge nothing."""
+    model = tiny_llama(300, layers=6, seed=8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    types = [f"{part}.{proj}.weight" for part, names in PROJECTIONS.items() for proj in names]
+    n = 6
+    for _ in range(2):  # main()'s loop: the last two layers, twice
+        model = _mka_layer_fusion(model, n - 2, n - 1, 0.6, types)
+        n -= 1
+    after = model.state_dict()
+    assert len(model.model.layers) == 4
+    for k, v in after.items():  # every tensor left is the unpruned model's own, untouched: layers 0-3
+        assert torch.equal(v, before[k]), k
