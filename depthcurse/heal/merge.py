@@ -4,11 +4,9 @@ sets. The arithmetic is `depthcurse.merging`'s."""
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from depthcurse.heal.linear import runs_of
 from depthcurse.heal.method import HealContext, Method
-from depthcurse.merging import check_run, merged_block, merged_names, projections_text, run_text
+from depthcurse.merging import check_run, merged_block, projections_text, run_text
 from depthcurse.surgery import find_blocks, placed_layers
 
 
@@ -16,8 +14,6 @@ class Merge(Method):
     """A removed run merged into the layer before it (`rule`, the subclasses'). Nothing trains and
     nothing is estimated: the merged layer is a copy, in its base's place while the healed model
     runs and in the checkpoint, so that the model in memory stays the unpruned one."""
-
-    rules: ClassVar[dict] = {}
 
     def rule(self):
         raise NotImplementedError
@@ -56,8 +52,3 @@ class Merge(Method):
 
     def modules(self):
         return list(getattr(self, "merged", {}).values())
-
-    def cost(self, model, layers):
-        blocks = find_blocks(model).layers
-        changed = sum(p.numel() for name, p in blocks[0].named_parameters() if name in set(merged_names(blocks[0])))
-        return {"trained_params": 0, "added_params": 0, "solved_params": changed * len(runs_of(layers))}

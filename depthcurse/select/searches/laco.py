@@ -1,7 +1,9 @@
 """LaCo's layer-collapse procedure (Yang et al., Findings of EMNLP 2024, arXiv 2402.11187;
 yangyifei729/LaCo @ 8483587, `laco_llama-13b.ipynb`, the notebook's last loop), with its defaults:
 from the top down, the run of `merge_layers` layers starting at `lay` is merged into its first
-(`heal --methods laco`'s RDSC), and the merge kept while the merged model's last hidden state stays
+(`heal --methods laco`'s RDSC, here by default as the notebook computes it: what its loop ran; the
+paper's sum of differences, `as=paper`, takes SmolLM2's merged weights to 4.4 times their norm
+and the similarity to about 0), and the merge kept while the merged model's last hidden state stays
 within the cosine `threshold` of the unpruned model's on the calibration windows; after a kept merge
 `lay` steps down by `interval` (and back under the shrunk model's top), after a refused one by 1,
 until `lay` passes `lowest`. Their run is cut where the model ends (`min(merge_layer_num, len -
@@ -37,7 +39,7 @@ class LacoSearchSettings:
     threshold: float = 0.45  # THRESHOLD: the least mean cosine similarity of the last hidden states kept
     lowest: int = 0  # LOWEST_LAY
     highest: int | None = None  # HIGHEST_LAY; None: the last layer
-    as_: str = "paper"  # the merge the procedure runs: RDSC as the paper writes it, or as the code computes it
+    as_: str = "code"  # the merge the procedure runs: as the notebook computes it (what its loop ran), or `paper`, RDSC as written
 
 
 def laco_procedure(model, windows, s: LacoSearchSettings, stop_at: int | None = None, on_step=lambda text: None) -> tuple[Merging, list]:
