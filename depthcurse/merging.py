@@ -85,10 +85,11 @@ def run_text(run) -> str:
 
 
 def check_run(model: nn.Module, run: tuple[int, ...], method: str) -> None:
-    """One line where `run` cannot be merged into the layer before it."""
+    """One line where `run` cannot be merged into the layer before it (`method`: the option that
+    asked, `--method laco` or `--search swm`)."""
     blocks = find_blocks(model).layers
     if run[0] == 0:
-        raise DepthcurseError(f"--method {method}: it merges each removed run into the layer before it, and {run_text(run)} starts at layer 0, "
+        raise DepthcurseError(f"{method}: it merges each removed run into the layer before it, and {run_text(run)} starts at layer 0, "
                               "which has none: remove from layer 1 on")
     base = blocks[run[0] - 1]
     shapes = {name: tuple(p.shape) for name, p in base.named_parameters() if name in set(merged_names(base))}
@@ -96,7 +97,14 @@ def check_run(model: nn.Module, run: tuple[int, ...], method: str) -> None:
         other = {name: tuple(p.shape) for name, p in blocks[i].named_parameters() if name in shapes}
         if type(blocks[i]) is not type(base) or other != shapes:
             differs = next((name for name in shapes if other.get(name) != shapes[name]), type(blocks[i]).__name__)
-            raise DepthcurseError(f"--method {method}: layer {i} differs from layer {run[0] - 1} in shape ({differs}), so it cannot be merged into it")
+            raise DepthcurseError(f"{method}: layer {i} differs from layer {run[0] - 1} in shape ({differs}), so it cannot be merged into it")
+
+
+def check_uniform(model: nn.Module, owner: str) -> None:
+    """One line where some layer cannot merge with the others (a procedure may merge any two)."""
+    blocks = find_blocks(model).layers
+    for i in range(1, len(blocks)):
+        check_run(model, (i,), owner)
 
 
 @torch.no_grad()

@@ -229,6 +229,10 @@ def test_a_layer_of_another_shape_is_refused_before_any_work():
     model.model.layers[3].mlp.up_proj = nn.Linear(32, 96, bias=False)  # an MLP wider than its neighbours'
     with pytest.raises(DepthcurseError, match=re.escape("--method swm: layer 3 differs from layer 2 in shape (mlp.up_proj.weight)")):
         build_method("swm").check(model, (3, 4))
+    from depthcurse.merging import check_uniform
+
+    with pytest.raises(DepthcurseError, match=re.escape("--search laco: layer 3 differs from layer 2 in shape")):
+        check_uniform(model, "--search laco")  # the procedures may merge any layer into the one below it
 
 
 def test_heal_compares_merges_with_a_removal_repair_from_the_command_line(run_cli, bos_model_dir, docs_file, tmp_path):

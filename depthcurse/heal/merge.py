@@ -23,7 +23,7 @@ class Merge(Method):
 
     def check(self, model, layers):
         for run in runs_of(layers):
-            check_run(model, run, self.name)
+            check_run(model, run, f"--method {self.name}")
 
     def describe(self):
         return f"each removed run merged into the layer before it, {self.rule_text()}"

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.merging import Merging, check_threshold, last_hidden, mean_similarity, rdsc_code, rdsc_paper
+from depthcurse.merging import Merging, check_threshold, check_uniform, last_hidden, mean_similarity, rdsc_code, rdsc_paper
 from depthcurse.select.search import Search
 from depthcurse.surgery import find_blocks
 
@@ -90,6 +90,7 @@ class Laco(Search):
                                   f"in {space.n} layers (0 <= lowest <= highest - merge_layers, highest < {space.n})")
 
     def run(self, ctx):
+        check_uniform(ctx.model, "--search laco")
         state, trail = laco_procedure(ctx.model, ctx.calibration, self.settings, stop_at=ctx.space.k, on_step=ctx.phase)
         kept = sum(1 for t in trail if t[3])
         ctx.notes.append(f"{len(trail)} merges tried, {kept} kept; similarities {min(t[2] for t in trail):.4f}-{max(t[2] for t in trail):.4f}")

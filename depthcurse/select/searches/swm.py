@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.merging import Merging, check_threshold, last_hidden, mean_similarity, sliding_window_code
+from depthcurse.merging import Merging, check_threshold, check_uniform, last_hidden, mean_similarity, sliding_window_code
 from depthcurse.select.search import Search
 from depthcurse.surgery import find_blocks
 
@@ -77,6 +77,7 @@ class Swm(Search):
             raise DepthcurseError(f"--search swm slides a window under the last layer: {space.n} layers leave none")
 
     def run(self, ctx):
+        check_uniform(ctx.model, "--search swm")
         state, trail = swm_procedure(ctx.model, ctx.calibration, self.settings, stop_at=ctx.space.k, on_step=ctx.phase)
         ctx.notes.append(f"{len(trail)} windows tried; similarities {min(t[2] for t in trail):.4f}-{max(t[2] for t in trail):.4f}")
         gone = state.gone()
