@@ -171,3 +171,17 @@ def mean_similarity(reference: list[torch.Tensor], other: list[torch.Tensor]) ->
 def check_threshold(value: float, owner: str) -> None:
     if not (math.isfinite(value) and -1 < value <= 1):
         raise DepthcurseError(f"--search-args {owner}.threshold={value}: a cosine similarity threshold lies in (-1, 1]")
+
+
+def similarity_range(trail) -> str:
+    """The similarities a procedure met (`trail`: its steps, the similarity third), as a range."""
+    return f"{min(t[2] for t in trail):.4f}-{max(t[2] for t in trail):.4f}"
+
+
+def merged_away(name: str, state: "Merging", trail, k: int, threshold: float) -> tuple[int, ...]:
+    """The layers a procedure merged away, or one line where it stopped short of k."""
+    gone = state.gone()
+    if len(gone) < k:
+        raise DepthcurseError(f"--search {name} merged {len(gone)} of k = {k} layers away at threshold {threshold} "
+                              f"(similarities {similarity_range(trail)}): lower {name}.threshold")
+    return gone

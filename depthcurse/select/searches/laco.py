@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.merging import Merging, check_threshold, check_uniform, last_hidden, mean_similarity, rdsc_code, rdsc_paper
+from depthcurse.merging import Merging, check_threshold, check_uniform, merged_away, similarity_range, last_hidden, mean_similarity, rdsc_code, rdsc_paper
 from depthcurse.select.search import Search
 from depthcurse.surgery import find_blocks
 
@@ -93,9 +93,5 @@ class Laco(Search):
         check_uniform(ctx.model, "--search laco")
         state, trail = laco_procedure(ctx.model, ctx.calibration, self.settings, stop_at=ctx.space.k, on_step=ctx.phase)
         kept = sum(1 for t in trail if t[3])
-        ctx.notes.append(f"{len(trail)} merges tried, {kept} kept; similarities {min(t[2] for t in trail):.4f}-{max(t[2] for t in trail):.4f}")
-        gone = state.gone()
-        if len(gone) < ctx.space.k:
-            raise DepthcurseError(f"--search laco merged {len(gone)} of k = {ctx.space.k} layers away at threshold {self.settings.threshold} "
-                                  f"(similarities {min(t[2] for t in trail):.4f}-{max(t[2] for t in trail):.4f}): lower laco.threshold")
-        return gone
+        ctx.notes.append(f"{len(trail)} merges tried, {kept} kept; similarities {similarity_range(trail)}")
+        return merged_away("laco", state, trail, ctx.space.k, self.settings.threshold)

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.merging import Merging, check_threshold, check_uniform, last_hidden, mean_similarity, sliding_window_code
+from depthcurse.merging import Merging, check_threshold, check_uniform, merged_away, similarity_range, last_hidden, mean_similarity, sliding_window_code
 from depthcurse.select.search import Search
 from depthcurse.surgery import find_blocks
 
@@ -79,9 +79,5 @@ class Swm(Search):
     def run(self, ctx):
         check_uniform(ctx.model, "--search swm")
         state, trail = swm_procedure(ctx.model, ctx.calibration, self.settings, stop_at=ctx.space.k, on_step=ctx.phase)
-        ctx.notes.append(f"{len(trail)} windows tried; similarities {min(t[2] for t in trail):.4f}-{max(t[2] for t in trail):.4f}")
-        gone = state.gone()
-        if len(gone) < ctx.space.k:
-            raise DepthcurseError(f"--search swm merged {len(gone)} of k = {ctx.space.k} layers away at threshold {self.settings.threshold} "
-                                  f"(similarities {min(t[2] for t in trail):.4f}-{max(t[2] for t in trail):.4f}): lower swm.threshold")
-        return gone
+        ctx.notes.append(f"{len(trail)} windows tried; similarities {similarity_range(trail)}")
+        return merged_away("swm", state, trail, ctx.space.k, self.settings.threshold)
