@@ -352,7 +352,7 @@ def test_heal_methods_on_the_command_line_and_their_bad_input(run_cli, bos_model
     text = " ".join(stdout.split())
     assert "every method on the same removal" in text and (tmp_path / "cli" / "layer" / "hf" / "config.json").is_file()
     assert "…" not in stdout  # written to a pipe, not a terminal: the table as wide as its cells, none cut
-    assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "magic"), "unknown --method 'magic': use ffn, layer, linear, linear-cosine, linearpatch, lora")
+    assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "magic"), "unknown --method 'magic': use ffn, laco, layer, linear, linear-cosine, linearpatch, lora")
     assert_one_line_error(*run_cli(*base, "--layers", "2", "--methods", "lora,magic"), "unknown --method 'magic'")
     assert_one_line_error(*run_cli(*base, "--layers", "0,1", "--method", "linear"), "layer 0 (removed with layers 0-1) has none before it")
     assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "linear", "--calib-tokens", "0"), "--calib-tokens must be at least 1, got 0")
