@@ -603,3 +603,45 @@ def test_prunes_greedy_says_where_its_pick_falls_among_an_exact_runs_removals():
     assert optimum_lines(record, {2: (0, 2)}, "another model") == [] and optimum_lines(record, {3: (0, 1, 2)}, "m") == []
     record["run"]["granularity"] = "sub-block"
     assert optimum_lines(record, {2: (0, 2)}, "m") == []
+
+
+def test_sub_block_picks_are_placed_among_their_own_kind_of_removal_and_labels_name_the_text():
+    """Sub-blocks at k = 1 of 3 blocks: a removal is one attention and one MLP branch (2 units), the
+    space C(3, 1)^2 = 9; a single branch (1 unit) or a whole block is not one of them. The text is
+    named by its label, here and in prune's line."""
+    from depthcurse.select.statistics import distances, optimum_lines
+
+    scores = {"a0,m1": [2.2, 0.2], "a1,m1": [2.0, 0.1], "a2,m0": [2.6, 0.4], "a0": [1.0, 0.0], "1": [0.5, 0.0]}
+    cells = {"x/exact/ppl": {"calibration": "t", "search": "exact", "objective": "ppl", "layers": ["a1", "m1"]},
+             "x/last": {"calibration": "t", "search": "last", "objective": "-", "layers": ["a0", "m1"]}}
+    record = {"run": {"k": 1, "n_layers": 3, "granularity": "sub-block", "objectives": ["ppl"], "model": "m", "calib_windows": 2, "seq_len": 8},
+              "cells": cells, "labels": {"t": "x"}, "calibration_scores": {"t": scores}}
+    got = distances(record)
+    assert list(got) == ["x ppl"]
+    ppl = got["x ppl"]
+    assert (ppl["space"], ppl["scored"], ppl["best"], ppl["all_scores"]) == (9, 3, "a1,m1", [2.0, 2.2, 2.6])
+    assert (ppl["picks"]["x/last"]["rank"], ppl["picks"]["x/last"]["gap"]) == (2, pytest.approx(0.2))
+    assert optimum_lines(record, {1: ("a1", "m1")}, "m") == []  # prune's line is for whole blocks only
+    record["run"]["granularity"] = "layer"
+    record["cells"] = {"x/exact/ppl": {"calibration": "t", "search": "exact", "objective": "ppl", "layers": [1]}}
+    assert optimum_lines(record, {1: (1,)}, "m") == ["optimum at k = 1 (select's exact, ppl on x's 2 calibration windows x 8 tokens): without 1, 0.5000; greedy's 1 is it"]
+
+
+def test_an_objective_no_cell_read_is_skipped_and_the_next_still_placed_and_a_bare_record_places_nothing():
+    from depthcurse.select.statistics import distances, optimum_lines
+
+    record = _distance_record(with_exact=False)
+    record["cells"] = {"t/greedy/kl": {"calibration": "t", "search": "greedy", "objective": "kl", "layers": [1, 3]}}
+    got = distances(record)
+    assert list(got) == ["t kl"] and got["t kl"]["best"] == "0,3"  # ppl: no cell there, passed over; kl after it
+    del record["labels"]
+    assert list(distances(record)) == ["t kl"]  # no labels: the text by its source
+    assert distances({"run": record["run"], "cells": record["cells"]}) == {}
+    assert optimum_lines({"cells": {}}, {2: (0, 1)}) == []
+    exact = _distance_record(with_exact=True)
+    exact["run"].update(model="m", calib_windows=4, seq_len=64)
+    exact["calibration_scores"] = {"other text": exact["calibration_scores"]["t"]}  # the exact cell's text has no scores
+    assert optimum_lines(exact, {2: (1, 3)}, "m") == []
+    del exact["labels"]
+    exact["calibration_scores"] = {"t": _distance_record(with_exact=True)["calibration_scores"]["t"]}
+    assert optimum_lines(exact, {2: (1, 3)}, "m")[0].startswith("optimum at k = 2 (select's exact, ppl on t's 4 calibration windows")
