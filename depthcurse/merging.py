@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.surgery import find_blocks, placed_layers, removed_layers
+from depthcurse.surgery import find_blocks, placed_layers, removed_layers, run_text
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -70,6 +70,10 @@ def rdsc_code(base: torch.Tensor, run: list[torch.Tensor]) -> torch.Tensor:
     return w
 
 
+# LaCo's merge by `as=`: the paper's formula, or what the released notebook computes
+RDSC_FORMS = {"paper": rdsc_paper, "code": rdsc_code}
+
+
 @torch.no_grad()
 def sliding_window_code(base: torch.Tensor, run: list[torch.Tensor], weight_factor: float = 1.0) -> torch.Tensor:
     """Sliding-Window Merging's `merge_layers_return_model` as it runs: the window's layers from
@@ -80,8 +84,10 @@ def sliding_window_code(base: torch.Tensor, run: list[torch.Tensor], weight_fact
     return w
 
 
-def run_text(run) -> str:
-    return f"layer {run[0]}" if len(run) == 1 else f"layers {run[0]}-{run[-1]}"
+def check_weight_factor(value: float, said: str) -> None:
+    """One line where SWM's weight factor (`said`: how the user gave it) is no step towards a layer."""
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise DepthcurseError(f"{said}={value}: a step towards each layer lies in (0, 1] (SLM.py uses 1)")
 
 
 def check_run(model: nn.Module, run: tuple[int, ...], method: str) -> None:
@@ -92,7 +98,8 @@ def check_run(model: nn.Module, run: tuple[int, ...], method: str) -> None:
         raise DepthcurseError(f"{method}: it merges each removed run into the layer before it, and {run_text(run)} starts at layer 0, "
                               "which has none: remove from layer 1 on")
     base = blocks[run[0] - 1]
-    shapes = {name: tuple(p.shape) for name, p in base.named_parameters() if name in set(merged_names(base))}
+    merged = set(merged_names(base))
+    shapes = {name: tuple(p.shape) for name, p in base.named_parameters() if name in merged}
     for i in run:
         other = {name: tuple(p.shape) for name, p in blocks[i].named_parameters() if name in shapes}
         if type(blocks[i]) is not type(base) or other != shapes:

@@ -359,6 +359,21 @@ def _remove(model: nn.Module, layers: Iterable[int]) -> Callable[[], None]:
     return restore
 
 
+def runs_of(layers: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The contiguous runs of `layers` (sorted): 3,4,5,9 -> (3,4,5), (9,)."""
+    runs: list[list[int]] = []
+    for i in sorted(layers):
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return [tuple(r) for r in runs]
+
+
+def run_text(run: tuple[int, ...]) -> str:
+    return f"layer {run[0]}" if len(run) == 1 else f"layers {run[0]}-{run[-1]}"
+
+
 @contextmanager
 def placed_layers(model: nn.Module, replacements: dict[int, nn.Module]) -> Iterator[nn.Module]:
     """`model` with each of `replacements` (an index -> a block) in that block's place: a trained or

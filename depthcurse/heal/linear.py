@@ -25,22 +25,11 @@ from torch import nn
 
 from depthcurse.errors import DepthcurseError
 from depthcurse.heal.streams import first_tensor, stream_after
-from depthcurse.surgery import branch_output, find_blocks, find_branch, removed_layers
+from depthcurse.surgery import branch_output, find_blocks, find_branch, removed_layers, run_text, runs_of
 
 # The MLP's last linear layer, by the names transformers gives it (Llama/Mistral/Qwen/Gemma,
 # GPT-2, GPT-NeoX/Falcon, Phi/OPT-style, Mixtral-style experts' w2 is not a dense MLP).
 OUTPUT_PROJECTIONS = ("down_proj", "c_proj", "dense_4h_to_h", "fc2", "fc_out", "w2", "proj_out")
-
-
-def runs_of(layers: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """The contiguous runs of `layers` (sorted): 3,4,5,9 -> (3,4,5), (9,)."""
-    runs: list[list[int]] = []
-    for i in sorted(layers):
-        if runs and runs[-1][-1] == i - 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return [tuple(r) for r in runs]
 
 
 def foldable_mlp(block: nn.Module, where: str) -> nn.Module:
@@ -101,10 +90,6 @@ def check_linear(model: nn.Module, layers: tuple[int, ...]) -> None:
         if run[0] == 0:
             raise DepthcurseError(f"it folds a map into the block before each removed run, and layer 0 (removed with {run_text(run)}) has none before it")
         output_projection(blocks[run[0] - 1], f"layer {run[0] - 1}, before {run_text(run)}")
-
-
-def run_text(run: tuple[int, ...]) -> str:
-    return f"layer {run[0]}" if len(run) == 1 else f"layers {run[0]}-{run[-1]}"
 
 
 def solve_map(gram: torch.Tensor, cross: torch.Tensor, ridge: float = 0.0) -> torch.Tensor:

@@ -4,10 +4,9 @@ sets. The arithmetic is `depthcurse.merging`'s."""
 
 from __future__ import annotations
 
-from depthcurse.heal.linear import runs_of
 from depthcurse.heal.method import HealContext, Method
-from depthcurse.merging import check_run, merged_block, projections_text, run_text
-from depthcurse.surgery import find_blocks, placed_layers
+from depthcurse.merging import check_run, merged_block, projections_text
+from depthcurse.surgery import find_blocks, placed_layers, run_text, runs_of
 
 
 class Merge(Method):

@@ -19,9 +19,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from depthcurse.heal.linear import runs_of
 from depthcurse.heal.streams import StopForward, first_tensor, run_stopped
-from depthcurse.surgery import find_blocks, placed_layers, removed_layers
+from depthcurse.surgery import find_blocks, placed_layers, removed_layers, runs_of
 
 
 class ReplacementObjective(nn.Module):

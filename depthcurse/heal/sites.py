@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from depthcurse.angular import measure
-from depthcurse.heal.linear import runs_of
+from depthcurse.surgery import runs_of
 
 
 def massive_at_sites(model: torch.nn.Module, windows: torch.Tensor, layers: tuple[int, ...], batch_size: int) -> dict:

@@ -16,9 +16,9 @@ import copy
 import torch
 from torch import nn
 
-from depthcurse.heal.linear import attention_output, run_text, runs_of
+from depthcurse.heal.linear import attention_output
 from depthcurse.heal.methods.layer import Layer
-from depthcurse.surgery import find_blocks, find_branch
+from depthcurse.surgery import find_blocks, find_branch, run_text, runs_of
 
 def ffn_copy(layer: nn.Module) -> nn.Module:
     """A copy of `layer` computing x + MLP(norm(x)): its attention output projection zero and

@@ -15,9 +15,7 @@ from dataclasses import dataclass
 
 from depthcurse.errors import DepthcurseError
 from depthcurse.heal.merge import Merge
-from depthcurse.merging import rdsc_code, rdsc_paper
-
-FORMS = {"paper": rdsc_paper, "code": rdsc_code}
+from depthcurse.merging import RDSC_FORMS
 
 
 @dataclass
@@ -32,11 +30,11 @@ class Laco(Merge):
     Settings = LacoSettings
 
     def check_settings(self):
-        if self.settings.as_ not in FORMS:
+        if self.settings.as_ not in RDSC_FORMS:
             raise DepthcurseError(f"--method laco: as={self.settings.as_!r}: use paper (RDSC as the paper writes it) or code (as the released notebook computes it)")
 
     def rule(self):
-        return FORMS[self.settings.as_]
+        return RDSC_FORMS[self.settings.as_]
 
     def rule_text(self):
         if self.settings.as_ == "paper":

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from depthcurse.heal.linear import run_text, runs_of
 from depthcurse.heal.method import HealContext, Method
 from depthcurse.heal.replacement import ReplacementObjective, removed_with, trainable_copy
-from depthcurse.surgery import placed_layers
+from depthcurse.surgery import placed_layers, run_text, runs_of
 
 
 class Layer(Method):

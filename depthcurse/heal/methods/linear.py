@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.heal.linear import LeastSquares, check_linear, estimate_maps, fold_maps, mapped, output_projection, runs_of
+from depthcurse.heal.linear import LeastSquares, check_linear, estimate_maps, fold_maps, mapped, output_projection
 from depthcurse.heal.method import HealContext, Method, at_least
-from depthcurse.surgery import find_blocks
+from depthcurse.surgery import find_blocks, runs_of
 
 
 @dataclass

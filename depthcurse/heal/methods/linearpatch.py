@@ -23,12 +23,11 @@ import torch
 from torch import nn
 
 from depthcurse.heal.hadamard import hadamard, stored_order
-from depthcurse.heal.linear import run_text, runs_of
 from depthcurse.heal.method import HealContext, Method, at_least
 from depthcurse.heal.objective import HealObjective
 from depthcurse.heal.streams import stream_after, stream_before
 from depthcurse.patches import FINAL, final_norm, patched, save_patches
-from depthcurse.surgery import find_blocks, removed_layers
+from depthcurse.surgery import find_blocks, removed_layers, run_text, runs_of
 
 
 @dataclass

@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.heal.linear import attention_output, output_projection, run_text, runs_of
+from depthcurse.heal.linear import attention_output, output_projection
 from depthcurse.heal.method import HealContext, Method, at_least
 from depthcurse.heal.streams import stream_after, stream_before
-from depthcurse.surgery import branch_output, find_blocks, removed_layers
+from depthcurse.surgery import branch_output, find_blocks, removed_layers, run_text, runs_of
 
 POSITION_EMBEDDINGS = ("wpe", "embed_positions", "position_embeddings")  # learned absolute positions, which also write into the stream
 

@@ -8,12 +8,10 @@ Their selection procedure is `select --search swm`."""
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
-from depthcurse.errors import DepthcurseError
 from depthcurse.heal.merge import Merge
-from depthcurse.merging import sliding_window_code
+from depthcurse.merging import check_weight_factor, sliding_window_code
 
 
 @dataclass
@@ -28,9 +26,7 @@ class Swm(Merge):
     Settings = SwmSettings
 
     def check_settings(self):
-        f = self.settings.weight_factor
-        if not (math.isfinite(f) and 0 < f <= 1):
-            raise DepthcurseError(f"--method swm: weight_factor={f}: a step towards each layer lies in (0, 1] (SLM.py uses 1)")
+        check_weight_factor(self.settings.weight_factor, "--method swm: weight_factor")
 
     def rule(self):
         return functools.partial(sliding_window_code, weight_factor=self.settings.weight_factor)

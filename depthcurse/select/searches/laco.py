@@ -25,11 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.merging import Merging, check_threshold, check_uniform, merged_away, similarity_range, last_hidden, mean_similarity, rdsc_code, rdsc_paper
+from depthcurse.merging import Merging, RDSC_FORMS, check_threshold, check_uniform, last_hidden, mean_similarity, merged_away, similarity_range
 from depthcurse.select.search import Search
 from depthcurse.surgery import find_blocks
-
-FORMS = {"paper": rdsc_paper, "code": rdsc_code}
 
 
 @dataclass
@@ -55,7 +53,7 @@ def laco_procedure(model, windows, s: LacoSearchSettings, stop_at: int | None = 
         m = min(s.merge_layers - 1, len(state.kept) - lay - 1)
         if stop_at is not None:
             m = min(m, stop_at - len(state.gone()))
-        candidate = state.merge(blocks, lay, lay + m, FORMS[s.as_])
+        candidate = state.merge(blocks, lay, lay + m, RDSC_FORMS[s.as_])
         with candidate.model(model) as merged:
             sim = mean_similarity(reference, last_hidden(merged, windows))
         trail.append((lay, m, sim, sim > s.threshold))
@@ -80,7 +78,7 @@ class Laco(Search):
     def check(self, space):
         s = self.settings
         check_threshold(s.threshold, "laco")
-        if s.as_ not in FORMS:
+        if s.as_ not in RDSC_FORMS:
             raise DepthcurseError(f"--search-args laco.as={s.as_}: use paper or code")
         if s.merge_layers < 2 or s.interval < 1:
             raise DepthcurseError(f"--search-args laco: merge_layers ({s.merge_layers}) must be at least 2 and interval ({s.interval}) at least 1")

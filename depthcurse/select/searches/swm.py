@@ -17,11 +17,10 @@ tokens of BookCorpus, here the calibration windows."""
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.merging import Merging, check_threshold, check_uniform, merged_away, similarity_range, last_hidden, mean_similarity, sliding_window_code
+from depthcurse.merging import Merging, check_threshold, check_uniform, check_weight_factor, last_hidden, mean_similarity, merged_away, similarity_range, sliding_window_code
 from depthcurse.select.search import Search
 from depthcurse.surgery import find_blocks
 
@@ -70,9 +69,7 @@ class Swm(Search):
 
     def check(self, space):
         check_threshold(self.settings.threshold, "swm")
-        f = self.settings.weight_factor
-        if not (math.isfinite(f) and 0 < f <= 1):
-            raise DepthcurseError(f"--search-args swm.weight_factor={f}: a step towards each layer lies in (0, 1] (SLM.py uses 1)")
+        check_weight_factor(self.settings.weight_factor, "--search-args swm.weight_factor")
         if space.n < 3:
             raise DepthcurseError(f"--search swm slides a window under the last layer: {space.n} layers leave none")
 
