@@ -41,6 +41,18 @@ def build_search(spec, args):
     return build_searches((spec,), parse_search_args(",".join(f"{k}={v}" for k, v in args.items())))[spec]
 
 
+def _llama(layers, seed):
+    """A tiny Llama whose norms differ from layer to layer (a fresh model's are all ones), so that a
+    merge that touched them, or a port that kept the wrong layer's, would show."""
+    model = tiny_llama(300, layers=layers, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for module in model.modules():
+            if "Norm" in type(module).__name__:
+                module.weight.copy_(0.5 + torch.rand(module.weight.shape, generator=g))
+    return model
+
+
 # --------------------------------------------------------------------------- the authors' code, ported
 def _laco_merge(model, merge_base_lay, merge_layer_num):
     """laco_llama-13b.ipynb's merge_layers_return_model."""
@@ -154,7 +166,7 @@ def test_the_papers_rdsc_the_codes_loop_and_swms_average_on_numbers_worked_by_ha
 
 
 def test_laco_as_code_is_the_released_notebook_tensor_for_tensor_and_as_paper_the_formula(tmp_path):
-    model = tiny_llama(300, layers=8, seed=5)
+    model = _llama(8, 5)
     theirs = _laco_merge(model, 3, 3)  # layer 3 with 4, 5, 6 merged in
     ours = _healed_checkpoint(model, (4, 5, 6), build_method("laco", {"as": "code"}), tmp_path / "code")
     _same_weights(ours, theirs)
@@ -175,14 +187,14 @@ def test_laco_as_code_is_the_released_notebook_tensor_for_tensor_and_as_paper_th
 
 @pytest.mark.parametrize("factor", [1.0, 0.5])
 def test_swm_is_the_released_scripts_merge_tensor_for_tensor(tmp_path, factor):
-    model = tiny_llama(300, layers=8, seed=6)
+    model = _llama(8, 6)
     theirs = _swm_merge(model, 2, 5, factor)
     ours = _healed_checkpoint(model, (3, 4, 5), build_method("swm", {"weight_factor": str(factor)}), tmp_path / "swm")
     _same_weights(ours, theirs)
 
 
 def test_a_merged_model_saves_as_a_stock_checkpoint_with_the_logits_measured_and_two_runs_merge_apart(tmp_path):
-    model = tiny_llama(300, layers=8, seed=7)
+    model = _llama(8, 7)
     ids = torch.randint(3, 300, (2, 16), generator=torch.Generator().manual_seed(0))
     method = build_method("laco")
     method.prepare(HealContext(model=model, layers=(2, 3, 6), calibration=lambda tokens: []))
@@ -272,7 +284,7 @@ def _merged_state_model(model, state):
 
 @pytest.mark.parametrize("threshold", [0.99, 0.9, 0.5])
 def test_lacos_procedure_is_the_notebooks_loop(threshold):
-    model = tiny_llama(300, layers=10, seed=3)
+    model = _llama(10, 3)
     windows = _windows()
     settings = LacoSearchSettings(merge_layers=3, interval=1, threshold=threshold, lowest=0, highest=9, as_="code")
     state, trail = laco_procedure(model, windows, settings)
@@ -284,7 +296,7 @@ def test_lacos_procedure_is_the_notebooks_loop(threshold):
 def test_lacos_procedure_tries_and_refuses_on_a_tiny_model_and_stops_at_k():
     """At a threshold between the merges' similarities some are kept and some refused, and with k
     the procedure ends once k layers are gone, the last merge cut to fit."""
-    model = tiny_llama(300, layers=10, seed=3)
+    model = _llama(10, 3)
     windows = _windows()
     free, trail = laco_procedure(model, windows, LacoSearchSettings(merge_layers=3, threshold=0.0, highest=9))
     sims = sorted(t[2] for t in trail)
@@ -297,7 +309,7 @@ def test_lacos_procedure_tries_and_refuses_on_a_tiny_model_and_stops_at_k():
 
 @pytest.mark.parametrize("threshold", [0.99, 0.9, 0.5])
 def test_swms_procedure_is_the_scripts_loop(threshold):
-    model = tiny_llama(300, layers=10, seed=4)
+    model = _llama(10, 4)
     windows = _windows(seed=1)
     state, trail = swm_procedure(model, windows, SwmSearchSettings(threshold=threshold))
     theirs = _swm_loop(model, windows, threshold)
@@ -305,7 +317,7 @@ def test_swms_procedure_is_the_scripts_loop(threshold):
 
 
 def test_swm_stops_at_k_with_the_window_that_reaches_it():
-    model = tiny_llama(300, layers=10, seed=4)
+    model = _llama(10, 4)
     state, trail = swm_procedure(model, _windows(seed=1), SwmSearchSettings(threshold=-0.99), stop_at=4)
     assert state.gone() == (5, 6, 7, 8) and list(state.merged) == [4]  # one window grown down from 7-8 until four are gone
 

@@ -5,7 +5,7 @@ from the top down, the run of `merge_layers` layers starting at `lay` is merged 
 paper's sum of differences, `as=paper`, takes SmolLM2's merged weights to 4.4 times their norm
 and the similarity to about 0), and the merge kept while the merged model's last hidden state stays
 within the cosine `threshold` of the unpruned model's on the calibration windows; after a kept merge
-`lay` steps down by `interval` (and back under the shrunk model's top), after a refused one by 1,
+`lay` steps down by `interval`, after a refused one by 1,
 until `lay` passes `lowest`. Their run is cut where the model ends (`min(merge_layer_num, len -
 base - 1)`), so later merges may reach the last layer.
 
@@ -60,9 +60,7 @@ def laco_procedure(model, windows, s: LacoSearchSettings, stop_at: int | None = 
         on_step(f"layer {lay} with {m} above: similarity {sim:.4f}")
         if sim > s.threshold:
             state = candidate
-            lay -= s.interval
-            if lay >= len(state.kept):
-                lay = len(state.kept) - 1 - s.merge_layers
+            lay -= s.interval  # the notebook then clamps lay under len(model) - 1: never needed, a kept merge leaves lay + 1 layers at least
         else:
             lay -= 1
     return state, trail
