@@ -85,6 +85,14 @@ class World:
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
+    def all_gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank; [obj] alone."""
+        if not self.parallel:
+            return [obj]
+        out = [None] * self.size
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
     def gather(self, obj) -> list | None:
         """Every rank's `obj`, in rank order, on rank 0 (None elsewhere); [obj] alone."""
         if not self.parallel:

@@ -275,7 +275,8 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
 
             ctx = SearchContext(space=space, objective=objective, windows=len(calibration), window_tokens=calibration.shape[1],
                                 score=lambda r, score_many=score_many: score_many([r])[0], score_many=score_many,
-                                score_on=lambda r, w, t, o=objective: scorer.score_on(r, w, t, o), streams=streams, seed=cfg.seed,
+                                score_on=lambda r, w, t, o=objective: scorer.score_on(r, w, t, o),
+                                score_on_many=lambda rs, w, t, o=objective: scorer.score_on_many(rs, w, t, o), streams=streams, seed=cfg.seed,
                                 model=model, calibration=calibration,
                                 phase=lambda text, name=name: on_step(f"{name}: {text}", i, len(todo)) if on_step else None)
             before = replace(scorer.cost) if scorer is not None else None

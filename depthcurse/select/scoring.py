@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 
 from depthcurse.prune.stepping import Stepper, Unsupported
+from depthcurse.runtime import World
 from depthcurse.select.search import Removal, key
 from depthcurse.surgery import num_layers, removed_layers, removed_units
 
@@ -35,8 +36,8 @@ from depthcurse.surgery import num_layers, removed_layers, removed_units
 class Cost:
     """What scoring took, in full-calibration passes (fractions where some windows ran)."""
 
-    window_blocks: int = 0  # blocks applied, times the windows they were applied to
-    window_heads: int = 0  # output-head applications, times their windows
+    window_blocks: float = 0  # blocks applied, times the windows they were applied to (a cut window: its share of the tokens)
+    window_heads: float = 0  # output-head applications, times their windows
     sets: int = 0  # removals scored on every calibration window
     subset_scores: int = 0  # removals scored on some windows (EvoPress's stages)
     tokens: int = 0  # tokens scored in all (every window's length, each time it is scored)
@@ -88,8 +89,9 @@ class CalibrationScorer:
     [loss, KL] (kept by the caller: `on_new` is called after each new one)."""
 
     def __init__(self, model, windows: torch.Tensor, batch_size: int, known: dict[str, list[float]], on_new: Callable[[], None],
-                 granularity: str = "layer"):
+                 granularity: str = "layer", world: World = World()):
         self.model, self.windows, self.batch_size, self.known, self.on_new = model, windows, batch_size, known, on_new
+        self.world = world  # under torchrun: the removals scored are shared over the ranks, every rank given every score
         self.granularity, self.n = granularity, num_layers(model)
         self.cost = Cost()
         self.stepper = self._stepper()
@@ -143,7 +145,8 @@ class CalibrationScorer:
         todo = sorted({key(r): tuple(r) for r in removals if key(r) not in self.known}.values())
         if todo:
             started = time.perf_counter()
-            per_window = self._walk(todo) if self.stepper is not None and self.granularity == "layer" else self._one_by_one(todo)
+            walk = self._walk if self.stepper is not None and self.granularity == "layer" else self._one_by_one
+            per_window = self._shared(todo, walk)
             for removal, (losses, kls) in zip(todo, per_window):
                 self.known[key(removal)] = [sum(losses) / len(losses), sum(kls) / len(kls)]
                 self.cost.naive_window_blocks += (self.n - len(removal)) * len(self.windows)
@@ -197,26 +200,60 @@ class CalibrationScorer:
 
     @torch.no_grad()
     def _one_by_one(self, removals: list[Removal]) -> list[tuple[list[float], list[float]]]:
-        out = []
+        out, every = [], [(w, self.windows.shape[1]) for w in range(len(self.windows))]
         for removal in removals:
-            losses, kls = self._measured(removal, range(len(self.windows)))
-            out.append((losses.mean(1).tolist(), kls.mean(1).tolist()))
+            losses, kls = self._measured(removal, every)
+            out.append(([float(v.mean()) for v in losses], [float(v.mean()) for v in kls]))
         return out
 
     # --------------------------------------------------------------------------- some windows
     def score_on(self, removal: Removal, windows: list[int], last_tokens: int, objective: str) -> float:
         """`objective` on the given windows, the last cut to its first `last_tokens` tokens, as
         EvoPress's selection stages score a minibatch: the mean over every next-token prediction
-        (a window of t tokens makes t - 1). Not kept: a stage's minibatch is its own."""
+        (a window of t tokens makes t - 1). The cut window runs as a window of `last_tokens` tokens,
+        as theirs does (causal: its predictions are the full window's first ones). Not kept: a
+        stage's minibatch is its own."""
+        return self.score_on_many([removal], windows, last_tokens, objective)[0]
+
+    def score_on_many(self, removals: list[Removal], windows: list[int], last_tokens: int, objective: str) -> list[float]:
+        """`score_on` of each removal on the same minibatch; under torchrun the removals are shared
+        over the ranks (consecutive runs, even in blocks) and the scores gathered."""
         started = time.perf_counter()
-        losses, kls = self._measured(removal, windows)
-        values = losses if objective == "ppl" else kls
-        keep = torch.ones_like(values, dtype=torch.bool)
-        keep[-1, max(0, last_tokens - 1):] = False
-        self.cost.subset_scores += 1
-        self.cost.tokens += (len(windows) - 1) * self.windows.shape[1] + last_tokens
+        pieces = [(w, self.windows.shape[1]) for w in windows[:-1]] + [(windows[-1], min(last_tokens, self.windows.shape[1]))]
+
+        def mine(share):
+            out = []
+            for removal in share:
+                losses, kls = self._measured(removal, pieces)
+                out.append(float(torch.cat(losses if objective == "ppl" else kls).mean()))
+            return out
+
+        scores = self._shared(removals, mine)
+        self.cost.subset_scores += len(removals)
+        self.cost.tokens += len(removals) * sum(t for _, t in pieces)
         self.cost.seconds += time.perf_counter() - started
-        return float(values[keep].sum() / keep.sum())
+        return scores
+
+    # --------------------------------------------------------------------------- over the ranks
+    def _work(self, removal: Removal) -> int:
+        """The blocks a removal runs from its first touched one: what sharing them out evens."""
+        return self.n - self._first(removal) + 1
+
+    def _shared(self, items: list, compute: Callable[[list], list]) -> list:
+        """`compute` over `items`, each rank its consecutive share (`contiguous_shares`: a prefix
+        walk keeps its shared prefixes), every rank given every result in order, and the blocks
+        and heads every rank ran added to this rank's cost. Alone: `compute(items)`."""
+        if self.world.size == 1:
+            return compute(items)
+        bounds = contiguous_shares([self._work(r) for r in items], self.world.size)
+        before = replace(self.cost)
+        start, end = bounds[self.world.rank]
+        mine = compute(items[start:end])
+        ran = (self.cost.window_blocks - before.window_blocks, self.cost.window_heads - before.window_heads)
+        gathered = self.world.all_gather((mine, ran))
+        self.cost.window_blocks = before.window_blocks + sum(r[1][0] for r in gathered)
+        self.cost.window_heads = before.window_heads + sum(r[1][1] for r in gathered)
+        return [x for part, _ in gathered for x in part]
 
     def _removed(self, removal: Removal):
         return removal_context(self.model, removal, self.granularity)
@@ -225,35 +262,53 @@ class CalibrationScorer:
         return min(int(u) if self.granularity == "layer" else int(u[1:]) for u in removal)
 
     @torch.no_grad()
-    def _measured(self, removal: Removal, windows) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-position loss and KL [windows, T-1] of `removal` on the given windows: from its first
-        touched block on the kept unpruned streams where the stepper runs, else the model's forward."""
-        windows = list(windows)
-        by_batch: dict[int, list[int]] = {}
-        for w in windows:
-            by_batch.setdefault(w // self.batch_size, []).append(w)
-        found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for b, ws in by_batch.items():
+    def _measured(self, removal: Removal, pieces) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-position loss and KL of `removal` on each (window, tokens) of `pieces` (a window's
+        first `tokens` tokens, t - 1 predictions each): from its first touched block on the kept
+        unpruned streams where the stepper runs, else the model's forward. Windows of one batch
+        and one length run together."""
+        T = self.windows.shape[1]
+        groups: dict[tuple[int, int], list[int]] = {}
+        for w, t in pieces:
+            groups.setdefault((w // self.batch_size, t), []).append(w)
+        found: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        for (b, t), ws in groups.items():
             batch = self.batches[b]
             rows = torch.tensor([w % self.batch_size for w in ws])
-            ids = batch.ids[rows]
+            ids = batch.ids[rows, :t]
             with self._removed(removal):
                 if self.stepper is None:
                     logits = self.model(input_ids=ids.to(self.model.get_input_embeddings().weight.device), use_cache=False).logits
                     logp = torch.log_softmax(logits[:, :-1].float(), -1)
-                    self.cost.window_blocks += (self.n - (len(removal) if self.granularity == "layer" else 0)) * len(ws)
+                    self.cost.window_blocks += (self.n - (len(removal) if self.granularity == "layer" else 0)) * len(ws) * t / T
                 else:
                     first = self._first(removal)
-                    h = batch.entering[first][rows.to(batch.entering[first].device)]
+                    h = batch.entering[first][rows.to(batch.entering[first].device), :t]
+                    ctx = batch.ctx if t == T else self.stepper.context(t, 0)
                     # whole blocks: the kept ones after the first removed; sub-blocks: every block from the
                     # first touched one, its branch zeroed by the hooks `_removed` put on
                     kept = [i for i in range(first, self.n) if self.granularity != "layer" or i not in removal]
                     for i in kept:
-                        h = self.stepper.block(i, h, batch.ctx)
-                    self.cost.window_blocks += len(kept) * len(ws)
+                        h = self.stepper.block(i, h, ctx)
+                    self.cost.window_blocks += len(kept) * len(ws) * t / T
                     logp = torch.log_softmax(self.stepper.logits(h)[:, :-1], dim=-1)
-            self.cost.window_heads += len(ws)
-            loss, kl = window_scores(logp, ids.to(logp.device), batch.reference[rows])
+            self.cost.window_heads += len(ws) * t / T
+            loss, kl = window_scores(logp, ids.to(logp.device), batch.reference[rows, : t - 1])
             for j, w in enumerate(ws):
-                found[w] = (loss[j].cpu(), kl[j].cpu())
-        return torch.stack([found[w][0] for w in windows]), torch.stack([found[w][1] for w in windows])
+                found[w, t] = (loss[j].cpu(), kl[j].cpu())
+        return [found[p][0] for p in pieces], [found[p][1] for p in pieces]
+
+
+def contiguous_shares(costs: list[float], ranks: int) -> list[tuple[int, int]]:
+    """[start, end) of each rank's consecutive run of items, the runs' costs as even as cutting in
+    order allows: rank r's run ends where the running total first reaches (r + 1) / ranks of the
+    whole (a rank may get none where items are fewer than ranks)."""
+    total, bounds, start, running, item = sum(costs), [], 0, 0.0, 0
+    for r in range(ranks):
+        target = total * (r + 1) / ranks
+        while item < len(costs) and (r == ranks - 1 or running + costs[item] / 2 <= target):
+            running += costs[item]
+            item += 1
+        bounds.append((start, item))
+        start = item
+    return bounds

@@ -131,6 +131,12 @@ class SearchContext:
     notes: list[str] = field(default_factory=list)  # what a search says of how it ran (a scaled stage, a budget): kept in the cell
     model: object = None  # the model in memory, every layer in place, for a search that runs what it makes (`reads = "model"`: a merge's)
     calibration: object = None  # the calibration windows' token ids (windows x tokens), which `score` measures on
+    # many removals on one minibatch at once (under torchrun shared over the ranks); by default `score_on` on each
+    score_on_many: Callable[[list, list[int], int], list[float]] | None = None
+
+    def __post_init__(self):
+        if self.score_on_many is None and self.score_on is not None:
+            self.score_on_many = lambda removals, windows, last: [self.score_on(r, windows, last) for r in removals]
 
 
 @dataclass

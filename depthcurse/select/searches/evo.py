@@ -138,7 +138,7 @@ class Evo(Search):
 
     def _select(self, ctx, rng, candidates: list[dict], survive: int, num_tokens: int, block_mode: bool, trace: list) -> tuple[list[dict], list[float]]:
         ids, last = self._minibatch(rng, ctx.windows, ctx.window_tokens, num_tokens)
-        fitnesses = [ctx.score_on(self._removal(c, block_mode), ids, last) for c in candidates]
+        fitnesses = ctx.score_on_many([self._removal(c, block_mode) for c in candidates], ids, last)
         trace.append({"tokens": num_tokens, "candidates": [self._removal(c, block_mode) for c in candidates], "windows": ids, "last": last})
         best = np.argsort(fitnesses)[:survive]
         return [candidates[i] for i in best], [fitnesses[i] for i in best]
