@@ -222,12 +222,12 @@ def test_an_interrupted_select_says_where_it_stopped_and_resumes(run_cli, tiny_m
             "--eval-windows", "3", "--seq-len", "16"]
     real = select_package.run_select
 
-    def stopped_at_the_second_step(loaded, cfg, out, *, on_phase, on_step):
+    def stopped_at_the_second_step(loaded, cfg, out, *, on_phase, on_step, **rest):
         def step(label, done, total):
             on_step(label, done, total)
             if done == 1:
                 raise KeyboardInterrupt
-        return real(loaded, cfg, out, on_phase=on_phase, on_step=step)
+        return real(loaded, cfg, out, on_phase=on_phase, on_step=step, **rest)
 
     monkeypatch.setattr(select_package, "run_select", stopped_at_the_second_step)
     code, _, err = run_cli(*args, "--out", tmp_path / "cut")

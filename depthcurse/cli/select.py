@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 from rich.text import Text
 
-from depthcurse.cli.shared import (SUITES_HELP, DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, err_console, load, model_line, once, progress_bar,
-                                   say, showing, slug, verdicts)
+from depthcurse.cli.shared import (SUITES_HELP, DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, err_console, join_ranks, load, model_line, once,
+                                   progress_bar, say, showing, slug, verdicts)
 from depthcurse.io import claim_out_dir
 
 
@@ -43,8 +43,7 @@ def select(
     chooses k units; every choice is judged on the same held-out windows (and --task) and against the
     best removal (the exact optimum with --search exact); the overlap of the choices and a two-way
     decomposition of the held-out scores say whether the calibration or the search decided."""
-    from depthcurse.select import (SELECT_JSON, SelectConfig, distance_table, parse_search_args, plot_distances, plot_select, run_select,
-                                   select_table, select_verdicts, write_csv)
+    from depthcurse.select import SelectConfig, parse_search_args
     from depthcurse.stats import MIN_ITEMS
 
     cfg = SelectConfig(k=k, calibration=_names(calibration), objectives=_names(objective) if objective is not None else None, searches=_names(search),
@@ -55,7 +54,22 @@ def select(
         say("note", f"--eval-windows {checked.eval_windows}: fewer than {MIN_ITEMS} held-out windows are too few to resample, so the decomposition "
                     "will say it cannot tell which factor decided (the intervals of each score are Student's t, honest at any number)")
     out = claim_out_dir(out or Path("runs/select") / slug(model))
-    loaded = load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
+    world = join_ranks(device)
+    try:
+        _select(model, cfg, out, world, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
+    finally:
+        world.close()
+
+
+def _select(model, cfg, out: Path, world, **options) -> None:
+    """The grid, shown and written: alone, or as one rank of a torchrun launch (where rank 0 alone talks and writes)."""
+    import torch
+
+    from depthcurse.runtime import rank_gpus
+    from depthcurse.select import SELECT_JSON, distance_table, plot_distances, plot_select, run_select, select_table, select_verdicts, write_csv
+
+    gpus = rank_gpus() if world.parallel and options["device"] != "cpu" and torch.cuda.is_available() else None  # this rank's share
+    loaded = load(model, **options, gpus=gpus)
     header = once(lambda: console.print(model_line(loaded)))  # said when the work starts, after every check of the input
     progress = progress_bar()
     bar = progress.add_task("starting", total=None)
@@ -72,11 +86,13 @@ def select(
 
     try:
         with showing(progress):
-            record = run_select(loaded, cfg, out, on_phase=on_phase, on_step=on_step)
+            record = run_select(loaded, cfg, out, on_phase=on_phase, on_step=on_step, world=world)
     except KeyboardInterrupt:
         err_console.print(Text(f"interrupted while {where['phase']}: every finished piece is in {out / SELECT_JSON}; rerun the same command to continue"),
                           soft_wrap=True)
         raise typer.Exit(130)
+    if not world.main:  # rank 0 shows and writes the results
+        return
     header()  # a run found finished had no phase to say it
     console.print(select_table(record))
     distances = distance_table(record)

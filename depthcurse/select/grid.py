@@ -35,8 +35,9 @@ from depthcurse.errors import DepthcurseError
 from depthcurse.io import atomic_write, ensure_out_dir, json_text, refuse_other_run
 from depthcurse.loading import check_sequence_length
 from depthcurse.prune.engine import evaluate_variants, why_unsupported
+from depthcurse.runtime import World
 from depthcurse.select import searches as _builtin  # noqa: F401 (defines the built-in searches, which registers them)
-from depthcurse.select.scoring import CalibrationScorer, removal_context, window_scores
+from depthcurse.select.scoring import CalibrationScorer, contiguous_shares, removal_context, window_scores
 from depthcurse.select.search import GRANULARITIES, Search, SearchContext, Space, build_searches, key, settings_text
 from depthcurse.select.statistics import decomposition, distances, overlap
 from depthcurse.surgery import find_blocks, num_layers
@@ -220,10 +221,18 @@ def seconds_per_block_pass(model, windows: torch.Tensor, batch_size: int) -> flo
 
 
 def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[str], None] | None = None,
-               on_step: Callable[[str, int, int], None] | None = None) -> dict:
+               on_step: Callable[[str, int, int], None] | None = None, world: World = World()) -> dict:
     """The grid in `out_dir` (resumed from its `select.json`): each cell's choice with what it cost,
     the choices' held-out measurements, their overlap, the two-way decomposition of the held-out
-    scores and each choice's distance from the best removal found."""
+    scores and each choice's distance from the best removal found.
+
+    Under torchrun (`world`) every rank runs the grid on its own copy of the model and the same
+    searches make the same decisions everywhere: the removals a search scores at once (`exact`'s
+    sets, a `greedy` step's candidates, an `evo` stage's offspring, `random`'s draws) and the
+    chosen sets judged held out are shared over the ranks and every score gathered on every rank,
+    each computed as one process computes it, so that N ranks choose exactly what one does. Rank 0
+    alone writes `select.json`. (The stream searches, and LaCo's and SWM's merges, run whole on
+    every rank: they score no removals.)"""
     model, tokenizer = loaded.model, loaded.tokenizer
     n = num_layers(model)
     given, cfg = cfg, cfg.checked()
@@ -234,11 +243,11 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
     out_dir = ensure_out_dir(out_dir)
     run = {**{k: v for k, v in loaded.describe().items() if k != "device"}, **cfg.identity(), "n_layers": n}
     path = out_dir / SELECT_JSON
-    record = json.loads(path.read_text()) if path.exists() else {}
+    record = world.broadcast(json.loads(path.read_text()) if world.main and path.exists() else {})  # read before any rank writes
     if record:
         refuse_other_run(out_dir, record["run"], run, what="select run")
     record = {"run": run, "calibration_scores": {}, "cells": {}, "held_out": {}, "task": {}, **{k: v for k, v in record.items() if k != "run"}}
-    save = lambda: atomic_write(path, json_text(record))  # noqa: E731
+    save = lambda: atomic_write(path, json_text(record)) if world.main else None  # noqa: E731
     started = time.perf_counter()
     cells = cfg.cells()
     searches = cfg.built()
@@ -258,7 +267,7 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
         phase(f"choosing on {labels[source]}")
         known = record["calibration_scores"].setdefault(source, {})
         calibration = texts[source].calibration
-        scorer = CalibrationScorer(model, calibration, cfg.batch_size, known, save, cfg.granularity) \
+        scorer = CalibrationScorer(model, calibration, cfg.batch_size, known, save, cfg.granularity, world) \
             if any(searches[c[1]].reads == "objective" for c in todo) else None
         streams = functools.cache(lambda calibration=calibration: stream_pass(model, calibration, cfg.batch_size, cfg.k))
         for i, cell in enumerate(todo):
@@ -305,16 +314,23 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
         phase(f"judging on {labels[source]} (held out)")
         base_losses, _, reference = per_window(model, texts[source].held_out, cfg.batch_size)
         held.setdefault("", {"loss": base_losses, "kl": [0.0] * len(base_losses)})
-        for i, removal in enumerate(todo):
+        start, end = contiguous_shares([1] * len(todo), world.size)[world.rank]  # under torchrun: this rank's share
+        mine = {}
+        for i, removal in enumerate(todo[start:end]):
             if on_step:
-                on_step(f"{labels[source]}: without {key(removal)}", i, len(todo))
+                on_step(f"{labels[source]}: without {key(removal)}", i, end - start)
             with removal_context(model, removal, cfg.granularity):
                 losses, kls, _ = per_window(model, texts[source].held_out, cfg.batch_size, reference)
-            held[key(removal)] = {"loss": losses, "kl": kls}
-            save()
+            mine[key(removal)] = {"loss": losses, "kl": kls}
+            if world.size == 1:
+                held.update(mine)
+                save()
+        for part in world.all_gather(mine):
+            held.update(part)
+        save()
     if cfg.task and not all(key(s) in record["task"] for s in chosen_sets):
         phase(f"judging on {cfg.task}")
-        record["task"] = judge_on_task(loaded, cfg, [(), *chosen_sets])
+        record["task"] = judge_on_task(loaded, cfg, [(), *chosen_sets], world)
         save()
     record["labels"] = labels
     record["kinds"] = {source: text_kind(source) for source in cfg.calibration}
@@ -326,19 +342,22 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
     return record
 
 
-def judge_on_task(loaded, cfg: SelectConfig, sets: list[tuple[int, ...]]) -> dict:
-    """Every chosen set on the task at once, by prune's reuse engine (each question's score kept)."""
+def judge_on_task(loaded, cfg: SelectConfig, sets: list[tuple[int, ...]], world: World = World()) -> dict:
+    """Every chosen set on the task at once, by prune's reuse engine (each question's score kept;
+    under torchrun its requests shared over the ranks, the result rank 0's, given to every rank)."""
 
     task = build_task(cfg.task, loaded.tokenizer, limit=cfg.limit, batch_size=cfg.batch_size, seed=cfg.seed, model=loaded.model, model_source=loaded.source)
     task.per_example = True
     why = why_unsupported(loaded.model, task)
     if why is not None:
         raise DepthcurseError(f"--task {cfg.task}: prune's reuse engine cannot score it ({why})")
-    scores, _ = evaluate_variants(loaded.model, task, sets, checked=True)
+    scores, _ = evaluate_variants(loaded.model, task, sets, checked=True, world=world)
+    if not world.main:
+        return world.broadcast(None)
     out = {}
     for s in sets:
         per = scores[s].details.get("per_example") or {}
         out[key(s)] = {"metric": task.metric, "value": scores[s].metrics[task.metric], "metrics": scores[s].metrics,
                                       "items": [v for part in per.values() for v in part]}
     out["describe"] = task.describe()
-    return out
+    return world.broadcast(out)
