@@ -139,6 +139,15 @@ def docs_file(tmp_path):
 
 
 @pytest.fixture()
+def six_dir(tmp_path, tiny_tokenizer):
+    """A saved tiny Llama of 6 layers: C(6, 2) = 15 and C(6, 3) = 20 removals (select's searches)."""
+    path = tmp_path / "six"
+    tiny_llama(len(tiny_tokenizer), layers=6, seed=3).save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture()
 def bos_model_dir(tmp_path, bos_tokenizer):
     """A tiny Llama with 5 layers and a tokenizer that puts BOS first, as Llama's does."""
     path = tmp_path / "tiny-bos"

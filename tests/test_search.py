@@ -41,14 +41,8 @@ def text(tmp_path):
 
 
 @pytest.fixture()
-def six(tmp_path, tiny_tokenizer):
-    """A tiny Llama of 6 layers: C(6, 2) = 15 and C(6, 3) = 20 removals."""
-    from helpers import tiny_llama
-
-    path = tmp_path / "six"
-    tiny_llama(len(tiny_tokenizer), layers=6, seed=3).save_pretrained(path)
-    tiny_tokenizer.save_pretrained(path)
-    return load_model(str(path))
+def six(six_dir):
+    return load_model(str(six_dir))
 
 
 def _plain(model, windows, removal):

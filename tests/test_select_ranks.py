@@ -14,19 +14,10 @@ import json
 
 import pytest
 
-from helpers import tiny_llama, torchrun
+from helpers import torchrun
 from depthcurse.select.scoring import contiguous_shares
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture()
-def six_dir(tmp_path, tiny_tokenizer):
-    """A saved tiny Llama of 6 layers: C(6, 2) = 15 removals."""
-    path = tmp_path / "six"
-    tiny_llama(len(tiny_tokenizer), layers=6, seed=3).save_pretrained(path)
-    tiny_tokenizer.save_pretrained(path)
-    return path
 
 
 def test_two_ranks_choose_what_one_process_chooses_score_for_score(run_cli, six_dir, text_file, tmp_path):
