@@ -15,6 +15,11 @@ first touched block with the units removed.
 Costs are counted in full-calibration passes: a block (or the output head) applied to every
 calibration window once is one pass; `naive` is what scoring every removal from the first block
 would have cost.
+
+Under torchrun each rank holds the model and every window, and the removals asked for at once
+(`score_many`, `score_on_many`) are shared out: each rank scores a consecutive run of them, as one
+process would score it, and every rank is given every score, so the searches on all ranks take
+the same next step. The cost then counts the blocks and heads of every rank.
 """
 
 from __future__ import annotations
@@ -236,7 +241,8 @@ class CalibrationScorer:
 
     # --------------------------------------------------------------------------- over the ranks
     def _work(self, removal: Removal) -> int:
-        """The blocks a removal runs from its first touched one: what sharing them out evens."""
+        """The blocks a removal runs from its first touched one, and the head as one more: the
+        cost that sharing removals out over the ranks evens (a walk's shared prefixes aside)."""
         return self.n - self._first(removal) + 1
 
     def _shared(self, items: list, compute: Callable[[list], list]) -> list:
