@@ -138,19 +138,20 @@ def docs_file(tmp_path):
     return path
 
 
+def _saved_llama(path, tokenizer, layers: int, seed: int):
+    """A tiny Llama saved with its tokenizer: loads like any local checkpoint."""
+    tiny_llama(len(tokenizer), layers=layers, seed=seed).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 @pytest.fixture()
 def six_dir(tmp_path, tiny_tokenizer):
     """A saved tiny Llama of 6 layers: C(6, 2) = 15 and C(6, 3) = 20 removals (select's searches)."""
-    path = tmp_path / "six"
-    tiny_llama(len(tiny_tokenizer), layers=6, seed=3).save_pretrained(path)
-    tiny_tokenizer.save_pretrained(path)
-    return path
+    return _saved_llama(tmp_path / "six", tiny_tokenizer, layers=6, seed=3)
 
 
 @pytest.fixture()
 def bos_model_dir(tmp_path, bos_tokenizer):
     """A tiny Llama with 5 layers and a tokenizer that puts BOS first, as Llama's does."""
-    path = tmp_path / "tiny-bos"
-    tiny_llama(len(bos_tokenizer), layers=5, seed=1).save_pretrained(path)
-    bos_tokenizer.save_pretrained(path)
-    return path
+    return _saved_llama(tmp_path / "tiny-bos", bos_tokenizer, layers=5, seed=1)
