@@ -23,22 +23,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(ranks: int, args, out: Path) -> tuple[float, dict]:
-    """One select run; (its wall time, the search's cell)."""
+def run(ranks: int, args, out: Path) -> tuple[dict, dict]:
+    """One select run: the search's cell, and every removal's calibration scores."""
     command = ["select", args.model, "--k", str(args.k), "--search", args.search, "--objective", args.objective, "--calibration", args.data,
                "--calib-windows", str(args.windows), "--eval-windows", "2", "--seq-len", str(args.seq_len), "--batch-size", str(args.windows),
                "--out", str(out)] + (["--search-args", args.search_args] if args.search_args else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(args.cores // ranks)}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m", "depthcurse"] if ranks > 1 \
         else [sys.executable, "-m", "depthcurse"]
-    started = time.perf_counter()
     proc = subprocess.run(launcher + command, cwd=ROOT, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"{ranks} rank(s) failed: {proc.stderr[-2000:]}")
     record = json.loads((out / "select.json").read_text())
     cell = next(c for c in record["cells"].values() if c["search"] == args.search)
-    return wall, {**cell, "scores": record["calibration_scores"]}
+    return cell, record["calibration_scores"][args.data]
 
 
 def main() -> None:
@@ -55,18 +53,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     seconds: dict[int, list[float]] = {1: [], args.cores: []}
-    cells = {}
+    cells, scores = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
             for ranks in (1, args.cores):  # A B A B
-                _, cell = run(ranks, args, Path(tmp) / f"r{ranks}-{i}")
-                seconds[ranks].append(cell["seconds"])
-                cells[ranks] = cell
+                cells[ranks], scores[ranks] = run(ranks, args, Path(tmp) / f"r{ranks}-{i}")
+                seconds[ranks].append(cells[ranks]["seconds"])
     one, many = cells[1], cells[args.cores]
     same = one["layers"] == many["layers"]
-    scores = one["scores"][args.data] if args.data in one["scores"] else next(iter(one["scores"].values()))
-    their = many["scores"][args.data] if args.data in many["scores"] else next(iter(many["scores"].values()))
-    gap = max(abs(a - b) for key in scores for a, b in zip(scores[key], their[key]))
+    gap = max(abs(a - b) for key in scores[1] for a, b in zip(scores[1][key], scores[args.cores][key]))
     a, b = statistics.median(seconds[1]), statistics.median(seconds[args.cores])
     print(f"- `python benchmarks/select_ranks.py --model {args.model} --k {args.k} --search {args.search}"
           f"{' --search-args ' + args.search_args if args.search_args else ''} --windows {args.windows} --seq-len {args.seq_len}` "

@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
 from depthcurse.loading import load_model
 from depthcurse.select.grid import SelectConfig, text_windows
 from depthcurse.select.scoring import CalibrationScorer
@@ -50,8 +48,7 @@ def main() -> None:
         removal = parse_key(text)
         around = neighbours(removal, scorer.n)
         started = time.perf_counter()
-        with torch.no_grad():
-            scores = scorer.score_many([removal, *around])
+        scores = scorer.score_many([removal, *around])  # the prefix walk, under no_grad itself
         seconds = time.perf_counter() - started
         own = scores[0][args.objective]
         ranked = sorted(zip((s[args.objective] for s in scores[1:]), around))

@@ -322,12 +322,13 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
             with removal_context(model, removal, cfg.granularity):
                 losses, kls, _ = per_window(model, texts[source].held_out, cfg.batch_size, reference)
             mine[key(removal)] = {"loss": losses, "kl": kls}
-            if world.size == 1:
-                held.update(mine)
+            if world.size == 1:  # alone, each set kept as it finishes: an interrupted run resumes there
+                held[key(removal)] = mine[key(removal)]
                 save()
-        for part in world.all_gather(mine):
-            held.update(part)
-        save()
+        if world.size > 1:
+            for part in world.all_gather(mine):
+                held.update(part)
+            save()
     if cfg.task and not all(key(s) in record["task"] for s in chosen_sets):
         phase(f"judging on {cfg.task}")
         record["task"] = judge_on_task(loaded, cfg, [(), *chosen_sets], world)
