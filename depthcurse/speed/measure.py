@@ -21,7 +21,6 @@ not shrink.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import re
 import statistics
 import time
@@ -33,6 +32,7 @@ import torch
 from torch import nn
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.kv_cache import cache_bytes, cache_keyword, cache_of
 from depthcurse.speed.paired import MIN_PAIRS, TOLERANCE, PairedRatio, Shares, enough, judge
 from depthcurse.surgery import find_blocks
 
@@ -129,24 +129,6 @@ def _status_bytes(key: str) -> int:
     return int(re.search(rf"^{key}:\s+(\d+) kB", text, re.M).group(1)) * 1024
 
 
-def _cache_name(model: nn.Module) -> str:
-    """The keyword a model takes its KV cache by: `cache` (transformers 5.24 on) or `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _cache_of(output):
-    return getattr(output, "cache", None) or output.past_key_values
-
-
-def _kv_bytes(cache) -> int:
-    """The bytes of every key and value tensor a KV cache holds."""
-    layers = getattr(cache, "layers", None)
-    if layers is not None:
-        return sum(t.numel() * t.element_size() for layer in layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-                   if isinstance(t, torch.Tensor))
-    return sum(t.numel() * t.element_size() for kv in cache for t in kv if isinstance(t, torch.Tensor))
-
-
 def arithmetic(model: nn.Module, context: float) -> float:
     """Multiply-adds times two per token of the model as it is now: every linear layer in its
     blocks and its output head (embedding lookups cost none), and attention's scores and sums over
@@ -178,20 +160,20 @@ def _prefill(model: nn.Module, ids: torch.Tensor, clock: _Clock, memory: PeakMem
     clock.start()
     out = model(input_ids=ids, use_cache=True)
     seconds = clock.stop()
-    return seconds, memory.rise(), _kv_bytes(_cache_of(out))
+    return seconds, memory.rise(), cache_bytes(cache_of(out))
 
 
 @torch.inference_mode()
 def _decode(model: nn.Module, prompt: torch.Tensor, new_tokens: int, clock: _Clock, memory: PeakMemory) -> tuple[float, int]:
     """(seconds per generated token, memory rise) of greedy decoding after `prompt`, one token
     at a time with the KV cache; the prompt's own prefill is not timed."""
-    key = _cache_name(model)
+    key = cache_keyword(model)
     memory.start()
     out = model(input_ids=prompt, use_cache=True)
     clock.start()
     for _ in range(new_tokens):
         nxt = out.logits[:, -1:].argmax(-1)
-        out = model(input_ids=nxt, use_cache=True, **{key: _cache_of(out)})
+        out = model(input_ids=nxt, use_cache=True, **{key: cache_of(out)})
     seconds = clock.stop()
     return seconds / new_tokens, memory.rise()
 
