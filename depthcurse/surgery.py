@@ -195,15 +195,15 @@ _SINGLE = re.compile(r"-?\d+")
 _RANGE = re.compile(r"(-?\d+)\s*-\s*(-?\d+)")
 
 
-def parse_removal(spec: str, n_layers: int) -> list[int]:
+def parse_removal(spec: str, n_layers: int, option: str = "--layers") -> list[int]:
     """`parse_layers` for layers to remove: at least one must stay."""
-    removed = parse_layers(spec, n_layers)
+    removed = parse_layers(spec, n_layers, option)
     if len(removed) == n_layers:
-        raise DepthcurseError(f"--layers {spec} removes all {n_layers} layers")
+        raise DepthcurseError(f"{option} {spec} removes all {n_layers} layers")
     return removed
 
 
-def parse_layers(spec: str | None, n_layers: int) -> list[int]:
+def parse_layers(spec: str | None, n_layers: int, option: str = "--layers") -> list[int]:
     """Parse a layer spec such as ``"0,3,5-8"`` or ``"-1"`` into sorted indices.
 
     None and "all" mean every layer; an empty spec is an error (a shell variable that came out
@@ -215,7 +215,7 @@ def parse_layers(spec: str | None, n_layers: int) -> list[int]:
     if spec is None or spec.strip().lower() == "all":
         return list(range(n_layers))
     if not spec.strip(" ,"):
-        raise DepthcurseError(f"--layers {spec!r} names no layer: give indices and ranges like 0,3,5-8, or leave it out for every layer")
+        raise DepthcurseError(f"{option} {spec!r} names no layer: give indices and ranges like 0,3,5-8, or leave it out for every layer")
     named: list[int] = []
     for raw in spec.split(","):
         token = raw.strip()
@@ -239,7 +239,7 @@ def parse_layers(spec: str | None, n_layers: int) -> list[int]:
         raise DepthcurseError(f"bad layer spec {spec!r}: no layers given")
     twice = sorted({i for i in named if named.count(i) > 1})
     if twice:
-        raise DepthcurseError(f"--layers {spec!r} names layer{'s' if len(twice) > 1 else ''} {','.join(map(str, twice))} more than once: name each layer once")
+        raise DepthcurseError(f"{option} {spec!r} names layer{'s' if len(twice) > 1 else ''} {','.join(map(str, twice))} more than once: name each layer once")
     return sorted(named)
 
 
@@ -514,6 +514,51 @@ def removed_units(model: nn.Module, units: Iterable[int], granularity: str = "la
     finally:
         for hook in hooks:
             hook.remove()
+
+
+def _zero_attention(module: nn.Module):
+    """A stand-in forward for an attention module that does not run: its output zero, and where it is
+    given a KV cache, zero keys and values written to it for the new positions, so that the cache's
+    length (which transformers reads off its first layer) stays the sequence's."""
+    kv_heads = module.k_proj.out_features // module.head_dim if hasattr(module, "k_proj") and hasattr(module, "head_dim") else None
+
+    def forward(hidden_states, *args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is not None and kv_heads is not None:
+            b, t = hidden_states.shape[:2]
+            zeros = hidden_states.new_zeros(b, kv_heads, t, module.head_dim)
+            cache.update(zeros, zeros, module.layer_idx)
+        return torch.zeros_like(hidden_states), None
+
+    return forward
+
+
+@contextmanager
+def skipped_branches(model: nn.Module, units: Iterable[str]) -> Iterator[nn.Module]:
+    """The model with the branches `units` ("a3": block 3's attention, "m7": block 7's MLP) not run at
+    all, put back afterwards. Unlike `removed_units`, which zeroes a branch's output after computing it,
+    the skipped branch costs nothing: what a draft that skips branches needs (SWIFT's, Draft & Verify's).
+    A skipped attention writes zero keys and values to a cache it is given (Llama-like attention:
+    `k_proj`, `head_dim`, `layer_idx`), so that later positions see a cache of the right length; its
+    zeros are never attended to by any block that runs."""
+    layers = find_blocks(model).layers
+    swapped = []
+    try:
+        for unit in units:
+            part = {"a": "attn", "m": "mlp"}[unit[0]]
+            module = branch_of(layers[_normalize_index(int(unit[1:]), len(layers))], part)
+            if find_branch(layers[int(unit[1:])], part) is None:
+                raise DepthcurseError(f"cannot skip {unit}: {type(layers[0]).__name__} normalises after its branches (Post-LN); remove the whole block")
+            if part == "attn" and int(unit[1:]) == 0 and not (hasattr(module, "k_proj") and hasattr(module, "head_dim")):
+                # transformers reads a cache's length off its first layer: an attention there that writes nothing breaks every later position
+                raise DepthcurseError(f"cannot skip a0: the model reads its KV cache's length off block 0, whose {type(module).__name__} "
+                                      "cannot be given stand-in keys and values (no k_proj and head_dim); keep it, or skip whole blocks")
+            module.forward = _zero_attention(module) if part == "attn" else (lambda h, *a, **k: torch.zeros_like(h))
+            swapped.append(module)
+        yield model
+    finally:
+        for module in swapped:
+            del module.forward  # the instance attribute goes: the class's forward is back
 
 
 def _is_gguf(quantizer) -> bool:
