@@ -4,7 +4,7 @@ Each folder is read by the module that wrote it: prune sweeps (the paper's Figur
 on relative depth, and how many single layers each model can lose within 1/5/10%), greedy depth
 curves (each strategy's curve, and the units removable within 1/5/10% against the model's depth),
 angular-distance results (the heatmap), heal runs, comparisons of methods and healed depth curves
-(with a budget's pick and why), what a removal buys (`speed`, alone or in a heal run or a `drop`
+(with a budget's pick and why), self-speculative decoding runs (`speculate`), what a removal buys (`speed`, alone or in a heal run or a `drop`
 checkpoint), the checkpoints drop and heal saved (their card's facts), and lns-train runs (the
 paper's Table 1). Figures go to a folder beside the page; the page links them by relative path,
 so the two move together; a page that fails leaves no folder behind.
@@ -30,11 +30,13 @@ from depthcurse.prune.report import curves_data_text, legend_below, load_prune, 
 from depthcurse.prune.results import RESULTS_JSON, UNIT_NAMES, Sweep
 from depthcurse.card import PROVENANCE, read_card
 from depthcurse.select import SELECT_JSON, plot_select, select_table, select_verdicts
+from depthcurse.speculate import SPECULATE_JSON, kind_table, read_speculate, speculate_table, speculate_verdicts
+from depthcurse.speculate.report import speedup_figure
 from depthcurse.speed import SPEED_JSON, read_speed, speed_table
 from depthcurse.train import read_run, table1
 from depthcurse.train.config import CONFIG
 
-KINDS = ("greedy", "prune", "angular", "heal", "select", "speed", "checkpoint", "train")
+KINDS = ("greedy", "prune", "angular", "heal", "select", "speculate", "speed", "checkpoint", "train")
 
 
 def kind_of(folder: Path) -> str:
@@ -44,10 +46,10 @@ def kind_of(folder: Path) -> str:
         raise DepthcurseError(f"{folder} is not a folder: give results folders that depthcurse wrote")
     # a checkpoint drop or heal made holds a transformers config.json too: its card comes before a training run's config
     for kind, marker in (("greedy", GREEDY_JSON), ("prune", RESULTS_JSON), ("angular", ANGULAR_JSON), ("heal", HEAL_JSON), ("select", SELECT_JSON),
-                         ("speed", SPEED_JSON), ("checkpoint", PROVENANCE), ("train", CONFIG)):
+                         ("speculate", SPECULATE_JSON), ("speed", SPEED_JSON), ("checkpoint", PROVENANCE), ("train", CONFIG)):
         if (folder / marker).is_file() and (kind != "train" or "norm" in json.loads((folder / marker).read_text())):
             return kind
-    raise DepthcurseError(f"{folder} holds no depthcurse result ({GREEDY_JSON}, {RESULTS_JSON}, {ANGULAR_JSON}, {HEAL_JSON}, {SELECT_JSON}, {SPEED_JSON}, "
+    raise DepthcurseError(f"{folder} holds no depthcurse result ({GREEDY_JSON}, {RESULTS_JSON}, {ANGULAR_JSON}, {HEAL_JSON}, {SELECT_JSON}, {SPECULATE_JSON}, {SPEED_JSON}, "
                           f"a checkpoint's {PROVENANCE}, or an lns-train run's {CONFIG})")
 
 
@@ -213,6 +215,16 @@ def _select_section(folders: list[Path], figures: Path) -> str:
     return "\n\n".join(parts)
 
 
+def _speculate_section(folders: list[Path], figures: Path) -> str:
+    parts = ["## Drafting with the model's own depth: speculative decoding against decoding alone"]
+    for i, folder in enumerate(folders):
+        record = read_speculate(folder)
+        figure = save_figure(speedup_figure(record), figures / f"speculate_{i}.png")
+        parts += [f"### {record['run'].get('model')} · {folder}", markdown_table(speculate_table(record)), markdown_table(kind_table(record)),
+                  *_bullets(speculate_verdicts(record)), f"![measured and expected speedup]({figures.name}/{figure.name})"]
+    return "\n\n".join(parts)
+
+
 def _speed_section(folders: list[Path]) -> str:
     parts = ["## What a removal buys: speed and memory, pruned against unpruned"]
     for folder in folders:
@@ -270,6 +282,8 @@ def write_report(folders: list[Path], out: Path) -> Path:
             sections.append(_heal_section(by_kind["heal"], figures))
         if by_kind["select"]:
             sections.append(_select_section(by_kind["select"], figures))
+        if by_kind["speculate"]:
+            sections.append(_speculate_section(by_kind["speculate"], figures))
         if by_kind["speed"]:
             sections.append(_speed_section(by_kind["speed"]))
         if by_kind["checkpoint"]:

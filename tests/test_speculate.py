@@ -1,0 +1,553 @@
+"""speculate: the model drafting for itself with blocks skipped.
+
+- What a draft can buy (`expected`) against values worked out by hand, where the wrong formula
+  (alpha^gamma for alpha^(gamma + 1), a check priced at one step where it costs more) gives another.
+- Lossless: every draft's greedy output equals `model.generate`'s token for token (several skip
+  sets, a draft whose skipped block does nothing, so that whole rounds are accepted and the bonus
+  token is taken, every draft-length policy, prompt lookup, an assistant, and transformers' own
+  assisted decoding with the self-draft as its `assistant_model`).
+- Speculative sampling keeps the whole model's distribution: the rule exactly (accepting with
+  min(1, p/q), else drawing from the residual, mixes back to p), and the whole loop by a chi-square
+  test against the distribution worked out by enumerating the model's own probabilities; a loop
+  with a wrong residual fails the same test.
+- The draft shares every weight and keeps its own cache of the kept blocks, both cut back after each
+  check; a run's figures against a record worked out by hand; bad input refused in one line; an
+  interrupted run resumed; two torchrun ranks give one process's tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as scipy_stats
+
+from helpers import CORPUS, assert_one_line_error, tiny_llama, torchrun
+from depthcurse.speculate import (DecodeSettings, LayerSkipDraft, PromptLookupDraft, SelfDraftAssistant, Stopwatch, build_length, plain,
+                                  speculative)
+from depthcurse.speculate import decoding
+from depthcurse.speculate.decoding import accept_greedy, acceptance_probability, residual
+from depthcurse.speculate.expected import (acceptance_rate, best_gamma, break_even, ceiling, expected_speedup, expected_tokens,
+                                           largest_cost)
+from depthcurse.speculate.lengths import Confidence, Heuristic
+from depthcurse.speculate.summary import summarise
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+WATCH = Stopwatch("cpu")
+
+
+# --------------------------------------------------------------------------- what a draft can buy
+@pytest.mark.statistics
+def test_expected_tokens_speedup_and_ceiling_by_hand():
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)  # alpha^(gamma+1) in the closed form: 1.875, not 1.75
+    assert expected_tokens(1.0, 4) == 5.0 and expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(0.6, 2.5) == pytest.approx((1 - 0.6**3.5) / 0.4)  # a mean draft length
+    # Leviathan's example shape: alpha 0.8, gamma 4, c 0.5: E = 3.3616 tokens a round
+    assert expected_speedup(0.8, 4, 0.5) == pytest.approx(3.3616 / 3.0)
+    assert expected_speedup(0.8, 4, 0.5, verify=1.9) == pytest.approx(3.3616 / 3.9)  # a check of 5 tokens at 1.9 steps: it no longer pays
+    assert ceiling(4, 0.5) == pytest.approx(5 / 3) and ceiling(4, 0.5, 1.9) == pytest.approx(5 / 3.9)
+    with pytest.raises(ValueError, match=r"an acceptance rate lies in \[0, 1\], got 1.2"):
+        expected_tokens(1.2, 3)
+    with pytest.raises(ValueError, match="a draft length is 0 or more, got -1"):
+        expected_tokens(0.5, -1)
+    assert expected_tokens(0.5, 0) == 1.0 and expected_tokens(0.5, 0.5) == pytest.approx((1 - 0.5**1.5) / 0.5)
+
+
+@pytest.mark.statistics
+def test_break_even_is_the_root_of_one_plus_alpha_up_to_alpha_gamma_equal_to_gamma_c_plus_v():
+    # gamma 4, c 0.25, v 1: 1 + a + a^2 + a^3 + a^4 = 2, i.e. a^4 + a^3 + a^2 + a - 1 = 0
+    roots = np.roots([1, 1, 1, 1, -1])
+    root = next(r.real for r in roots if abs(r.imag) < 1e-12 and 0 < r.real < 1)
+    assert break_even(4, 0.25) == pytest.approx(root, abs=1e-12)
+    # v 1.5: = 2.5
+    roots = np.roots([1, 1, 1, 1, -1.5])
+    assert break_even(4, 0.25, 1.5) == pytest.approx(next(r.real for r in roots if abs(r.imag) < 1e-12 and 0 < r.real < 1), abs=1e-12)
+    assert break_even(4, 1.1) is None  # a draft dearer than the model never pays
+    assert break_even(3, 0.0, 0.5) == 0.0  # free drafts and a check cheaper than a step pay at any acceptance
+    assert break_even(3, 0.0, 1.0) == 0.0  # free drafts, a check of one step: even acceptance 0 breaks even, exactly
+    assert break_even(4, 1.0) == pytest.approx(1.0, abs=1e-8)  # a draft as dear as the model: only every token accepted breaks even
+    assert break_even(4, 0.5, 3.5) is None  # the ceiling at v = 3.5 is 5 / 5.5: nothing pays, though at v = 1 it would
+    # free drafts, a check of 1.5 steps: 1 + a + a^2 + a^3 = 1.5 (at v = 1 acceptance 0 would already break even)
+    roots = np.roots([1, 1, 1, -0.5])
+    assert break_even(3, 0.0, 1.5) == pytest.approx(next(r.real for r in roots if abs(r.imag) < 1e-12 and 0 < r.real < 1), abs=1e-12)
+    assert acceptance_rate(7, 3) == 0.7 and acceptance_rate(0, 0) is None
+    assert largest_cost(0.5, 3) == pytest.approx((1.875 - 1) / 3) and largest_cost(0.5, 3, 2.0) == pytest.approx((1.875 - 2) / 3)
+    assert largest_cost(0.5, 1) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="a draft proposes at least one token, got gamma = 0"):
+        largest_cost(0.5, 0)
+    # E(g) / (0.1 g + 1) at alpha 0.8: 1.636, 2.033, 2.271, 2.401, 2.459, 2.470, 2.448, ...: gamma 6
+    assert best_gamma(0.8, 0.1) == (6, pytest.approx((1 - 0.8**7) / 0.2 / 1.6))
+    assert best_gamma(0.2, 0.9) == (1, pytest.approx(1.2 / 1.9))  # a poor draft: the shortest
+    assert best_gamma(0.2, 0.9, 0.5) == (1, pytest.approx(1.2 / 1.4))  # never 0 tokens, though no draft at all (1 / 0.5) would be faster
+    assert best_gamma(0.99, 0.01, most=3)[0] == 3 and best_gamma(0.999, 0.001)[0] == 64  # the longest considered: 64 by default
+    assert best_gamma(0.8, 0.1, 3.0)[0] == 9  # a dearer check wants longer drafts: 1.1393, 1.1444, 1.1426 at 8, 9, 10 (6 at v = 1)
+    assert best_gamma(0.5, 0.5, most=1) == (1, pytest.approx(1.5 / 1.5))
+    with pytest.raises(ValueError, match="the longest draft considered is at least 1, got 0"):
+        best_gamma(0.5, 0.5, most=0)
+
+
+# --------------------------------------------------------------------------- lossless
+def _model_with_a_silent_block(seed: int = 3, vocab: int = 50):
+    """A tiny Llama whose block 4 adds nothing (its output projections zero): skipping it changes no
+    logit, so a draft without it is accepted whole, round after round (the bonus token's branch)."""
+    model = tiny_llama(vocab, layers=6, seed=seed)
+    with torch.no_grad():
+        model.model.layers[4].self_attn.o_proj.weight.zero_()
+        model.model.layers[4].mlp.down_proj.weight.zero_()
+    return model
+
+
+PROMPT = torch.tensor([[3, 4, 5, 6, 7, 8, 3, 4, 5]])
+
+
+def _generate(model, n: int, eos=(1,)) -> list[int]:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=list(eos) or None, pad_token_id=2)
+    return model.generate(PROMPT, generation_config=config)[0, PROMPT.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("policy", ["fixed", "confidence", "heuristic"])
+def test_every_greedy_draft_gives_model_generate_token_for_token(policy):
+    model = _model_with_a_silent_block()
+    for eos in ((1,), ()) if policy == "fixed" else ((1,),):  # past an eos: one policy is enough
+        reference = _generate(model, 40, eos)
+        settings = DecodeSettings(max_new_tokens=40, eos=eos)
+        assert plain(model, PROMPT, settings, WATCH).tokens == reference
+        for skip in [(4,), (2, 4), (5,), (0, 1, 2, 3, 4)]:
+            g = speculative(model, LayerSkipDraft(model, skip), PROMPT, settings, build_length(policy, 3), WATCH)
+            assert g.tokens == reference, (skip, policy, eos)
+        g = speculative(model, PromptLookupDraft(2, eos), PROMPT, settings, build_length(policy, 3), WATCH)
+        assert g.tokens == reference
+    assistant = tiny_llama(50, layers=2, seed=9)
+    g = speculative(model, LayerSkipDraft(assistant, (), "assistant", shares_weights=False), PROMPT, DecodeSettings(40, (1,)), build_length(policy, 3), WATCH)
+    assert g.tokens == _generate(model, 40)
+
+
+def test_a_draft_that_changes_nothing_is_accepted_whole_and_the_bonus_token_taken():
+    model = _model_with_a_silent_block()
+    g = speculative(model, LayerSkipDraft(model, (4,)), PROMPT, DecodeSettings(max_new_tokens=31), build_length("fixed", 3), WATCH)
+    assert g.rounds == [[3, 3]] * 7 + [[1, 1]]  # 1 + 7 x 4 = 29 tokens; with 2 to go, 1 drafted and the check's own
+    assert g.steps == 8 and len(g.tokens) == 31
+    # each round after a full acceptance feeds the draft's last token and the bonus in one pass, then
+    # one token a pass: 3 passes (1 + 1 + 1 tokens) the first round, 3 (2 + 1 + 1) the next six, 1 (2) the last
+    assert (g.draft_calls, g.draft_tokens_fed) == (22, 29)
+
+
+def test_the_draft_shares_every_weight_and_keeps_a_cache_of_the_kept_blocks_cut_back_to_the_accepted_prefix():
+    model = tiny_llama(50, layers=6, seed=3)
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    seen = []
+
+    class Recording(LayerSkipDraft):
+        def propose(self, sequence, most, stop, sampler):
+            seen.append(("cached", self.lm.length, sequence.shape[1]))
+            # inside the draft's passes the model is the model without the skipped blocks: the same modules
+            with self._skipping():
+                blocks = list(model.model.layers)
+                seen.append(("blocks", [id(b) for b in blocks]))
+            return super().propose(sequence, most, stop, sampler)
+
+        def agree(self, length):
+            super().agree(length)
+            seen.append(("agreed", self.lm.length, length))
+
+    draft = Recording(model, (1, 3))
+    g = speculative(model, draft, PROMPT, DecodeSettings(max_new_tokens=24), build_length("fixed", 4), WATCH)
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == before  # nothing copied, nothing moved
+    kept = [id(model.model.layers[i]) for i in (0, 2, 4, 5)]
+    assert all(entry[1] == kept for entry in seen if entry[0] == "blocks")
+    assert len(model.model.layers) == 6 and model.config.num_hidden_layers == 6  # put back after every pass
+    assert len(draft.lm.cache.layers) == 4  # the draft's KV cache holds its 4 blocks' keys and values
+    assert g.draft_cache_bytes == pytest.approx(g.cache_bytes * 4 / 6, rel=0.2)
+    # after each check the draft's cache holds no position past what still stands, and the next
+    # proposal starts from there (what it lacks it feeds again)
+    agreed = [e for e in seen if e[0] == "agreed"]
+    assert agreed and all(cached <= length for _, cached, length in agreed)
+    cached = [e for e in seen if e[0] == "cached"]
+    assert all(c <= length - 1 for _, c, length in cached)
+
+
+def test_accept_greedy_keeps_the_proposal_up_to_its_first_miss_then_the_model_s_choice():
+    logits = torch.zeros(4, 10)
+    for i, t in enumerate([5, 6, 7, 8]):
+        logits[i, t] = 1.0
+    assert accept_greedy(logits, [5, 6, 7]) == ([5, 6, 7, 8], 3)  # all accepted: the bonus
+    assert accept_greedy(logits, [5, 9, 7]) == ([5, 6], 1)  # the correction where it missed
+    assert accept_greedy(logits, [0, 6, 7]) == ([5], 0)
+    assert accept_greedy(logits[:1], []) == ([5], 0)
+
+
+def test_transformers_assisted_decoding_takes_the_self_draft_and_gives_generate_s_tokens():
+    model = _model_with_a_silent_block()
+    reference = model.generate(PROMPT, do_sample=False, max_new_tokens=30)
+    for skip in ((4,), (2, 4), (0, 1, 2, 3, 4)):
+        assistant = SelfDraftAssistant(model, skip, num_assistant_tokens=3)
+        assert torch.equal(model.generate(PROMPT, do_sample=False, max_new_tokens=30, assistant_model=assistant), reference), skip
+        assert len(model.model.layers) == 6
+    heuristic = SelfDraftAssistant(model, "2,4", num_assistant_tokens=2, schedule="heuristic")
+    assert torch.equal(model.generate(PROMPT, do_sample=False, max_new_tokens=30, assistant_model=heuristic), reference)
+
+
+def test_prompt_lookup_copies_what_followed_the_first_earlier_match_of_the_last_ngram():
+    draft = PromptLookupDraft(max_ngram=2, eos=(1,))
+    seq = torch.tensor([[7, 8, 9, 10, 7, 8, 11, 12, 7, 8]])
+    assert draft.propose(seq, 3, None, None).tokens == [9, 10, 7]  # the bigram 7 8 first matched at 0
+    assert draft.propose(seq, 10, None, None).tokens == [9, 10, 7, 8, 11, 12, 7, 8]  # no further than the sequence
+    assert draft.propose(torch.tensor([[5, 1, 6, 5]]), 3, None, None).tokens == []  # cut at its eos
+    assert draft.propose(torch.tensor([[2, 3, 4]]), 3, None, None).tokens == []  # no match
+    assert PromptLookupDraft(1).propose(torch.tensor([[2, 3, 4, 3]]), 2, None, None).tokens == [4, 3]
+
+
+def test_draft_length_policies_move_as_their_authors_code_moves_them():
+    h = Heuristic(5)
+    h.update(5, 5)
+    assert h.most() == 7
+    h.update(2, 7)
+    h.update(0, 6)
+    assert h.most() == 5
+    for _ in range(9):
+        h.update(0, h.most())
+    assert h.most() == 1
+    c = Confidence()  # Draft & Verify's defaults: threshold 0.8, auto_parameters [1, 0.5, 0.9, 1e-2, 0.9]
+    assert c.stop(0.79) and not c.stop(0.8)
+    c.update(2, 4)  # matchness 0.5 * 0 + 0.5 * 0.5 = 0.25 < 0.9: threshold towards 0.81
+    assert c.matchness == 0.25 and c.threshold == pytest.approx(0.9 * 0.8 + 0.1 * 0.81)
+    c.update(8, 8)  # matchness 0.625 < 0.9: up again
+    c.matchness = 0.95
+    t = c.threshold
+    c.update(3, 3)  # matchness 0.975 >= 0.9, stopped early (3 < 8): towards t - 0.01
+    assert c.threshold == pytest.approx(0.9 * t + 0.1 * (t - 0.01))
+    t = c.threshold
+    c.update(8, 8)  # drafted the most: the threshold stays
+    assert c.threshold == pytest.approx(t)
+
+
+# --------------------------------------------------------------------------- sampling
+def test_the_speculative_sampling_rule_mixes_back_to_the_model_s_distribution_exactly():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        p = torch.softmax(torch.randn(7, generator=gen) * 2, -1).double()
+        q = torch.softmax(torch.randn(7, generator=gen) * 2, -1).double()
+        for draft in (q, None):
+            mixed = torch.zeros(7, dtype=torch.float64)
+            for x in range(7):
+                chance = float(q[x]) if draft is not None else float(x == 3)
+                if chance == 0:
+                    continue
+                a = acceptance_probability(p, draft, x)
+                mixed[x] += chance * a
+                mixed += chance * (1 - a) * residual(p, draft, x)
+            assert torch.allclose(mixed, p, atol=1e-12)
+
+
+def _exact_marginals(model, prompt: torch.Tensor, temperature: float, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """P(second token) and P(third token) of sampling at `temperature`, by enumerating every first and second token."""
+    with torch.no_grad():
+        def dist(ids):
+            return torch.softmax(model(input_ids=ids).logits[0, -1].double() / temperature, -1)
+
+        p1 = dist(prompt)
+        second, third = np.zeros(vocab), np.zeros(vocab)
+        for a in range(vocab):
+            pa = dist(torch.cat([prompt, torch.tensor([[a]])], 1))
+            second += float(p1[a]) * pa.numpy()
+            for b in range(vocab):
+                pb = dist(torch.cat([prompt, torch.tensor([[a, b]])], 1))
+                third += float(p1[a]) * float(pa[b]) * pb.numpy()
+    return second, third
+
+
+def _chi_square_p(tokens: list[int], expected: np.ndarray) -> float:
+    counts = np.bincount(tokens, minlength=len(expected))
+    return scipy_stats.chisquare(counts, expected * len(tokens)).pvalue
+
+
+def test_speculative_sampling_keeps_the_whole_model_s_distribution_and_a_wrong_rule_does_not(monkeypatch):
+    vocab, temperature, n = 6, 1.5, 200
+    model = tiny_llama(vocab, layers=4, seed=11)
+    with torch.no_grad():  # sharper distributions than a fresh init's, so that a draft and the model differ
+        model.lm_head.weight.mul_(30)
+    prompt = torch.tensor([[0, 3, 4]])
+    second, third = _exact_marginals(model, prompt, temperature, vocab)
+
+    def sample(seed):
+        g = speculative(model, LayerSkipDraft(model, (1, 2)), prompt, DecodeSettings(3, (), temperature, seed), build_length("fixed", 2), WATCH)
+        return g.tokens
+
+    draws = [sample(seed) for seed in range(n)]
+    assert _chi_square_p([d[1] for d in draws], second) > 1e-3 and _chi_square_p([d[2] for d in draws], third) > 1e-3
+    # the same test has the power to see a wrong rule: a rejection drawing from p instead of the residual
+    monkeypatch.setattr(decoding, "residual", lambda p, q, token: p)
+    wrong = [sample(seed) for seed in range(n)]
+    assert min(_chi_square_p([d[1] for d in wrong], second), _chi_square_p([d[2] for d in wrong], third)) < 1e-3
+
+
+# --------------------------------------------------------------------------- the figures, by hand
+def _draft(rounds, decode_s, draft_s, draft_calls, steps, step_s, generated, equal=True):
+    return {"rounds": rounds, "decode_s": decode_s, "draft_s": draft_s, "draft_calls": draft_calls, "steps": steps, "step_s": step_s,
+            "generated": generated, "prefill_s": 0.1, "draft_prefill_s": 0.05, "draft_tokens_fed": draft_calls, "draft_cache_bytes": 60,
+            "cache_bytes": 100, "tokens_equal": equal, "first_difference": None if equal else 3}
+
+
+@pytest.mark.statistics
+def test_summary_figures_against_a_record_worked_by_hand():
+    prompts = {}
+    ratios = [0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+    alphas = []
+    for i, r in enumerate(ratios):
+        # plain: 20 steps of 0.01 s in 0.25 s of decoding; the draft: rounds of 4, accepting 4 and i % 4
+        plain = {"decode_s": 0.25, "step_s": 0.2, "steps": 20, "generated": 21, "prefill_s": 0.1}
+        rounds = [[4, 4], [4, i % 4]]
+        alphas.append((4 + i % 4) / (4 + i % 4 + (1 if i % 4 < 4 else 0)))
+        prompts[str(i)] = {"kind": "code" if i < 3 else "math", "source": "s", "prompt_tokens": 5, "plain": plain,
+                           "generate": {"seconds": 0.4, "generated": 21, "tokens": []},
+                           "self-draft": _draft(rounds, 0.25 * r, draft_s=0.006 * 8, draft_calls=8, steps=2, step_s=0.03, generated=21, equal=i != 5)}
+    record = {"prompts": prompts, "methods": {"self-draft": {}}}
+    s = summarise(record)["drafts"]["self-draft"]
+    assert s["speedup"]["median"] == pytest.approx(1 / 0.65)  # the median of the six ratios is 0.65
+    assert s["speedup"]["interval"] == pytest.approx([1 / 0.9, 1 / 0.4])  # six pairs: the extremes bound the median at 96.9%
+    assert s["alpha"]["mean"] == pytest.approx(np.mean(alphas))
+    half = scipy_stats.t.ppf(0.975, 5) * np.std(alphas, ddof=1) / math.sqrt(6)
+    assert s["alpha"]["interval"] == pytest.approx([np.mean(alphas) - half, np.mean(alphas) + half])
+    assert s["pooled_alpha"] == pytest.approx(sum(4 + i % 4 for i in range(6)) / sum(5 + i % 4 for i in range(6)))
+    assert s["c"]["mean"] == pytest.approx(0.006 / 0.01) and s["v"]["mean"] == pytest.approx(0.015 / 0.01)
+    assert s["tokens_per_check"]["mean"] == pytest.approx(10.0)  # 20 tokens after the first, in 2 checks
+    assert s["gamma"]["mean"] == 4.0
+    expected = [expected_speedup(a, 4, 0.6) for a in alphas]
+    assert s["expected"]["mean"] == pytest.approx(np.mean(expected))
+    assert s["expected_v"]["mean"] == pytest.approx(np.mean([expected_speedup(a, 4, 0.6, 1.5) for a in alphas]))
+    assert s["ceiling"] == pytest.approx(5 / 3.4) and s["ceiling_v"] == pytest.approx(5 / 3.9)
+    assert s["break_even_v"] == pytest.approx(break_even(4, 0.6, 1.5))
+    assert s["largest_c"] == pytest.approx(largest_cost(np.mean(alphas), 4, 1.5))
+    assert s["overhead"]["mean"] == pytest.approx(np.mean([1 - (0.048 + 0.03) / (0.25 * r) for r in ratios]))
+    assert s["lossless"] == {"equal": 5, "compared": 6, "differ": [{"prompt": 5, "at": 3}]}
+    assert s["draft_cache_share"] == pytest.approx(0.6)
+    e2e = sorted((0.1 + 0.05 + 0.25 * r) / (0.1 + 0.25) for r in ratios)
+    assert summarise(record)["drafts"]["self-draft"]["end_to_end"]["median"] == pytest.approx(1 / ((e2e[2] + e2e[3]) / 2))
+    by_kind = summarise(record)["by_kind"]
+    assert by_kind["code"]["self-draft"]["speedup"]["median"] == pytest.approx(1 / 0.5) and by_kind["math"]["self-draft"]["prompts"] == 3
+
+
+# --------------------------------------------------------------------------- the command
+@pytest.fixture()
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n\n".join(CORPUS[:4]), encoding="utf-8")
+    return path
+
+
+def test_speculate_prints_the_table_says_lossless_and_resumes_a_cut_run(run_cli, tiny_model_dir, prompts_file, tmp_path):
+    out = tmp_path / "spec"
+    args = ["speculate", tiny_model_dir, "--skip", "1,2", "--prompts", prompts_file, "--max-new-tokens", "12", "--out", out]
+    code, stdout, err = run_cli(*args)
+    assert code == 0, err
+    assert "lossless: every draft's greedy output equals model.generate's, token for token, on every prompt (4 of 4)" in stdout
+    assert "self-draft" in stdout and "early-exit" in stdout and "prompt-lookup" in stdout and "break-even" in stdout
+    record = json.loads((out / "speculate.json").read_text())
+    assert record["complete"] and set(record["prompts"]) == {"0", "1", "2", "3"}
+    assert record["methods"]["early-exit"]["skipped"] == [2, 3] and record["methods"]["self-draft"]["shares_weights"]
+    assert (out / "speculate.csv").exists() and (out / "speculate.png").exists()
+    code, _, err = run_cli("report", out, "--out", tmp_path / "page.md")
+    assert code == 0, err
+    page = (tmp_path / "page.md").read_text()
+    assert "## Drafting with the model's own depth" in page and "speculate_0.png" in page and "lossless: every draft's" in page
+    for p in record["prompts"].values():
+        assert p["plain"]["tokens"] == p["generate"]["tokens"] == p["self-draft"]["tokens"] == p["early-exit"]["tokens"]
+    # an interrupted run: prompt 2 never finished; the rerun measures it alone and keeps the others as they were
+    kept = record["prompts"]["1"]
+    del record["prompts"]["2"]
+    record["complete"] = False
+    (out / "speculate.json").write_text(json.dumps(record))
+    code, _, err = run_cli(*args)
+    assert code == 0, err
+    again = json.loads((out / "speculate.json").read_text())
+    assert again["complete"] and again["prompts"]["1"] == kept and "2" in again["prompts"]
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--skip", "0-3"], "--skip 0-3 removes all 4 layers"),
+    (["--skip", "1", "--draft-tokens", "0"], "--draft-tokens must be at least 1"),
+    (["--skip", "1", "--sample", "--temperature", "0"], "--sample with --temperature 0"),
+    (["--skip", "7"], "layer 7 is out of range"),
+    ([], "give the blocks the draft skips"),
+    (["--skip", "1", "--draft-length", "wild"], "unknown --draft-length"),
+    (["--skip", "1", "--baselines", "medusa"], "'medusa' is not one"),
+])
+def test_bad_input_is_one_line_before_any_work(run_cli, tiny_model_dir, prompts_file, tmp_path, extra, match):
+    code, out, err = run_cli("speculate", tiny_model_dir, "--prompts", prompts_file, "--out", tmp_path / "bad", *extra)
+    assert_one_line_error(code, out, err, match)
+    assert not (tmp_path / "bad" / "speculate.json").exists()
+
+
+def test_an_assistant_of_another_tokenizer_and_a_prompt_past_the_model_s_positions_are_refused(run_cli, tiny_model_dir, prompts_file, tmp_path,
+                                                                                             tiny_bert_tokenizer):
+    other = tmp_path / "other"
+    tiny_llama(len(tiny_bert_tokenizer), layers=2).save_pretrained(other)
+    tiny_bert_tokenizer.save_pretrained(other)
+    code, out, err = run_cli("speculate", tiny_model_dir, "--skip", "1", "--prompts", prompts_file, "--assistant", other, "--out", tmp_path / "a")
+    assert_one_line_error(code, out, err, "has another tokenizer")
+    long = tmp_path / "long.txt"
+    long.write_text(" ".join(CORPUS * 20), encoding="utf-8")
+    code, out, err = run_cli("speculate", tiny_model_dir, "--skip", "1", "--prompts", long, "--out", tmp_path / "b")
+    assert_one_line_error(code, out, err, "more than the model's 256 positions")
+
+
+def test_an_assistant_of_the_same_tokenizer_drafts_here_and_in_transformers_loop(run_cli, tiny_model_dir, prompts_file, tmp_path, tiny_tokenizer):
+    helper = tmp_path / "helper"
+    tiny_llama(len(tiny_tokenizer), layers=2, seed=5).save_pretrained(helper)
+    tiny_tokenizer.save_pretrained(helper)
+    out = tmp_path / "with-assistant"
+    code, stdout, err = run_cli("speculate", tiny_model_dir, "--skip", "1", "--prompts", prompts_file, "--assistant", helper, "--baselines", "none",
+                                "--max-new-tokens", "10", "--out", out)
+    assert code == 0, err
+    record = json.loads((out / "speculate.json").read_text())
+    assert set(record["methods"]) == {"self-draft", "assistant", "transformers-assistant"}
+    assert not record["methods"]["assistant"]["shares_weights"]
+    for p in record["prompts"].values():
+        assert p["assistant"]["tokens_equal"] and p["transformers-assistant"]["tokens_equal"]
+    assert record["summary"]["transformers-assistant"]["lossless"]["equal"] == 4
+
+
+def test_sampling_runs_say_what_they_keep(run_cli, tiny_model_dir, prompts_file, tmp_path):
+    out = tmp_path / "sampled"
+    code, stdout, err = run_cli("speculate", tiny_model_dir, "--skip", "2", "--prompts", prompts_file, "--sample", "--temperature", "0.7",
+                                "--draft-length", "heuristic", "--baselines", "prompt-lookup", "--ignore-eos", "--max-new-tokens", "9", "--seed", "5",
+                                "--out", out)
+    assert code == 0, err
+    assert "sampling at temperature 0.7" in stdout
+    record = json.loads((out / "speculate.json").read_text())
+    assert record["run"]["temperature"] == 0.7 and record["run"]["seed"] == 5 and not record["run"]["stop_at_eos"]
+    assert all(p["self-draft"]["generated"] == 9 for p in record["prompts"].values())  # past any eos
+    assert all(p["self-draft"]["tokens_equal"] is None for p in record["prompts"].values())
+
+
+def test_two_ranks_share_the_prompts_and_give_one_process_s_tokens(run_cli, tiny_model_dir, prompts_file, tmp_path):
+    common = ["speculate", tiny_model_dir, "--skip", "1,2", "--prompts", prompts_file, "--max-new-tokens", "10", "--baselines", "prompt-lookup"]
+    code, _, err = run_cli(*map(str, common), "--out", str(tmp_path / "one"))
+    assert code == 0, err
+    two = torchrun("-m", "depthcurse", *common, "--out", tmp_path / "two")
+    assert two.returncode == 0, two.stderr[-3000:]
+    one, both = (json.loads((tmp_path / d / "speculate.json").read_text()) for d in ("one", "two"))
+    for i, p in one["prompts"].items():
+        for name in ("generate", "plain", "self-draft", "prompt-lookup"):
+            assert both["prompts"][i][name]["tokens"] == p[name]["tokens"]
+        assert both["prompts"][i]["self-draft"]["rounds"] == p["self-draft"]["rounds"]
+    assert (two.stdout + two.stderr).count("written: ") == 1
+
+
+def test_ignore_eos_decodes_past_it_and_generate_s_reference_does_too():
+    from depthcurse.speculate.run import SpeculateConfig, build_methods, run_prompt
+
+    model = _model_with_a_silent_block()
+    first = plain(model, PROMPT, DecodeSettings(max_new_tokens=1), WATCH).tokens[0]
+    model.generation_config.eos_token_id = first  # the model's own eos: the very first token it picks
+    cfg = SpeculateConfig(skip=(4,), max_new_tokens=12, stop_at_eos=False, baselines=("prompt-lookup",)).checked(6)
+    out = run_prompt(model, PROMPT, 0, build_methods(model, cfg, (first,)), cfg, (first,), WATCH)
+    assert len(out["generate"]["tokens"]) == 12 and out["generate"]["tokens"][0] == first
+    assert all(out[name]["tokens_equal"] for name in ("plain", "self-draft", "prompt-lookup"))
+    stopping = SpeculateConfig(skip=(4,), max_new_tokens=12, baselines=()).checked(6)
+    out = run_prompt(model, PROMPT, 1, build_methods(model, stopping, (first,)), stopping, (first,), WATCH)
+    assert out["generate"]["tokens"] == out["self-draft"]["tokens"] == [first]  # stopped by it
+
+
+def _figures(**kw):
+    base = {"prefill_s": 0.2, "draft_prefill_s": 0.0, "draft_tokens_fed": 0, "draft_cache_bytes": 0, "cache_bytes": 50, "tokens_equal": True,
+            "first_difference": None, "rounds": [], "draft_calls": 0, "draft_s": 0.0}
+    return {**base, **kw}
+
+
+def _three_prompts() -> dict:
+    """Three prompts: a code one, a math one, and a math one that ends at its first token (nothing decoded)."""
+    return {"methods": {"self-draft": {}, "prompt-lookup": {}, "transformers-assistant": {}}, "prompts": {
+        "0": {"kind": "code", "generate": {"seconds": 1.0, "generated": 5}, "transformers-assistant": {"seconds": 0.5, "generated": 5, "tokens_equal": True},
+              "plain": _figures(decode_s=0.8, step_s=0.6, steps=4, generated=5),
+              "self-draft": _figures(rounds=[[2, 2], [2, 0]], decode_s=0.5, draft_s=0.2, draft_calls=4, steps=2, step_s=0.25, generated=5,
+                                     draft_prefill_s=0.1, draft_cache_bytes=30),
+              "prompt-lookup": _figures(rounds=[[3, 1]], decode_s=0.6, steps=3, step_s=0.45, generated=5, tokens_equal=False, first_difference=2)},
+        "1": {"kind": "math", "generate": {"seconds": 2.0, "generated": 9}, "transformers-assistant": {"seconds": 1.6, "generated": 9, "tokens_equal": True},
+              "plain": _figures(decode_s=1.6, step_s=1.2, steps=8, generated=9, prefill_s=0.4),
+              "self-draft": _figures(rounds=[[2, 2], [2, 2], [2, 1]], decode_s=1.0, draft_s=0.3, draft_calls=6, steps=3, step_s=0.6, generated=9,
+                                     prefill_s=0.4, draft_prefill_s=0.2, draft_cache_bytes=60, cache_bytes=100),
+              "prompt-lookup": _figures(decode_s=1.7, steps=8, step_s=1.3, generated=9, prefill_s=0.4, cache_bytes=100)},
+        "2": {"kind": "math", "generate": {"seconds": 0.3, "generated": 1}, "transformers-assistant": {"seconds": 0.3, "generated": 1, "tokens_equal": True},
+              "plain": _figures(decode_s=1e-5, step_s=0.0, steps=0, generated=1, prefill_s=0.1),  # the loop's exit, timed: not decoding
+              "self-draft": _figures(decode_s=0.0, steps=0, step_s=0.0, generated=1),
+              "prompt-lookup": _figures(decode_s=0.0, steps=0, step_s=0.0, generated=1)}}}
+
+
+def _est(values):
+    from depthcurse.stats import mean_interval
+
+    return {"mean": pytest.approx(float(np.mean(values))), "interval": pytest.approx(mean_interval(values)) if len(values) > 1 else None, "n": len(values)}
+
+
+@pytest.mark.statistics
+def test_summary_keeps_every_figure_by_name_on_prompts_with_every_edge():
+    """Every figure of a three-prompt record worked out by hand: a prompt that decodes nothing is left
+    out of the timings, a round-less draft has no acceptance, prompt lookup's c is 0, transformers'
+    loop and ours are timed whole against generate's, and each kind on its own."""
+    got = summarise(_three_prompts())
+    # self-draft: prompt 0 accepts 2 with 1 rejection, prompt 1 accepts 5 with 1; plain's step is 0.15 s on both
+    alphas, cs, vs = [2 / 3, 5 / 6], [1 / 3, 1 / 3], [5 / 6, 4 / 3]
+    e = [sum(a**i for i in range(3)) for a in alphas]  # 19/9 and 91/36 tokens a round at gamma 2
+    expected = [e[0] / (2 / 3 + 1), e[1] / (2 / 3 + 1)]
+    expected_v = [e[0] / (2 / 3 + 5 / 6), e[1] / (2 / 3 + 4 / 3)]
+    v = float(np.mean(vs))
+    self_draft = {
+        "alpha": _est(alphas), "c": _est(cs), "v": _est(vs), "gamma": _est([2.0, 2.0]), "tokens_per_check": _est([2.0, 8 / 3]),
+        "expected": _est(expected), "expected_v": _est(expected_v), "overhead": _est([0.1, 0.1]), "tokens_per_s": _est([8.0, 8.0]),
+        "pooled_alpha": pytest.approx(7 / 9), "speedup": {"median": pytest.approx(1.6), "interval": None, "pairs": 2},
+        "end_to_end": {"median": pytest.approx(1.25), "interval": None, "pairs": 2}, "prompts": 2,
+        "ceiling": pytest.approx(3 / (2 / 3 + 1)), "break_even": pytest.approx(break_even(2, 1 / 3)), "ceiling_v": pytest.approx(3 / (2 / 3 + v)),
+        "break_even_v": pytest.approx(break_even(2, 1 / 3, v)), "largest_c": pytest.approx((1 + 0.75 + 0.5625 - v) / 2),
+        "best_gamma": {"gamma": best_gamma(0.75, 1 / 3, v)[0], "speedup": pytest.approx(best_gamma(0.75, 1 / 3, v)[1])},
+        "measured_over_expected": pytest.approx(1.6 / np.mean(expected_v)),
+        "lossless": {"equal": 3, "compared": 3, "differ": []}, "draft_cache_bytes": 60, "draft_cache_share": pytest.approx(0.6)}
+    assert got["drafts"]["self-draft"] == self_draft
+    # prompt lookup: no forward pass (c = 0); prompt 1 proposed nothing (no acceptance, no draft length)
+    v = (1.0 + (1.3 / 8) / 0.15) / 2
+    lookup = {
+        "alpha": _est([0.5]), "c": _est([0.0, 0.0]), "v": _est([1.0, (1.3 / 8) / 0.15]), "gamma": _est([3.0]), "tokens_per_check": _est([4 / 3, 1.0]),
+        "expected": _est([1.875]), "expected_v": _est([1.875]), "overhead": _est([0.25, 1 - 1.3 / 1.7]), "tokens_per_s": _est([4 / 0.6, 8 / 1.7]),
+        "pooled_alpha": 0.5, "speedup": {"median": pytest.approx(1 / ((0.75 + 1.7 / 1.6) / 2)), "interval": None, "pairs": 2},
+        "end_to_end": {"median": pytest.approx(1 / ((0.8 + 2.1 / 2.0) / 2)), "interval": None, "pairs": 2}, "prompts": 2,
+        "ceiling": pytest.approx(4.0), "break_even": 0.0, "ceiling_v": pytest.approx(4 / v), "break_even_v": pytest.approx(break_even(3, 0.0, v)),
+        "largest_c": pytest.approx((1.875 - v) / 3),
+        "best_gamma": {"gamma": best_gamma(0.5, 0.0, v)[0], "speedup": pytest.approx(best_gamma(0.5, 0.0, v)[1])},
+        "measured_over_expected": pytest.approx(1 / ((0.75 + 1.7 / 1.6) / 2) / 1.875),
+        "lossless": {"equal": 2, "compared": 3, "differ": [{"prompt": 0, "at": 2}]}, "draft_cache_bytes": 0, "draft_cache_share": 0.0}
+    assert got["drafts"]["prompt-lookup"] == lookup
+    assert got["plain"] == {"tokens_per_s": _est([5.0, 5.0]), "overhead": _est([0.25, 0.25]), "prompts": 3,
+                            "speedup": {"median": pytest.approx(1.0), "interval": None, "pairs": 3}, "lossless": {"equal": 3, "compared": 3, "differ": []}}
+    assert got["transformers-assistant"] == {"speedup": {"median": pytest.approx(1 / 0.8), "interval": None, "pairs": 3}, "prompts": 3,
+                                             "lossless": {"equal": 3, "compared": 3, "differ": []}}
+    assert set(got) == {"drafts", "plain", "transformers-assistant", "by_kind"} and list(got["drafts"]) == ["self-draft", "prompt-lookup"]
+    kept = ("alpha", "pooled_alpha", "tokens_per_check", "speedup", "expected_v", "prompts", "lossless")
+    assert got["by_kind"]["code"]["self-draft"] == {k: self_draft[k] for k in ("pooled_alpha",)} | {
+        "alpha": _est([2 / 3]), "tokens_per_check": _est([2.0]), "speedup": {"median": pytest.approx(1.6), "interval": None, "pairs": 1},
+        "expected_v": _est([expected_v[0]]), "prompts": 1, "lossless": {"equal": 1, "compared": 1, "differ": []}} | {"pooled_alpha": pytest.approx(2 / 3)}
+    assert got["by_kind"]["math"]["prompt-lookup"] == {"alpha": None, "pooled_alpha": None, "tokens_per_check": _est([1.0]), "expected_v": None,
+                                                       "speedup": {"median": pytest.approx(1.6 / 1.7), "interval": None, "pairs": 1}, "prompts": 1,
+                                                       "lossless": {"equal": 2, "compared": 2, "differ": []}}
+    assert set(got["by_kind"]) == {"code", "math"} and all(set(by[name]) == set(kept) for by in got["by_kind"].values() for name in by)
+    # prompts are read in their numbers' order, not the text's ("10" after "9")
+    record = _three_prompts()
+    record["prompts"] = {str(10 - int(i)): p for i, p in record["prompts"].items()}
+    record["prompts"]["8"]["prompt-lookup"].update(tokens_equal=False, first_difference=0)
+    assert summarise(record)["drafts"]["prompt-lookup"]["lossless"]["differ"] == [{"prompt": 8, "at": 0}, {"prompt": 10, "at": 2}]
+
+
+@pytest.mark.statistics
+def test_a_prompt_that_decodes_one_token_is_timed():
+    record = {"methods": {"self-draft": {}}, "prompts": {"0": {
+        "kind": "code", "generate": {"seconds": 0.2, "generated": 2},
+        "plain": _figures(decode_s=0.1, step_s=0.09, steps=1, generated=2),
+        "self-draft": _figures(rounds=[[1, 1]], decode_s=0.2, draft_s=0.05, draft_calls=1, steps=1, step_s=0.1, generated=2)}}}
+    got = summarise(record)
+    assert got["drafts"]["self-draft"]["prompts"] == 1 and got["drafts"]["self-draft"]["speedup"]["median"] == pytest.approx(0.5)
+    assert got["plain"]["tokens_per_s"]["mean"] == pytest.approx(10.0) and got["plain"]["overhead"]["mean"] == pytest.approx(0.1)
