@@ -30,7 +30,8 @@ test: setup
 	$(BIN)/python -m pytest -q -n 2
 
 # Mutation testing of the statistics core (pyproject.toml's [tool.mutmut]): every mutant of stats/,
-# heal's intervals, shares and model-index, select's statistics, speed's paired ratio and the probes,
+# heal's intervals, shares and model-index, select's statistics, speed's paired ratio, the probes and
+# speculate's expected speedups and summary,
 # run against the tests marked `statistics`; the score per module, failing below 90%.
 mutate: setup
 	rm -rf mutants

@@ -360,7 +360,7 @@ def test_select_with_searches_on_the_command_line_and_its_bad_input(run_cli, tin
     assert (tmp_path / "cli" / "distances.png").is_file()
     base = ["select", tiny_model_dir, "--calibration", text, "--calib-windows", "2", "--eval-windows", "2", "--seq-len", "16", "--out", tmp_path / "bad"]
     for args, said in (
-        (["--search", "magic"], "--search magic: use angular, bi, evo, exact, greedy, laco, last, one-shot, random, swm"),
+        (["--search", "magic"], "--search magic: use angular, bi, draft-verify, evo, exact, greedy, laco, last, one-shot, random, swift, swm"),
         (["--k", "4", "--search", "exact"], "--k 4 is out of range: the model has 4 layers (1-3)"),
         (["--k", "2", "--search", "exact", "--search-args", "exact.max_sets=3"], "--search exact: C(4, 2) = 6 removals, more than exact.max_sets=3"),
         (["--k", "1", "--search", "evo", "--search-args", "evo.offspring=1"], "survivors cannot outnumber the offspring"),

@@ -168,7 +168,7 @@ def test_select_on_the_command_line_and_its_bad_input(run_cli, tiny_model_dir, t
     # the verdicts, a line each after the table: the overlap, and no decision from 3 windows
     assert "- overlap of the choices (mean Jaccard): the same text by different searches" in said
     assert "cannot tell (3 held-out items are too few to resample" in said and "decided by the" not in said
-    for args, said in ((("--search", "magic"), "--search magic: use angular, bi, evo, exact, greedy"), (("--k", "0"), "--k must be at least 1"),
+    for args, said in ((("--search", "magic"), "--search magic: use angular, bi, draft-verify, evo, exact, greedy"), (("--k", "0"), "--k must be at least 1"),
                        (("--objective", "acc"), "--objective acc: use ppl, kl"), (("--eval-windows", "1"), "--eval-windows must be at least 2"),
                        (("--search", "greedy,greedy"), "--search names greedy more than once"),
                        (("--objective", "ppl,ppl"), "--objective names ppl more than once"),

@@ -22,10 +22,11 @@ def select(
     model: str = ModelArg,
     k: int = typer.Option(4, "--k", help="Units each cell removes: k blocks (or, with --granularity sub-block, k attention and k MLP branches)."),
     calibration: str = typer.Option("wiki", "--calibration", help="Texts to choose on, comma-separated: wiki (prose), c4 (web prose, from the hub), code (Python), math (MATH problems and solutions), dialogue (CoQA's question and answer turns) or a .txt/.jsonl/.parquet file; each is also held out and judged on."),
-    objective: Optional[str] = typer.Option(None, "--objective", help="What the searches that score removals minimise on the calibration windows (greedy, one-shot, exact, evo, random), comma-separated: ppl (next-token loss; the default) and/or kl (KL from the unpruned model: EvoPress's default)."),
-    search: str = typer.Option("greedy,angular", "--search", help="How the k units are found, comma-separated: greedy, one-shot (the k cheapest single removals), angular (Gromov et al.'s block), bi (ShortGPT's Block Influence), exact (every removal: the optimum), evo (EvoPress's evolutionary search), random (the best of random draws: the null distribution), last (the k blocks before the final one), laco and swm (the layers LaCo's and Sliding-Window Merging's procedures merge away), or module:Class / file.py:Class of your own."),
+    objective: Optional[str] = typer.Option(None, "--objective", help="What the searches that score removals minimise on the calibration windows (greedy, one-shot, exact, evo, random), comma-separated: ppl (next-token loss; the default), kl (KL from the unpruned model: EvoPress's default), acceptance (1 - top-1 agreement with the unpruned model: the best self-draft for speculate) and/or speedup (the expected time per token of speculative decoding with that draft, from its agreement and this machine's measured costs)."),
+    draft_tokens: int = typer.Option(4, "--draft-tokens", help="With --objective speedup: the tokens the draft proposes a round (gamma)."),
+    search: str = typer.Option("greedy,angular", "--search", help="How the k units are found, comma-separated: greedy, one-shot (the k cheapest single removals), angular (Gromov et al.'s block), bi (ShortGPT's Block Influence), exact (every removal: the optimum), evo (EvoPress's evolutionary search), random (the best of random draws: the null distribution), last (the k blocks before the final one), laco and swm (the layers LaCo's and Sliding-Window Merging's procedures merge away), swift and draft-verify (the self-speculative decoding papers' skip-set searches, over branches), or module:Class / file.py:Class of your own."),
     search_args: Optional[str] = typer.Option(None, "--search-args", help="The searches' settings, key=value,... (name.key=value for one search): exact.max_sets, evo.offspring, evo.generations, random.sets, laco.threshold, swm.threshold, ..."),
-    granularity: str = typer.Option("layer", "--granularity", help="What a removal takes: layer (whole blocks) or sub-block (k attention and k MLP branches, EvoPress's default; for exact, evo, random and last)."),
+    granularity: str = typer.Option("layer", "--granularity", help="What a removal takes: layer (whole blocks), sub-block (k attention and k MLP branches, EvoPress's default; for exact, evo, random and last) or branch (k branches of either kind: SWIFT's and Draft & Verify's space; for exact, random, swift and draft-verify, which chooses how many itself)."),
     calib_windows: int = typer.Option(8, "--calib-windows", help="Windows of each text the choice is made on."),
     eval_windows: int = typer.Option(16, "--eval-windows", help="Other windows of each text every choice is judged on."),
     seq_len: int = typer.Option(128, "--seq-len", help="Tokens per window."),
@@ -48,7 +49,7 @@ def select(
 
     cfg = SelectConfig(k=k, calibration=_names(calibration), objectives=_names(objective) if objective is not None else None, searches=_names(search),
                        calib_windows=calib_windows, eval_windows=eval_windows, seq_len=seq_len, batch_size=batch_size, task=task, limit=limit, seed=seed,
-                       granularity=granularity, search_args=parse_search_args(search_args))
+                       granularity=granularity, search_args=parse_search_args(search_args), draft_tokens=draft_tokens)
     checked = cfg.checked()  # the options alone, before a model loads (k against its layers after)
     if checked.eval_windows < MIN_ITEMS and len(checked.calibration) > 1 and len(checked.cells()) > len(checked.calibration):
         say("note", f"--eval-windows {checked.eval_windows}: fewer than {MIN_ITEMS} held-out windows are too few to resample, so the decomposition "

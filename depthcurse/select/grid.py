@@ -38,14 +38,14 @@ from depthcurse.prune.engine import evaluate_variants, why_unsupported
 from depthcurse.runtime import World
 from depthcurse.select import searches as _builtin  # noqa: F401 (defines the built-in searches, which registers them)
 from depthcurse.select.scoring import CalibrationScorer, contiguous_shares, removal_context, window_scores
-from depthcurse.select.search import GRANULARITIES, Search, SearchContext, Space, build_searches, key, settings_text
+from depthcurse.select.search import GRANULARITIES, OBJECTIVES, Search, SearchContext, Space, build_searches, key, settings_text
+from depthcurse.speculate.costs import DraftCosts, measure_costs
 from depthcurse.select.statistics import decomposition, distances, overlap
 from depthcurse.surgery import find_blocks, num_layers
 from depthcurse.tasks import PerplexityTask, build_task
 from depthcurse.text import load_texts, text_kind
 
 SELECT_JSON = "select.json"
-OBJECTIVES = ("ppl", "kl")
 
 
 @dataclass
@@ -63,6 +63,7 @@ class SelectConfig:
     seed: int = 1234
     granularity: str = "layer"  # or "sub-block": k attention and k MLP branches
     search_args: dict = field(default_factory=dict)  # --search-args, name.key -> value
+    draft_tokens: int = 4  # gamma of the draft the speedup objective prices
 
     def built(self) -> dict[str, Search]:
         """The searches, by name, their settings set."""
@@ -112,6 +113,10 @@ class SelectConfig:
             raise DepthcurseError("--eval-windows must be at least 2: the intervals need paired windows")
         if self.seq_len < 8:
             raise DepthcurseError("--seq-len must be at least 8")
+        if self.draft_tokens < 1:
+            raise DepthcurseError(f"--draft-tokens must be at least 1, got {self.draft_tokens}")
+        if self.draft_tokens != SelectConfig.draft_tokens and "speedup" not in objectives:
+            raise DepthcurseError(f"--draft-tokens {self.draft_tokens} prices a draft for --objective speedup, which is not asked")
         if n_layers is not None or space is not None:
             space = (space or Space(n_layers, self.k, self.granularity)).check()
             for search in searches.values():
@@ -133,6 +138,8 @@ class SelectConfig:
             del out["granularity"]
         if not out["search_args"]:
             del out["search_args"]
+        if "speedup" not in (out["objectives"] or ()):
+            del out["draft_tokens"]
         return out
 
 
@@ -178,20 +185,23 @@ def text_windows(tokenizer, source: str, cfg: SelectConfig) -> Texts:
 
 
 @torch.no_grad()
-def per_window(model, windows: torch.Tensor, batch_size: int, reference: list[torch.Tensor] | None = None) -> tuple[list[float], list[float] | None, list[torch.Tensor]]:
+def per_window(model, windows: torch.Tensor, batch_size: int, reference: list[torch.Tensor] | None = None
+               ) -> tuple[list[float], list[float] | None, list[float] | None, list[torch.Tensor]]:
     """Each window's mean next-token loss and, against `reference` (the unpruned model's log-probs,
-    batch by batch), its mean KL(unpruned || model); and this model's log-probs batch by batch."""
+    batch by batch), its mean KL(unpruned || model) and rejection (1 - top-1 agreement); and this
+    model's log-probs batch by batch."""
     device = model.get_input_embeddings().weight.device
-    losses, kls, logprobs = [], [] if reference is not None else None, []
+    losses, kls, rejections, logprobs = [], [] if reference is not None else None, [] if reference is not None else None, []
     for b, start in enumerate(range(0, len(windows), batch_size)):
         ids = windows[start : start + batch_size].to(device)
         logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].float(), dim=-1)
-        loss, kl = window_scores(logp, ids, reference[b] if reference is not None else None)
+        loss, kl, agreement = window_scores(logp, ids, reference[b] if reference is not None else None)
         losses += loss.mean(1).tolist()
         if reference is not None:
             kls += kl.mean(1).tolist()
+            rejections += (1.0 - agreement.mean(1)).tolist()
         logprobs.append(logp.cpu())
-    return losses, kls, logprobs
+    return losses, kls, rejections, logprobs
 
 
 def stream_pass(model, windows: torch.Tensor, batch_size: int, k: int):
@@ -260,6 +270,13 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
         space = replace(space, seconds_per_block_pass=seconds_per_block_pass(model, texts[cfg.calibration[0]].calibration, cfg.batch_size),
                         head_blocks=head_blocks(model))
     cfg = given.checked(space=space)  # every search's own check, before any of them runs
+    costs = None
+    if "speedup" in cfg.objectives:  # measured once, kept: a resumed run prices its drafts as it began
+        if "draft_costs" not in record:
+            phase("timing a draft's costs")
+            # rank 0's timing, on every rank: the ranks' searches must score every draft alike
+            record["draft_costs"] = world.broadcast(measure_costs(model, cfg.draft_tokens).summary() if world.main else None)
+        costs = DraftCosts(**record["draft_costs"])
     for source in cfg.calibration:  # the choices
         todo = [c for c in cells if c[0] == source and cell_name(c, labels) not in record["cells"]]
         if not todo:
@@ -267,7 +284,7 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
         phase(f"choosing on {labels[source]}")
         known = record["calibration_scores"].setdefault(source, {})
         calibration = texts[source].calibration
-        scorer = CalibrationScorer(model, calibration, cfg.batch_size, known, save, cfg.granularity, world) \
+        scorer = CalibrationScorer(model, calibration, cfg.batch_size, known, save, cfg.granularity, world, costs) \
             if any(searches[c[1]].reads == "objective" for c in todo) else None
         streams = functools.cache(lambda calibration=calibration: stream_pass(model, calibration, cfg.batch_size, cfg.k))
         for i, cell in enumerate(todo):
@@ -312,16 +329,16 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
         if not todo:
             continue
         phase(f"judging on {labels[source]} (held out)")
-        base_losses, _, reference = per_window(model, texts[source].held_out, cfg.batch_size)
-        held.setdefault("", {"loss": base_losses, "kl": [0.0] * len(base_losses)})
+        base_losses, _, _, reference = per_window(model, texts[source].held_out, cfg.batch_size)
+        held.setdefault("", {"loss": base_losses, "kl": [0.0] * len(base_losses), "rejection": [0.0] * len(base_losses)})
         start, end = contiguous_shares([1] * len(todo), world.size)[world.rank]  # under torchrun: this rank's share
         mine = {}
         for i, removal in enumerate(todo[start:end]):
             if on_step:
                 on_step(f"{labels[source]}: without {key(removal)}", i, end - start)
             with removal_context(model, removal, cfg.granularity):
-                losses, kls, _ = per_window(model, texts[source].held_out, cfg.batch_size, reference)
-            mine[key(removal)] = {"loss": losses, "kl": kls}
+                losses, kls, rejections, _ = per_window(model, texts[source].held_out, cfg.batch_size, reference)
+            mine[key(removal)] = {"loss": losses, "kl": kls, "rejection": rejections}
             if world.size == 1:  # alone, each set kept as it finishes: an interrupted run resumes there
                 held[key(removal)] = mine[key(removal)]
                 save()

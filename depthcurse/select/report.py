@@ -10,13 +10,22 @@ from pathlib import Path
 from rich.table import Table
 
 from depthcurse.io import atomic_write, save_figure
+from depthcurse.select.statistics import HELD_OUT_METRICS
 from depthcurse.select.statistics import key as _key
 from depthcurse.stats.intervals import difference_interval
 
 
+OBJECTIVE_WORDS = ("ppl: mean next-token loss; kl: mean KL from the unpruned model; acceptance: the rejection, 1 - top-1 agreement with the "
+                   "unpruned model; speedup: the expected time per token of self-speculative decoding against decoding alone")
+OBJECTIVE_AXIS = {"ppl": "mean loss", "kl": "mean KL from the unpruned model", "acceptance": "rejection: 1 - top-1 agreement",
+                  "speedup": "expected time per token, speculative / alone"}
+
+
 def judged(record: dict) -> list[tuple[str, str, str]]:
-    """(column name, where, metric) of every held-out measurement: each text's loss and KL, the task."""
-    out = [(f"{record.get('labels', {}).get(s, s)} {m}", s, m) for s in record["run"]["calibration"] for m in ("loss", "kl")]
+    """(column name, where, metric) of every held-out measurement: each text's loss, KL and rejection
+    (1 - top-1 agreement; runs made before it was measured have none), the task."""
+    out = [(f"{record.get('labels', {}).get(s, s)} {m}", s, m) for s in record["run"]["calibration"] for m in HELD_OUT_METRICS
+           if m in record["held_out"].get(s, {}).get("", {"loss": 0, "kl": 0})]
     if record.get("task"):
         out.append((f"{record['run']['task']} {record['task'][''].get('metric')}", "task", ""))
     return out
@@ -199,8 +208,7 @@ def distance_table(record: dict) -> Table | None:
         return None
     header, *rows = distance_rows(record)
     exact = any(d["exact"] for d in dist.values())
-    caption = ("calibration score: the objective on the calibration windows (ppl: mean next-token loss; kl: mean KL from the unpruned "
-               "model); the best: " + ("the exact optimum over every removal where exact ran, else the best any search scored" if exact
+    caption = ("calibration score: the objective on the calibration windows (" + OBJECTIVE_WORDS + "); the best: " + ("the exact optimum over every removal where exact ran, else the best any search scored" if exact
                                        else "the best removal any search scored (no exact run)")
                + "; held out: the pick's held-out loss minus the best's, paired over the windows, Student's t")
     return _table(f"{record['run']['model']}: how far each pick of {record['run']['k']} is from the best", caption, [header, *rows], left=3)
@@ -235,7 +243,7 @@ def plot_distances(record: dict, path: Path) -> Path | None:
         for i, (cell, pick) in enumerate(sorted(d["picks"].items(), key=lambda kv: kv[1]["score"])):
             color = f"C{i % 10}"
             ax.axvline(pick["score"], color=color, lw=1.5, label=f"{record['cells'][cell]['search']}: {pick['layers']}")
-        ax.set_xlabel(f"calibration {d['objective']} ({'mean loss' if d['objective'] == 'ppl' else 'mean KL from the unpruned model'})")
+        ax.set_xlabel(f"calibration {d['objective']} ({OBJECTIVE_AXIS[d['objective']]})")
         ax.set_ylabel("removals")
         ax.set_title(f"{name}: where each pick falls", fontsize=9)
         ax.legend(fontsize=6)

@@ -33,8 +33,11 @@ import torch
 
 from depthcurse.prune.stepping import Stepper, Unsupported
 from depthcurse.runtime import World
-from depthcurse.select.search import Removal, key
+from depthcurse.select.search import OBJECTIVES, Removal, key
+from depthcurse.speculate.costs import DraftCosts
 from depthcurse.surgery import num_layers, removed_layers, removed_units
+
+KEPT = OBJECTIVES  # a removal's calibration scores, in this order, in `select.json`
 
 
 @dataclass
@@ -59,14 +62,17 @@ class Cost:
                 "subset_scores": self.subset_scores, "tokens_scored": self.tokens, "seconds": round(self.seconds, 3)}
 
 
-def window_scores(logp: torch.Tensor, ids: torch.Tensor, reference: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def window_scores(logp: torch.Tensor, ids: torch.Tensor, reference: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """A batch's log-probs of the next tokens as each position's loss [b, T-1] and, against
-    `reference` (the unpruned model's log-probs), each position's KL(unpruned || model)."""
+    `reference` (the unpruned model's log-probs), each position's KL(unpruned || model) and whether
+    its top-1 token is the unpruned model's (1.0) or not (0.0): teacher-forced agreement, what a
+    greedy self-draft's acceptance is at each position."""
     losses = -logp.gather(-1, ids[:, 1:, None])[..., 0]
     if reference is None:
-        return losses, None
+        return losses, None, None
     ref = reference.to(logp.device)
-    return losses, (ref.exp() * (ref - logp)).sum(-1)
+    return losses, (ref.exp() * (ref - logp)).sum(-1), (logp.argmax(-1) == ref.argmax(-1)).float()
 
 
 def removal_context(model, removal: Removal, granularity: str):
@@ -87,15 +93,18 @@ class _Batch:
     ctx: object = None
     entering: list[torch.Tensor] = field(default_factory=list)  # the unpruned stream entering each block
     reference: torch.Tensor | None = None  # the unpruned model's log-probs
+    losses: list[float] = field(default_factory=list)  # the unpruned model's mean loss on each window
 
 
 class CalibrationScorer:
-    """The calibration windows' scores of any removal; `known` maps a removal's key to its mean
-    [loss, KL] (kept by the caller: `on_new` is called after each new one)."""
+    """The calibration windows' scores of any removal; `known` maps a removal's key to its scores in
+    the order of `KEPT` (kept by the caller: `on_new` is called after each new one). `costs`: what
+    drafting costs here, for the speedup objective (None: it is not asked, its score None)."""
 
     def __init__(self, model, windows: torch.Tensor, batch_size: int, known: dict[str, list[float]], on_new: Callable[[], None],
-                 granularity: str = "layer", world: World = World()):
+                 granularity: str = "layer", world: World = World(), costs: DraftCosts | None = None):
         self.model, self.windows, self.batch_size, self.known, self.on_new = model, windows, batch_size, known, on_new
+        self.costs = costs
         self.world = world  # under torchrun: the removals scored are shared over the ranks, every rank given every score
         self.granularity, self.n = granularity, num_layers(model)
         self.cost = Cost()
@@ -123,7 +132,8 @@ class CalibrationScorer:
             ids = self.windows[start : start + self.batch_size]
             if self.stepper is None:
                 logits = self.model(input_ids=ids.to(self.model.get_input_embeddings().weight.device), use_cache=False).logits
-                batches.append(_Batch(ids, reference=torch.log_softmax(logits[:, :-1].float(), -1).cpu()))
+                reference = torch.log_softmax(logits[:, :-1].float(), -1).cpu()
+                batches.append(_Batch(ids, reference=reference, losses=window_scores(reference, ids, None)[0].mean(1).tolist()))
                 continue
             ids = ids.to(self.stepper.device)
             ctx = self.stepper.context(ids.shape[1], 0)
@@ -131,38 +141,50 @@ class CalibrationScorer:
             for i in range(self.n):
                 entering.append(h)
                 h = self.stepper.block(i, h, ctx)
-            batches.append(_Batch(ids, ctx, entering, torch.log_softmax(self.stepper.logits(h)[:, :-1], dim=-1).cpu()))
+            reference = torch.log_softmax(self.stepper.logits(h)[:, :-1], dim=-1).cpu()
+            batches.append(_Batch(ids, ctx, entering, reference, window_scores(reference, ids.cpu(), None)[0].mean(1).tolist()))
         return batches
 
     # --------------------------------------------------------------------------- one removal, every window
     def __call__(self, removal: Removal) -> dict[str, float]:
-        """{"ppl": mean next-token loss, "kl": mean KL from the unpruned model} of `removal` on every
-        calibration window, measured once."""
-        name = key(removal)
-        if name not in self.known:
-            self.score_many([removal])
-        loss, kl = self.known[name]
-        return {"ppl": loss, "kl": kl}
+        """Every objective of `removal` on every calibration window (`KEPT`), measured once."""
+        return self.score_many([removal])[0]
+
+    def _blocks(self, removal: Removal) -> float:
+        """The blocks a removal takes out: its units, or half its branches (an attention and an MLP branch a block)."""
+        return len(removal) if self.granularity == "layer" else len(removal) / 2
+
+    def _scores(self, removal: Removal, loss: float, kl: float, agreement: float) -> list[float | None]:
+        speedup = self.costs.time_per_token(agreement, self._blocks(removal)) if self.costs is not None else None
+        return [loss, kl, 1.0 - agreement, speedup]
+
+    def _unknown(self, removal: Removal) -> bool:
+        # a record written before an objective existed keeps fewer scores: such a removal is measured again
+        scores = self.known.get(key(removal))
+        return scores is None or len(scores) < len(KEPT) or (self.costs is not None and scores[KEPT.index("speedup")] is None)
 
     def score_many(self, removals: list[Removal]) -> list[dict[str, float]]:
         """Every removal of `removals` on every window, those not yet known measured together (for
         whole blocks by the prefix walk); their scores, in order."""
-        todo = sorted({key(r): tuple(r) for r in removals if key(r) not in self.known}.values())
+        if any(not r for r in removals) and self._unknown(()):  # nothing removed: the unpruned model, measured already
+            losses = [v for b in self.batches for v in b.losses]
+            self.known[""] = self._scores((), sum(losses) / len(losses), 0.0, 1.0)
+        todo = sorted({key(r): tuple(r) for r in removals if r and self._unknown(r)}.values())
         if todo:
             started = time.perf_counter()
             walk = self._walk if self.stepper is not None and self.granularity == "layer" else self._one_by_one
             per_window = self._shared(todo, walk)
-            for removal, (losses, kls) in zip(todo, per_window):
-                self.known[key(removal)] = [sum(losses) / len(losses), sum(kls) / len(kls)]
+            for removal, (losses, kls, agreements) in zip(todo, per_window):
+                self.known[key(removal)] = self._scores(removal, sum(losses) / len(losses), sum(kls) / len(kls), sum(agreements) / len(agreements))
                 self.cost.naive_window_blocks += (self.n - len(removal)) * len(self.windows)
             self.cost.sets += len(todo)
             self.cost.tokens += len(todo) * self.windows.numel()
             self.cost.seconds += time.perf_counter() - started
             self.on_new()
-        return [dict(zip(("ppl", "kl"), self.known[key(r)])) for r in removals]
+        return [dict(zip(KEPT, self.known[key(r)])) for r in removals]
 
     @torch.no_grad()
-    def _walk(self, removals: list[Removal]) -> list[tuple[list[float], list[float]]]:
+    def _walk(self, removals: list[Removal]) -> list[tuple[list[float], list[float], list[float]]]:
         """The depth-first walk over the removed-block prefixes, batch by batch: each node of the
         trie of `removals` advances its stream past the kept blocks before its child's removed one,
         once, and a removal's leaf runs the blocks after its last removed one and the head."""
@@ -172,7 +194,7 @@ class CalibrationScorer:
             for layer in r:
                 node = node.setdefault(layer, {})
             node[None] = r  # the leaf: the removal that ends here
-        out: dict[Removal, tuple[list[float], list[float]]] = {r: ([], []) for r in removals}
+        out: dict[Removal, tuple[list[float], list[float], list[float]]] = {r: ([], [], []) for r in removals}
         for batch in self.batches:
             width = len(batch.ids)
 
@@ -181,9 +203,9 @@ class CalibrationScorer:
                     h = self.stepper.block(i, h, batch.ctx)
                 self.cost.window_blocks += (self.n - at) * width
                 self.cost.window_heads += width
-                losses, kls = window_scores(torch.log_softmax(self.stepper.logits(h)[:, :-1], dim=-1), batch.ids, batch.reference)
-                out[removal][0].extend(losses.mean(1).tolist())
-                out[removal][1].extend(kls.mean(1).tolist())
+                losses, kls, agreements = window_scores(torch.log_softmax(self.stepper.logits(h)[:, :-1], dim=-1), batch.ids, batch.reference)
+                for kept, values in zip(out[removal], (losses, kls, agreements)):
+                    kept.extend(values.mean(1).tolist())
 
             def visit(node: dict, h: torch.Tensor | None, at: int):
                 """`h`: the stream entering block `at` with this node's blocks removed (None at the
@@ -204,12 +226,9 @@ class CalibrationScorer:
         return [out[r] for r in removals]
 
     @torch.no_grad()
-    def _one_by_one(self, removals: list[Removal]) -> list[tuple[list[float], list[float]]]:
-        out, every = [], [(w, self.windows.shape[1]) for w in range(len(self.windows))]
-        for removal in removals:
-            losses, kls = self._measured(removal, every)
-            out.append(([float(v.mean()) for v in losses], [float(v.mean()) for v in kls]))
-        return out
+    def _one_by_one(self, removals: list[Removal]) -> list[tuple[list[float], list[float], list[float]]]:
+        every = [(w, self.windows.shape[1]) for w in range(len(self.windows))]
+        return [tuple([float(v.mean()) for v in values] for values in self._measured(removal, every)) for removal in removals]
 
     # --------------------------------------------------------------------------- some windows
     def score_on(self, removal: Removal, windows: list[int], last_tokens: int, objective: str) -> float:
@@ -229,8 +248,12 @@ class CalibrationScorer:
         def mine(share):
             out = []
             for removal in share:
-                losses, kls = self._measured(removal, pieces)
-                out.append(float(torch.cat(losses if objective == "ppl" else kls).mean()))
+                measured = dict(zip(("ppl", "kl", "agreement"), self._measured(removal, pieces)))
+                if objective in ("ppl", "kl"):
+                    out.append(float(torch.cat(measured[objective]).mean()))
+                else:
+                    loss, kl, agreement = (float(torch.cat(measured[m]).mean()) for m in ("ppl", "kl", "agreement"))
+                    out.append(self._scores(removal, loss, kl, agreement)[KEPT.index(objective)])
             return out
 
         scores = self._shared(removals, mine)
@@ -268,8 +291,8 @@ class CalibrationScorer:
         return min(int(u) if self.granularity == "layer" else int(u[1:]) for u in removal)
 
     @torch.no_grad()
-    def _measured(self, removal: Removal, pieces) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per-position loss and KL of `removal` on each (window, tokens) of `pieces` (a window's
+    def _measured(self, removal: Removal, pieces) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Per-position loss, KL and top-1 agreement of `removal` on each (window, tokens) of `pieces` (a window's
         first `tokens` tokens, t - 1 predictions each): from its first touched block on the kept
         unpruned streams where the stepper runs, else the model's forward. Windows of one batch
         and one length run together."""
@@ -277,7 +300,7 @@ class CalibrationScorer:
         groups: dict[tuple[int, int], list[int]] = {}
         for w, t in pieces:
             groups.setdefault((w // self.batch_size, t), []).append(w)
-        found: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        found: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for (b, t), ws in groups.items():
             batch = self.batches[b]
             rows = torch.tensor([w % self.batch_size for w in ws])
@@ -299,10 +322,10 @@ class CalibrationScorer:
                     self.cost.window_blocks += len(kept) * len(ws) * t / T
                     logp = torch.log_softmax(self.stepper.logits(h)[:, :-1], dim=-1)
             self.cost.window_heads += len(ws) * t / T
-            loss, kl = window_scores(logp, ids.to(logp.device), batch.reference[rows, : t - 1])
+            scores = window_scores(logp, ids.to(logp.device), batch.reference[rows, : t - 1])
             for j, w in enumerate(ws):
-                found[w, t] = (loss[j].cpu(), kl[j].cpu())
-        return [found[p][0] for p in pieces], [found[p][1] for p in pieces]
+                found[w, t] = tuple(s[j].cpu() for s in scores)
+        return tuple([found[p][i] for p in pieces] for i in range(3))
 
 
 def contiguous_shares(costs: list[float], ranks: int) -> list[tuple[int, int]]:

@@ -31,8 +31,16 @@ from depthcurse.errors import DepthcurseError
 from depthcurse.plugins import changed_settings, entry_points_of, load_outside, parse_args, scoped, settings_fields, typed
 
 ENTRY_POINTS = "depthcurse.select_searches"
-GRANULARITIES = ("layer", "sub-block")
+# layer: k whole blocks; sub-block: k attention and k MLP branches (EvoPress's); branch: k branches in
+# all, of either kind (the space SWIFT's and Draft & Verify's skip-set searches draw from)
+GRANULARITIES = ("layer", "sub-block", "branch")
 READS = ("objective", "streams", "model", "nothing")  # what a search needs: the scorer, the angular pass, the model itself (a merge's), none
+# What a removal's calibration score can be, in the order `select.json` keeps them: next-token loss, KL
+# from the unpruned model, rejection (1 - teacher-forced top-1 agreement with the unpruned model: under
+# greedy decoding, the share of a self-draft's tokens the whole model would not accept), and the
+# expected time per token of self-speculative decoding with that draft (1 / its expected speedup,
+# from the agreement and this machine's measured costs). A search minimises each.
+OBJECTIVES = ("ppl", "kl", "acceptance", "speedup")
 
 Unit = int | str  # a block index (layer granularity), or "a3" / "m3" (an attention or MLP branch)
 Removal = tuple  # of units, sorted
@@ -70,6 +78,8 @@ class Space:
     head_blocks: float = 0.0  # the output head's cost in blocks (its parameters over a block's)
 
     def sets_text(self) -> str:
+        if self.granularity == "branch":
+            return f"C({2 * self.n}, {self.k}) (k branches, attention or MLP)"
         return f"C({self.n}, {self.k})" + ("" if self.granularity == "layer" else "^2 (k attention and k MLP branches)")
 
     def units(self, kind: str | None = None) -> list[Unit]:
@@ -80,18 +90,23 @@ class Space:
         return [f"{t}{i}" for t in kinds for i in range(self.n)]
 
     def sets(self) -> int:
-        """How many removals there are: C(n, k), or C(n, k)^2 for sub-blocks."""
+        """How many removals there are: C(n, k), C(n, k)^2 for sub-blocks, C(2n, k) for branches."""
+        if self.granularity == "branch":
+            return math.comb(2 * self.n, self.k)
         return math.comb(self.n, self.k) ** (1 if self.granularity == "layer" else 2)
 
     def every(self):
         """Every removal, in lexicographic order."""
         if self.granularity == "layer":
             return itertools.combinations(range(self.n), self.k)
+        if self.granularity == "branch":
+            return itertools.combinations(self.units(), self.k)
         return (tuple(f"a{i}" for i in a) + tuple(f"m{i}" for i in m)
                 for a in itertools.combinations(range(self.n), self.k) for m in itertools.combinations(range(self.n), self.k))
 
-    def why_illegal(self, removal) -> str | None:
-        """Why `removal` is not one of this space's (None: it is)."""
+    def why_illegal(self, removal, any_count: bool = False) -> str | None:
+        """Why `removal` is not one of this space's (None: it is); `any_count`: of any number of
+        branches from one to all but one (a search that chooses how many, as Draft & Verify's)."""
         units = list(removal)
         if len(set(units)) != len(units):
             return f"it names a unit twice ({key(removal)})"
@@ -102,6 +117,10 @@ class Space:
         bad = [u for u in units if not (isinstance(u, str) and u[:1] in "am" and u[1:].isdigit() and int(u[1:]) < self.n)]
         if bad:
             return f"{bad[0]!r} is not a sub-block (a0-a{self.n - 1}, m0-m{self.n - 1})"
+        if self.granularity == "branch":
+            if any_count:
+                return None if 1 <= len(units) < 2 * self.n else f"it removes {len(units)} branches, not 1 to {2 * self.n - 1}"
+            return None if len(units) == self.k else f"it removes {len(units)} branches, not k = {self.k}"
         counts = {t: sum(1 for u in units if u[0] == t) for t in "am"}
         return None if counts == {"a": self.k, "m": self.k} else (
             f"it removes {counts['a']} attention and {counts['m']} MLP branches, not k = {self.k} of each")
@@ -109,8 +128,10 @@ class Space:
     def check(self) -> "Space":
         if self.granularity not in GRANULARITIES:
             raise DepthcurseError(f"unknown --granularity {self.granularity!r}: use {', '.join(GRANULARITIES)}")
-        if not 1 <= self.k < self.n:
-            raise DepthcurseError(f"--k {self.k} is out of range: the model has {self.n} layers (1-{self.n - 1})")
+        most = 2 * self.n if self.granularity == "branch" else self.n
+        if not 1 <= self.k < most:
+            raise DepthcurseError(f"--k {self.k} is out of range: the model has {self.n} layers (1-{most - 1}" +
+                                  (f" branches of its {2 * self.n})" if self.granularity == "branch" else ")"))
         return self
 
 
@@ -119,7 +140,7 @@ class SearchContext:
     """What `select` gives a search to work with."""
 
     space: Space
-    objective: str  # what `score` returns: "ppl" (mean next-token loss) or "kl" (mean KL from the unpruned model)
+    objective: str  # what `score` returns (`OBJECTIVES`: mean next-token loss, mean KL, rejection, expected time per token), lower better
     score: Callable[[Removal], float]  # a removal's objective on every calibration window (kept, counted)
     score_many: Callable[[list], list[float]]  # many removals at once (the prefix walk: each shared prefix computed once)
     score_on: Callable[[Removal, list[int], int], float]  # on some windows only: (removal, window indices, tokens of the last one)
@@ -153,6 +174,7 @@ class Search:
     source: ClassVar[str] = ""  # the paper, and the authors' code it follows
     reads: ClassVar[str] = "objective"  # what it needs (`READS`): a cell per objective when "objective"
     granularities: ClassVar[tuple[str, ...]] = ("layer",)
+    chooses_k: ClassVar[bool] = False  # it decides how many branches go (`branch` granularity), `--k` aside
     Settings: ClassVar[type] = NoSettings
     builtin: ClassVar[bool] = False
 
@@ -214,7 +236,7 @@ def _checked_run(fn, ours: bool):
             raise DepthcurseError(f"--search {_named(self)}: its run() raised {type(exc).__name__}: {exc}") from exc
         if not isinstance(chosen, (tuple, list)):
             raise DepthcurseError(f"--search {_named(self)}: run() must return the removal it chose (a tuple of units), got {type(chosen).__name__}")
-        why = ctx.space.why_illegal(chosen)
+        why = ctx.space.why_illegal(chosen, any_count=getattr(self, "chooses_k", False) and ctx.space.granularity == "branch")
         if why is not None:
             raise DepthcurseError(f"--search {_named(self)}: run() chose no removal of this grid: {why}")
         return canonical(chosen, ctx.space.granularity)

@@ -26,11 +26,13 @@ import numpy as np
 
 from depthcurse.stats.bootstrap import TooFewItems, resample
 from depthcurse.stats.decomposition import COLUMNS, REST, ROWS, decided_by, shares
+from depthcurse.select.search import OBJECTIVES
 from depthcurse.stats.intervals import difference_interval
 
 # the decomposition's factors, as select names them
 FACTORS = {ROWS: "calibration", COLUMNS: "search", REST: "rest"}
-OBJECTIVES_KEPT = ("ppl", "kl")  # the order a calibration score keeps them in: [loss, KL]
+OBJECTIVES_KEPT = OBJECTIVES  # the order a calibration score keeps them in
+HELD_OUT_METRICS = ("loss", "kl", "rejection")  # each held-out window's, per chosen set
 
 
 def key(layers) -> str:
@@ -68,7 +70,7 @@ def measurements(record: dict) -> dict[str, dict[str, list[float]]]:
     the unpruned model's under the key ""."""
     labels = record.get("labels", {})
     out = {f"{labels.get(source, source)} held-out {metric}": {k: v[metric] for k, v in held.items()}
-           for source, held in record["held_out"].items() for metric in ("loss", "kl")}
+           for source, held in record["held_out"].items() for metric in HELD_OUT_METRICS if metric in held.get("", {})}
     task = record.get("task") or {}
     if task:
         out[f"{record['run']['task']} {task[''].get('metric')}"] = {k: v["items"] for k, v in task.items() if k != "describe"}
@@ -126,7 +128,7 @@ def distances(record: dict) -> dict:
             if objective not in (run.get("objectives") or ["ppl"]):
                 continue
             here = {n: c for n, c in cells.items() if c["calibration"] == source and c["objective"] in (objective, "-")}
-            scores = {name: v[index] for name, v in known.items() if _size(name) == units}
+            scores = {name: v[index] for name, v in known.items() if _size(name) == units and len(v) > index and v[index] is not None}
             if not here or not scores:
                 continue
             exact = next((c for c in here.values() if c["search"] == "exact" and c["objective"] == objective), None)

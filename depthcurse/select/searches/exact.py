@@ -41,7 +41,7 @@ class Exact(Search):
     name = "exact"
     title = "exact optimum"
     source = "every removal scored (EvoPress's brute_force_drop.py does it one removal at a time)"
-    granularities = ("layer", "sub-block")
+    granularities = ("layer", "sub-block", "branch")
     Settings = ExactSettings
 
     def check(self, space: Space) -> None:

@@ -22,7 +22,7 @@ class RandomSets(Search):
     name = "random"
     title = "random (best of the draws)"
     source = "uniform draws from a seed: the null distribution"
-    granularities = ("layer", "sub-block")
+    granularities = ("layer", "sub-block", "branch")
     Settings = RandomSettings
 
     def check(self, space: Space) -> None:
@@ -38,6 +38,8 @@ class RandomSets(Search):
         while len(drawn) < self.settings.sets:
             if space.granularity == "layer":
                 removal = canonical(rng.sample(range(space.n), space.k), "layer")
+            elif space.granularity == "branch":
+                removal = canonical(rng.sample(space.units(), space.k), "branch")
             else:
                 removal = canonical([f"a{i}" for i in rng.sample(range(space.n), space.k)] + [f"m{i}" for i in rng.sample(range(space.n), space.k)],
                                     "sub-block")

@@ -1,0 +1,37 @@
+"""A select run's pick read back for another command: the removal a draft skips (`speculate --skip-from`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from depthcurse.errors import DepthcurseError
+from depthcurse.select.grid import SELECT_JSON
+from depthcurse.select.scoring import KEPT
+from depthcurse.select.search import key
+
+# which objective's pick a draft prefers: the one that chose for drafting, then the closest to it
+DRAFT_PREFERENCE = ("acceptance", "speedup", "kl", "ppl")
+
+
+def draft_pick(folder: Path) -> tuple[tuple[int, ...], str]:
+    """(the removal, where it came from) of the select run in `folder`: among the cells of the first
+    objective of `DRAFT_PREFERENCE` that ran, the pick with the best calibration score on its own
+    text (blocks, or attention and MLP branches: the draft skips either)."""
+    path = Path(folder) / SELECT_JSON if Path(folder).is_dir() else Path(folder)
+    try:
+        record = json.loads(path.read_text())
+        cells, scores = record["cells"], record["calibration_scores"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DepthcurseError(f"--skip-from {folder}: no select run there ({SELECT_JSON}): {exc}") from None
+    for objective in DRAFT_PREFERENCE:
+        here = {name: c for name, c in cells.items() if c["objective"] == objective}
+        scored = {name: scores[c["calibration"]][key(c["layers"])][KEPT.index(objective)] for name, c in here.items()
+                  if len(scores.get(c["calibration"], {}).get(key(c["layers"]), ())) > KEPT.index(objective)}
+        if scored:
+            name = min(scored, key=lambda n: (scored[n], n))
+            return tuple(cells[name]["layers"]), f"{folder} ({name})"
+    if not cells:
+        raise DepthcurseError(f"--skip-from {folder}: the select run has chosen nothing yet")
+    name = sorted(cells)[0]  # only stream searches ran: no score to rank their picks by
+    return tuple(cells[name]["layers"]), f"{folder} ({name})"

@@ -1,0 +1,272 @@
+"""Choosing what a draft skips: select's acceptance and speedup objectives, and the two skip-set
+searches of the self-speculative decoding papers, each against its authors' loop.
+
+- `--objective acceptance` scores a removal by 1 - its teacher-forced top-1 agreement with the
+  unpruned model, checked against the model built without those layers compared by hand;
+  `--objective speedup` by the expected time per token from that agreement and the measured costs.
+- SWIFT's search (hemingkx/SWIFT @ 88caed7) and Draft & Verify's (dilab-zju/self-speculative-decoding
+  @ 688db8b) are ported line by line below, their models and speeds replaced by a made-up score of a
+  skip set; under one seed the ports and the searches try the same skip sets in the same order and
+  choose the same one.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from depthcurse.select.search import SearchContext, Space, find_search
+from depthcurse.select.searches.draft_verify import DraftVerify, DraftVerifySettings
+from depthcurse.select.searches.swift import Swift, SwiftSettings
+from depthcurse.speculate.costs import DraftCosts
+from depthcurse.surgery import removed_layers, removed_units, skipped_branches
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+# --------------------------------------------------------------------------- their loops, line by line
+def port_of_swift(n, num_skip, matchness, seed, bayes=True, bayes_interval=25, max_opt_iter=1000, max_tolerance_iter=300, max_score=0.95):
+    """`swift_optimization` called until it stops (hemingkx/SWIFT @ 88caed7, model/swift/utils.py, with
+    inference_swift.py's optimiser, utility and statistics), the model's matchness replaced by
+    `matchness(attention, mlp)`; numpy's global random state seeded. Returns every candidate tried and
+    the set kept at the end."""
+    from bayes_opt import BayesianOptimization, UtilityFunction
+
+    np.random.seed(seed)
+    pbounds = {f"x{i}": (0, 1) for i in range((n - 2) * 2)}
+    optimizer = BayesianOptimization(f=None, pbounds=pbounds, random_state=1, verbose=0, allow_duplicate_points=True)
+    optimizer.set_gp_params(alpha=1e-2)
+    utility = UtilityFunction(kind="ucb", kappa=2.5, xi=0.0)
+    statistics = {"origin_score": 0, "opt_iter": 0, "tolerance_iter": 0, "bayes_interval": bayes_interval, "max_opt_iter": max_opt_iter,
+                  "max_tolerance_iter": max_tolerance_iter, "max_score": max_score, "optimization": True, "bayes": bayes}
+    skip = (list(np.arange(1, n - 1, 2)), list(np.arange(1, n - 1, 2)))  # their unified initial set
+    tried = []
+
+    def get_next_point_to_probe(attn_skip_layers, mlp_skip_layers, num_hidden_layers):
+        next_point_to_probe = {}
+        for i in range(num_hidden_layers - 2):
+            next_point_to_probe[f"x{i}"] = 1.0 if (i + 1) in attn_skip_layers else 0.0
+        for i in range(num_hidden_layers - 2, (num_hidden_layers - 2) * 2):
+            next_point_to_probe[f"x{i}"] = 1.0 if (i - (num_hidden_layers - 2) + 1) in mlp_skip_layers else 0.0
+        return next_point_to_probe
+
+    while statistics["optimization"]:
+        origin = skip
+        if (statistics["opt_iter"] + 1) % statistics["bayes_interval"] == 0 and statistics["bayes"]:
+            next_point_to_probe = optimizer.suggest(utility)
+            sorted_point = sorted(next_point_to_probe.items(), reverse=True, key=lambda item: item[1])
+            skip_layer_list = [k for (k, v) in sorted_point[:num_skip]]
+            attn = [i + 1 for i in range(n - 2) if f"x{i}" in skip_layer_list]
+            mlp = [i - (n - 2) + 1 for i in range(n - 2, (n - 2) * 2) if f"x{i}" in skip_layer_list]
+        else:
+            skip_layer_list = np.random.choice((n - 2) * 2, num_skip, replace=False)
+            attn = [i + 1 for i in range(n - 2) if i in skip_layer_list]
+            mlp = [i - (n - 2) + 1 for i in range(n - 2, (n - 2) * 2) if i in skip_layer_list]
+            next_point_to_probe = get_next_point_to_probe(attn, mlp, n)
+        skip = (attn, mlp)
+        score = matchness(attn, mlp)
+        tried.append((attn, mlp))
+        optimizer.register(params=next_point_to_probe, target=score)
+        if score > statistics["origin_score"]:
+            statistics["origin_score"] = score
+            statistics["tolerance_iter"] = 0
+            if score > statistics["max_score"]:
+                statistics["optimization"] = False
+        else:
+            skip = origin
+            statistics["tolerance_iter"] += 1
+        statistics["opt_iter"] += 1
+        if statistics["tolerance_iter"] > statistics["max_tolerance_iter"]:
+            statistics["optimization"] = False
+        if statistics["opt_iter"] > statistics["max_opt_iter"]:
+            statistics["optimization"] = False
+    return tried, skip
+
+
+def port_of_draft_verify(n, tokens_per_s, n_iter, probes=()):
+    """`LayerSkippingSearching` (dilab-zju/self-speculative-decoding @ 688db8b, searching.py): its
+    black box's tokens per second replaced by `tokens_per_s(attention, mlp)`, its probes at x_(i+n) for
+    an MLP (theirs: x_(i+40), Llama-2-13B's n). Returns every skip set scored and the solution."""
+    from bayes_opt import BayesianOptimization
+
+    tried = []
+
+    def black_box(**kargs):
+        attn_skip_layers = [i for i in range(n) if kargs[f"x{i}"] > 0.5]
+        mlp_skip_layers = [i - n for i in range(n, n * 2) if kargs[f"x{i}"] > 0.5]
+        tried.append((attn_skip_layers, mlp_skip_layers))
+        return tokens_per_s(attn_skip_layers, mlp_skip_layers)
+
+    optimizer = BayesianOptimization(f=black_box, pbounds={f"x{i}": (0, 1) for i in range(n * 2)}, random_state=1, verbose=0)
+    optimizer.set_gp_params(alpha=1e-2)
+    for attn_skip_layers, mlp_skip_layers in probes:
+        params = {f"x{i}": 0.0 for i in range(n * 2)}
+        for i in attn_skip_layers:
+            params[f"x{i}"] = 1.0
+        for i in mlp_skip_layers:
+            params[f"x{i + n}"] = 1.0
+        optimizer.probe(params=params, lazy=True)
+    optimizer.maximize(init_points=0, n_iter=n_iter)
+    best = optimizer.max["params"]
+    return tried, ([i for i in range(n) if best[f"x{i}"] > 0.5], [i - n for i in range(n, 2 * n) if best[f"x{i}"] > 0.5])
+
+
+def _split(removal):
+    return [int(u[1:]) for u in removal if u[0] == "a"], [int(u[1:]) for u in removal if u[0] == "m"]
+
+
+def _made_up(attn, mlp) -> float:
+    """A score of a skip set, distinct for each: skipping early attention and late MLPs costs most."""
+    return 1.0 / (1.0 + 0.05 * sum((10 - i) ** 1.3 for i in attn) + 0.03 * sum((i + 1) ** 1.1 for i in mlp))
+
+
+def _context(space, objective, score, seed=3):
+    return SearchContext(space=space, objective=objective, score=score, score_many=lambda rs: [score(r) for r in rs], score_on=None, windows=4,
+                         window_tokens=16, streams=None, seed=seed)
+
+
+def test_swift_tries_the_sets_its_authors_loop_tries_and_keeps_the_same():
+    n, k = 6, 3  # a Bayesian suggestion costs seconds (bayes_opt's acquisition search): two of them, at the 2nd and 4th candidates
+    tried, (attn, mlp) = port_of_swift(n, k, _made_up, seed=11, bayes_interval=2, max_opt_iter=4, max_tolerance_iter=6)
+    search = Swift(SwiftSettings(bayes_interval=2, max_opt_iter=4, max_tolerance_iter=6, seed=11))
+    space = Space(n, k, "branch")
+    search.check(space)
+    ctx = _context(space, "acceptance", lambda r: 1.0 - _made_up(*_split(r)))
+    chosen = search.run(ctx)
+    assert [_split(r) for r in search.trace] == [(list(a), list(m)) for a, m in tried]
+    assert len(tried) == 5  # max_opt_iter 4: the fifth candidate passes it
+    assert _split(chosen) == (list(attn), list(mlp))
+    assert "swift stopped" in ctx.notes[0]
+
+
+def test_swift_stops_where_its_matchness_passes_max_score_and_says_which_bound_it_hit():
+    n, k = 8, 4
+    tried, kept = port_of_swift(n, k, _made_up, seed=2, bayes=False, max_opt_iter=200, max_score=0.55)
+    search = Swift(SwiftSettings(bayes=False, max_opt_iter=200, max_score=0.55, seed=2))
+    ctx = _context(Space(n, k, "branch"), "acceptance", lambda r: 1.0 - _made_up(*_split(r)))
+    chosen = search.run(ctx)
+    assert len(search.trace) == len(tried) < 201 and _split(chosen) == (list(kept[0]), list(kept[1]))
+    assert _made_up(*_split(chosen)) > 0.55 and "passed max_score 0.55" in ctx.notes[0]
+    # another objective: no matchness to stop at; the bound ends it, and says so
+    bounded = Swift(SwiftSettings(bayes=False, max_opt_iter=5, seed=2))
+    ctx = _context(Space(n, k, "branch"), "kl", lambda r: 1.0 - _made_up(*_split(r)))
+    bounded.run(ctx)
+    assert len(bounded.trace) == 6 and "stopped at the bound: 6 candidates (max_opt_iter 5)" in ctx.notes[0]
+
+
+def test_draft_verify_scores_the_points_its_authors_loop_scores_and_chooses_the_same():
+    n, probes = 4, (([1, 3], [2]), ([0], []))  # two probes first, then two suggestions (seconds each)
+    tried, (attn, mlp) = port_of_draft_verify(n, lambda a, m: 1.0 + _made_up(a, m) * (len(a) + len(m)), n_iter=2, probes=probes)
+    text = ";".join(",".join([f"a{i}" for i in a] + [f"m{i}" for i in m]) for a, m in probes)
+    search = DraftVerify(DraftVerifySettings(n_iter=2, probes=text))
+    space = Space(n, 3, "branch")
+    search.check(space)
+    ctx = _context(space, "speedup", lambda r: 1.0 / (1.0 + _made_up(*_split(r)) * len(r)))
+    chosen = search.run(ctx)
+    assert [_split(r) for r in search.trace] == tried and len(tried) == 4
+    assert _split(chosen) == (attn, mlp)  # any number of branches: the search's own choice
+
+
+def test_the_searches_are_found_by_name_and_refuse_what_they_cannot_run():
+    from depthcurse.errors import DepthcurseError
+
+    assert find_search("swift") is Swift and find_search("draft-verify") is DraftVerify
+    with pytest.raises(DepthcurseError, match="keeps the first and last blocks"):
+        Swift().check(Space(2, 1, "branch"))
+    with pytest.raises(DepthcurseError, match="'q1' is not a branch"):
+        DraftVerify(DraftVerifySettings(probes="a1;q1")).check(Space(4, 2, "branch"))
+
+
+# --------------------------------------------------------------------------- the objectives, by hand
+def test_acceptance_and_speedup_scores_are_the_model_built_without_those_layers_compared_by_hand(run_cli, six_dir, text_file, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from depthcurse.select.grid import SelectConfig, text_windows
+
+    out = tmp_path / "sel"
+    code, stdout, err = run_cli("select", six_dir, "--k", "2", "--calibration", text_file, "--objective", "acceptance,speedup", "--search", "exact,greedy",
+                                "--calib-windows", "4", "--eval-windows", "4", "--seq-len", "16", "--batch-size", "2", "--draft-tokens", "3", "--out", out)
+    assert code == 0, err
+    record = json.loads((out / "select.json").read_text())
+    known = record["calibration_scores"][str(text_file)]
+    costs = DraftCosts(**record["draft_costs"])
+    assert costs.gamma == 3 and record["run"]["draft_tokens"] == 3
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(six_dir).eval(), AutoTokenizer.from_pretrained(six_dir)
+    windows = text_windows(tokenizer, str(text_file), SelectConfig(k=2, calibration=(str(text_file),), calib_windows=4, eval_windows=4, seq_len=16)).calibration
+    with torch.no_grad():
+        unpruned = model(input_ids=windows).logits[:, :-1].argmax(-1)
+        for removal in ((0, 1), (2, 5), (3, 4)):
+            with removed_layers(model, removal):
+                mine = model(input_ids=windows).logits[:, :-1].argmax(-1)
+            agreement = (mine == unpruned).float().mean(1).mean().item()
+            scores = known[",".join(map(str, removal))]
+            assert scores[2] == pytest.approx(1 - agreement, abs=1e-6)
+            assert scores[3] == pytest.approx(costs.time_per_token(1 - scores[2], 2), rel=1e-12)
+            assert scores[3] == pytest.approx(costs.time_per_token(agreement, 2), rel=1e-6)
+    exact = record["cells"][f"{text_file.stem}/exact/acceptance"]["layers"]
+    assert known[",".join(map(str, exact))][2] == min(v[2] for name, v in known.items() if name.count(",") == 1)
+    fastest = record["cells"][f"{text_file.stem}/exact/speedup"]["layers"]
+    assert known[",".join(map(str, fastest))][3] == min(v[3] for name, v in known.items() if name.count(",") == 1)
+    # a draft made from the pick: speculate --skip-from reads it back
+    spec = tmp_path / "spec"
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The river flows\n\nWater boils at", encoding="utf-8")
+    code, stdout, err = run_cli("speculate", six_dir, "--skip-from", out, "--prompts", prompts, "--max-new-tokens", "6", "--baselines", "none", "--out", spec)
+    assert code == 0, err
+    run = json.loads((spec / "speculate.json").read_text())["run"]
+    assert run["skip"] == exact and f"{text_file.stem}/exact/acceptance" in run["skip_from"]
+
+
+@pytest.mark.statistics
+def test_draft_costs_price_a_draft_by_hand():
+    costs = DraftCosts(gamma=4, block_share=0.03, verify=1.5)
+    assert costs.c(10) == pytest.approx(0.7) and costs.c(40) == 0.0
+    e = (1 - 0.8**5) / 0.2
+    assert costs.speedup(0.8, 10) == pytest.approx(e / (4 * 0.7 + 1.5))
+    assert costs.time_per_token(0.8, 10) == pytest.approx((4 * 0.7 + 1.5) / e)
+
+
+# --------------------------------------------------------------------------- a draft that skips branches
+def test_a_skipped_branch_costs_nothing_and_gives_the_zeroed_branch_s_logits_and_generate_s_tokens():
+    from helpers import tiny_llama
+
+    from depthcurse.speculate import DecodeSettings, LayerSkipDraft, Stopwatch, build_length, speculative
+
+    model = tiny_llama(50, layers=6, seed=3)
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 3, 4, 5]])
+    units = ("a0", "a3", "m2", "m5")
+    calls = []
+    hooks = [model.model.layers[i].self_attn.q_proj.register_forward_hook(lambda *a, i=i: calls.append(i)) for i in range(6)]
+    with torch.no_grad(), skipped_branches(model, units):
+        skipped = model(input_ids=ids).logits
+    assert sorted(set(calls)) == [1, 2, 4, 5]  # blocks 0 and 3's attention never ran
+    for h in hooks:
+        h.remove()
+    with torch.no_grad(), removed_units(model, [0, 3], "attn"), removed_units(model, [2, 5], "mlp"):
+        zeroed = model(input_ids=ids).logits
+    assert torch.allclose(skipped, zeroed, atol=1e-6)
+    assert all("forward" not in vars(m) for m in model.modules())  # put back
+    reference = model.generate(ids, do_sample=False, max_new_tokens=20)[0, ids.shape[1]:].tolist()
+    g = speculative(model, LayerSkipDraft(model, units), ids, DecodeSettings(20), build_length("fixed", 3), Stopwatch("cpu"))
+    assert g.tokens == reference and g.rounds
+
+
+def test_block_0_s_attention_is_refused_where_the_model_reads_its_cache_length_there_and_it_cannot_be_written(run_cli, tmp_path, tiny_tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from helpers import assert_one_line_error
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tiny_tokenizer), n_embd=32, n_layer=3, n_head=4, n_positions=128)).eval()
+    path = tmp_path / "gpt2"
+    gpt2.save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The river flows", encoding="utf-8")
+    code, out, err = run_cli("speculate", path, "--skip", "a0,m1", "--prompts", prompts, "--out", tmp_path / "o")
+    assert_one_line_error(code, out, err, "cannot skip a0: the model reads its KV cache's length off block 0")
+    code, out, err = run_cli("speculate", path, "--skip", "m0,a1", "--prompts", prompts, "--max-new-tokens", "5", "--baselines", "none", "--out", tmp_path / "o2")
+    assert code == 0 and "lossless" in out, err
