@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import keyword
 import math
 import sys
 import typing
-from dataclasses import fields, is_dataclass
+from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 
 from depthcurse.errors import DepthcurseError
@@ -71,6 +72,8 @@ def parse_args(text: str | None, option: str, example: str) -> dict[str, str]:
         scope, dot, bare = key.strip().rpartition(".")
         if keyword.iskeyword(bare):  # `as=code`: a setting a Python keyword names is its field with a trailing underscore (PEP 8's rule)
             bare += "_"
+        if f"{scope}{dot}{bare}" in out:  # the last would win silently, after the work
+            raise DepthcurseError(f"{option} {text!r}: {key.strip()} is given twice ({out[f'{scope}{dot}{bare}']} and {value.strip()}): give it once")
         out[f"{scope}{dot}{bare}"] = value.strip()
     return out
 
@@ -143,3 +146,28 @@ def scoped(args: dict, spec: str, name: str, own: set[str], args_option: str) ->
             mine[key] = value
             used.add(key)
     return mine, used
+
+
+def settings_listing(cls, prefix: str) -> list[dict]:
+    """Every setting of a plug-in (`cls.Settings`): how it is typed (`prefix.key`), its type, its
+    default, and the comment its dataclass gives it in the source (what it is, where its default
+    comes from), read from the class's own source so that an outside plug-in is described as ours."""
+    settings = getattr(cls, "Settings", None)
+    if not (isinstance(settings, type) and is_dataclass(settings)):
+        return []
+    comments = {}
+    try:
+        for line in inspect.getsource(settings).splitlines():
+            name, colon, rest = line.strip().partition(":")
+            if colon and name.isidentifier() and "#" in rest:
+                comments[name] = rest.split("#", 1)[1].strip()
+    except (OSError, TypeError):  # defined where no source is kept (an interactive session)
+        pass
+    hints = typing.get_type_hints(settings)
+    out = []
+    for f in fields(settings):
+        default = f.default if f.default is not MISSING else (f.default_factory() if f.default_factory is not MISSING else "(required)")
+        kind = hints.get(f.name, f.type)
+        out.append({"setting": f"{prefix}.{setting_name(f.name)}", "type": getattr(kind, "__name__", None) or str(kind).replace("typing.", ""),
+                    "default": default, "about": comments.get(f.name, "")})
+    return out

@@ -159,13 +159,13 @@ def test_real_minilm_finetune_then_squad_sweep(shared, run_cli, tmp_path):
 
 
 def test_the_trained_aliases_first_use_says_how_long_as_the_readme_measured_it():
-    """Its message said 8-15 minutes where the README reported 80 on a shared machine."""
+    """Its message said 8-15 minutes where the docs reported 80 on a shared machine."""
     import re
 
     from helpers import ROOT
     from depthcurse.qa.alias import TRAINED_ALIASES
 
     said = TRAINED_ALIASES["minilm-l6-squad"].minutes
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = " ".join((ROOT / "docs" / "commands.md").read_text().split())
     measured = re.search(r"`minilm-l6-squad` is this recipe .*?: about (\d+) minutes on 2 CPU cores \(.*?(\d+) minutes on 2 heavily shared ones\)", readme)
     assert measured and f"about {measured.group(1)} minutes" in said and f"{measured.group(2)} on heavily shared" in said

@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "depthcurse"
 # module -> the package modules it may import inside a function, and why
 LAZY_ALLOWED = {
     **{name: None for name in ("depthcurse.cli", "depthcurse.cli.shared", "depthcurse.cli.prune", "depthcurse.cli.heal", "depthcurse.cli.models",
-                               "depthcurse.cli.inspect", "depthcurse.cli.train", "depthcurse.cli.select", "depthcurse.cli.speculate")},  # any: each command imports the library itself, so --help needs no torch
+                               "depthcurse.cli.inspect", "depthcurse.cli.train", "depthcurse.cli.select", "depthcurse.cli.speculate",
+                               "depthcurse.cli.settings")},  # any: each command imports the library itself, so --help needs no torch
     "depthcurse.train.kernels": {"depthcurse.train.triton_kernels"},  # triton is optional, and its import fixes the mode
 }
 

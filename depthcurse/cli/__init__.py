@@ -2,7 +2,7 @@
 
 One typer app (`cli.shared`, with what every command uses), on which `COMMANDS` here puts the
 commands of a module per family: `prune` (prune, plot, report), `heal`, `models` (drop,
-speed, finetune-qa, assets), `inspect` (angular-distance), `train` (lns-train, lns-report), `select`, `speculate`. Each
+speed, finetune-qa, assets), `inspect` (angular-distance), `train` (lns-train, lns-report), `select`, `speculate`, `settings`. Each
 command imports the library inside itself: the library loads torch and transformers (several
 seconds), which `depthcurse --help` and a mistyped option should not wait for.
 """
@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-from depthcurse.cli import heal, inspect, models, prune, select, speculate, train
+from depthcurse.cli import heal, inspect, models, prune, select, settings, speculate, train
 from depthcurse.cli.shared import app, err_console, fail
 from depthcurse.errors import DepthcurseError, one_line
 from depthcurse.io import removing_empty_on_failure
@@ -22,7 +22,8 @@ from depthcurse.io import removing_empty_on_failure
 # training, and the helpers.
 COMMANDS = (("prune", prune.prune), ("heal", heal.heal), ("drop", models.drop), ("speed", models.speed), ("angular-distance", inspect.angular_distance),
             ("report", prune.report), ("plot", prune.plot), ("lns-train", train.lns_train), ("lns-report", train.lns_report),
-            ("finetune-qa", models.finetune_qa), ("assets", models.assets), ("select", select.select), ("speculate", speculate.speculate))
+            ("finetune-qa", models.finetune_qa), ("assets", models.assets), ("select", select.select), ("speculate", speculate.speculate),
+            ("settings", settings.settings))
 for name, command in COMMANDS:
     app.command(name)(command)
 

@@ -21,6 +21,7 @@ resumes there.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import time
@@ -37,13 +38,18 @@ from depthcurse.loading import check_sequence_length
 from depthcurse.prune.engine import evaluate_variants, why_unsupported
 from depthcurse.runtime import World
 from depthcurse.select import searches as _builtin  # noqa: F401 (defines the built-in searches, which registers them)
+from depthcurse.select.estimate import PassTiming, duration, estimate_summary, pass_timing
+from depthcurse.select.recipe import OBJECTIVE as RECIPE_OBJECTIVE
+from depthcurse.select.recipe import RESAMPLES as RECIPE_RESAMPLES
+from depthcurse.select.recipe import recipe
 from depthcurse.select.scoring import CalibrationScorer, contiguous_shares, removal_context, window_scores
-from depthcurse.select.search import GRANULARITIES, OBJECTIVES, Search, SearchContext, Space, build_searches, key, settings_text
+from depthcurse.select.stability import Resampled, draws, summary
+from depthcurse.select.search import GRANULARITIES, OBJECTIVES, Search, SearchContext, Space, build_searches, checked_asks, key, settings_text
 from depthcurse.speculate.costs import DraftCosts, measure_costs
 from depthcurse.select.statistics import decomposition, distances, overlap
-from depthcurse.surgery import find_blocks, num_layers
+from depthcurse.surgery import num_layers
 from depthcurse.tasks import PerplexityTask, build_task
-from depthcurse.text import load_texts, text_kind
+from depthcurse.text import load_texts, text_kind, text_source
 
 SELECT_JSON = "select.json"
 
@@ -52,8 +58,8 @@ SELECT_JSON = "select.json"
 class SelectConfig:
     k: int
     calibration: tuple[str, ...]  # text sources (wiki, c4, code, math, dialogue, a file) the choice is made on
-    objectives: tuple[str, ...] | None = None  # None: not given (ppl, where a search reads one)
-    searches: tuple[str, ...] = ("greedy", "angular")  # names, or module:Class / file.py:Class of one's own
+    objectives: tuple[str, ...] | None = None  # None: not given (ppl where searches are given; the recipe's kl where not)
+    searches: tuple[str, ...] | None = None  # names, or module:Class / file.py:Class of one's own; None: the recipe (`select.recipe`)
     calib_windows: int = 8
     eval_windows: int = 16
     seq_len: int = 128
@@ -64,6 +70,13 @@ class SelectConfig:
     granularity: str = "layer"  # or "sub-block": k attention and k MLP branches
     search_args: dict = field(default_factory=dict)  # --search-args, name.key -> value
     draft_tokens: int = 4  # gamma of the draft the speedup objective prices
+    resamples: int | None = None  # bootstrap resamples of the calibration windows each search reruns on; None: the recipe's, else none
+    seeds: tuple[int, ...] = ()  # other seeds each seeded search (evo, random, swift) reruns under, on every window
+    budget: float = 30.0  # minutes: the recipe runs exact where its estimate fits, else evo
+
+    @property
+    def recipe(self) -> bool:
+        return self.searches is None
 
     def built(self) -> dict[str, Search]:
         """The searches, by name, their settings set."""
@@ -77,6 +90,18 @@ class SelectConfig:
             raise DepthcurseError(f"--k must be at least 1, got {self.k}")
         if self.granularity not in GRANULARITIES:
             raise DepthcurseError(f"unknown --granularity {self.granularity!r}: use {', '.join(GRANULARITIES)}")
+        if self.resamples is not None and self.resamples < 0:
+            raise DepthcurseError(f"--resamples must be 0 or more, got {self.resamples}")
+        if self.resamples == 1:
+            raise DepthcurseError("--resamples 1: one resample says nothing of how often a pick comes back: give 0, or 2 or more")
+        if len(set(self.seeds)) != len(self.seeds) or self.seed in self.seeds:
+            raise DepthcurseError(f"--seeds {','.join(map(str, self.seeds))}: each must be given once, and differ from --seed {self.seed}")
+        if self.budget <= 0:
+            raise DepthcurseError(f"--budget must be more than 0 minutes, got {self.budget:g}")
+        if self.recipe:
+            if self.granularity != "layer":
+                raise DepthcurseError(f"--granularity {self.granularity} needs --search: the recipe (greedy, then exact or evo) removes whole blocks")
+            return replace(self, searches=("greedy",)).checked(n_layers, space)._replace_back(self)
         if not self.searches:
             raise DepthcurseError("--search (none): give at least one search")
         twice = sorted({g for g in self.searches if self.searches.count(g) > 1})
@@ -96,6 +121,8 @@ class SelectConfig:
             raise DepthcurseError(f"--objective {','.join(objectives) or '(none)'}: use {', '.join(OBJECTIVES)}")
         if not self.calibration:
             raise DepthcurseError("--calibration: give at least one text (wiki, c4, code, math, dialogue, or a file)")
+        if "auto" in self.calibration:  # what `auto` is here, kept in the record, and caught where the same text is named twice
+            return replace(self, calibration=tuple(text_source(c) for c in self.calibration)).checked(n_layers, space)
         for name, given in (("--calibration", [str(Path(c).expanduser().resolve()) if Path(c).suffix else c for c in self.calibration]),
                             ("--objective", objectives)):
             twice = sorted({g for g in given if given.count(g) > 1})
@@ -123,6 +150,10 @@ class SelectConfig:
                 search.check(space)
         return replace(self, objectives=objectives)
 
+    def _replace_back(self, given: "SelectConfig") -> "SelectConfig":
+        """The recipe's config checked as greedy's (every other check the same), its searches left to choose."""
+        return replace(self, searches=None, objectives=given.objectives)
+
     def cells(self) -> list[tuple[str, str, str]]:
         """(calibration, search, objective) of every cell; a search that reads no objective is one
         cell per text, its objective "-"."""
@@ -138,6 +169,10 @@ class SelectConfig:
             del out["granularity"]
         if not out["search_args"]:
             del out["search_args"]
+        for name in ("resamples", "seeds"):  # they add to a run, not change it: a finished run may be given more
+            del out[name]
+        if out["budget"] == SelectConfig.budget or not self.recipe:
+            del out["budget"]
         if "speedup" not in (out["objectives"] or ()):
             del out["draft_tokens"]
         return out
@@ -212,26 +247,8 @@ def stream_pass(model, windows: torch.Tensor, batch_size: int, k: int):
     return measure(model, batches, position="all", max_n=k, identity_tokens=0)
 
 
-def head_blocks(model) -> float:
-    """The output head's cost in blocks, each token: its parameters over a block's (SmolLM2-135M's
-    about 8: a 49,152-token vocabulary on a 576-wide stream)."""
-    block = sum(p.numel() for p in find_blocks(model).layers[0].parameters())
-    return model.get_output_embeddings().weight.numel() / block if block else 0.0
-
-
-@torch.no_grad()
-def seconds_per_block_pass(model, windows: torch.Tensor, batch_size: int) -> float:
-    """One block over every calibration window: the unpruned forward over them, timed once, shared
-    out over its blocks and its head (what a budget's "about how long" rests on)."""
-    device = model.get_input_embeddings().weight.device
-    started = time.perf_counter()
-    for i in range(0, len(windows), batch_size):
-        model(input_ids=windows[i : i + batch_size].to(device), use_cache=False)
-    return (time.perf_counter() - started) / (num_layers(model) + head_blocks(model))
-
-
 def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[str], None] | None = None,
-               on_step: Callable[[str, int, int], None] | None = None, world: World = World()) -> dict:
+               on_step: Callable[[str, int, int], None] | None = None, on_note: Callable[[str], None] | None = None, world: World = World()) -> dict:
     """The grid in `out_dir` (resumed from its `select.json`): each cell's choice with what it cost,
     the choices' held-out measurements, their overlap, the two-way decomposition of the held-out
     scores and each choice's distance from the best removal found.
@@ -242,7 +259,13 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
     chosen sets judged held out are shared over the ranks and every score gathered on every rank,
     each computed as one process computes it, so that N ranks choose exactly what one does. Rank 0
     alone writes `select.json`. (The stream searches, and LaCo's and SWM's merges, run whole on
-    every rank: they score no removals.)"""
+    every rank: they score no removals.)
+
+    With no searches given, the recipe (`select.recipe`) chooses them from this machine's measured
+    speed. Before each search starts, its expected passes and seconds are said (`on_note`) and kept
+    beside the time it took. With resamples (or seeds), each search is rerun on bootstrap resamples
+    of the calibration windows (or under each seed) and how often its pick comes back is kept
+    (`select.stability`)."""
     model, tokenizer = loaded.model, loaded.tokenizer
     n = num_layers(model)
     given, cfg = cfg, cfg.checked()
@@ -259,17 +282,30 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
     record = {"run": run, "calibration_scores": {}, "cells": {}, "held_out": {}, "task": {}, **{k: v for k, v in record.items() if k != "run"}}
     save = lambda: atomic_write(path, json_text(record)) if world.main else None  # noqa: E731
     started = time.perf_counter()
-    cells = cfg.cells()
-    searches = cfg.built()
+    note = on_note or (lambda text: None)
     texts: dict[str, Texts] = {}
     for source in cfg.calibration:  # before the first phase: a text that cannot be read is the one line said
         texts[source] = text_windows(tokenizer, source, cfg)
     model.eval()
-    space = Space(n, cfg.k, cfg.granularity)
-    if any(getattr(s.settings, "max_sets", None) for s in searches.values()):  # a budget's "about how long", from this machine's speed
-        space = replace(space, seconds_per_block_pass=seconds_per_block_pass(model, texts[cfg.calibration[0]].calibration, cfg.batch_size),
-                        head_blocks=head_blocks(model))
+    if "pass_timing" not in record:  # this machine's speed, measured once (rank 0's on every rank), kept: a resumed run estimates alike
+        record["pass_timing"] = world.broadcast(pass_timing(model, texts[cfg.calibration[0]].calibration, cfg.batch_size).summary() if world.main else None)
+    timing = PassTiming(record["pass_timing"]["seconds_per_block_pass"], record["pass_timing"]["seconds_per_head_pass"])
+    space = Space(n, cfg.k, cfg.granularity, timing=timing)
+    tokens = cfg.calib_windows * cfg.seq_len
+    is_recipe = given.recipe
+    if is_recipe:  # chosen once, kept: a resumed run is the same run
+        if "recipe" not in record:
+            record["recipe"] = {**recipe(space, tokens, cfg.budget, cfg.search_args).summary(), "objectives": list(given.objectives or (RECIPE_OBJECTIVE,))}
+        given = replace(given, searches=tuple(record["recipe"]["searches"]), objectives=tuple(record["recipe"]["objectives"]))
     cfg = given.checked(space=space)  # every search's own check, before any of them runs
+    if is_recipe:
+        note(f"the recipe: by {', '.join(cfg.objectives)}, {' and '.join(cfg.searches)} ({record['recipe']['why']})")
+    cells = cfg.cells()
+    searches = cfg.built()
+    resamples = cfg.resamples if cfg.resamples is not None else (RECIPE_RESAMPLES if is_recipe else 0)
+    # the recipe's own resamples rerun its deterministic searches alone (theirs reuse the scores measured); --resamples reruns every one
+    resamples_of = {name: resamples if cfg.resamples is not None or not s.seeded else 0 for name, s in searches.items()}
+    resampled = {name for name, s in searches.items() if s.reads != "nothing" and (resamples_of[name] or (s.seeded and cfg.seeds))}
     costs = None
     if "speedup" in cfg.objectives:  # measured once, kept: a resumed run prices its drafts as it began
         if "draft_costs" not in record:
@@ -277,39 +313,61 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
             # rank 0's timing, on every rank: the ranks' searches must score every draft alike
             record["draft_costs"] = world.broadcast(measure_costs(model, cfg.draft_tokens).summary() if world.main else None)
         costs = DraftCosts(**record["draft_costs"])
-    for source in cfg.calibration:  # the choices
-        todo = [c for c in cells if c[0] == source and cell_name(c, labels) not in record["cells"]]
-        if not todo:
+    for source in cfg.calibration:  # the choices, and how stable each is
+        stable = record.setdefault("stability", {})
+        here = [c for c in cells if c[0] == source]
+        variations = {c: _variations(searches[c[1]], cfg, resamples_of[c[1]], len(texts[source].calibration)) for c in here}
+        todo = [c for c in here if cell_name(c, labels) not in record["cells"]]
+        unstable = [c for c in here if c[1] in resampled and len(stable.get(cell_name(c, labels), [])) < len(variations[c])]
+        if not todo and not unstable:
             continue
         phase(f"choosing on {labels[source]}")
         known = record["calibration_scores"].setdefault(source, {})
         calibration = texts[source].calibration
         scorer = CalibrationScorer(model, calibration, cfg.batch_size, known, save, cfg.granularity, world, costs) \
-            if any(searches[c[1]].reads == "objective" for c in todo) else None
-        streams = functools.cache(lambda calibration=calibration: stream_pass(model, calibration, cfg.batch_size, cfg.k))
-        for i, cell in enumerate(todo):
+            if any(searches[c[1]].reads == "objective" for c in todo + unstable) else None
+
+        steps = len(todo) + len(unstable)
+
+        def context(cell, step: int, drawn: list[int] | None = None, seed: int = cfg.seed, asked: set | None = None, label: str = "") -> SearchContext:
+            """The search's view of the calibration windows: all of them, or a resample (`drawn`)."""
+            objective, name = cell[2], cell_name(cell, labels) + label
+            windows = calibration if drawn is None else calibration[drawn]
+            view = Resampled(scorer, drawn) if drawn is not None and scorer is not None else None
+            asked = set() if asked is None else asked
+
+            def score_many(removals):
+                removals = checked_asks(searches[cell[1]], space, removals)
+                asked.update(key(r) for r in removals)
+                return view.score_many(removals, objective) if view is not None else [d[objective] for d in scorer.score_many(removals)]
+
+            score_on_many = (lambda rs, w, t: view.score_on_many(checked_asks(searches[cell[1]], space, rs), w, t, objective)) if view is not None \
+                else (lambda rs, w, t: scorer.score_on_many(checked_asks(searches[cell[1]], space, rs), w, t, objective))
+            return SearchContext(space=space, objective=objective, windows=len(windows), window_tokens=windows.shape[1],
+                                 score=lambda r: score_many([r])[0], score_many=score_many,
+                                 score_on=lambda r, w, t: score_on_many([r], w, t)[0], score_on_many=score_on_many,
+                                 streams=_streams(model, windows, cfg), seed=seed, model=model, calibration=windows,
+                                 phase=lambda text: on_step(f"{name}: {text}", step, steps) if on_step else None)
+
+        for cell in todo:
             name = cell_name(cell, labels)
             if on_step:
-                on_step(name, i, len(todo))
-            _, search_name, objective = cell
-            search = searches[search_name]
+                on_step(name, todo.index(cell), steps)
+            search = searches[cell[1]]
             asked: set[str] = set()  # the removals this search scored on every window, shared with another or not
-
-            def score_many(removals, o=objective, asked=asked):
-                asked.update(key(r) for r in removals)
-                return [d[o] for d in scorer.score_many(removals)]
-
-            ctx = SearchContext(space=space, objective=objective, windows=len(calibration), window_tokens=calibration.shape[1],
-                                score=lambda r, score_many=score_many: score_many([r])[0], score_many=score_many,
-                                score_on=lambda r, w, t, o=objective: scorer.score_on(r, w, t, o),
-                                score_on_many=lambda rs, w, t, o=objective: scorer.score_on_many(rs, w, t, o), streams=streams, seed=cfg.seed,
-                                model=model, calibration=calibration,
-                                phase=lambda text, name=name: on_step(f"{name}: {text}", i, len(todo)) if on_step else None)
+            ctx = context(cell, todo.index(cell), asked=asked)
             before = replace(scorer.cost) if scorer is not None else None
+            expected = search.passes(space, tokens)
+            if expected is not None:
+                estimate = estimate_summary(*expected, timing)
+                note(f"{name}: expect {estimate['block_passes']:,.0f} block passes and {estimate['head_passes']:,.0f} head passes, "
+                     f"about {duration(estimate['seconds'])} ({timing.block * 1e3:.1f} ms a block pass, {timing.head * 1e3:.1f} ms a head pass here)")
             cell_started = time.perf_counter()
             chosen = search.run(ctx)
-            entry = {"calibration": source, "calibration_label": labels[source], "search": search_name, "objective": objective,
+            entry = {"calibration": source, "calibration_label": labels[source], "search": cell[1], "objective": cell[2],
                      "layers": list(chosen), "seconds": round(time.perf_counter() - cell_started, 3)}
+            if expected is not None:
+                entry["estimate"] = estimate
             if scorer is not None:  # what scoring cost this cell (removals another cell had scored cost nothing again)
                 entry["cost"] = {**scorer.cost.minus(before).summary(len(calibration)), "removals_asked": len(asked)}
             if settings_text(search):
@@ -320,6 +378,17 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
                 entry["drawn"] = [key(r) for r in search.drawn]
             record["cells"][name] = entry
             save()
+        for cell in unstable:  # each pick's stability: the search again on each resample (or seed), kept as each finishes
+            name, search = cell_name(cell, labels), searches[cell[1]]
+            picks = stable.setdefault(name, [])
+            for r, (drawn, seed) in enumerate(variations[cell][len(picks):], start=len(picks)):
+                where = f"resample {r + 1} of {resamples_of[cell[1]]}" if r < resamples_of[cell[1]] else f"seed {seed}"
+                if on_step:
+                    on_step(f"{name}: {where}", len(todo) + unstable.index(cell), steps)
+                with _quiet(search):
+                    chosen = search.run(context(cell, len(todo) + unstable.index(cell), drawn, seed, label=f" ({where})"))
+                picks.append({"windows": drawn, "seed": seed, "layers": list(chosen)})
+                save()
         if scorer is not None:  # every choice's own calibration score (a stream search's too), for its distance from the best
             scorer.score_many([tuple(c["layers"]) for c in record["cells"].values() if c["calibration"] == source])
     chosen_sets = sorted({tuple(c["layers"]) for c in record["cells"].values()}, key=key)
@@ -355,9 +424,33 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
     record["overlap"] = overlap(record["cells"])
     record["decomposition"] = decomposition(record, cfg.seed)
     record["distances"] = distances(record)
+    record["stability_summary"] = {name: summary(record["cells"][name]["layers"], [p["layers"] for p in picks], cfg.granularity)
+                                   for name, picks in record.get("stability", {}).items() if len(picks) >= 2 and name in record["cells"]}
     record["wall_time_s"] = round(record.get("wall_time_s", 0.0) + time.perf_counter() - started, 3)
     save()
     return record
+
+
+def _variations(search: Search, cfg: SelectConfig, resamples: int, windows: int) -> list[tuple[list[int] | None, int]]:
+    """(the drawn windows, the seed) of each rerun: the resamples, then (a seeded search) each other seed on every window."""
+    out = [(drawn, cfg.seed) for drawn in draws(windows, resamples, cfg.seed)]
+    return out + ([(None, s) for s in cfg.seeds] if search.seeded else [])
+
+
+def _streams(model, windows: torch.Tensor, cfg: SelectConfig) -> Callable:
+    """The angular pass over these windows, made once when a stream search asks."""
+    return functools.cache(lambda: stream_pass(model, windows, cfg.batch_size, cfg.k))
+
+
+@contextlib.contextmanager
+def _quiet(search: Search):
+    """A rerun leaves what the search kept of its first run (`drawn`, `trace`) as it was."""
+    kept = {name: getattr(search, name) for name in ("drawn", "trace") if hasattr(search, name)}
+    try:
+        yield
+    finally:
+        for name, value in kept.items():
+            setattr(search, name, value)
 
 
 def judge_on_task(loaded, cfg: SelectConfig, sets: list[tuple[int, ...]], world: World = World()) -> dict:

@@ -10,6 +10,8 @@ from pathlib import Path
 from rich.table import Table
 
 from depthcurse.io import atomic_write, save_figure
+from depthcurse.select.search import canonical, parse_key
+from depthcurse.select.stability import verdict, words
 from depthcurse.select.statistics import HELD_OUT_METRICS
 from depthcurse.select.statistics import key as _key
 from depthcurse.stats.intervals import difference_interval
@@ -249,5 +251,88 @@ def plot_distances(record: dict, path: Path) -> Path | None:
         ax.legend(fontsize=6)
     fig.suptitle(f"{record['run']['model']}: k = {record['run']['k']}, every pick against {'every removal' if any(d['all_scores'] for d in dist.values()) else 'random removals'}",
                  fontsize=10)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+# --------------------------------------------------------------------------- the answer, how sure, what next
+def answer_picks(record: dict) -> list[tuple[str, str]]:
+    """(distance name, cell) of the answer for each text and objective: the pick with the best
+    calibration score (exact's, where it ran, is the optimum)."""
+    out = []
+    for name, d in (record.get("distances") or {}).items():
+        if d["picks"]:
+            out.append((name, min(d["picks"], key=lambda cell: (d["picks"][cell]["score"], cell))))
+    return out
+
+
+def answer_lines(record: dict) -> list[str]:
+    """The first lines `select` prints: per text and objective, the removal, what found it, how good
+    it is held out and how stable it is."""
+    lines = []
+    for name, cell in answer_picks(record):
+        d, pick, c = record["distances"][name], record["distances"][name]["picks"][cell], record["cells"][cell]
+        found = sorted({record["cells"][other]["search"] for other, p in d["picks"].items() if p["layers"] == pick["layers"]})
+        how = f"the exact optimum of {d['space']:,} removals" if d["exact"] and pick["is_best"] else \
+            f"the best of {', '.join(found)}; {'not' if not d['exact'] else 'and'} checked against every removal"
+        scores = cell_scores(record, cell)
+        held = [f"{column} {v:.4g} [{lh[0]:.4g}, {lh[1]:.4g}]" for column, (v, lh) in scores.items() if lh and not column.endswith("rejection")]
+        stability = (record.get("stability_summary") or {}).get(cell)
+        sure = f"in {stability['resamples']} reruns on resampled windows, " + words(stability) if stability else "not resampled (--resamples R says how often it comes back)"
+        unit = "layers" if record["run"].get("granularity", "layer") == "layer" else "units"
+        lines.append(f"answer ({name}): remove {unit} {pick['layers']} ({how}; found by {', '.join(found)}) · held out against the unpruned model: "
+                     + "; ".join(held) + f" · how sure: {sure}")
+    return lines
+
+
+def stability_verdicts(record: dict) -> list[str]:
+    return [verdict(f"stability of {name}", s) for name, s in (record.get("stability_summary") or {}).items()]
+
+
+def next_commands(record: dict, model: str, out: Path) -> list[str]:
+    """The commands that take the answer further, its units filled in: save it, time it, win it
+    back, draft with it."""
+    picks = answer_picks(record)
+    if not picks:
+        return []
+    layers = record["distances"][picks[0][0]]["picks"][picks[0][1]]["layers"]
+    lines = []
+    if record["run"].get("granularity", "layer") == "layer":
+        lines += [f"depthcurse drop {model} --layers {layers} --out pruned/{record['run']['model']}-without-{layers.replace(',', '-')}   (save it)",
+                  f"depthcurse speed {model} --layers {layers}   (what it buys)",
+                  f"depthcurse heal {model} --layers {layers} --methods linear,lora   (win the loss back)"]
+    lines.append(f"depthcurse speculate {model} --skip-from {out}   (draft with it: the output stays the whole model's)")
+    return lines
+
+
+def plot_stability(record: dict, path: Path) -> Path | None:
+    """How often each unit is chosen over the resamples, a row per resampled cell, the full-data
+    pick's units outlined."""
+    summaries = record.get("stability_summary") or {}
+    if not summaries:
+        return None
+    import matplotlib  # lazy: only figures need matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    granularity = record["run"].get("granularity", "layer")
+    units = list(canonical({u for s in summaries.values() for u in parse_key(",".join(s["frequency"]))}, granularity))
+    names = list(summaries)
+    grid = [[summaries[n]["frequency"].get(str(u), 0.0) for u in units] for n in names]
+    fig, ax = plt.subplots(figsize=(2 + 0.45 * len(units), 1.4 + 0.45 * len(names)), dpi=120)
+    im = ax.imshow(grid, vmin=0, vmax=1, cmap="Blues", aspect="auto")
+    for i, n in enumerate(names):
+        chosen = set(parse_key(summaries[n]["full"]))
+        for j, u in enumerate(units):
+            ax.text(j, i, f"{grid[i][j]:.2f}".rstrip("0").rstrip("."), ha="center", va="center", fontsize=7, color="w" if grid[i][j] > 0.6 else "k")
+            if u in chosen:
+                ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=1.5, ec="C3"))
+    ax.set_xticks(range(len(units)), [str(u) for u in units], fontsize=7)
+    ax.set_yticks(range(len(names)), [f"{n} ({summaries[n]['resamples']} reruns)" for n in names], fontsize=7)
+    ax.set_xlabel("unit removed (outlined: the pick on every calibration window)")
+    fig.colorbar(im, ax=ax, fraction=0.04, label="share of reruns that remove it")
+    fig.suptitle(f"{record['run']['model']}: how often each unit is chosen, k = {record['run']['k']} "
+                 "(reruns on bootstrap resamples of the calibration windows, and under --seeds where given)", fontsize=9)
     fig.tight_layout()
     return save_figure(fig, path)

@@ -108,6 +108,9 @@ class CalibrationScorer:
         self.world = world  # under torchrun: the removals scored are shared over the ranks, every rank given every score
         self.granularity, self.n = granularity, num_layers(model)
         self.cost = Cost()
+        # each removal's loss, KL and top-1 agreement on every window, in memory (not in `select.json`):
+        # what a bootstrap resample of the windows reweighs instead of running the removal again
+        self.windowed: dict[str, tuple[list[float], list[float], list[float]]] = {}
         self.stepper = self._stepper()
         self.batches = self._unpruned()
 
@@ -167,21 +170,34 @@ class CalibrationScorer:
         """Every removal of `removals` on every window, those not yet known measured together (for
         whole blocks by the prefix walk); their scores, in order."""
         if any(not r for r in removals) and self._unknown(()):  # nothing removed: the unpruned model, measured already
-            losses = [v for b in self.batches for v in b.losses]
-            self.known[""] = self._scores((), sum(losses) / len(losses), 0.0, 1.0)
+            self.known[""] = self._scores((), *(sum(v) / len(v) for v in self.unpruned_windows()))
         todo = sorted({key(r): tuple(r) for r in removals if r and self._unknown(r)}.values())
+        if todo:
+            for removal, (losses, kls, agreements) in zip(todo, self.per_window(todo)):
+                self.known[key(removal)] = self._scores(removal, sum(losses) / len(losses), sum(kls) / len(kls), sum(agreements) / len(agreements))
+            self.on_new()
+        return [dict(zip(KEPT, self.known[key(r)])) for r in removals]
+
+    def unpruned_windows(self) -> tuple[list[float], list[float], list[float]]:
+        """The unpruned model's loss, KL (0) and top-1 agreement (1) on each window."""
+        losses = [v for b in self.batches for v in b.losses]
+        return losses, [0.0] * len(losses), [1.0] * len(losses)
+
+    def per_window(self, removals: list[Removal]) -> list[tuple[list[float], list[float], list[float]]]:
+        """Each removal's loss, KL and top-1 agreement on every window, in order, each measured once
+        in this process (a resumed run knows the means alone, and measures a removal again where a
+        resample asks for its windows)."""
+        todo = sorted({key(r): tuple(r) for r in removals if r and key(r) not in self.windowed}.values())
         if todo:
             started = time.perf_counter()
             walk = self._walk if self.stepper is not None and self.granularity == "layer" else self._one_by_one
-            per_window = self._shared(todo, walk)
-            for removal, (losses, kls, agreements) in zip(todo, per_window):
-                self.known[key(removal)] = self._scores(removal, sum(losses) / len(losses), sum(kls) / len(kls), sum(agreements) / len(agreements))
+            for removal, scores in zip(todo, self._shared(todo, walk)):
+                self.windowed[key(removal)] = scores
                 self.cost.naive_window_blocks += (self.n - len(removal)) * len(self.windows)
             self.cost.sets += len(todo)
             self.cost.tokens += len(todo) * self.windows.numel()
             self.cost.seconds += time.perf_counter() - started
-            self.on_new()
-        return [dict(zip(KEPT, self.known[key(r)])) for r in removals]
+        return [self.windowed[key(r)] if r else self.unpruned_windows() for r in removals]
 
     @torch.no_grad()
     def _walk(self, removals: list[Removal]) -> list[tuple[list[float], list[float], list[float]]]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
@@ -73,9 +74,7 @@ class Space:
     n: int
     k: int
     granularity: str = "layer"
-    # what a pass costs here, for a budget's "about how long" (0: not measured)
-    seconds_per_block_pass: float = 0.0  # one block over every calibration window
-    head_blocks: float = 0.0  # the output head's cost in blocks (its parameters over a block's)
+    timing: object = None  # `estimate.PassTiming`: what a pass costs here, for a budget's "about how long" (None: not measured)
 
     def sets_text(self) -> str:
         if self.granularity == "branch":
@@ -175,6 +174,7 @@ class Search:
     reads: ClassVar[str] = "objective"  # what it needs (`READS`): a cell per objective when "objective"
     granularities: ClassVar[tuple[str, ...]] = ("layer",)
     chooses_k: ClassVar[bool] = False  # it decides how many branches go (`branch` granularity), `--k` aside
+    seeded: ClassVar[bool] = False  # its choice depends on the seed (`select --seeds` reruns it under others)
     Settings: ClassVar[type] = NoSettings
     builtin: ClassVar[bool] = False
 
@@ -195,6 +195,11 @@ class Search:
         """One clear error, before any work, where this search cannot run on `space` (a budget it
         cannot keep, a setting that cannot work)."""
 
+    def passes(self, space: Space, tokens: int) -> tuple[float, float] | None:
+        """The block and head passes over the calibration windows (`tokens` in all) it expects to run
+        (`estimate`), from its settings and the space alone; None: it cannot say."""
+        return None
+
     def run(self, ctx: SearchContext) -> Removal:
         raise NotImplementedError
 
@@ -213,11 +218,51 @@ def _checked_check(fn, ours: bool):
             return fn(self, space)
         except DepthcurseError:
             raise
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             if ours:
                 raise
+            if isinstance(exc, SystemExit):
+                raise DepthcurseError(f"--search {_named(self)}: its check() called sys.exit({exc.code!r}): raise "
+                                      "depthcurse.errors.DepthcurseError with the reason instead") from None
             raise DepthcurseError(f"--search {_named(self)}: its check() raised {type(exc).__name__}: {exc}") from exc
     return check
+
+
+def _plain_units(removal, granularity: str) -> tuple:
+    """A removal with numpy's (or any) integers as Python ints, for whole blocks."""
+    if granularity != "layer":
+        return tuple(removal)
+    return tuple(int(u) if isinstance(u, numbers.Integral) and not isinstance(u, bool) else u for u in removal)
+
+
+def checked_asks(search, space: Space, removals) -> list[Removal]:
+    """The removals a search asks the scorer for, held to the rules before any is run: units of the
+    space (numpy integers taken as blocks), each once, at most k of them (of each kind for
+    sub-blocks; all but one branch for a search that chooses how many); one line naming the search
+    and the rule where one is broken."""
+    out = []
+    most = 2 * space.n - 1 if getattr(search, "chooses_k", False) and space.granularity == "branch" else space.k
+    for removal in removals:
+        if not isinstance(removal, (tuple, list)):
+            raise DepthcurseError(f"--search {_named(search)} asked the scorer for {removal!r}: a removal is a tuple of units")
+        units = _plain_units(removal, space.granularity)
+        if len(set(units)) != len(units):
+            why = f"it names a unit twice ({key(units)})"
+        elif space.granularity == "layer":
+            bad = [u for u in units if not (isinstance(u, int) and not isinstance(u, bool) and 0 <= u < space.n)]
+            why = f"{bad[0]!r} is not a block index 0-{space.n - 1}" if bad else None
+        else:
+            bad = [u for u in units if not (isinstance(u, str) and u[:1] in "am" and u[1:].isdigit() and int(u[1:]) < space.n)]
+            why = f"{bad[0]!r} is not a sub-block (a0-a{space.n - 1}, m0-m{space.n - 1})" if bad else None
+        if why is None:
+            counts = [len(units)] if space.granularity != "sub-block" else [sum(1 for u in units if u[0] == t) for t in "am"]
+            if max(counts, default=0) > most:
+                why = f"it removes {len(units)} units, more than " + (f"k = {most}" if most == space.k else f"the {most} a removal may take") + \
+                      (" of a kind" if space.granularity == "sub-block" else "")
+        if why is not None:
+            raise DepthcurseError(f"--search {_named(search)} asked the scorer for {key(units)}, which is no removal of this grid: {why}")
+        out.append(canonical(units, space.granularity) if units else ())
+    return out
 
 
 def _checked_run(fn, ours: bool):
@@ -230,12 +275,16 @@ def _checked_run(fn, ours: bool):
             chosen = fn(self, ctx)
         except DepthcurseError:
             raise
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             if ours:
                 raise
+            if isinstance(exc, SystemExit):  # its exit would end select with no line, every finished cell's work unsaid
+                raise DepthcurseError(f"--search {_named(self)}: its run() called sys.exit({exc.code!r}): a search returns its removal, "
+                                      "or raises depthcurse.errors.DepthcurseError with the reason") from None
             raise DepthcurseError(f"--search {_named(self)}: its run() raised {type(exc).__name__}: {exc}") from exc
         if not isinstance(chosen, (tuple, list)):
             raise DepthcurseError(f"--search {_named(self)}: run() must return the removal it chose (a tuple of units), got {type(chosen).__name__}")
+        chosen = _plain_units(chosen, ctx.space.granularity)
         why = ctx.space.why_illegal(chosen, any_count=getattr(self, "chooses_k", False) and ctx.space.granularity == "branch")
         if why is not None:
             raise DepthcurseError(f"--search {_named(self)}: run() chose no removal of this grid: {why}")
@@ -254,6 +303,8 @@ def _outside(spec: str) -> type[Search]:
         raise DepthcurseError(f"--search {spec}: give {cls.__name__} a name (the class attribute `name`): the results name each search by it")
     if cls.reads not in READS:
         raise DepthcurseError(f"--search {spec}: its `reads` must be one of {', '.join(READS)}, got {cls.reads!r}")
+    if "run" not in {name for klass in cls.__mro__ if klass is not Search and issubclass(klass, Search) for name in klass.__dict__}:
+        raise DepthcurseError(f"--search {spec}: {cls.__name__} has no run(ctx): a search gives the removal it chooses from run (see depthcurse.select.Search)")
     return cls
 
 

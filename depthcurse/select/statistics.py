@@ -125,7 +125,7 @@ def distances(record: dict) -> dict:
     out = {}
     for source, known in record.get("calibration_scores", {}).items():
         for index, objective in enumerate(OBJECTIVES_KEPT):
-            if objective not in (run.get("objectives") or ["ppl"]):
+            if objective not in (run.get("objectives") or record.get("recipe", {}).get("objectives") or ["ppl"]):
                 continue
             here = {n: c for n, c in cells.items() if c["calibration"] == source and c["objective"] in (objective, "-")}
             scores = {name: v[index] for name, v in known.items() if _size(name) == units and len(v) > index and v[index] is not None}

@@ -11,5 +11,8 @@ class Angular(Search):
     source = "Gromov et al. 2024, arXiv 2403.17887"
     reads = "streams"
 
+    def passes(self, space, tokens: int) -> tuple[float, float]:
+        return float(space.n), 0.0  # the unpruned pass that keeps the streams (once for every stream search)
+
     def run(self, ctx):
         return tuple(ctx.streams().block_choices(ctx.space.k)[0].layers)

@@ -24,6 +24,7 @@ import warnings
 from dataclasses import dataclass
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.select.estimate import mean_run
 from depthcurse.select.search import Search, Space
 
 
@@ -68,6 +69,11 @@ class DraftVerify(Search):
     granularities = ("branch",)
     chooses_k = True
     Settings = DraftVerifySettings
+
+    def passes(self, space: Space, tokens: int) -> tuple[float, float]:
+        """`n_iter` points and its probes, each a set of about n branches (each of the 2n is kept with even odds)."""
+        points = self.settings.n_iter + len(parse_probes(self.settings.probes, space.n))
+        return points * mean_run(space.n, space.n, "branch"), float(points)
 
     def check(self, space: Space) -> None:
         if self.settings.n_iter < 0:

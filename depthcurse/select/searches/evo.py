@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.select.estimate import mean_run
 from depthcurse.select.search import Search, Space
 
 # scripts/run_drop_search.sh @ 50888a0 (and evo_drop_search.py's argparse defaults where the script sets none)
@@ -85,6 +86,7 @@ class Evo(Search):
     source = "Sieberling et al. 2025 (EvoPress, ICML), github.com/IST-DASLab/EvoPress @ 50888a0 evo_drop_search.py"
     granularities = ("layer", "sub-block")
     Settings = EvoSettings
+    seeded = True
 
     def check(self, space: Space) -> None:
         s = self.settings
@@ -109,6 +111,18 @@ class Evo(Search):
             if count > total:
                 raise DepthcurseError(f"--search-args evo: {what} ({count}) is more than the {total:,} distinct removals of {space.sets_text()}: "
                                       "the search would never find enough (use exact)")
+
+    def passes(self, space: Space, tokens: int) -> tuple[float, float]:
+        """Every stage's candidates on its share of the calibration tokens, each run from its first
+        removed unit (a removal drawn at random: `mean_run`)."""
+        s = self.settings
+        survivors = stages(s.survivors_per_selection, "survivors_per_selection")
+        (initial, *stage_tokens), _ = scaled_tokens([s.initial_tokens, *stages(s.tokens_per_selection, "tokens_per_selection")], tokens)
+        generations = s.generations if s.generations is not None else generations_for(space.n, space.k)
+        counts = [s.offspring, *survivors[:-1]]
+        counts[-1] += s.population_size  # the parents join the last stage
+        heads = s.initially_generated * initial / tokens + generations * sum(c * t / tokens for c, t in zip(counts, stage_tokens))
+        return heads * mean_run(space.n, space.k, space.granularity), heads
 
     # --------------------------------------------------------------------------- their state, as they keep it
     def _blank(self, n: int) -> dict:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from itertools import islice
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.select.estimate import duration, mean_run
 from depthcurse.select.search import Search, Space
 
 CHUNK = 512  # removals a chunk scores before it is saved
@@ -54,10 +55,14 @@ class Exact(Search):
                 work = f"{blocks:,} block passes and {heads:,} head passes by the prefix walk"
             else:
                 work = f"about {sets * space.n:,} block passes"
-            when = f", about {_duration(space.seconds_per_block_pass * (blocks + heads * space.head_blocks))}" \
-                if space.granularity == "layer" and space.seconds_per_block_pass else ""
+            when = f", about {duration(space.timing.seconds(*self.passes(space, 0)))}" if space.timing is not None else ""
             raise DepthcurseError(f"--search exact: {space.sets_text()} = {sets:,} removals, more than exact.max_sets={self.settings.max_sets:,} "
                                   f"({work}{when}): give --search-args exact.max_sets={sets} to run it, or a smaller --k")
+
+    def passes(self, space: Space, tokens: int) -> tuple[float, float]:
+        if space.granularity == "layer":
+            return tuple(float(p) for p in walk_passes(space.n, space.k))
+        return space.sets() * mean_run(space.n, space.k, space.granularity), float(space.sets())
 
     def run(self, ctx):
         every = ctx.space.every()
@@ -74,6 +79,3 @@ class Exact(Search):
             done += len(chunk)
         return best[1]
 
-
-def _duration(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} hours" if seconds >= 5400 else (f"{seconds / 60:.0f} minutes" if seconds >= 90 else f"{seconds:.0f} seconds")

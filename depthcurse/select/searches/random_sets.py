@@ -9,6 +9,7 @@ import random
 from dataclasses import dataclass
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.select.estimate import mean_run
 from depthcurse.select.search import Search, Space, canonical
 
 
@@ -24,6 +25,7 @@ class RandomSets(Search):
     source = "uniform draws from a seed: the null distribution"
     granularities = ("layer", "sub-block", "branch")
     Settings = RandomSettings
+    seeded = True
 
     def check(self, space: Space) -> None:
         if self.settings.sets < 1:
@@ -31,6 +33,9 @@ class RandomSets(Search):
         if self.settings.sets > space.sets():
             raise DepthcurseError(f"--search-args random.sets={self.settings.sets} is more than the {space.sets():,} removals there are: "
                                   "use exact for all of them")
+
+    def passes(self, space: Space, tokens: int) -> tuple[float, float]:
+        return self.settings.sets * mean_run(space.n, space.k, space.granularity), float(self.settings.sets)
 
     def run(self, ctx):
         rng = random.Random(f"random:{ctx.seed if self.settings.seed is None else self.settings.seed}")

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.select.estimate import mean_run
 from depthcurse.select.search import Search, Space
 
 
@@ -83,6 +84,11 @@ class Swift(Search):
     source = "Xia et al. 2025 (SWIFT, ICLR), github.com/hemingkx/SWIFT @ 88caed7 model/swift/utils.py"
     granularities = ("branch",)
     Settings = SwiftSettings
+    seeded = True
+
+    def passes(self, space: Space, tokens: int) -> tuple[float, float]:
+        """At most: `max_opt_iter` candidates (its tolerance or max_score often stop it sooner)."""
+        return self.settings.max_opt_iter * mean_run(space.n, space.k, "branch"), float(self.settings.max_opt_iter)
 
     def check(self, space: Space) -> None:
         s = self.settings

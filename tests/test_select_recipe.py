@@ -1,0 +1,343 @@
+"""`select`'s answer for a newcomer (issue 71): the recipe, the pick's stability over bootstrap
+resamples of the calibration windows (against resamples done by hand, each a scorer on the drawn
+windows), each search's cost estimate (its counts against the scorer's own, its timing under a
+clock the test controls), and the one-line errors."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from helpers import assert_one_line_error
+
+from depthcurse.loading import load_model
+from depthcurse.select import SelectConfig
+from depthcurse.select.estimate import PassTiming, mean_run, pass_timing, trie_passes
+from depthcurse.select.recipe import recipe
+from depthcurse.select.scoring import CalibrationScorer
+from depthcurse.select.search import Space, build_searches, key
+from depthcurse.select.searches.exact import walk_passes
+from depthcurse.select.stability import draws, summary, verdict
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture()
+def text(tmp_path):
+    from conftest import CORPUS
+
+    path = tmp_path / "text.txt"
+    path.write_text("\n\n".join(f"w{i} {CORPUS[i % len(CORPUS)]} {CORPUS[(i * 7 + 2) % len(CORPUS)]}" for i in range(80)))
+    return str(path)
+
+
+@pytest.fixture()
+def six(six_dir):
+    return load_model(str(six_dir))
+
+
+def _windows(tokenizer, text, windows=5):
+    from depthcurse.select.grid import text_windows
+
+    return text_windows(tokenizer, text, SelectConfig(k=2, calibration=(text,), calib_windows=windows, eval_windows=2, seq_len=16)).calibration
+
+
+# --------------------------------------------------------------------------- the estimate's counts
+def test_the_walk_count_for_any_removals_is_the_closed_form_for_every_k_set_and_the_scorers_own_count(six, tiny_tokenizer, text):
+    for n, k in ((6, 2), (7, 3), (9, 4)):
+        assert trie_passes(list(itertools.combinations(range(n), k)), n) == walk_passes(n, k)[0]
+    windows = _windows(tiny_tokenizer, text)
+    scorer = CalibrationScorer(six.model, windows, 2, {}, lambda: None)
+    removals = [(0, 3), (0, 4), (1, 2), (2, 5), (4,)]  # shared prefixes, and a removal of another size
+    scorer.score_many(removals)
+    assert scorer.cost.summary(len(windows))["block_passes"] == trie_passes(removals, 6) == 12  # 0: 2 + 2, then 1 + 1; 1: 0 + 3; 2: 2 + 0; 4: 1
+
+
+@pytest.mark.parametrize("granularity", ["layer", "sub-block", "branch"])
+def test_a_random_removals_run_is_the_mean_over_every_removal(granularity):
+    """mean_run against every removal of the space enumerated: whole blocks skip their removed ones,
+    a zeroed branch's block still runs."""
+    n, k = 6, 2
+    space = Space(n, k, granularity)
+    runs = []
+    for removal in space.every():
+        blocks = [int(u) if granularity == "layer" else int(u[1:]) for u in removal]
+        runs.append(n - min(blocks) - (k if granularity == "layer" else 0))
+    assert mean_run(n, k, granularity) == pytest.approx(sum(runs) / len(runs), rel=1e-12)
+
+
+def test_each_search_expects_its_own_passes():
+    space = Space(30, 4)
+    built = build_searches(("exact", "greedy", "one-shot", "random", "evo", "last", "angular"),
+                           {"random.sets": "50", "evo.generations": "10", "evo.offspring": "8"})
+    assert built["exact"].passes(space, 1024) == (169_884.0, 27_405.0)
+    assert built["one-shot"].passes(space, 1024) == (sum(29 - j for j in range(30)), 30.0)
+    assert built["greedy"].passes(space, 1024)[1] == 30 + 29 + 28 + 27
+    assert built["random"].passes(space, 1024) == pytest.approx((50 * mean_run(30, 4), 50.0))
+    # evo on 1,024 tokens: every stage scaled by 1/32 (64, 64, 1,024 tokens); 64 first, then 10 x (8 at 64 + (2 + 1) at 1,024)
+    heads = 64 * 64 / 1024 + 10 * (8 * 64 / 1024 + 3 * 1024 / 1024)
+    assert built["evo"].passes(space, 1024) == pytest.approx((heads * mean_run(30, 4), heads))
+    assert built["last"].passes(space, 1024) == (0.0, 0.0) and built["angular"].passes(space, 1024) == (30.0, 0.0)
+
+
+def test_the_pass_timing_is_the_median_block_and_the_summed_heads_after_a_warm_up(six, tiny_tokenizer, text):
+    """Under a clock the test controls: each reading 1 s later than the one before, except one slow
+    block, so that a block reads 1 s and a head 1 s (the median ignores the slow one)."""
+    ticks = iter(range(10_000))
+    readings = []
+
+    def clock():
+        readings.append(next(ticks) * 1.0 + (50.0 if len(readings) == 3 else 0.0))
+        return readings[-1]
+
+    windows = _windows(tiny_tokenizer, text, windows=4)
+    timing = pass_timing(six.model, windows, 2, clock=clock)
+    # 2 batches x (6 blocks + 1 head), a start and an end reading each: 28 readings
+    assert len(readings) == 28
+    assert timing == PassTiming(block=2.0, head=2.0)  # each block summed over the 2 batches, 1 s each; the 2 heads summed
+    assert PassTiming(0.5, 2.0).seconds(10, 3) == 11.0
+
+
+# --------------------------------------------------------------------------- stability
+def test_the_stability_summary_and_verdict_by_hand():
+    """Full pick {1, 2}; reruns {1, 2}, {1, 3}, {2, 3}, {1, 2}: 1 and 2 in 3 of 4, 3 in 2 of 4; the
+    whole pick twice (Wilson 2 of 4: 15.0%-85.0%); Jaccard 1, 1/3, 1/3, 1: mean 2/3."""
+    s = summary((2, 1), [(1, 2), (1, 3), (3, 2), (1, 2)], "layer")
+    assert s["frequency"] == {"1": 0.75, "2": 0.75, "3": 0.5} and s["same"] == 2 and s["mean_jaccard"] == pytest.approx(2 / 3)
+    assert s["same_interval"] == pytest.approx([0.15003898915214947, 0.8499610108478506])
+    assert verdict("wiki/greedy/kl", s) == ("wiki/greedy/kl: the pick 1,2: 1, 2 in 3 of 4; also 3 (2 of 4); the whole pick in 2 of 4 "
+                                            "(15%-85%, Wilson 95%), mean Jaccard 0.67")
+    every = summary((4, 5), [(4, 5)] * 3, "layer")
+    assert verdict("x", every).startswith("x: the pick 4,5: 4, 5 in every rerun; the whole pick in 3 of 3 (44%-100%")
+
+
+def test_resample_draws_are_seeded_with_replacement_and_do_not_depend_on_how_many():
+    a, b = draws(8, 3, seed=5), draws(8, 5, seed=5)
+    assert a == b[:3] and a != draws(8, 3, seed=6)
+    assert all(len(d) == 8 and d == sorted(d) and 0 <= min(d) and max(d) < 8 for d in b)
+    assert any(len(set(d)) < 8 for d in b)  # with replacement
+
+
+def _greedy_by_hand(model, windows, k, objective):
+    """Greedy on these windows, every removal scored by a scorer of its own (no reuse)."""
+    scorer = CalibrationScorer(model, windows, 2, {}, lambda: None)
+    removed = []
+    for _ in range(k):
+        candidates = [u for u in range(6) if u not in removed]
+        scores = [scorer(tuple(sorted(removed + [u])))[objective] for u in candidates]
+        removed.append(min(zip(scores, candidates))[1])
+    return tuple(sorted(removed))
+
+
+def test_resampled_picks_are_the_search_run_on_the_drawn_windows_by_hand(six_dir, tiny_tokenizer, text, tmp_path):
+    from depthcurse.select import run_select
+    from depthcurse.select.grid import text_windows
+
+    loaded = load_model(str(six_dir))
+    cfg = SelectConfig(k=2, calibration=(text,), objectives=("kl",), searches=("greedy",), calib_windows=5, eval_windows=2, seq_len=16,
+                       batch_size=2, resamples=4, seed=11)
+    record = run_select(loaded, cfg, tmp_path / "run")
+    windows = text_windows(loaded.tokenizer, text, cfg).calibration
+    picks = record["stability"][f"text/greedy/kl"]
+    assert [p["windows"] for p in picks] == draws(5, 4, 11)
+    by_hand = [_greedy_by_hand(loaded.model, windows[torch.tensor(d)], 2, "kl") for d in draws(5, 4, 11)]
+    assert [tuple(p["layers"]) for p in picks] == by_hand
+    full = tuple(record["cells"]["text/greedy/kl"]["layers"])
+    assert full == _greedy_by_hand(loaded.model, windows, 2, "kl")
+    units = set(full).union(*map(set, by_hand))
+    assert record["stability_summary"]["text/greedy/kl"]["frequency"] == {str(u): sum(u in p for p in by_hand) / 4 for u in units}
+    # a rerun with more resamples keeps the four and adds the fifth; the run is the same run
+    more = run_select(loaded, replace(cfg, resamples=5), tmp_path / "run")
+    assert more["stability"]["text/greedy/kl"][:4] == picks and len(more["stability"]["text/greedy/kl"]) == 5
+
+
+def test_a_seeded_search_reruns_under_each_seed_as_that_seed_alone_chooses(six_dir, text, tmp_path):
+    from depthcurse.select import run_select
+
+    loaded = load_model(str(six_dir))
+    base = dict(k=2, calibration=(text,), objectives=("kl",), calib_windows=4, eval_windows=2, seq_len=16, batch_size=2)
+    record = run_select(loaded, SelectConfig(**base, searches=("random", "greedy"), search_args={"random.sets": "3"}, seeds=(7, 8)), tmp_path / "a")
+    alone = run_select(loaded, SelectConfig(**base, searches=("random",), search_args={"random.sets": "3", "random.seed": "8"}), tmp_path / "b")
+    seeded = record["stability"]["text/random/kl"]
+    assert [p["seed"] for p in seeded] == [7, 8] and seeded[1]["layers"] == alone["cells"]["text/random/kl"]["layers"]
+    assert "text/greedy/kl" not in record["stability"] or not record["stability"]["text/greedy/kl"]  # greedy has no seed to vary
+
+
+# --------------------------------------------------------------------------- the recipe
+def test_the_recipe_runs_exact_where_it_fits_the_budget_and_evo_where_not():
+    space = Space(30, 3, timing=PassTiming(0.01, 0.1))  # 31,437 block and 4,060 head passes: 720 s
+    assert recipe(space, 1024, 30.0).searches == ("greedy", "exact")
+    slow = recipe(space, 1024, 10.0)
+    assert slow.searches == ("greedy", "evo") and "about 12 minutes here, over --budget 10 minutes" in slow.why
+    capped = recipe(space, 1024, 30.0, {"exact.max_sets": "4000"})
+    assert capped.searches == ("greedy", "evo") and "more than exact.max_sets=4,000" in capped.why
+    assert recipe(Space(30, 3), 1024, 30.0).searches == ("greedy", "evo")  # not timed: no estimate fits
+
+
+def test_select_with_k_alone_prints_the_answer_first_then_the_next_commands(run_cli, six_dir, text, tmp_path):
+    code, out, err = run_cli("select", six_dir, "--k", "2", "--calibration", text, "--calib-windows", "3", "--eval-windows", "3", "--seq-len", "16",
+                             "--out", tmp_path / "r")
+    assert code == 0, err
+    first = out.index("answer (")
+    answer = out[first:].splitlines()[0]
+    assert "┏" not in out[:first] and out[:first].count("(LlamaForCausalLM, 6 layers") == 1  # the header alone before the answer
+    assert answer.startswith("answer (text kl): remove layers ") and "(the exact optimum of 15 removals; found by exact, greedy)" in answer
+    assert "how sure: in 8 reruns on resampled windows" in answer
+    said = " ".join(err.split())
+    assert "the recipe: by kl, greedy and exact (exact fits: 15 removals" in said
+    assert "text/exact/kl: expect 30 block passes and 15 head passes" in said
+    record = json.loads((tmp_path / "r" / "select.json").read_text())
+    layers = record["cells"]["text/exact/kl"]["layers"]
+    assert f"next: depthcurse drop {six_dir} --layers {key(layers)} --out" in said and f"next: depthcurse speculate {six_dir} --skip-from" in said
+    assert record["cells"]["text/exact/kl"]["estimate"]["block_passes"] == 30 and (tmp_path / "r" / "stability.png").exists()
+    assert record["run"]["searches"] is None and record["recipe"]["objectives"] == ["kl"]
+
+
+def test_the_new_settings_bad_input_is_one_line(run_cli, six_dir, text):
+    base = ["select", six_dir, "--calibration", text, "--calib-windows", "3", "--eval-windows", "3", "--seq-len", "16"]
+    for args, said in (
+        (["--k", "1", "--resamples", "1"], "--resamples 1: one resample says nothing"),
+        (["--k", "1", "--resamples", "-2"], "--resamples must be 0 or more, got -2"),
+        (["--k", "1", "--seeds", "1,x"], "--seeds 1,x: give whole numbers"),
+        (["--k", "1", "--seeds", "1234"], "--seeds 1234: each must be given once, and differ from --seed 1234"),
+        (["--k", "1", "--budget", "0"], "--budget must be more than 0 minutes"),
+        (["--k", "1", "--granularity", "sub-block"], "--granularity sub-block needs --search"),
+    ):
+        assert_one_line_error(*run_cli(*base, *args), said)
+
+
+# --------------------------------------------------------------------------- what a new user met (issue 71, item 8)
+OUTSIDE = '''
+import sys
+
+import numpy as np
+
+from depthcurse.select import Search
+
+
+class WrongSize(Search):
+    name = "wrong-size"
+
+    def run(self, ctx):
+        ctx.score((0, 1, 2))
+        return (0, 1)
+
+
+class Exits(Search):
+    name = "exits"
+
+    def run(self, ctx):
+        sys.exit(3)
+
+
+class NoRun(Search):
+    name = "no-run"
+
+
+class Illegal(Search):
+    name = "illegal"
+
+    def run(self, ctx):
+        ctx.score((0, 99))
+        return (0, 1)
+
+
+class NumpyPick(Search):
+    name = "numpy-pick"
+
+    def run(self, ctx):
+        ctx.score(tuple(np.array([0, 2])))
+        return tuple(np.array([0, 2]))
+'''
+
+
+def test_what_a_new_user_met_is_one_line_and_writes_nothing(run_cli, six_dir, text, tmp_path):
+    plugin = tmp_path / "outside.py"
+    plugin.write_text(OUTSIDE)
+    base = ["select", six_dir, "--k", "2", "--calibration", text, "--calib-windows", "3", "--eval-windows", "3", "--seq-len", "16"]
+    def one_line(code, out, err, said):  # a search's own fault shows once it runs: after the model's header line, nothing else
+        assert code == 1 and "Traceback" not in out + err and "━" not in out + err and "┏" not in out
+        assert err.count("\n") == 1 and said in " ".join(err.split()), err
+
+    for i, (args, said) in enumerate((
+        (["--search", f"{plugin}:WrongSize"], "--search wrong-size asked the scorer for 0,1,2, which is no removal of this grid: it removes 3 units, more than k = 2"),
+        (["--search", f"{plugin}:Exits"], "--search exits: its run() called sys.exit(3): a search returns its removal"),
+        (["--search", f"{plugin}:NoRun"], f"--search {plugin}:NoRun: NoRun has no run(ctx)"),
+        (["--search", f"{plugin}:Illegal"], "--search illegal asked the scorer for 0,99, which is no removal of this grid: 99 is not a block index 0-5"),
+        (["--search", "greedy", "--calibration", f"{text},auto,wiki"], "--calibration names wiki more than once"),
+        (["--search", "exact", "--search-args", "max_sets=5,max_sets=6"], "--search-args 'max_sets=5,max_sets=6': max_sets is given twice (5 and 6): give it once"),
+    )):
+        out = tmp_path / f"out{i}"
+        one_line(*run_cli(*base, *args, "--out", out), said)
+        assert not out.exists() or not any(out.iterdir()), said  # nothing written
+    # numpy integers are blocks: the search runs and its pick is kept as plain ints
+    code, _, err = run_cli(*base, "--search", f"{plugin}:NumpyPick", "--out", tmp_path / "np")
+    assert code == 0, err
+    assert json.loads((tmp_path / "np" / "select.json").read_text())["cells"]["text/numpy-pick/ppl"]["layers"] == [0, 2]
+
+
+def test_a_method_setting_given_twice_is_one_line_before_any_work(run_cli, six_dir, tmp_path):
+    out = tmp_path / "healed"
+    assert_one_line_error(*run_cli("heal", six_dir, "--layers", "2", "--methods", "laco", "--method-args", "as=code,as=paper", "--out", out),
+                          "--method-args 'as=code,as=paper': as is given twice (code and paper): give it once")
+    assert not out.exists()
+
+
+def test_calibration_auto_is_said_and_recorded_as_the_text_it_is(run_cli, six_dir, tmp_path, monkeypatch):
+    from depthcurse import assets
+
+    monkeypatch.setattr(assets, "hub_reachable", lambda: False)
+    code, _, err = run_cli("select", six_dir, "--k", "1", "--calibration", "auto", "--search", "last", "--calib-windows", "2", "--eval-windows", "2",
+                           "--seq-len", "16", "--out", tmp_path / "auto")
+    assert code == 0, err
+    assert "--calibration auto is wiki here" in " ".join(err.split())
+    assert json.loads((tmp_path / "auto" / "select.json").read_text())["run"]["calibration"] == ["wiki"]
+
+
+def test_an_interrupt_before_anything_finished_says_nothing_was_written(run_cli, six_dir, text, tmp_path, monkeypatch):
+    import depthcurse.select as select_package
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(select_package, "run_select", stopped)
+    code, _, err = run_cli("select", six_dir, "--k", "1", "--calibration", text, "--search", "last", "--calib-windows", "2", "--eval-windows", "2",
+                           "--seq-len", "16", "--out", tmp_path / "cut")
+    said = " ".join(err.split())
+    assert code == 130 and "nothing had finished, so nothing was written" in said and "every finished piece" not in said
+
+
+def test_the_settings_listing_shows_every_registry_and_an_outside_search(run_cli, tmp_path):
+    plugin = tmp_path / "mine.py"
+    plugin.write_text('''
+from dataclasses import dataclass
+
+from depthcurse.select import Search
+
+
+@dataclass
+class MineSettings:
+    depth: int = 3  # how deep it looks (its paper's default)
+
+
+class Mine(Search):
+    name = "mine"
+    source = "my paper"
+    Settings = MineSettings
+
+    def run(self, ctx):
+        return tuple(range(ctx.space.k))
+''')
+    code, out, err = run_cli("settings", "evo", "lora", f"{plugin}:Mine")
+    assert code == 0, err
+    said = " ".join(out.split())
+    for piece in ("search evo", "evo.seed", "int | None", "method lora", "search mine", "my paper", "mine.depth", "how deep it looks (its paper's default)"):
+        assert piece in said, piece
+    code, out, _ = run_cli("settings")
+    said = " ".join(out.split())
+    assert all(f"search {n}" in said for n in ("exact", "greedy", "swift", "draft-verify")) and all(f"method {n}" in said for n in ("linear", "laco", "swm"))
+    assert_one_line_error(*run_cli("settings", "nosuch"), "settings nosuch: no search or method of that name")
