@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from depthcurse.loading import load_model
-from depthcurse.select.grid import SelectConfig, text_windows
+from depthcurse.select.config import SelectConfig
+from depthcurse.select.windows import text_windows
 from depthcurse.select.scoring import CalibrationScorer
 from depthcurse.select.search import key
 from depthcurse.select.stability import draws, summary

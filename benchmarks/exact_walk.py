@@ -20,7 +20,8 @@ import time
 import torch
 
 from depthcurse.loading import load_model
-from depthcurse.select.grid import SelectConfig, text_windows
+from depthcurse.select.config import SelectConfig
+from depthcurse.select.windows import text_windows
 from depthcurse.select.scoring import CalibrationScorer
 from depthcurse.select.searches.exact import CHUNK, walk_passes
 

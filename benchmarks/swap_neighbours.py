@@ -17,7 +17,8 @@ import argparse
 import time
 
 from depthcurse.loading import load_model
-from depthcurse.select.grid import SelectConfig, text_windows
+from depthcurse.select.config import SelectConfig
+from depthcurse.select.windows import text_windows
 from depthcurse.select.scoring import CalibrationScorer
 from depthcurse.select.search import key, parse_key
 

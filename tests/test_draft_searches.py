@@ -184,7 +184,8 @@ def test_the_searches_are_found_by_name_and_refuse_what_they_cannot_run():
 def test_acceptance_and_speedup_scores_are_the_model_built_without_those_layers_compared_by_hand(run_cli, six_dir, text_file, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from depthcurse.select.grid import SelectConfig, text_windows
+    from depthcurse.select.config import SelectConfig
+    from depthcurse.select.windows import text_windows
 
     out = tmp_path / "sel"
     code, stdout, err = run_cli("select", six_dir, "--k", "2", "--calibration", text_file, "--objective", "acceptance,speedup", "--search", "exact,greedy",

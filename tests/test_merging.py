@@ -293,6 +293,23 @@ def test_lacos_procedure_is_the_notebooks_loop(threshold):
     assert len(theirs.model.layers) == 10 - len(state.gone())
 
 
+def test_lacos_procedure_steps_by_its_interval_after_a_kept_merge_and_by_one_after_a_refused_one():
+    """interval 2 at a threshold where some merges are kept and some refused (at interval 1 the two
+    steps are the same): the notebook's loop, merge for merge."""
+    model = _llama(10, 3)
+    windows = _windows()
+    _, free = laco_procedure(model, windows, LacoSearchSettings(merge_layers=2, threshold=0.0, highest=9))
+    sims = sorted(t[2] for t in free)
+    middle = (sims[0] + sims[-1]) / 2
+    settings = LacoSearchSettings(merge_layers=2, interval=2, threshold=middle, lowest=0, highest=9, as_="code")
+    state, trail = laco_procedure(model, windows, settings)
+    assert any(t[3] for t in trail) and not all(t[3] for t in trail)
+    theirs = _laco_loop(model, windows, 2, 2, 0, 9, middle)
+    _same_weights(_merged_state_model(model, state), theirs)
+    steps = [a[0] - b[0] for a, b in zip(trail, trail[1:])]
+    assert steps == [2 if t[3] else 1 for t in trail[:-1]]
+
+
 def test_lacos_procedure_tries_and_refuses_on_a_tiny_model_and_stops_at_k():
     """At a threshold between the merges' similarities some are kept and some refused, and with k
     the procedure ends once k layers are gone, the last merge cut to fit."""

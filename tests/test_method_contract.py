@@ -78,6 +78,13 @@ class RaisesInCost(Method):
     def cost(self, model, layers):
         return {}["trained_params"]
 
+class YieldsCopy(Method):
+    name = "yields-copy"
+    @contextlib.contextmanager
+    def applied(self, model):
+        import copy
+        yield copy.deepcopy(model)  # the heal would measure a model it does not go on to save
+
 class ObjectiveNotModule(Method):
     name = "objective-not-module"
     trains = True
@@ -88,6 +95,7 @@ class ObjectiveNotModule(Method):
 
 @pytest.mark.parametrize("attr, said", [
     ("YieldsNothing", "--method yields-nothing: applied() must give the model it was given to the `with` (`yield model`), it gave NoneType"),
+    ("YieldsCopy", "--method yields-copy: applied() must give the model it was given to the `with` (`yield model`), it gave another LlamaForCausalLM"),
     ("NoContext", "--method no-context: applied() must return a context manager"),
     ("RaisesEntering", "--method raises-entering: its applied() raised KeyError: 'no such block'"),
     ("RaisesInFinalize", "--method raises-in-finalize: its finalize() raised RuntimeError: shapes differ"),

@@ -61,7 +61,7 @@ def _plain(model, windows, removal):
 
 
 def test_the_prefix_walk_scores_every_removal_as_a_plain_forward_does_and_counts_its_block_passes(six, tiny_tokenizer, text):
-    from depthcurse.select.grid import text_windows
+    from depthcurse.select.windows import text_windows
 
     windows = text_windows(tiny_tokenizer, text, SelectConfig(k=2, calibration=(text,), calib_windows=5, eval_windows=2, seq_len=16)).calibration
     for k in (2, 3):
@@ -100,7 +100,7 @@ def test_walk_passes_is_the_trie_counted_by_hand():
 def test_the_exact_optimum_is_a_brute_force_done_another_way(six, text, tmp_path, tiny_tokenizer):
     """select's exact cell at k = 2 (ppl and KL) is the best of the 15 removals, each scored here by
     the model's own forward on the calibration windows; every pick's rank is counted from them."""
-    from depthcurse.select.grid import text_windows
+    from depthcurse.select.windows import text_windows
 
     cfg = SelectConfig(k=2, calibration=(text,), objectives=("ppl", "kl"), searches=("exact", "greedy", "angular", "random", "last"),
                        calib_windows=4, eval_windows=3, seq_len=16, batch_size=2, search_args={"random.sets": "6"})
@@ -143,6 +143,7 @@ def port_of_evopress(n: int, k: int, fitness, windows: int, window_tokens: int, 
     `random` seeded as their fix_seed does. Returns every selection's candidates, in order."""
     random.seed(seed)
     seen = []
+    port_of_evopress.minibatches = batches = []  # each selection's (window ids, tokens of the last)
     calibration_data = [window_tokens] * windows  # each "sequence" by its length
 
     def selection(candidates, num_survive, num_tokens):
@@ -159,6 +160,7 @@ def port_of_evopress(n: int, k: int, fitness, windows: int, window_tokens: int, 
                 last = calibration_data[minibatch_id]
                 tokens_used += calibration_data[minibatch_id]
         seen.append([copy.deepcopy(c) for c in candidates])
+        batches.append((list(minibatch_ids), last))
         fitnesses = [fitness(c, minibatch_ids, last) for c in candidates]
         best_ids = np.argsort(fitnesses)[:num_survive]
         return [candidates[i] for i in best_ids], [fitnesses[i] for i in best_ids]
@@ -249,9 +251,96 @@ def test_evo_makes_the_candidates_evopress_makes_one_by_one(granularity):
     assert _state(chosen, n) == final and not ctx.notes  # 16 x 512 tokens: no stage scaled
 
 
+@pytest.mark.parametrize("population, survivors, stage_tokens", [(2, (4, 2), (2048, 8192)), (1, (2, 1), (2000, 7000))])
+def test_evo_with_a_population_of_two_and_a_cut_last_window_makes_evopress_candidates(population, survivors, stage_tokens):
+    """A population of 2 (each child copied from a random parent, which a population of 1 cannot
+    show) and stages whose tokens cut their last window (2,000 of 512-token windows: 3 whole and
+    464 of the 4th), which whole-window stages never reach: the same candidates, minibatches and
+    cut as the port's."""
+    n, k, windows, window_tokens = 30, 6, 16, 512
+    seen, final = port_of_evopress(n, k, _fitness, windows, window_tokens, seed=3, block_mode=True, generations=8, population_size=population,
+                                   survivors_per_selection=survivors, tokens_per_selection=stage_tokens, offspring=16)
+    batches = port_of_evopress.minibatches
+    search = Evo(EvoSettings(generations=8, population_size=population, survivors_per_selection="/".join(map(str, survivors)), offspring=16,
+                             tokens_per_selection="/".join(map(str, stage_tokens))))
+    space = Space(n, k)
+    search.check(space)
+    ctx = SearchContext(space=space, objective="kl", score=None, score_many=None, windows=windows, window_tokens=window_tokens, streams=None, seed=3,
+                        score_on=lambda removal, ids, last: _fitness(_state(removal, n), ids, last))
+    chosen = search.run(ctx)
+    assert [[_state(r, n) for r in stage["candidates"]] for stage in search.trace] == seen and _state(chosen, n) == final
+    assert [(stage["windows"], stage["last"]) for stage in search.trace] == batches
+    if stage_tokens[0] == 2000:
+        assert batches[1][1] == 2000 - 3 * 512 == 464 and batches[2][1] == 7000 - 13 * 512 == 344
+
+
+def test_a_stage_scores_its_cut_window_on_exactly_its_tokens(six, tiny_tokenizer, text):
+    """score_on with the last window cut to t tokens: the mean over the whole windows' predictions
+    and the cut one's first t - 1, computed here from the plain forward."""
+    from depthcurse.select.windows import text_windows
+
+    windows = text_windows(tiny_tokenizer, text, SelectConfig(k=2, calibration=(text,), calib_windows=4, eval_windows=2, seq_len=16)).calibration
+    scorer = CalibrationScorer(six.model, windows, 2, {}, lambda: None)
+    with torch.no_grad():
+        ref = torch.log_softmax(six.model(input_ids=windows).logits[:, :-1].float(), -1)
+        with removed_layers(six.model, (2,)):
+            logp = torch.log_softmax(six.model(input_ids=windows).logits[:, :-1].float(), -1)
+    loss = -logp.gather(-1, windows[:, 1:, None])[..., 0]
+    expected = torch.cat([loss[3], loss[1, :6]]).mean().item()  # window 3 whole (15 predictions), window 1 cut to 7 tokens (6)
+    assert scorer.score_on((2,), [3, 1], 7, "ppl") == pytest.approx(expected, rel=1e-5)
+    assert scorer.score_on((2,), [3, 1], 7, "ppl") != pytest.approx(torch.cat([loss[3], loss[1, :7]]).mean().item(), rel=1e-7)
+
+
+@pytest.mark.parametrize("name, settings", [("evo", EvoSettings(generations=3, offspring=8, initially_generated=16)), ("random", None)])
+def test_a_searchs_own_seed_setting_is_the_seed_its_draws_follow(name, settings):
+    """`evo.seed` and `random.seed` set: the draws are those of that seed given as --seed, and not
+    those of the --seed given."""
+    from depthcurse.select.searches.random_sets import RandomSets, RandomSettings
+
+    n, k = 12, 3
+
+    def run(seed, own):
+        cls, made = (Evo, EvoSettings(**{**settings.__dict__, "seed": own})) if name == "evo" else (RandomSets, RandomSettings(sets=6, seed=own))
+        search = cls(made)
+        ctx = SearchContext(space=Space(n, k), objective="kl", windows=4, window_tokens=512, streams=None, seed=seed,
+                            score=lambda r: _fitness(_state(r, n), [0], 1), score_many=lambda rs: [_fitness(_state(r, n), [0], 1) for r in rs],
+                            score_on=lambda r, ids, last: _fitness(_state(r, n), ids, last))
+        chosen = search.run(ctx)
+        return chosen, (search.trace if name == "evo" else search.drawn)
+
+    assert run(1234, 7) == run(7, None) and run(1234, 7) != run(1234, None)
+
+
+def test_random_sub_block_draws_choose_the_attention_and_mlp_branches_apart():
+    """EvoPress's default space: k attention and k MLP branches drawn apart, as a port draws them."""
+    from depthcurse.select.searches.random_sets import RandomSets, RandomSettings
+
+    n, k = 6, 2
+    search = RandomSets(RandomSettings(sets=10))
+    ctx = SearchContext(space=Space(n, k, "sub-block"), objective="kl", windows=1, window_tokens=8, streams=None, seed=5, score=None,
+                        score_many=lambda rs: [0.0] * len(rs), score_on=None)
+    search.run(ctx)
+    rng = random.Random("random:5")
+    first = [f"a{i}" for i in sorted(rng.sample(range(n), k))] + [f"m{i}" for i in sorted(rng.sample(range(n), k))]
+    assert list(search.drawn[0]) == first
+    assert any({u[1:] for u in r if u[0] == "a"} != {u[1:] for u in r if u[0] == "m"} for r in search.drawn)
+
+
+def test_a_loop_past_its_bound_is_one_line_naming_the_procedure():
+    from depthcurse.select.search import Bound
+
+    bound = Bound(3, "swm's procedure")
+    for _ in range(3):
+        bound.step()
+    with pytest.raises(DepthcurseError, match=r"^swm's procedure did not end within its bound of 3 steps \(window 2-4\): a loop that cannot end"):
+        bound.step("window 2-4")
+
+
 def test_evo_keeps_evopress_defaults_and_scales_its_stages_to_the_calibration_text():
     assert {f: getattr(EvoSettings(), f) for f in EvoSettings.__dataclass_fields__} == {k: v for k, v in PAPER_DEFAULTS.items() if k != "fitness"}
     assert PAPER_DEFAULTS["fitness"] == "kl" and generations_for(32, 12) == 160 and generations_for(30, 8) == 117  # their script's int(k (n - k) / 1.5)
+    # cut, not rounded, as awk's int() does: at n = 32 (their models) with k one more than a multiple of 3 the two differ
+    assert generations_for(32, 4) == 74 and generations_for(32, 7) == 116 and generations_for(32, 10) == 146  # 74.67, 116.67, 146.67
     assert scaled_tokens([2048, 2048, 32768], 40_000) == ([2048, 2048, 32768], 1.0)
     assert scaled_tokens([2048, 2048, 32768], 1024) == ([64, 64, 1024], 1024 / 32768)  # 8 windows x 128: the last stage every token
     assert scaled_tokens([2048, 32768], 16) == ([2, 16], 16 / 32768)  # never below one prediction
@@ -276,7 +365,7 @@ def test_sub_block_removals_score_as_branches_zeroed_by_hand(six, text, tiny_tok
     branches' outputs zeroed in its own forward; exact over C(4, 1)^2 = 16 on a 4-block model."""
     from helpers import tiny_llama
 
-    from depthcurse.select.grid import text_windows
+    from depthcurse.select.windows import text_windows
 
     windows = text_windows(tiny_tokenizer, text, SelectConfig(k=1, calibration=(text,), calib_windows=3, eval_windows=2, seq_len=16)).calibration
     scorer = CalibrationScorer(six.model, windows, 2, {}, lambda: None, granularity="sub-block")

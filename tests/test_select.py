@@ -16,7 +16,8 @@ from helpers import assert_one_line_error
 from depthcurse.errors import DepthcurseError
 from depthcurse.loading import load_model
 from depthcurse.select import SelectConfig, run_select, select_table
-from depthcurse.select.grid import source_labels, text_windows
+from depthcurse.select.config import source_labels
+from depthcurse.select.windows import text_windows
 from depthcurse.select.search import Space, SearchContext
 from depthcurse.select.searches.greedy import Greedy
 from depthcurse.select.searches.one_shot import OneShot
@@ -244,7 +245,7 @@ def test_an_interrupted_select_says_where_it_stopped_and_resumes(run_cli, tiny_m
 
 
 def test_select_stops_on_sigterm_and_keeps_what_it_finished(tiny_model_dir, two_texts, tmp_path):
-    """A scheduler's SIGTERM, sent once select.json holds a finished piece: the run ends (exit 130, the
+    """A scheduler's SIGTERM, sent once select.json holds a finished cell: the run ends (exit 130, the
     one line), not at the end of its work. The wait below guards against a hang; it times nothing."""
     import os
     import signal
@@ -257,8 +258,14 @@ def test_select_stops_on_sigterm_and_keeps_what_it_finished(tiny_model_dir, two_
                              "--search", "greedy,bi", "--calib-windows", "2", "--eval-windows", "3", "--seq-len", "16", "--task", "probes", "--limit", "2",
                              "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    def finished_a_cell() -> bool:  # the first write holds calibration scores alone: wait for a cell, as the docstring says
+        try:
+            return bool(json.loads((out / "select.json").read_text())["cells"])
+        except (OSError, ValueError, KeyError):  # not written yet (the write is atomic: never half a file)
+            return False
+
     try:
-        while not (out / "select.json").exists() and proc.poll() is None:
+        while not finished_a_cell() and proc.poll() is None:
             time.sleep(0.05)
         assert proc.poll() is None, proc.communicate()
         proc.send_signal(signal.SIGTERM)

@@ -41,7 +41,7 @@ def six(six_dir):
 
 
 def _windows(tokenizer, text, windows=5):
-    from depthcurse.select.grid import text_windows
+    from depthcurse.select.windows import text_windows
 
     return text_windows(tokenizer, text, SelectConfig(k=2, calibration=(text,), calib_windows=windows, eval_windows=2, seq_len=16)).calibration
 
@@ -135,7 +135,7 @@ def _greedy_by_hand(model, windows, k, objective):
 
 def test_resampled_picks_are_the_search_run_on_the_drawn_windows_by_hand(six_dir, tiny_tokenizer, text, tmp_path):
     from depthcurse.select import run_select
-    from depthcurse.select.grid import text_windows
+    from depthcurse.select.windows import text_windows
 
     loaded = load_model(str(six_dir))
     cfg = SelectConfig(k=2, calibration=(text,), objectives=("kl",), searches=("greedy",), calib_windows=5, eval_windows=2, seq_len=16,

@@ -252,7 +252,7 @@ class _Entered(contextlib.AbstractContextManager):
         if got is not self.model:
             self.inner.__exit__(None, None, None)
             raise DepthcurseError(f"--method {_named(self.method)}: {self.hook}() must give the model it was given to the `with` "
-                                  f"(`yield model`), it gave {type(got).__name__}")
+                                  f"(`yield model`), it gave {'another ' if isinstance(got, type(self.model)) else ''}{type(got).__name__}")
         return got
 
     def __exit__(self, kind, exc, tb):

@@ -25,226 +25,33 @@ import contextlib
 import functools
 import json
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from depthcurse.angular.measurement import measure
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import atomic_write, ensure_out_dir, json_text, refuse_other_run
 from depthcurse.loading import check_sequence_length
 from depthcurse.prune.engine import evaluate_variants, why_unsupported
 from depthcurse.runtime import World
-from depthcurse.select import searches as _builtin  # noqa: F401 (defines the built-in searches, which registers them)
+from depthcurse.select.config import SelectConfig, cell_name, source_labels
 from depthcurse.select.estimate import PassTiming, duration, estimate_summary, pass_timing
 from depthcurse.select.recipe import OBJECTIVE as RECIPE_OBJECTIVE
 from depthcurse.select.recipe import RESAMPLES as RECIPE_RESAMPLES
 from depthcurse.select.recipe import recipe
-from depthcurse.select.scoring import CalibrationScorer, contiguous_shares, removal_context, window_scores
+from depthcurse.select.scoring import CalibrationScorer, contiguous_shares, removal_context
 from depthcurse.select.stability import Resampled, draws, summary
-from depthcurse.select.search import GRANULARITIES, OBJECTIVES, Search, SearchContext, Space, build_searches, checked_asks, key, settings_text
+from depthcurse.select.search import OBJECTIVES, Search, SearchContext, Space, checked_asks, key, settings_text
 from depthcurse.speculate.costs import DraftCosts, measure_costs
 from depthcurse.select.statistics import decomposition, distances, overlap
 from depthcurse.surgery import num_layers
-from depthcurse.tasks import PerplexityTask, build_task
-from depthcurse.text import load_texts, text_kind, text_source
+from depthcurse.select.windows import Texts, per_window, stream_pass, text_windows
+from depthcurse.tasks import build_task
+from depthcurse.text import text_kind
 
 SELECT_JSON = "select.json"
-
-
-@dataclass
-class SelectConfig:
-    k: int
-    calibration: tuple[str, ...]  # text sources (wiki, c4, code, math, dialogue, a file) the choice is made on
-    objectives: tuple[str, ...] | None = None  # None: not given (ppl where searches are given; the recipe's kl where not)
-    searches: tuple[str, ...] | None = None  # names, or module:Class / file.py:Class of one's own; None: the recipe (`select.recipe`)
-    calib_windows: int = 8
-    eval_windows: int = 16
-    seq_len: int = 128
-    batch_size: int = 4
-    task: str | None = None  # judged on it too (probes, commonsense, an lm-eval task), with `limit`
-    limit: int | None = None
-    seed: int = 1234
-    granularity: str = "layer"  # or "sub-block": k attention and k MLP branches
-    search_args: dict = field(default_factory=dict)  # --search-args, name.key -> value
-    draft_tokens: int = 4  # gamma of the draft the speedup objective prices
-    resamples: int | None = None  # bootstrap resamples of the calibration windows each search reruns on; None: the recipe's, else none
-    seeds: tuple[int, ...] = ()  # other seeds each seeded search (evo, random, swift) reruns under, on every window
-    budget: float = 30.0  # minutes: the recipe runs exact where its estimate fits, else evo
-
-    @property
-    def recipe(self) -> bool:
-        return self.searches is None
-
-    def built(self) -> dict[str, Search]:
-        """The searches, by name, their settings set."""
-        return build_searches(self.searches, self.search_args)
-
-    def checked(self, n_layers: int | None = None, space: Space | None = None) -> "SelectConfig":
-        """The config with its defaults filled in, or one line on what is wrong with it; given the
-        model's layers (or the space, with what a pass costs here), every search's own check of the
-        space too (a budget it cannot keep)."""
-        if self.k < 1:
-            raise DepthcurseError(f"--k must be at least 1, got {self.k}")
-        if self.granularity not in GRANULARITIES:
-            raise DepthcurseError(f"unknown --granularity {self.granularity!r}: use {', '.join(GRANULARITIES)}")
-        if self.resamples is not None and self.resamples < 0:
-            raise DepthcurseError(f"--resamples must be 0 or more, got {self.resamples}")
-        if self.resamples == 1:
-            raise DepthcurseError("--resamples 1: one resample says nothing of how often a pick comes back: give 0, or 2 or more")
-        if len(set(self.seeds)) != len(self.seeds) or self.seed in self.seeds:
-            raise DepthcurseError(f"--seeds {','.join(map(str, self.seeds))}: each must be given once, and differ from --seed {self.seed}")
-        if self.budget <= 0:
-            raise DepthcurseError(f"--budget must be more than 0 minutes, got {self.budget:g}")
-        if self.recipe:
-            if self.granularity != "layer":
-                raise DepthcurseError(f"--granularity {self.granularity} needs --search: the recipe (greedy, then exact or evo) removes whole blocks")
-            return replace(self, searches=("greedy",)).checked(n_layers, space)._replace_back(self)
-        if not self.searches:
-            raise DepthcurseError("--search (none): give at least one search")
-        twice = sorted({g for g in self.searches if self.searches.count(g) > 1})
-        if twice:
-            raise DepthcurseError(f"--search names {', '.join(twice)} more than once: each cell would be measured twice, as if two")
-        searches = self.built()
-        for name, search in searches.items():
-            if self.granularity not in search.granularities:
-                raise DepthcurseError(f"--search {name} removes {' or '.join(search.granularities)} units, not {self.granularity} "
-                                      f"(--granularity {self.granularity} takes {', '.join(n for n, s in searches.items() if self.granularity in s.granularities) or 'exact, evo, random, last'})")
-        if self.objectives is not None and not any(s.reads == "objective" for s in searches.values()):
-            raise DepthcurseError(f"--objective {','.join(self.objectives)}: no search of --search {','.join(self.searches)} reads an objective "
-                                  f"(only {', '.join(n for n, s in sorted(searches.items()) if s.reads == 'objective') or 'greedy, one-shot, exact, evo and random'} do)")
-        objectives = self.objectives if self.objectives is not None else ("ppl",)
-        bad = [o for o in objectives if o not in OBJECTIVES]
-        if bad or not objectives:
-            raise DepthcurseError(f"--objective {','.join(objectives) or '(none)'}: use {', '.join(OBJECTIVES)}")
-        if not self.calibration:
-            raise DepthcurseError("--calibration: give at least one text (wiki, c4, code, math, dialogue, or a file)")
-        if "auto" in self.calibration:  # what `auto` is here, kept in the record, and caught where the same text is named twice
-            return replace(self, calibration=tuple(text_source(c) for c in self.calibration)).checked(n_layers, space)
-        for name, given in (("--calibration", [str(Path(c).expanduser().resolve()) if Path(c).suffix else c for c in self.calibration]),
-                            ("--objective", objectives)):
-            twice = sorted({g for g in given if given.count(g) > 1})
-            if twice:
-                raise DepthcurseError(f"{name} names {', '.join(twice)} more than once: each cell would be measured twice, as if two")
-        if self.limit is not None and self.task is None:
-            raise DepthcurseError("--limit applies to --task, which is not given")
-        if self.task is not None and self.granularity != "layer":
-            raise DepthcurseError(f"--task judges whole-block removals (prune's reuse engine); with --granularity {self.granularity} the choices "
-                                  "are judged on the held-out windows alone: leave --task out")
-        for name in ("calib_windows", "eval_windows", "batch_size"):
-            if getattr(self, name) < 1:
-                raise DepthcurseError(f"--{name.replace('_', '-')} must be at least 1")
-        if self.eval_windows < 2:
-            raise DepthcurseError("--eval-windows must be at least 2: the intervals need paired windows")
-        if self.seq_len < 8:
-            raise DepthcurseError("--seq-len must be at least 8")
-        if self.draft_tokens < 1:
-            raise DepthcurseError(f"--draft-tokens must be at least 1, got {self.draft_tokens}")
-        if self.draft_tokens != SelectConfig.draft_tokens and "speedup" not in objectives:
-            raise DepthcurseError(f"--draft-tokens {self.draft_tokens} prices a draft for --objective speedup, which is not asked")
-        if n_layers is not None or space is not None:
-            space = (space or Space(n_layers, self.k, self.granularity)).check()
-            for search in searches.values():
-                search.check(space)
-        return replace(self, objectives=objectives)
-
-    def _replace_back(self, given: "SelectConfig") -> "SelectConfig":
-        """The recipe's config checked as greedy's (every other check the same), its searches left to choose."""
-        return replace(self, searches=None, objectives=given.objectives)
-
-    def cells(self) -> list[tuple[str, str, str]]:
-        """(calibration, search, objective) of every cell; a search that reads no objective is one
-        cell per text, its objective "-"."""
-        searches = self.built()
-        return [(c, name, o) for c in self.calibration for name, search in searches.items()
-                for o in (self.objectives if search.reads == "objective" else ("-",))]
-
-    def identity(self) -> dict:
-        """What a run is, as `select.json` keeps it (the granularity and settings where not the defaults,
-        so that a run made before they existed is the same run)."""
-        out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
-        if out["granularity"] == "layer":
-            del out["granularity"]
-        if not out["search_args"]:
-            del out["search_args"]
-        for name in ("resamples", "seeds"):  # they add to a run, not change it: a finished run may be given more
-            del out[name]
-        if out["budget"] == SelectConfig.budget or not self.recipe:
-            del out["budget"]
-        if "speedup" not in (out["objectives"] or ()):
-            del out["draft_tokens"]
-        return out
-
-
-def source_labels(sources) -> dict[str, str]:
-    """A short name for each calibration text that no other shares: a source's own name (wiki, code)
-    or a file's name without its suffix, with as many of its folders before it as it takes to tell
-    two files of one name apart (a/lee, b/lee)."""
-    parts = {s: (Path(s).expanduser().resolve().with_suffix("").parts if Path(s).suffix else (s,)) for s in sources}
-    out = {}
-    for s, p in parts.items():
-        depth = 1
-        while depth < len(p) and any(o != s and parts[o][-depth:] == p[-depth:] for o in parts):
-            depth += 1
-        out[s] = "/".join(p[-depth:])
-    return out
-
-
-def cell_name(cell, labels: dict[str, str]) -> str:
-    c, s, o = cell
-    return f"{labels[c]}/{s}" + (f"/{o}" if o != "-" else "")
-
-
-@dataclass
-class Texts:
-    """One source's windows: those the choice is made on and those it is judged on, apart."""
-
-    label: str
-    calibration: torch.Tensor
-    held_out: torch.Tensor
-
-
-def text_windows(tokenizer, source: str, cfg: SelectConfig) -> Texts:
-    """`calib_windows` + `eval_windows` windows of `source` (heal's and ppl's packing), split by a
-    seeded shuffle so that neither part is one stretch of the text, and no window is in both."""
-
-    texts, label = load_texts(source, option="--calibration")
-    want = cfg.calib_windows + cfg.eval_windows
-    windows = PerplexityTask(tokenizer, texts, source=label, seq_len=cfg.seq_len, limit=want, warn_short=False).windows
-    if len(windows) < want:
-        raise DepthcurseError(f"{label} holds {len(windows)} windows of {cfg.seq_len} tokens: fewer than --calib-windows + --eval-windows ({want})")
-    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(cfg.seed))
-    return Texts(label, windows[order[: cfg.calib_windows]], windows[order[cfg.calib_windows:want]])
-
-
-@torch.no_grad()
-def per_window(model, windows: torch.Tensor, batch_size: int, reference: list[torch.Tensor] | None = None
-               ) -> tuple[list[float], list[float] | None, list[float] | None, list[torch.Tensor]]:
-    """Each window's mean next-token loss and, against `reference` (the unpruned model's log-probs,
-    batch by batch), its mean KL(unpruned || model) and rejection (1 - top-1 agreement); and this
-    model's log-probs batch by batch."""
-    device = model.get_input_embeddings().weight.device
-    losses, kls, rejections, logprobs = [], [] if reference is not None else None, [] if reference is not None else None, []
-    for b, start in enumerate(range(0, len(windows), batch_size)):
-        ids = windows[start : start + batch_size].to(device)
-        logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].float(), dim=-1)
-        loss, kl, agreement = window_scores(logp, ids, reference[b] if reference is not None else None)
-        losses += loss.mean(1).tolist()
-        if reference is not None:
-            kls += kl.mean(1).tolist()
-            rejections += (1.0 - agreement.mean(1)).tolist()
-        logprobs.append(logp.cpu())
-    return losses, kls, rejections, logprobs
-
-
-def stream_pass(model, windows: torch.Tensor, batch_size: int, k: int):
-    """The angular-distance pass the stream searches read, over every token of the calibration
-    windows (`angular.measure`: a few windows have too few last tokens)."""
-    masks = torch.ones_like(windows)
-    batches = [(windows[i : i + batch_size], masks[i : i + batch_size]) for i in range(0, len(masks), batch_size)]
-    return measure(model, batches, position="all", max_n=k, identity_tokens=0)
 
 
 def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[str], None] | None = None,

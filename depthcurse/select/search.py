@@ -159,6 +159,20 @@ class SearchContext:
             self.score_on_many = lambda removals, windows, last: [self.score_on(r, windows, last) for r in removals]
 
 
+class Bound:
+    """A loop that must end, held to it: `step()` each time round, and past `limit` steps one line
+    naming the procedure instead of a hang (a bug, or an input the loop cannot take)."""
+
+    def __init__(self, limit: int, procedure: str):
+        self.limit, self.procedure, self.steps = limit, procedure, 0
+
+    def step(self, where: str = "") -> None:
+        self.steps += 1
+        if self.steps > self.limit:
+            raise DepthcurseError(f"{self.procedure} did not end within its bound of {self.limit:,} steps{f' ({where})' if where else ''}: "
+                                  "a loop that cannot end, stopped (please report it with the command)")
+
+
 @dataclass
 class NoSettings:
     """A search with nothing to set."""

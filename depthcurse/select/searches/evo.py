@@ -35,7 +35,9 @@ import numpy as np
 
 from depthcurse.errors import DepthcurseError
 from depthcurse.select.estimate import mean_run
-from depthcurse.select.search import Search, Space
+from depthcurse.select.search import Bound, Search, Space
+
+DRAWS = 1_000_000  # random draws a loop may take to find what it wants (their loops have no bound: a duplicate is drawn again)
 
 # scripts/run_drop_search.sh @ 50888a0 (and evo_drop_search.py's argparse defaults where the script sets none)
 PAPER_DEFAULTS = {"population_size": 1, "offspring": 32, "initially_generated": 64, "initial_tokens": 2048, "survivors_per_selection": "2/1",
@@ -137,7 +139,9 @@ class Evo(Search):
         """Their `selection`'s minibatch: windows drawn at random without repeats until `num_tokens`,
         the last cut to fit; (window indices, tokens of the last one)."""
         ids, used, last = [], 0, window_tokens
+        bound = Bound(DRAWS, "evo's minibatch draw")
         while used < num_tokens:
+            bound.step(f"{num_tokens:,} tokens asked of {windows} windows of {window_tokens}")
             i = rng.randint(0, windows - 1)
             if i in ids:  # avoid duplicates
                 continue
@@ -173,7 +177,9 @@ class Evo(Search):
         self.trace = trace = []
         legal = list(range(n))
         initial: list[dict] = []
+        bound = Bound(DRAWS, "evo's first population")
         while len(initial) < s.initially_generated:
+            bound.step(f"{len(initial)} of {s.initially_generated} distinct removals found")
             state = self._blank(n)
             for i in rng.sample(legal, k):
                 state["attn"][i] = True
@@ -189,16 +195,20 @@ class Evo(Search):
         for generation in range(generations):
             ctx.phase(f"evo: generation {generation + 1} of {generations}")
             children: list[dict] = []
+            bound = Bound(DRAWS, f"evo's offspring (generation {generation + 1})")
             while len(children) < s.offspring:
+                bound.step(f"{len(children)} of {s.offspring} distinct children found")
                 child = copy.deepcopy(rng.choice(population))
                 flips = min(rng.randint(1, s.max_mutations), rng.randint(1, s.max_mutations))  # bias towards fewer
                 for _ in range(flips):
                     kind = "attn" if rng.randint(0, 1) == 0 else "mlp"
                     remove = rng.randint(0, n - 1)
                     while child[kind][remove]:
+                        bound.step("a kept unit to remove")
                         remove = rng.randint(0, n - 1)
                     add = rng.randint(0, n - 1)
                     while not child[kind][add]:
+                        bound.step("a removed unit to keep")
                         add = rng.randint(0, n - 1)
                     child[kind][remove] = True
                     child[kind][add] = False

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from depthcurse.errors import DepthcurseError
 from depthcurse.merging import Merging, RDSC_FORMS, check_threshold, check_uniform, last_hidden, mean_similarity, merged_away, similarity_range
-from depthcurse.select.search import Search
+from depthcurse.select.search import Bound, Search
 from depthcurse.surgery import find_blocks
 
 
@@ -49,7 +49,9 @@ def laco_procedure(model, windows, s: LacoSearchSettings, stop_at: int | None = 
     state, trail = Merging.start(n), []
     highest = n - 1 if s.highest is None else s.highest
     lay = highest - s.merge_layers
+    bound = Bound(2 * n + 4, "laco's procedure")  # each step lowers lay by 1 or more: n steps at most
     while lay >= s.lowest and (stop_at is None or len(state.gone()) < stop_at):
+        bound.step(f"layer {lay}")
         m = min(s.merge_layers - 1, len(state.kept) - lay - 1)
         if stop_at is not None:
             m = min(m, stop_at - len(state.gone()))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from depthcurse.errors import DepthcurseError
 from depthcurse.select.estimate import mean_run
-from depthcurse.select.search import Search, Space, canonical
+from depthcurse.select.search import Bound, Search, Space, canonical
 
 
 @dataclass
@@ -40,7 +40,9 @@ class RandomSets(Search):
     def run(self, ctx):
         rng = random.Random(f"random:{ctx.seed if self.settings.seed is None else self.settings.seed}")
         space, drawn = ctx.space, {}
+        bound = Bound(1_000_000, "random's draws")
         while len(drawn) < self.settings.sets:
+            bound.step(f"{len(drawn)} of {self.settings.sets} distinct removals found")
             if space.granularity == "layer":
                 removal = canonical(rng.sample(range(space.n), space.k), "layer")
             elif space.granularity == "branch":

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from depthcurse.errors import DepthcurseError
 from depthcurse.merging import Merging, check_threshold, check_uniform, check_weight_factor, last_hidden, mean_similarity, merged_away, similarity_range, sliding_window_code
-from depthcurse.select.search import Search
+from depthcurse.select.search import Bound, Search
 from depthcurse.surgery import find_blocks
 
 
@@ -40,7 +40,9 @@ def swm_procedure(model, windows, s: SwmSearchSettings, stop_at: int | None = No
     state, trail = Merging.start(len(blocks)), []
     high = len(blocks) - 2
     low = high - 1
+    bound = Bound(4 * len(blocks) + 4, "swm's procedure")  # each step lowers low, or high to low: 2n steps at most
     while low >= 0 and (stop_at is None or len(state.gone()) < stop_at):
+        bound.step(f"window {low}-{high}")
         candidate = state.merge(blocks, low, high, rule)
         with candidate.model(model) as merged:
             sim = mean_similarity(reference, last_hidden(merged, windows))
