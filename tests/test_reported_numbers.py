@@ -13,11 +13,12 @@ import pytest
 
 from depthcurse.heal.intervals import gap_upper_bound, items, won_back_interval
 from depthcurse.heal.model_index import evaluation_results
-from depthcurse.heal.shares import gap_noise, recovered, retained, with_retained
+from depthcurse.heal.shares import gap_interval, gap_noise, recovered, retained, with_retained
 from depthcurse.select.statistics import decomposition, key, measurements, overlap
 from depthcurse.speed.paired import PairedRatio, Shares, Verdict, enough, judge, median_interval
 from depthcurse.stats import MIN_ITEMS, Spread, apart, resample, shares
 from depthcurse.stats.bootstrap import check_items
+from depthcurse.stats.intervals import newcombe
 from depthcurse.tasks.probes import PROBES, SHOTS, STOP, capability_scores, describe, examples, per_rung, task_config
 
 pytestmark = pytest.mark.statistics
@@ -132,23 +133,43 @@ def test_the_upper_end_of_a_healed_loss_against_its_budget():
 
 def test_the_noise_of_a_gap_paired_or_of_two_proportions():
     """Paired where the items were kept: differences 0.1, 0.3, 0.2, 0.2 (se 0.040825, 3 df). Otherwise
-    a task's accuracy as two proportions: sqrt((0.6 x 0.4 + 0.4 x 0.6) / 100) = 0.069282, the normal's
-    (infinite df); nothing known: no noise (0, any gap counts)."""
+    a task's accuracy as two proportions of its 100 examples, by Newcombe's interval: 0.6 against 0.4,
+    Wilson's intervals [0.50200, 0.69061] and [0.30939, 0.49800], so from 0.2 down sqrt(0.09800^2 +
+    0.09800^2) and up sqrt(0.09061^2 + 0.09061^2): [0.06141, 0.32813] (the normal's would be 0.2 -+
+    0.13579, symmetric); nothing known: no interval."""
     held = lambda w: {"metric": "loss", "metrics": {"loss": sum(w) / 4}, "per_window": w}  # noqa: E731
     results = {"unpruned": {"held_out": held([3.0] * 4)}, "pruned": {"held_out": held([3.1, 3.3, 3.2, 3.2])}}
     spread = gap_noise(results, "held_out", "loss")
     assert spread.se == pytest.approx(0.0408248, rel=1e-5) and spread.df == 3
+    assert gap_interval(results, "held_out", "loss", 0.2)[0] == pytest.approx([0.2 - T3 * 0.0408248, 0.2 + T3 * 0.0408248], rel=1e-5)
     task = lambda acc, n: {"metric": "acc", "metrics": {"acc": acc}, "examples": n}  # noqa: E731
-    two = gap_noise({"unpruned": {"task": task(0.6, 100)}, "pruned": {"task": task(0.4, 100)}}, "task", "acc")
-    assert two.se == pytest.approx(0.0692820, rel=1e-6) and two.df == math.inf
-    edges = gap_noise({"unpruned": {"task": task(1.0, 50)}, "pruned": {"task": task(0.0, 50)}}, "task", "acc")
-    assert edges == Spread(0.0, math.inf)  # 1 and 0 are proportions too: no spread
-    lopsided = gap_noise({"unpruned": {"task": task(0.9, 100)}, "pruned": {"task": task(0.5, 100)}}, "task", "acc")
-    assert lopsided.se == pytest.approx(math.sqrt((0.09 + 0.25) / 100))
+    two = {"unpruned": {"task": task(0.6, 100)}, "pruned": {"task": task(0.4, 100)}}
+    assert gap_noise(two, "task", "acc") is None
+    low_high, how = gap_interval(two, "task", "acc", 0.2)
+    assert low_high == pytest.approx([0.061411, 0.328126], abs=2e-6) and how.startswith("Newcombe's, two proportions of 100 examples")
+    lower_better = {"unpruned": {"task": task(0.4, 100)}, "pruned": {"task": task(0.6, 100)}}  # an error rate: the hurt is pruned - unpruned
+    assert gap_interval(lower_better, "task", "acc", 0.2)[0] == pytest.approx([0.061411, 0.328126], abs=2e-6)
+    edges = gap_interval({"unpruned": {"task": task(1.0, 50)}, "pruned": {"task": task(0.0, 50)}}, "task", "acc", 1.0)[0]
+    assert edges == pytest.approx([0.8991, 1.0], abs=1e-4)  # at 1 and 0 Wilson's intervals still have width: so does the difference's
     for u, p, n in ((12.0, 14.0, 100), (0.6, 1.4, 100), (-0.1, 0.4, 100), (0.6, 0.4, 0), (None, 0.4, 100), (0.6, None, 100)):
-        assert gap_noise({"unpruned": {"task": task(u, n)}, "pruned": {"task": task(p, n)}}, "task", "acc") == Spread(0.0, math.inf), (u, p, n)
+        assert gap_interval({"unpruned": {"task": task(u, n)}, "pruned": {"task": task(p, n)}}, "task", "acc", 0.2)[0] is None, (u, p, n)
     unkept = {"unpruned": {"held_out": {"metric": "loss", "metrics": {"loss": 3.0}}}, "pruned": {"held_out": {"metric": "loss", "metrics": {"loss": 3.2}}}}
-    assert gap_noise(unkept, "held_out", "loss") == Spread(0.0, math.inf)
+    assert gap_noise(unkept, "held_out", "loss") is None and gap_interval(unkept, "held_out", "loss", 0.2)[0] is None
+
+
+def test_newcombes_interval_covers_95_percent_where_walds_does_not():
+    """Two proportions near the edge (0.9 and 0.8) of 30 examples each, 4,000 draws: Newcombe's
+    interval covers the true 0.1 about 95% of the time; the normal's (Wald's) falls short."""
+    rng = np.random.default_rng(7)
+    newc = wald = 0
+    for _ in range(4000):
+        a, b = rng.binomial(30, 0.9), rng.binomial(30, 0.8)
+        low, high = newcombe(a, 30, b, 30)
+        newc += low <= 0.1 <= high
+        pa, pb = a / 30, b / 30
+        h = 1.959964 * math.sqrt((pa * (1 - pa) + pb * (1 - pb)) / 30)
+        wald += pa - pb - h <= 0.1 <= pa - pb + h
+    assert 0.935 <= newc / 4000 <= 0.975 and wald / 4000 < newc / 4000
 
 
 def _models(**parts):
@@ -194,6 +215,9 @@ def test_what_healing_won_back_on_every_measurement_and_why_not():
     _, why, _ = recovered({"results": noisy})
     assert why["held_out_loss"] == ("no gap to win back: 0.2 is within the noise (the 95% interval of the pruned-minus-unpruned difference reaches 0: "
                                     "+-0.2905)")
+    close = _models(task=tuple({"metric": "acc", "higher_is_better": True, "metrics": {"acc": a}, "examples": 50} for a in (0.62, 0.5, 0.6)))
+    _, why, _ = recovered({"results": close})  # 0.12 of 50 examples each: Newcombe's interval reaches 0
+    assert why["task_acc"].startswith("no gap to win back: 0.12 is within the noise") and "Newcombe's, two proportions of 50 examples: [-0.07" in why["task_acc"]
 
 
 def test_retained_for_a_list_of_two_named_suites():
@@ -479,9 +503,10 @@ def test_the_noise_of_a_gap_pairs_the_two_models_window_by_window():
     p = [a + d for a, d in zip(u, (0.1, 0.3, 0.2, 0.2))]
     assert gap_noise({"unpruned": {"held_out": held(u)}, "pruned": {"held_out": held(p)}}, "held_out", "loss").se == pytest.approx(0.0408248, rel=1e-5)
     task = lambda acc: {"metric": "acc", "metrics": {"acc": acc}, "examples": 100}  # noqa: E731
-    for a, b in ((0.0, 0.5), (1.0, 0.5), (0.5, 0.0), (0.5, 1.0)):  # a proportion may be 0 or 1: its spread still counts
-        assert gap_noise({"unpruned": {"task": task(a)}, "pruned": {"task": task(b)}}, "task", "acc").se == pytest.approx(0.05), (a, b)
-    assert gap_noise({"unpruned": {"task": task(1.5)}, "pruned": {"task": task(0.5)}}, "task", "acc") == Spread(0.0, math.inf)
+    for a, b in ((0.0, 0.5), (1.0, 0.5), (0.5, 0.0), (0.5, 1.0)):  # a proportion may be 0 or 1: its Wilson interval still has width
+        low, high = gap_interval({"unpruned": {"task": task(a)}, "pruned": {"task": task(b)}}, "task", "acc", a - b)[0]
+        assert low < a - b < high and high - low == pytest.approx(2 * 0.0954, abs=0.01), (a, b)
+    assert gap_interval({"unpruned": {"task": task(1.5)}, "pruned": {"task": task(0.5)}}, "task", "acc", 1.0)[0] is None
 
 
 def test_what_was_won_back_where_parts_are_missing_or_not_measurements():

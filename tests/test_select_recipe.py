@@ -9,6 +9,7 @@ import itertools
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -341,3 +342,55 @@ class Mine(Search):
     said = " ".join(out.split())
     assert all(f"search {n}" in said for n in ("exact", "greedy", "swift", "draft-verify")) and all(f"method {n}" in said for n in ("linear", "laco", "swm"))
     assert_one_line_error(*run_cli("settings", "nosuch"), "settings nosuch: no search or method of that name")
+
+
+def test_each_pick_against_the_best_is_holm_adjusted_over_the_distinct_picks():
+    """Three picks of one text and objective (the best, and two others, one of them chosen twice):
+    the family is the two distinct others; the one with the smaller p-value is tested at 1 - 0.05 / 2,
+    the other at 95%, each a t interval of its paired held-out difference from the best's."""
+    from scipy import stats as sps
+
+    from depthcurse.select.statistics import distances
+
+    best, a, b = [3.0, 3.1, 2.9, 3.2, 3.0], [3.5, 3.3, 3.4, 3.6, 3.2], [3.1, 3.3, 2.9, 3.5, 3.0]
+    record = {"run": {"k": 1, "n_layers": 4, "objectives": ["kl"], "calibration": ["t"]}, "labels": {"t": "t"},
+              "cells": {"t/exact/kl": {"calibration": "t", "search": "exact", "objective": "kl", "layers": [1]},
+                        "t/greedy/kl": {"calibration": "t", "search": "greedy", "objective": "kl", "layers": [2]},
+                        "t/evo/kl": {"calibration": "t", "search": "evo", "objective": "kl", "layers": [2]},
+                        "t/last/-": {"calibration": "t", "search": "last", "objective": "-", "layers": [3]}},
+              "calibration_scores": {"t": {"1": [0, 0.1, 0, None], "2": [0, 0.2, 0, None], "3": [0, 0.3, 0, None], "0": [0, 0.4, 0, None]}},
+              "held_out": {"t": {"": {"loss": [2.0] * 5}, "1": {"loss": best}, "2": {"loss": a}, "3": {"loss": b}}}}
+    picks = distances(record)["t kl"]["picks"]
+    diffs = {name: np.subtract(x, best) for name, x in (("a", a), ("b", b))}
+    p = {name: 2 * sps.t.sf(abs(d.mean()) / (d.std(ddof=1) / np.sqrt(5)), 4) for name, d in diffs.items()}
+    assert p["a"] < p["b"]
+    for name, cell, level in (("a", "t/greedy/kl", 1 - 0.05 / 2), ("b", "t/last/-", 0.95)):
+        d = diffs[name]
+        half = sps.t.ppf(1 - (1 - level) / 2, 4) * d.std(ddof=1) / np.sqrt(5)
+        assert picks[cell]["held_out_holm"]["t held-out loss"] == pytest.approx([d.mean() - half, d.mean() + half])
+    assert picks["t/evo/kl"]["held_out_holm"] == picks["t/greedy/kl"]["held_out_holm"] and "held_out_holm" not in picks["t/exact/kl"]
+
+
+def test_a_suites_interval_weighs_each_task_as_its_headline_does():
+    """Three tasks of 4, 6 and 3 questions: the headline is the mean of the task means, and the
+    interval of the difference from the unpruned model is that mean's, each task's variance over its
+    own questions (Welch-Satterthwaite's df); pooling the 13 questions gives another interval."""
+    from scipy import stats as sps
+
+    from depthcurse.select.report import cell_scores
+
+    mine = [[1, 1, 0, 1], [0, 1, 0, 0, 1, 1], [1, 0, 1]]
+    base = [[1, 1, 1, 1], [1, 1, 0, 1, 1, 1], [1, 1, 1]]
+    headline = lambda groups: float(np.mean([np.mean(g) for g in groups]))  # noqa: E731
+    record = {"run": {"k": 1, "calibration": [], "task": "suite"}, "held_out": {}, "cells": {"t/greedy/kl": {"layers": [2]}},
+              "task": {"": {"metric": "acc", "value": headline(base), "items": sum(base, []), "groups": base},
+                       "2": {"metric": "acc", "value": headline(mine), "items": sum(mine, []), "groups": mine}}}
+    value, low_high = cell_scores(record, "t/greedy/kl")["suite acc"]
+    d = [np.subtract(m, b) for m, b in zip(mine, base)]
+    parts = [g.var(ddof=1) / len(g) / 9 for g in d]
+    df = sum(parts) ** 2 / sum(p ** 2 / (len(g) - 1) for p, g in zip(parts, d))
+    half = sps.t.ppf(0.975, df) * np.sqrt(sum(parts))
+    assert value == pytest.approx(headline(mine))
+    assert low_high == pytest.approx([headline(mine) - half, headline(mine) + half])
+    pooled = np.concatenate(d)
+    assert half != pytest.approx(sps.t.ppf(0.975, 12) * pooled.std(ddof=1) / np.sqrt(13), rel=1e-3)

@@ -340,3 +340,53 @@ def test_wilson_holds_the_proportion_inside_zero_one_and_narrows_with_n(kn):
     assert 0.0 <= low <= k / n <= high <= 1.0
     low2, high2 = wilson(4 * k, 4 * n)
     assert high2 - low2 < high - low
+
+
+# --------------------------------------------------------------------------- Holm (issue 72)
+def test_holm_adjusted_p_values_worked_by_hand():
+    """p = 0.01, 0.04, 0.03, 0.005 (m = 4). Sorted: 0.005 x 4 = 0.02; 0.01 x 3 = 0.03; 0.03 x 2 = 0.06;
+    0.04 x 1 = 0.04, raised to 0.06 (never below an earlier step). Bonferroni would give 0.04, 0.16,
+    0.12, 0.02."""
+    from depthcurse.stats.multiple import holm
+
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02], abs=1e-15)
+    assert holm([0.5, 0.9]) == [1.0, 1.0] and holm([]) == []
+
+
+def test_holm_family_intervals_p_values_and_decisions_by_hand():
+    """Three differences with se 1 at 9 df: t = 3.5, 2.5, 0.5. Their two-sided p-values by scipy's t;
+    the smallest tested at 1 - 0.05 / 3, the next at 1 - 0.05 / 2, the last at 95%."""
+    from scipy import stats as sps
+
+    from depthcurse.stats.intervals import Spread
+    from depthcurse.stats.multiple import holm_family
+
+    family = holm_family([(2.5, Spread(1.0, 9)), (3.5, Spread(1.0, 9)), (0.5, Spread(1.0, 9)), (1.0, Spread(float("nan"), 0))])
+    p = [2 * sps.t.sf(t, 9) for t in (2.5, 3.5, 0.5)]
+    assert [f["p"] for f in family[:3]] == pytest.approx(p, rel=1e-12)
+    assert family[1]["p_holm"] == pytest.approx(3 * p[1]) and family[0]["p_holm"] == pytest.approx(max(3 * p[1], 2 * p[0]))
+    assert family[2]["p_holm"] == pytest.approx(max(2 * p[0], p[2]))
+    half = lambda level: sps.t.ppf(1 - (1 - level) / 2, 9)  # noqa: E731
+    assert family[1]["interval_holm"] == pytest.approx([3.5 - half(1 - 0.05 / 3), 3.5 + half(1 - 0.05 / 3)])
+    assert family[0]["interval_holm"] == pytest.approx([2.5 - half(1 - 0.05 / 2), 2.5 + half(1 - 0.05 / 2)])
+    assert family[2]["interval_holm"] == pytest.approx([0.5 - half(0.95), 0.5 + half(0.95)])
+    # 0.0067 x 3 = 0.020 is apart; 0.0339 x 2 = 0.068 is not, though its plain interval excludes 0
+    assert [f["apart_holm"] for f in family] == [False, True, False, None] and family[0]["p"] < 0.05
+    assert family[3]["p"] is None
+
+
+def test_holm_keeps_the_family_wise_error_at_5_percent_where_plain_intervals_do_not():
+    """Six null differences of 10 paired items each, 4,000 families: the chance of any false "apart"
+    is about 26% with plain 95% intervals and at most 5% with Holm's."""
+    from depthcurse.stats.intervals import Spread
+    from depthcurse.stats.multiple import holm_family
+
+    rng = np.random.default_rng(72)
+    plain = adjusted = 0
+    for _ in range(4000):
+        x = rng.normal(size=(6, 10))
+        family = [(float(r.mean()), Spread(float(r.std(ddof=1) / np.sqrt(10)), 9)) for r in x]
+        out = holm_family(family)
+        plain += any(f["p"] < 0.05 for f in out)
+        adjusted += any(f["apart_holm"] for f in out)
+    assert 0.22 < plain / 4000 < 0.31 and adjusted / 4000 <= 0.06

@@ -12,7 +12,9 @@ from typing import Callable
 
 from depthcurse.errors import DepthcurseError
 from depthcurse.heal.config import RESUMABLE_CHANGES, HealConfig
-from depthcurse.heal.intervals import apart, difference_interval, items
+from depthcurse.heal.intervals import apart, items
+from depthcurse.stats.intervals import interval, paired_spread
+from depthcurse.stats.multiple import holm_family
 from depthcurse.heal.loop import HEAL_JSON, PER_METHOD, check, finished, heal, identity, read_heal, refusal
 from depthcurse.heal.method import build_method, said
 from depthcurse.io import atomic_write, ensure_out_dir, json_text, refuse_other_run
@@ -127,7 +129,9 @@ RANKED = (("held_out", "loss"), ("other", "loss"), ("task", None))
 def method_differences(record: dict) -> dict[str, list[dict]]:
     """Every pair of methods on each ranked measurement: the difference of their healed models'
     scores with its 95% interval from the paired windows or questions, and whether that interval
-    excludes 0 (`apart`); a pair not apart is a tie the comparison cannot break."""
+    excludes 0 (`apart`); beside it, Holm's adjustment over the measurement's pairs (`p_holm`,
+    `interval_holm`, `apart_holm`: what the verdicts use). A pair not apart is a tie the comparison
+    cannot break."""
     methods = record.get("methods") or {}
     out: dict[str, list[dict]] = {}
     names = list(methods)
@@ -144,9 +148,12 @@ def method_differences(record: dict) -> dict[str, list[dict]]:
                 groups = {a: items(ra, part, m), b: items(rb, part, m)}
                 if va is None or vb is None or None in groups.values():
                     continue
-                low_high = difference_interval(va, vb, groups, a, b)
-                pairs.append({"methods": [a, b], "difference": va - vb, "interval": low_high, "apart": apart(low_high)})
-        if key and pairs:
+                spread = paired_spread(groups, {a: 1.0, b: -1.0})
+                low_high = interval(va - vb, spread)
+                pairs.append({"methods": [a, b], "difference": va - vb, "interval": low_high, "apart": apart(low_high), "spread": spread})
+        if key and pairs:  # the family of this measurement's pairs, Holm-adjusted
+            for pair, adjusted in zip(pairs, holm_family([(p["difference"], p.pop("spread")) for p in pairs])):
+                pair.update(adjusted)
             out[key] = pairs
     return out
 

@@ -90,11 +90,15 @@ def ties_lines(record: dict) -> list[str]:
     difference's 95% interval holds 0), or one line saying every pair was told apart."""
     lines = []
     for key, pairs in (record.get("ties") or {}).items():
-        tied = [" = ".join(p["methods"]) for p in pairs if p["apart"] is False]
+        holm = all("apart_holm" in p for p in pairs)  # a record written before the adjustment has the plain intervals alone
+        tied = [" = ".join(p["methods"]) for p in pairs if p["apart_holm" if holm else "apart"] is False]
+        only_plain = [" = ".join(p["methods"]) for p in pairs if holm and p["apart"] and p["apart_holm"] is False]
         if tied:
-            lines.append(f"cannot tell apart on {key.replace('_', ' ')} (the 95% interval of the paired difference holds 0): " + ", ".join(tied))
+            what = f"Holm-adjusted over its {len(pairs)} pairs" if holm else "the 95% interval of the paired difference holds 0"
+            lines.append(f"cannot tell apart on {key.replace('_', ' ')} ({what}): " + ", ".join(tied)
+                         + (f" (apart before the adjustment: {', '.join(only_plain)})" if only_plain else ""))
     if not lines and record.get("ties"):
-        return ["every pair of methods told apart on every ranked measurement (95% intervals of the paired differences)"]
+        return ["every pair of methods told apart on every ranked measurement (95% intervals of the paired differences, Holm-adjusted)"]
     return lines
 
 

@@ -9,7 +9,7 @@ import math
 
 from depthcurse.heal.healed import HELD_OUT_METRICS, MODELS
 from depthcurse.heal.intervals import items, paired_spread, retained_interval, won_back_interval
-from depthcurse.stats.intervals import Spread
+from depthcurse.stats.intervals import Spread, newcombe
 from depthcurse.tasks.harness import SUITE_METRIC
 
 
@@ -63,12 +63,12 @@ def recovered(record: dict) -> tuple[dict, dict, dict]:
             key = f"{part}_{metric}"
             higher = results["pruned"][part].get("higher_is_better", False) if part == "task" else metric == "agreement"
             gap = (u - p) if higher else (p - u)  # what the removal cost, positive when it hurt
-            noise = gap_noise(results, part, metric).half_width()
+            low_high, how = gap_interval(results, part, metric, gap)
             if gap <= 0:
                 out[key], why[key] = None, "no gap to win back: the removal did not hurt"
-            elif not gap > noise:
+            elif low_high is not None and not low_high[0] > 0:
                 out[key], why[key] = None, (f"no gap to win back: {gap:.4g} is within the noise (the 95% interval of the pruned-minus-unpruned "
-                                            f"difference reaches 0: +-{noise:.4g})")
+                                            f"difference reaches 0: {how})")
             else:
                 out[key] = (p - h) / (p - u)
                 groups = {m: items(results[m], part, metric) for m in MODELS}
@@ -77,20 +77,32 @@ def recovered(record: dict) -> tuple[dict, dict, dict]:
     return out, why, intervals
 
 
-def gap_noise(results: dict, part: str, metric: str) -> Spread:
+def gap_noise(results: dict, part: str, metric: str) -> Spread | None:
     """The standard error of the pruned-minus-unpruned difference of `metric` and its degrees of
-    freedom: paired over the windows or questions where they were kept; for a task's accuracy kept
-    only as a mean, that of two proportions of its examples (df infinite: the normal's); none
-    (0, infinite) where nothing is known, so any gap counts."""
+    freedom, paired over the windows or questions where both models kept them; None where they did
+    not (`gap_interval` then takes the two means alone)."""
     groups = {m: items(results[m], part, metric) for m in ("unpruned", "pruned")}
     if None not in groups.values():
         spread = paired_spread(groups, {"pruned": 1.0, "unpruned": -1.0})
         if math.isfinite(spread.se):
             return spread
+    return None
+
+
+def gap_interval(results: dict, part: str, metric: str, gap: float) -> tuple[list[float] | None, str]:
+    """The 95% interval of `gap` (what the removal cost, positive when it hurt) and how it was had:
+    paired where the items were kept; for a task's proportion kept only as a mean, Newcombe's
+    interval of two proportions of its examples (unpaired, so wider than it need be); None where
+    nothing but the two means is known (any gap then counts, and the reason says so)."""
+    spread = gap_noise(results, part, metric)
+    if spread is not None:
+        h = spread.half_width()
+        return [gap - h, gap + h], f"+-{h:.4g}"
     u, p = results["unpruned"][part], results["pruned"][part]
-    if part == "task":
-        n = p.get("examples") or 0
-        a, b = u["metrics"].get(metric), p["metrics"].get(metric)
-        if n and a is not None and b is not None and 0 <= a <= 1 and 0 <= b <= 1:
-            return Spread(math.sqrt((a * (1 - a) + b * (1 - b)) / n), math.inf)
-    return Spread(0.0, math.inf)
+    n = p.get("examples") or 0 if part == "task" else 0
+    a, b = u["metrics"].get(metric), p["metrics"].get(metric)
+    if n and a is not None and b is not None and 0 <= a <= 1 and 0 <= b <= 1:
+        low, high = newcombe(a * n, n, b * n, n)  # unpruned minus pruned
+        hurt = [low, high] if abs(gap - (a - b)) <= abs(gap + (a - b)) else [-high, -low]
+        return hurt, f"Newcombe's, two proportions of {n} examples: [{hurt[0]:+.4g}, {hurt[1]:+.4g}]"
+    return None, "no per-item scores and no proportion: not known"

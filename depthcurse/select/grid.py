@@ -275,7 +275,8 @@ def judge_on_task(loaded, cfg: SelectConfig, sets: list[tuple[int, ...]], world:
     out = {}
     for s in sets:
         per = scores[s].details.get("per_example") or {}
+        # each task's questions apart ("groups"): a suite's headline weighs its tasks equally, and so must its interval
         out[key(s)] = {"metric": task.metric, "value": scores[s].metrics[task.metric], "metrics": scores[s].metrics,
-                                      "items": [v for part in per.values() for v in part]}
+                       "items": [v for part in per.values() for v in part], "groups": [list(part) for part in per.values()]}
     out["describe"] = task.describe()
     return world.broadcast(out)

@@ -40,13 +40,15 @@ def cell_scores(record: dict, name: str) -> dict[str, tuple[float, list[float] |
     out = {}
     for column, where, metric in judged(record):
         if where == "task":
-            mine, base = record["task"][layers]["items"], record["task"][""]["items"]
-            value = record["task"][layers]["value"]
+            task = record["task"]
+            # a suite's tasks each weigh the same in its headline, and in its interval (a record made before the groups were kept: one pool)
+            mine, base = task[layers].get("groups") or [task[layers]["items"]], task[""].get("groups") or [task[""]["items"]]
+            value, base_mean = task[layers]["value"], task[""]["value"]
         else:
-            mine, base = record["held_out"][where][layers][metric], record["held_out"][where][""][metric]
-            value = sum(mine) / len(mine)
-        low_high = difference_interval(value, sum(base) / len(base), {"chosen": [mine], "unpruned": [base]}, "chosen", "unpruned") if len(mine) == len(base) > 1 else None
-        base_mean = sum(base) / len(base) if base else float("nan")
+            mine, base = [record["held_out"][where][layers][metric]], [record["held_out"][where][""][metric]]
+            value, base_mean = sum(mine[0]) / len(mine[0]), sum(base[0]) / len(base[0]) if base[0] else float("nan")
+        paired = [len(m) for m in mine] == [len(b) for b in base] and all(len(m) > 1 for m in mine)
+        low_high = difference_interval(value, base_mean, {"chosen": mine, "unpruned": base}, "chosen", "unpruned") if paired else None
         out[column] = (value, [base_mean + low_high[0], base_mean + low_high[1]] if low_high else None)
     return out
 
@@ -195,9 +197,10 @@ def distance_rows(record: dict) -> list[list[str]]:
             better = f"{pick['random_better']:.0%} of {d['random_draws']}" if "random_better" in pick else "-"
             held = []
             for c in texts:
-                low_high = pick["held_out"].get(c)
+                low_high, holm = pick["held_out"].get(c), (pick.get("held_out_holm") or {}).get(c)
                 diff = None if low_high is None else (low_high[0] + low_high[1]) / 2
-                held.append("-" if low_high is None else f"{diff:+.4f} [{low_high[0]:+.4f}, {low_high[1]:+.4f}]")
+                held.append("-" if low_high is None else f"{diff:+.4f} [{low_high[0]:+.4f}, {low_high[1]:+.4f}]"
+                            + (f" Holm [{holm[0]:+.4f}, {holm[1]:+.4f}]" if holm else ""))
             rows.append([name, record["cells"][cell]["search"] + (" (best)" if pick["is_best"] else ""), pick["layers"], f"{pick['score']:.4f}",
                          f"{pick['gap']:+.4f}", rank, better, *held])
     return rows
@@ -212,7 +215,8 @@ def distance_table(record: dict) -> Table | None:
     exact = any(d["exact"] for d in dist.values())
     caption = ("calibration score: the objective on the calibration windows (" + OBJECTIVE_WORDS + "); the best: " + ("the exact optimum over every removal where exact ran, else the best any search scored" if exact
                                        else "the best removal any search scored (no exact run)")
-               + "; held out: the pick's held-out loss minus the best's, paired over the windows, Student's t")
+               + "; held out: the pick's held-out loss minus the best's, paired over the windows, Student's t; Holm: the same "
+               "interval adjusted for every pick of the text and objective compared with the best at once (Holm's step-down)")
     return _table(f"{record['run']['model']}: how far each pick of {record['run']['k']} is from the best", caption, [header, *rows], left=3)
 
 

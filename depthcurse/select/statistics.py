@@ -27,7 +27,8 @@ import numpy as np
 from depthcurse.stats.bootstrap import TooFewItems, resample
 from depthcurse.stats.decomposition import COLUMNS, REST, ROWS, decided_by, shares
 from depthcurse.select.search import OBJECTIVES
-from depthcurse.stats.intervals import difference_interval
+from depthcurse.stats.intervals import difference_interval, paired_spread
+from depthcurse.stats.multiple import holm_family
 
 # the decomposition's factors, as select names them
 FACTORS = {ROWS: "calibration", COLUMNS: "search", REST: "rest"}
@@ -152,6 +153,14 @@ def distances(record: dict) -> dict:
                                                            {"pick": [items[mine]], "best": [items[best]]}, "pick", "best")
                                     for m, items in measured.items() if mine in items and best in items}
                 picks[name] = pick
+            for m, items in measured.items():  # every distinct pick against the best at once: Holm over the family
+                family = sorted({p["layers"] for p in picks.values() if not p["is_best"] and p["layers"] in items and best in items})
+                differences = [(sum(items[f]) / len(items[f]) - sum(items[best]) / len(items[best]),
+                                paired_spread({"pick": [items[f]], "best": [items[best]]}, {"pick": 1.0, "best": -1.0})) for f in family]
+                adjusted = dict(zip(family, holm_family(differences)))
+                for p in picks.values():
+                    if p["layers"] in adjusted:
+                        p.setdefault("held_out_holm", {})[m] = adjusted[p["layers"]]["interval_holm"]
             out[f"{labels.get(source, source)} {objective}"] = {
                 "calibration": source, "objective": objective, "best": best, "best_score": scores[best], "exact": exact is not None,
                 "space": math.comb(run["n_layers"], k) ** (1 if units == k else 2), "scored": len(scores),

@@ -118,6 +118,20 @@ def wilson(successes: float, n: int, confidence: float = CONFIDENCE) -> list[flo
     return [0.0 if successes <= 0 else centre - half, 1.0 if successes >= n else centre + half]
 
 
+def newcombe(successes_a: float, n_a: int, successes_b: float, n_b: int, confidence: float = CONFIDENCE) -> list[float] | None:
+    """Newcombe's hybrid score interval (1998, method 10) of the difference of two proportions,
+    a/n_a - b/n_b, from each one's Wilson interval: it stays inside [-1, 1] and covers near 95% at
+    small n and near 0 or 1, where the normal's (Wald's) does not. For proportions of the same
+    questions it ignores their pairing, which makes it wider than a paired interval: the honest
+    choice where only the two means were kept."""
+    la, lb = wilson(successes_a, n_a, confidence), wilson(successes_b, n_b, confidence)
+    if la is None or lb is None:
+        return None
+    pa, pb = successes_a / n_a, successes_b / n_b
+    d = pa - pb
+    return [d - math.sqrt((pa - la[0]) ** 2 + (lb[1] - pb) ** 2), d + math.sqrt((la[1] - pa) ** 2 + (pb - lb[0]) ** 2)]
+
+
 def apart(low_high: list[float] | None) -> bool | None:
     """Whether an interval of a difference excludes 0 (None: no interval)."""
     return None if low_high is None else (low_high[0] > 0 or low_high[1] < 0)
