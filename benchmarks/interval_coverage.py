@@ -3,7 +3,8 @@ items it allows: the paired t interval of a mean difference, Welch's over a suit
 the delta method's ratio, Wilson's proportion (averaged over the true proportion), the paired
 bootstrap (from its 8 items up), and, for comparison, the normal interval (mean +- 1.96 se) that
 every interval was before issue 64. The differences are drawn normal, skewed (gamma, skewness 2/3)
-and heavily skewed (exponential, skewness 2, as SmolLM2's per-window KLs can be).
+heavily skewed (exponential, skewness 2, as SmolLM2's per-window KLs can be) and lognormal (sigma 1,
+skewness 6.2), where `select` now says a sample's skewness (|G1| > 1) means its interval may under-cover.
 
     python benchmarks/interval_coverage.py --runs 4000
 
@@ -23,8 +24,9 @@ DRAWS = {
     "normal": (lambda rng, size: rng.normal(1.0, 2.0, size), 1.0),
     "skewed (2/3)": (lambda rng, size: rng.gamma(9.0, 1.0, size), 9.0),
     "heavy (2)": (lambda rng, size: rng.exponential(1.0, size), 1.0),
+    "lognormal (6.2)": (lambda rng, size: rng.lognormal(0.0, 1.0, size), float(np.exp(0.5))),
 }
-SIZES = (2, 4, 8, 32)
+SIZES = (2, 4, 8, 16, 32)
 
 
 def paired_t(rng, n, draw, truth, normal=False):

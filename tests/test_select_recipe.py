@@ -394,3 +394,27 @@ def test_a_suites_interval_weighs_each_task_as_its_headline_does():
     assert low_high == pytest.approx([headline(mine) - half, headline(mine) + half])
     pooled = np.concatenate(d)
     assert half != pytest.approx(sps.t.ppf(0.975, 12) * pooled.std(ddof=1) / np.sqrt(13), rel=1e-3)
+
+
+def test_held_out_documents_share_no_document_with_the_calibration(six_dir, tmp_path, tiny_tokenizer):
+    """Forty documents, each a line naming itself: with --held-out documents no calibration window
+    holds a word of a held-out window's documents (with windows, they share documents), and the
+    record says which was used."""
+    from depthcurse.select import run_select
+    from depthcurse.select.windows import text_windows
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(json.dumps({"text": " ".join([f"doc{i:02d}"] * 12)}) for i in range(40)))
+    cfg = SelectConfig(k=1, calibration=(str(path),), searches=("last",), calib_windows=3, eval_windows=3, seq_len=16, held_out="documents", seed=3)
+    texts = text_windows(tiny_tokenizer, str(path), cfg)
+    words = lambda w: set(tiny_tokenizer.decode(w.flatten()).split())  # noqa: E731
+    calibration, held = words(texts.calibration), words(texts.held_out)
+    assert {w for w in calibration if w.startswith("doc")} and not ({w for w in calibration if w.startswith("doc")} & held)
+    mixed = text_windows(tiny_tokenizer, str(path), replace(cfg, held_out="windows"))
+    assert {w for w in words(mixed.calibration) if w.startswith("doc")} & words(mixed.held_out)
+    record = run_select(load_model(str(six_dir)), cfg, tmp_path / "run")
+    assert record["held_out_from"].startswith("windows of other documents") and record["run"]["held_out"] == "documents"
+    with pytest.raises(Exception, match="--held-out documents: .* is one document"):
+        one = tmp_path / "one.txt"
+        one.write_text("a single document " * 200)
+        text_windows(tiny_tokenizer, str(one), replace(cfg, calibration=(str(one),)))

@@ -390,3 +390,17 @@ def test_holm_keeps_the_family_wise_error_at_5_percent_where_plain_intervals_do_
         plain += any(f["p"] < 0.05 for f in out)
         adjusted += any(f["apart_holm"] for f in out)
     assert 0.22 < plain / 4000 < 0.31 and adjusted / 4000 <= 0.06
+
+
+def test_the_sample_skewness_worked_by_hand_and_its_warning():
+    """1, 2, 3, 10: mean 4, deviations -3, -2, -1, 6; m2 = 50 / 4 = 12.5, m3 = 180 / 4 = 45;
+    g1 = 45 / 12.5^1.5 = 1.01823; G1 = sqrt(4 x 3) / 2 x g1 = 1.76363 (the biased g1 would be 1.018)."""
+    from scipy import stats as sps
+
+    from depthcurse.stats.intervals import skew_warning, skewness
+
+    assert skewness([1, 2, 3, 10]) == pytest.approx(1.763632, rel=1e-6) == sps.skew([1, 2, 3, 10], bias=False)
+    assert skewness([1, 2]) is None and skewness([3, 3, 3]) is None and skewness([1, 2, 3]) == 0.0
+    said = skew_warning([1, 2, 3, 10], "without 3, wiki held-out kl")
+    assert said.startswith("without 3, wiki held-out kl: the paired differences are skewed (G1 +1.76 over 4 items)")
+    assert skew_warning([1, 2, 3, 4.5], "x") is None  # G1 0.42: within the bound

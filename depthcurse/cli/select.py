@@ -42,6 +42,7 @@ def select(
     granularity: str = typer.Option("layer", "--granularity", help="What a removal takes: layer (whole blocks), sub-block (k attention and k MLP branches, EvoPress's default; for exact, evo, random and last) or branch (k branches of either kind: SWIFT's and Draft & Verify's space; for exact, random, swift and draft-verify, which chooses how many itself)."),
     calib_windows: int = typer.Option(8, "--calib-windows", help="Windows of each text the choice is made on."),
     eval_windows: int = typer.Option(16, "--eval-windows", help="Other windows of each text every choice is judged on."),
+    held_out: str = typer.Option("windows", "--held-out", help="What the held-out windows are: windows (other windows of the same documents) or documents (windows of documents the calibration never saw: a text with document boundaries)."),
     seq_len: int = typer.Option(128, "--seq-len", help="Tokens per window."),
     batch_size: int = typer.Option(4, "--batch-size", help="Windows per forward pass."),
     task: Optional[str] = typer.Option(None, "--task", help="Also judge every choice on this task, by prune's reuse engine: an lm-eval task, or " + SUITES_HELP + "."),
@@ -67,7 +68,7 @@ def select(
     cfg = SelectConfig(k=k, calibration=_names(calibration), objectives=_names(objective) if objective is not None else None,
                        searches=_names(search) if search is not None else None, calib_windows=calib_windows, eval_windows=eval_windows, seq_len=seq_len,
                        batch_size=batch_size, task=task, limit=limit, seed=seed, granularity=granularity, search_args=parse_search_args(search_args),
-                       draft_tokens=draft_tokens, resamples=resamples, seeds=_seeds(seeds), budget=budget)
+                       draft_tokens=draft_tokens, resamples=resamples, seeds=_seeds(seeds), budget=budget, held_out=held_out)
     checked = cfg.checked()  # the options alone, before a model loads (k against its layers after)
     if "auto" in cfg.calibration:
         say("note", f"--calibration auto is {checked.calibration[cfg.calibration.index('auto')]} here (c4 where the hub is reachable, else wiki)")

@@ -32,6 +32,7 @@ class SelectConfig:
     resamples: int | None = None  # bootstrap resamples of the calibration windows each search reruns on; None: the recipe's, else none
     seeds: tuple[int, ...] = ()  # other seeds each seeded search (evo, random, swift) reruns under, on every window
     budget: float = 30.0  # minutes: the recipe runs exact where its estimate fits, else evo
+    held_out: str = "windows"  # what a choice is judged on: other windows of the same documents, or windows of other documents
 
     @property
     def recipe(self) -> bool:
@@ -55,6 +56,8 @@ class SelectConfig:
             raise DepthcurseError("--resamples 1: one resample says nothing of how often a pick comes back: give 0, or 2 or more")
         if len(set(self.seeds)) != len(self.seeds) or self.seed in self.seeds:
             raise DepthcurseError(f"--seeds {','.join(map(str, self.seeds))}: each must be given once, and differ from --seed {self.seed}")
+        if self.held_out not in ("windows", "documents"):
+            raise DepthcurseError(f"--held-out {self.held_out}: use windows (other windows of the same documents) or documents (other documents)")
         if self.budget <= 0:
             raise DepthcurseError(f"--budget must be more than 0 minutes, got {self.budget:g}")
         if self.recipe:
@@ -132,6 +135,8 @@ class SelectConfig:
             del out[name]
         if out["budget"] == SelectConfig.budget or not self.recipe:
             del out["budget"]
+        if out["held_out"] == SelectConfig.held_out:  # a run made before the choice existed is the same run
+            del out["held_out"]
         if "speedup" not in (out["objectives"] or ()):
             del out["draft_tokens"]
         return out

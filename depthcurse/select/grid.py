@@ -47,7 +47,7 @@ from depthcurse.select.search import OBJECTIVES, Search, SearchContext, Space, c
 from depthcurse.speculate.costs import DraftCosts, measure_costs
 from depthcurse.select.statistics import decomposition, distances, overlap
 from depthcurse.surgery import num_layers
-from depthcurse.select.windows import Texts, per_window, stream_pass, text_windows
+from depthcurse.select.windows import HELD_OUT, Texts, per_window, stream_pass, text_windows
 from depthcurse.tasks import build_task
 from depthcurse.text import text_kind
 
@@ -227,6 +227,7 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
         record["task"] = judge_on_task(loaded, cfg, [(), *chosen_sets], world)
         save()
     record["labels"] = labels
+    record["held_out_from"] = HELD_OUT[cfg.held_out]
     record["kinds"] = {source: text_kind(source) for source in cfg.calibration}
     record["overlap"] = overlap(record["cells"])
     record["decomposition"] = decomposition(record, cfg.seed)

@@ -14,7 +14,7 @@ from depthcurse.select.search import canonical, parse_key
 from depthcurse.select.stability import verdict, words
 from depthcurse.select.statistics import HELD_OUT_METRICS
 from depthcurse.select.statistics import key as _key
-from depthcurse.stats.intervals import difference_interval
+from depthcurse.stats.intervals import difference_interval, skew_warning
 
 
 OBJECTIVE_WORDS = ("ppl: mean next-token loss; kl: mean KL from the unpruned model; acceptance: the rejection, 1 - top-1 agreement with the "
@@ -78,7 +78,8 @@ def select_table(record: dict) -> Table:
     run = record["run"]
     kinds = record.get("kinds") or {}
     texts = ", ".join(f"{record.get('labels', {}).get(s, s)} ({kinds[s]})" if s in kinds else record.get("labels", {}).get(s, s) for s in run["calibration"])
-    caption = (f"texts: {texts}; each choice judged on held-out windows ({run['eval_windows']} x {run['seq_len']} tokens of each text, never chosen on)"
+    held = record.get("held_out_from", "other windows of the same documents")
+    caption = (f"texts: {texts}; each choice judged on held-out windows ({run['eval_windows']} x {run['seq_len']} tokens of each text, never chosen on: {held})"
                + (f" and on {run['task']} (--limit {run['limit']})" if run.get("task") else "")
                + "; in brackets the 95% interval (Student's t) of the difference from the unpruned model over the paired windows or questions, put around the score")
     return _table(f"{run['model']}: which {run['k']} units each calibration and search removes, judged on the same held-out text", caption,
@@ -105,7 +106,7 @@ def select_verdicts(record: dict) -> list[str]:
         lines.append(f"overlap of the choices (mean Jaccard): the same text by different searches {over['same_calibration_mean']:.2f} "
                      f"({over['same_calibration_pairs']} pairs)" + (f"; the same search on different texts {over['same_search_mean']:.2f} "
                                                                     f"({over['same_search_pairs']} pairs)" if over.get("same_search_mean") is not None else ""))
-    lines += distance_verdicts(record)
+    lines += distance_verdicts(record) + skew_verdicts(record)
     if "why_not" in dec:
         return lines + [f"no decomposition: {dec['why_not']}"]
     for name, d in dec.items():
@@ -113,6 +114,22 @@ def select_verdicts(record: dict) -> list[str]:
         share = lambda k: f"{d['shares'][k]:.0%}" + (f" [{iv[k][0]:.0%}, {iv[k][1]:.0%}]" if iv.get(k) else "")  # noqa: E731
         lines.append(f"{name}: spread with the calibration {share('calibration')}, with the search {share('search')}, the rest {share('rest')} "
                      f"(share of the sum of squares, 95% paired bootstrap over {d.get('items', '?')} items): {_decided(d['decided_by'])}")
+    return lines
+
+
+def skew_verdicts(record: dict) -> list[str]:
+    """Where a pick's paired held-out differences from the unpruned model are skewed enough that
+    their interval may under-cover, a line each (the distinct picks, each measurement)."""
+    lines = []
+    for source, held in (record.get("held_out") or {}).items():
+        base = held.get("", {})
+        for removal in sorted(k for k in held if k):
+            for metric in HELD_OUT_METRICS:
+                if metric in held[removal] and metric in base and len(held[removal][metric]) == len(base[metric]):
+                    line = skew_warning([a - b for a, b in zip(held[removal][metric], base[metric])],
+                                        f"without {removal}, {record.get('labels', {}).get(source, source)} held-out {metric}")
+                    if line:
+                        lines.append(line)
     return lines
 
 

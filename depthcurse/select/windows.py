@@ -23,17 +23,49 @@ class Texts:
     held_out: torch.Tensor
 
 
+HELD_OUT = {"windows": "other windows of the same documents (a seeded shuffle of the windows)",
+            "documents": "windows of other documents (a seeded shuffle of the documents)"}
+
+
 def text_windows(tokenizer, source: str, cfg) -> Texts:
     """`calib_windows` + `eval_windows` windows of `source` (heal's and ppl's packing), split by a
-    seeded shuffle so that neither part is one stretch of the text, and no window is in both."""
+    seeded shuffle so that neither part is one stretch of the text, and no window is in both; with
+    `cfg.held_out == "documents"`, the documents are shuffled and split instead, so that no document
+    gives windows to both parts (a choice judged on text it never saw any of)."""
 
     texts, label = load_texts(source, option="--calibration")
+    if getattr(cfg, "held_out", "windows") == "documents":
+        return _document_windows(tokenizer, texts, label, cfg)
     want = cfg.calib_windows + cfg.eval_windows
     windows = PerplexityTask(tokenizer, texts, source=label, seq_len=cfg.seq_len, limit=want, warn_short=False).windows
     if len(windows) < want:
         raise DepthcurseError(f"{label} holds {len(windows)} windows of {cfg.seq_len} tokens: fewer than --calib-windows + --eval-windows ({want})")
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(cfg.seed))
     return Texts(label, windows[order[: cfg.calib_windows]], windows[order[cfg.calib_windows:want]])
+
+
+def _document_windows(tokenizer, texts: list[str], label: str, cfg) -> Texts:
+    """The calibration windows from the first documents of a seeded shuffle, as many as they take,
+    and the held-out windows from the documents after them."""
+    if len(texts) < 2:
+        raise DepthcurseError(f"--held-out documents: {label} is one document (no boundaries to split at): use --held-out windows")
+    order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    docs = [texts[i] for i in order]
+    need, used, cut = cfg.calib_windows * cfg.seq_len, 0, 0
+    while cut < len(docs) and used < need:  # ends: each step takes one document
+        used += len(tokenizer(docs[cut]).input_ids) + 1
+        cut += 1
+    while True:  # the packing may need a document more than the count says; ends by the one-line error below
+        calibration = PerplexityTask(tokenizer, docs[:cut], source=label, seq_len=cfg.seq_len, limit=cfg.calib_windows, warn_short=False).windows
+        if len(calibration) >= cfg.calib_windows or cut >= len(docs) - 1:
+            break
+        cut += 1
+    held_out = PerplexityTask(tokenizer, docs[cut:], source=label, seq_len=cfg.seq_len, limit=cfg.eval_windows, warn_short=False).windows \
+        if cut < len(docs) else calibration[:0]
+    if len(calibration) < cfg.calib_windows or len(held_out) < cfg.eval_windows:
+        raise DepthcurseError(f"--held-out documents: {label}'s {len(texts)} documents give {len(calibration)} calibration and {len(held_out)} held-out "
+                              f"windows of {cfg.seq_len} tokens, fewer than --calib-windows {cfg.calib_windows} and --eval-windows {cfg.eval_windows}")
+    return Texts(label, calibration[: cfg.calib_windows], held_out[: cfg.eval_windows])
 
 
 @torch.no_grad()
