@@ -34,7 +34,7 @@ PLANTS = [
  ("r random sub-blocks: the MLP branches of the attention's blocks", "depthcurse/select/searches/random_sets.py", "removal = canonical([f\"a{i}\" for i in rng.sample(range(space.n), space.k)] + [f\"m{i}\" for i in rng.sample(range(space.n), space.k)],", "removal = canonical([f\"{t}{i}\" for i in rng.sample(range(space.n), space.k) for t in \"am\"],", ["tests/test_search.py::test_random_sub_block_draws_choose_the_attention_and_mlp_branches_apart"]),
  ("s laco steps by interval and by 1 swapped", "depthcurse/select/searches/laco.py", "            lay -= s.interval  # the notebook", "            lay -= 1 if s.interval != 1 else s.interval  # the notebook", ["tests/test_merging.py::test_lacos_procedure_steps_by_its_interval_after_a_kept_merge_and_by_one_after_a_refused_one"]),
  ("t evo's children copied from the best parent", "depthcurse/select/searches/evo.py", "child = copy.deepcopy(rng.choice(population))", "child = copy.deepcopy(population[0 * len([rng.choice(population)])])", ["tests/test_search.py::test_evo_with_a_population_of_two_and_a_cut_last_window_makes_evopress_candidates"]),
- ("u swm merges the window with the layer whose step failed (it looped forever)", "depthcurse/select/searches/swm.py", "state = state.merge(blocks, low + 1, high, rule)", "state = state.merge(blocks, low, high, rule)", ["tests/test_merging.py::test_swms_procedure_is_the_scripts_loop"]),
+ ("u swm merges the window with the layer whose step failed (it looped forever)", "depthcurse/select/searches/swm.py", "state = state.merge(blocks, low + 1, high, rule, s.biases)", "state = state.merge(blocks, low, high, rule, s.biases)", ["tests/test_merging.py::test_swms_procedure_is_the_scripts_loop"]),
 ]
 only = sys.argv[1:]
 missed = 0

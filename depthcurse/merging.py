@@ -4,10 +4,11 @@ arithmetic of LaCo (Yang et al., Findings of EMNLP 2024, arXiv 2402.11187; yangy
 @ 8fa008e, `SLM.py`), the `Merge` method both recovery methods are, and the merged model their
 selection procedures run.
 
-What is merged: every parameter of a block that does not belong to a norm (on Llama-likes the
-attention's q, k, v, o and the MLP's gate, up and down projections, exactly what both scripts
-merge; biases where a model has them, which the scripts, written for Llama, never meet). The norms
-stay the base layer's own, as both scripts leave them.
+What is merged: every weight of a block that does not belong to a norm (on Llama-likes the
+attention's q, k, v, o and the MLP's gate, up and down projections: exactly the seven both scripts
+merge). Biases (Qwen2's q, k and v) stay the base layer's own by default, as the scripts, which
+touch `.weight` alone, leave them; `biases=True` merges them by the same rule. The norms stay the
+base layer's own, as both scripts leave them.
 
 Three rules, each on the base layer's tensor `w` and the run's tensors `t_1 .. t_m`:
 - LaCo as its paper writes RDSC: `w + sum_k (t_k - w)`, differences from the *original* base
@@ -39,19 +40,23 @@ def is_norm(module: nn.Module) -> bool:
     return "Norm" in type(module).__name__
 
 
-def merged_names(block: nn.Module) -> list[str]:
-    """The parameters of `block` a merge changes: every one whose module is not a norm."""
+def merged_names(block: nn.Module, biases: bool = False) -> list[str]:
+    """The parameters of `block` a merge changes: every weight whose module is not a norm, and its
+    biases too where `biases` (the authors' code merges weights alone)."""
     names = []
     for prefix, module in block.named_modules():
         if is_norm(module):
             continue
-        names += [f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters(recurse=False)]
+        names += [f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters(recurse=False) if biases or n != "bias"]
     return names
 
 
-def projections_text(block: nn.Module) -> str:
-    """The merged parameters in a line: `self_attn.q_proj.weight, ..., mlp.down_proj.weight`."""
-    return ", ".join(merged_names(block))
+def projections_text(block: nn.Module, biases: bool = False) -> str:
+    """The merged parameters in a line: `self_attn.q_proj.weight, ..., mlp.down_proj.weight`, and
+    what became of the biases where the block has some."""
+    kept = [n for n in merged_names(block, True) if n not in merged_names(block, biases)]
+    return ", ".join(merged_names(block, biases)) + (f" (its biases, {', '.join(kept)}, the base layer's own, as the authors' code leaves them)"
+                                                      if kept else "")
 
 
 @torch.no_grad()
@@ -98,7 +103,7 @@ def check_run(model: nn.Module, run: tuple[int, ...], method: str) -> None:
         raise DepthcurseError(f"{method}: it merges each removed run into the layer before it, and {run_text(run)} starts at layer 0, "
                               "which has none: remove from layer 1 on")
     base = blocks[run[0] - 1]
-    merged = set(merged_names(base))
+    merged = set(merged_names(base, True))  # the biases too: a layer of another shape cannot merge either way
     shapes = {name: tuple(p.shape) for name, p in base.named_parameters() if name in merged}
     for i in run:
         other = {name: tuple(p.shape) for name, p in blocks[i].named_parameters() if name in shapes}
@@ -115,12 +120,12 @@ def check_uniform(model: nn.Module, owner: str) -> None:
 
 
 @torch.no_grad()
-def merged_block(blocks, base: int, run: list[int], rule) -> nn.Module:
+def merged_block(blocks, base: int, run: list[int], rule, biases: bool = False) -> nn.Module:
     """A copy of `blocks[base]` whose merged parameters are `rule(base's, [each run layer's])`."""
     out = copy.deepcopy(blocks[base])
     params = dict(out.named_parameters())
     theirs = [dict(blocks[i].named_parameters()) for i in run]
-    for name in merged_names(out):
+    for name in merged_names(out, biases):
         params[name].copy_(rule(params[name].detach(), [t[name].detach() for t in theirs]))
     return out.requires_grad_(False)
 
@@ -148,12 +153,12 @@ class Merging:
     def gone(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.n) if i not in self.kept)
 
-    def merge(self, blocks, low: int, high: int, rule) -> "Merging":
+    def merge(self, blocks, low: int, high: int, rule, biases: bool = False) -> "Merging":
         """The layers at positions low+1 .. high of the merged model merged into the one at `low`."""
         base = self.kept[low]
         layer = lambda i: self.merged.get(i, blocks[i])  # noqa: E731 (a merged layer merges again as it now is)
         run = self.kept[low + 1 : high + 1]
-        out = merged_block({base: layer(base), **{i: layer(i) for i in run}}, base, run, rule)
+        out = merged_block({base: layer(base), **{i: layer(i) for i in run}}, base, run, rule, biases)
         return Merging(self.n, [i for i in self.kept if i not in run], {**{k: v for k, v in self.merged.items() if k not in run}, base: out})
 
     def model(self, model: nn.Module):

@@ -405,3 +405,36 @@ def test_mkas_released_fusion_writes_into_a_copy_of_the_state_dict_so_it_only_re
     assert len(model.model.layers) == 4
     for k, v in after.items():  # every tensor left is the unpruned model's own, untouched: layers 0-3
         assert torch.equal(v, before[k]), k
+
+
+def _qwen2(layers, seed):
+    """A tiny Qwen2: its q, k and v projections carry biases, which the authors' Llama scripts never meet."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.Qwen2ForCausalLM(tf.Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                                               num_key_value_heads=2, max_position_embeddings=64)).eval()
+    with torch.no_grad():
+        for block in model.model.layers:  # biases that differ from layer to layer (a fresh model's are zeros)
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                getattr(block.self_attn, proj).bias.normal_()
+    return model
+
+
+@pytest.mark.parametrize("spec, args, port", [("laco", {"as": "code"}, lambda m: _laco_merge(m, 3, 3)), ("swm", {}, lambda m: _swm_merge(m, 3, 6, 1.0))])
+def test_a_model_with_biases_merges_as_the_authors_code_by_default_and_its_biases_by_a_setting(tmp_path, spec, args, port):
+    """On a Qwen2 the authors' code merges the seven projection weights and leaves q, k and v's biases
+    the base layer's: so does the default, tensor for tensor; `biases=true` merges them by the same
+    rule (the run's last layer's, at LaCo's code and SWM's factor 1); the card says which."""
+    model = _qwen2(8, 9)
+    theirs = port(model)
+    ours = _healed_checkpoint(model, (4, 5, 6), build_method(spec, args), tmp_path / "default")
+    _same_weights(ours, theirs)
+    q_bias = lambda m: m.model.layers[3].self_attn.q_proj.bias  # noqa: E731
+    assert torch.equal(q_bias(ours), model.model.layers[3].self_attn.q_proj.bias)
+    merged = _healed_checkpoint(model, (4, 5, 6), build_method(spec, {**args, "biases": "true"}), tmp_path / "biases")
+    assert (q_bias(merged) - model.model.layers[6].self_attn.q_proj.bias).abs().max() < 1e-6
+    assert (q_bias(merged) - q_bias(ours)).abs().max() > 0.1
+    method = build_method(spec, args)
+    method.prepare(HealContext(model=model, layers=(4, 5, 6), calibration=lambda tokens: []))
+    assert "(its biases, self_attn.q_proj.bias, self_attn.k_proj.bias, self_attn.v_proj.bias, the base layer's own" in method.changes((4, 5, 6))

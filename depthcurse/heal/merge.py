@@ -38,8 +38,9 @@ class Merge(Method):
     def prepare(self, ctx: HealContext):
         self.check(ctx.model, ctx.layers)
         blocks = find_blocks(ctx.model).layers
-        self.merged = {run[0] - 1: merged_block(blocks, run[0] - 1, list(run), self.rule()) for run in runs_of(ctx.layers)}
-        self.names = projections_text(blocks[0])
+        biases = getattr(self.settings, "biases", False)
+        self.merged = {run[0] - 1: merged_block(blocks, run[0] - 1, list(run), self.rule(), biases) for run in runs_of(ctx.layers)}
+        self.names = projections_text(blocks[0], biases)
 
     def state_dict(self):
         return {}  # nothing estimated: `prepare` makes the same merge again

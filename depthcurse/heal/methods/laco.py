@@ -21,6 +21,7 @@ from depthcurse.merging import RDSC_FORMS
 @dataclass
 class LacoSettings:
     as_: str = "paper"  # `as=paper`: theta_l + sum_k (theta_{l+k} - theta_l); `as=code`: the released notebook's in-place loop
+    biases: bool = False  # merge the biases too (Qwen2's q, k, v); the notebook merges the seven projection weights alone
 
 
 class Laco(Merge):

@@ -17,6 +17,7 @@ from depthcurse.merging import check_weight_factor, sliding_window_code
 @dataclass
 class SwmSettings:
     weight_factor: float = 1.0  # the step towards each layer of the window; SLM.py's call uses 1
+    biases: bool = False  # merge the biases too (Qwen2's q, k, v); SLM.py merges the seven projection weights alone
 
 
 class Swm(Merge):

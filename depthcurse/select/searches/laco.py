@@ -38,6 +38,7 @@ class LacoSearchSettings:
     lowest: int = 0  # LOWEST_LAY
     highest: int | None = None  # HIGHEST_LAY; None: the last layer
     as_: str = "code"  # the merge the procedure runs: as the notebook computes it (what its loop ran), or `paper`, RDSC as written
+    biases: bool = False  # merge the biases too; the notebook merges the seven projection weights alone
 
 
 def laco_procedure(model, windows, s: LacoSearchSettings, stop_at: int | None = None, on_step=lambda text: None) -> tuple[Merging, list]:
@@ -55,7 +56,7 @@ def laco_procedure(model, windows, s: LacoSearchSettings, stop_at: int | None = 
         m = min(s.merge_layers - 1, len(state.kept) - lay - 1)
         if stop_at is not None:
             m = min(m, stop_at - len(state.gone()))
-        candidate = state.merge(blocks, lay, lay + m, RDSC_FORMS[s.as_])
+        candidate = state.merge(blocks, lay, lay + m, RDSC_FORMS[s.as_], s.biases)
         with candidate.model(model) as merged:
             sim = mean_similarity(reference, last_hidden(merged, windows))
         trail.append((lay, m, sim, sim > s.threshold))

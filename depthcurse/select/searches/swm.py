@@ -29,6 +29,7 @@ from depthcurse.surgery import find_blocks
 class SwmSearchSettings:
     threshold: float = 0.72  # --threshold
     weight_factor: float = 1.0  # merge_layers_return_model's weight_factor, 1 in their loop
+    biases: bool = False  # merge the biases too; SLM.py merges the seven projection weights alone
 
 
 def swm_procedure(model, windows, s: SwmSearchSettings, stop_at: int | None = None, on_step=lambda text: None) -> tuple[Merging, list]:
@@ -43,7 +44,7 @@ def swm_procedure(model, windows, s: SwmSearchSettings, stop_at: int | None = No
     bound = Bound(4 * len(blocks) + 4, "swm's procedure")  # each step lowers low, or high to low: 2n steps at most
     while low >= 0 and (stop_at is None or len(state.gone()) < stop_at):
         bound.step(f"window {low}-{high}")
-        candidate = state.merge(blocks, low, high, rule)
+        candidate = state.merge(blocks, low, high, rule, s.biases)
         with candidate.model(model) as merged:
             sim = mean_similarity(reference, last_hidden(merged, windows))
         trail.append((low, high, sim, sim > s.threshold))
@@ -54,7 +55,7 @@ def swm_procedure(model, windows, s: SwmSearchSettings, stop_at: int | None = No
                 break
             low -= 1
         elif low + 1 != high:
-            state = state.merge(blocks, low + 1, high, rule)
+            state = state.merge(blocks, low + 1, high, rule, s.biases)
             high = low
         else:
             high -= 1
