@@ -18,6 +18,9 @@ own time box out of `--budget-s`, what one leaves unused going to those after it
             memory, each ratio with its interval, verdict and shares (layers, arithmetic, bytes)
     train   lns-train's step at 130M, compiled, at its best levers (micro-batch 512): tokens/s, MFU
     heal    every heal method on the 7B shape, a few steps each: seconds per method and phase
+            (the merges, laco and swm, among them)
+    select  `select`'s scoring on the 7B shape: exact at k = 2 (every removal by the prefix walk)
+            and a few evo generations, each beside the estimate `select` prints before it starts
 
 `gpu_pass.json` in `--out` is rewritten after every step (atomically), so a pass cut short keeps
 every step it finished; a step stopped at its box records how far it came and its rate, never a
@@ -52,7 +55,7 @@ from depthcurse.io import atomic_write  # noqa: E402 (stdlib only: the parent ru
 RESULT = "gpu_pass.json"
 # The order is the priority: what a short lease must bring back first. The share is of the
 # budget left when the step starts, against the shares of the steps still to run.
-STEPS = {"tests": 0.12, "mmlu": 0.32, "speed": 0.14, "train": 0.2, "heal": 0.22, "norms": 0.08}
+STEPS = {"tests": 0.12, "mmlu": 0.3, "speed": 0.13, "train": 0.18, "heal": 0.2, "norms": 0.07, "select": 0.1}
 MIN_BOX_S = {"gpu": 20.0, "dry": 3.0}
 KILL_GRACE_S = 5.0  # after SIGINT, before SIGKILL: a step's last progress line gets written
 
@@ -73,6 +76,7 @@ class Sizes:
     norms: dict  # benchmarks/norm_throughput.py's settings: every normalisation's step against Pre-LN's
     heal: dict
     tests: tuple[str, ...]
+    select: dict  # the windows `select` scores on, k, and evo's settings (a few generations)
 
 
 GPU = Sizes(device="cuda", dtype="bf16", shape="llama-2-7b", mmlu_slice=10, mmlu_target=0, max_memory="52GB",
@@ -83,7 +87,8 @@ GPU = Sizes(device="cuda", dtype="bf16", shape="llama-2-7b", mmlu_slice=10, mmlu
             heal=dict(layers=(24, 25, 26, 27), steps=5, batch_size=4, seq_len=512, eval_windows=2, calib_tokens=8192),
             # heal's first (bf16 autocast, adapters in fp32; they load their models on the GPU), the compile modes last (autotuning is slow)
             tests=("-k", "cuda or test_a_heal_run_measures_three_models or test_heals_numbers_are_plain or test_a_bf16_model_with_tied",
-                   "tests/test_heal.py", "tests/test_kernels.py", "tests/test_model.py", "tests/test_engine.py", "tests/test_train.py"))
+                   "tests/test_heal.py", "tests/test_kernels.py", "tests/test_model.py", "tests/test_engine.py", "tests/test_train.py"),
+            select=dict(windows=8, seq_len=512, batch_size=8, k=2, evo={"generations": 3}))
 DRY = Sizes(device="cpu", dtype="fp32", shape="tiny", mmlu_slice=2, mmlu_target=6, max_memory="1GB",
             speed_layers=(2,), speed=dict(prefill_batch=1, prefill_len=64, decode_batches=(1, 4), prompt_len=16, new_tokens=4),
             train_args=("--device", "cpu", "--preset", "tiny", "--warmup", "1", "--steps", "2", "--batch-size", "4", "--micro-batch", "4",
@@ -91,7 +96,8 @@ DRY = Sizes(device="cpu", dtype="fp32", shape="tiny", mmlu_slice=2, mmlu_target=
             norms=dict(preset="tiny", device="cpu", batch_size=2, seq_len=32, kernels="torch", max_rounds=8, warmup=1, vocab=512,
                        shape=dict(num_layers=2, hidden_size=64, intermediate_size=176)),
             heal=dict(layers=(2,), steps=2, batch_size=2, seq_len=64, eval_windows=2, calib_tokens=256),
-            tests=("-k", "cuda", "tests/test_kernels.py", "tests/test_model.py"))
+            tests=("-k", "cuda", "tests/test_kernels.py", "tests/test_model.py"),
+            select=dict(windows=2, seq_len=32, batch_size=2, k=2, evo={"generations": 2, "offspring": 2, "initially_generated": 4}))
 TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
             rope_theta=10000.0, tie_word_embeddings=False)
 
@@ -300,7 +306,7 @@ def run_step(name: str, sizes: Sizes, out: Path, box_s: float | None) -> None:
     started = time.monotonic()
     deadline = started + (box_s or 1e9)
     {"tests": step_tests, "plan": step_plan, "mmlu": step_mmlu, "speed": step_speed, "train": step_train, "heal": step_heal,
-     "norms": step_norms}[name](
+     "norms": step_norms, "select": step_select}[name](
         sizes, out, events, deadline)
 
 
@@ -595,6 +601,46 @@ def step_heal(sizes: Sizes, out: Path, events: Events, deadline: float) -> None:
             torch.cuda.empty_cache()
     events.result(**facts, layers=list(sizes.heal["layers"]), settings={k: v for k, v in sizes.heal.items() if k != "layers"}, methods=methods,
                   line="; ".join(f"{m} {r['seconds']:.1f} s" for m, r in methods.items()) + " (times only: random weights)")
+
+
+def step_select(sizes: Sizes, out: Path, events: Events, deadline: float) -> None:
+    """exact at k = 2 and a few evo generations on random windows of the step's shape, each timed
+    beside what `select` would have said before it started (its estimate from a timed pass)."""
+    from dataclasses import asdict
+
+    import torch
+
+    from depthcurse.select.estimate import pass_timing
+    from depthcurse.select.scoring import CalibrationScorer
+    from depthcurse.select.search import SearchContext, Space, build_searches
+
+    facts = _device_facts(sizes)
+    s = sizes.select
+    model, shape = _random_llama(sizes, 32000)
+    windows = torch.randint(0, 32000, (s["windows"], s["seq_len"]), generator=torch.Generator().manual_seed(0))
+    timing = pass_timing(model, windows, s["batch_size"])
+    space = Space(shape["num_hidden_layers"], s["k"], timing=timing)
+    searches = build_searches(("exact", "evo"), {f"evo.{k}": str(v) for k, v in s["evo"].items()})
+    figures = {}
+    for name, search in searches.items():
+        search.check(space)
+        scorer = CalibrationScorer(model, windows, s["batch_size"], {}, lambda: None)
+        ctx = SearchContext(space=space, objective="kl", windows=len(windows), window_tokens=windows.shape[1], streams=None, seed=0,
+                            score=lambda r, scorer=scorer: scorer(r)["kl"], score_many=lambda rs, scorer=scorer: [d["kl"] for d in scorer.score_many(rs)],
+                            score_on=lambda r, w, t, scorer=scorer: scorer.score_on(r, w, t, "kl"),
+                            score_on_many=lambda rs, w, t, scorer=scorer: scorer.score_on_many(rs, w, t, "kl"))
+        blocks, heads = search.passes(space, windows.numel())
+        _sync(sizes)
+        t0 = time.monotonic()
+        chosen = search.run(ctx)
+        _sync(sizes)
+        took = time.monotonic() - t0
+        cost = scorer.cost.summary(len(windows))
+        figures[name] = {"seconds": round(took, 2), "estimate_s": round(timing.seconds(blocks, heads), 2), "chosen": list(chosen),
+                         "estimated_passes": [round(blocks, 1), round(heads, 1)], "cost": cost}
+        events.progress(searches=figures)
+    events.result(**facts, timing=asdict(timing), settings=s, searches=figures,
+                  line="; ".join(f"{n} {f['seconds']:.1f} s (estimated {f['estimate_s']:.1f} s)" for n, f in figures.items()) + " (times only: random weights)")
 
 
 if __name__ == "__main__":

