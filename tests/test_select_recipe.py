@@ -58,6 +58,7 @@ def test_the_walk_count_for_any_removals_is_the_closed_form_for_every_k_set_and_
     assert scorer.cost.summary(len(windows))["block_passes"] == trie_passes(removals, 6) == 12  # 0: 2 + 2, then 1 + 1; 1: 0 + 3; 2: 2 + 0; 4: 1
 
 
+@pytest.mark.statistics
 @pytest.mark.parametrize("granularity", ["layer", "sub-block", "branch"])
 def test_a_random_removals_run_is_the_mean_over_every_removal(granularity):
     """mean_run against every removal of the space enumerated: whole blocks skip their removed ones,
@@ -71,6 +72,7 @@ def test_a_random_removals_run_is_the_mean_over_every_removal(granularity):
     assert mean_run(n, k, granularity) == pytest.approx(sum(runs) / len(runs), rel=1e-12)
 
 
+@pytest.mark.statistics
 def test_each_search_expects_its_own_passes():
     space = Space(30, 4)
     built = build_searches(("exact", "greedy", "one-shot", "random", "evo", "last", "angular"),
@@ -104,6 +106,7 @@ def test_the_pass_timing_is_the_median_block_and_the_summed_heads_after_a_warm_u
 
 
 # --------------------------------------------------------------------------- stability
+@pytest.mark.statistics
 def test_the_stability_summary_and_verdict_by_hand():
     """Full pick {1, 2}; reruns {1, 2}, {1, 3}, {2, 3}, {1, 2}: 1 and 2 in 3 of 4, 3 in 2 of 4; the
     whole pick twice (Wilson 2 of 4: 15.0%-85.0%); Jaccard 1, 1/3, 1/3, 1: mean 2/3."""
@@ -116,6 +119,7 @@ def test_the_stability_summary_and_verdict_by_hand():
     assert verdict("x", every).startswith("x: the pick 4,5: 4, 5 in every rerun; the whole pick in 3 of 3 (44%-100%")
 
 
+@pytest.mark.statistics
 def test_resample_draws_are_seeded_with_replacement_and_do_not_depend_on_how_many():
     a, b = draws(8, 3, seed=5), draws(8, 5, seed=5)
     assert a == b[:3] and a != draws(8, 3, seed=6)
@@ -169,6 +173,7 @@ def test_a_seeded_search_reruns_under_each_seed_as_that_seed_alone_chooses(six_d
 
 
 # --------------------------------------------------------------------------- the recipe
+@pytest.mark.statistics
 def test_the_recipe_runs_exact_where_it_fits_the_budget_and_evo_where_not():
     space = Space(30, 3, timing=PassTiming(0.01, 0.1))  # 31,437 block and 4,060 head passes: 720 s
     assert recipe(space, 1024, 30.0).searches == ("greedy", "exact")
@@ -344,6 +349,7 @@ class Mine(Search):
     assert_one_line_error(*run_cli("settings", "nosuch"), "settings nosuch: no search or method of that name")
 
 
+@pytest.mark.statistics
 def test_each_pick_against_the_best_is_holm_adjusted_over_the_distinct_picks():
     """Three picks of one text and objective (the best, and two others, one of them chosen twice):
     the family is the two distinct others; the one with the smaller p-value is tested at 1 - 0.05 / 2,
@@ -371,6 +377,7 @@ def test_each_pick_against_the_best_is_holm_adjusted_over_the_distinct_picks():
     assert picks["t/evo/kl"]["held_out_holm"] == picks["t/greedy/kl"]["held_out_holm"] and "held_out_holm" not in picks["t/exact/kl"]
 
 
+@pytest.mark.statistics
 def test_a_suites_interval_weighs_each_task_as_its_headline_does():
     """Three tasks of 4, 6 and 3 questions: the headline is the mean of the task means, and the
     interval of the difference from the unpruned model is that mean's, each task's variance over its

@@ -343,6 +343,7 @@ def test_wilson_holds_the_proportion_inside_zero_one_and_narrows_with_n(kn):
 
 
 # --------------------------------------------------------------------------- Holm (issue 72)
+@statistics_test
 def test_holm_adjusted_p_values_worked_by_hand():
     """p = 0.01, 0.04, 0.03, 0.005 (m = 4). Sorted: 0.005 x 4 = 0.02; 0.01 x 3 = 0.03; 0.03 x 2 = 0.06;
     0.04 x 1 = 0.04, raised to 0.06 (never below an earlier step). Bonferroni would give 0.04, 0.16,
@@ -353,6 +354,7 @@ def test_holm_adjusted_p_values_worked_by_hand():
     assert holm([0.5, 0.9]) == [1.0, 1.0] and holm([]) == []
 
 
+@statistics_test
 def test_holm_family_intervals_p_values_and_decisions_by_hand():
     """Three differences with se 1 at 9 df: t = 3.5, 2.5, 0.5. Their two-sided p-values by scipy's t;
     the smallest tested at 1 - 0.05 / 3, the next at 1 - 0.05 / 2, the last at 95%."""
@@ -375,6 +377,7 @@ def test_holm_family_intervals_p_values_and_decisions_by_hand():
     assert family[3]["p"] is None
 
 
+@statistics_test
 def test_holm_keeps_the_family_wise_error_at_5_percent_where_plain_intervals_do_not():
     """Six null differences of 10 paired items each, 4,000 families: the chance of any false "apart"
     is about 26% with plain 95% intervals and at most 5% with Holm's."""
@@ -392,6 +395,7 @@ def test_holm_keeps_the_family_wise_error_at_5_percent_where_plain_intervals_do_
     assert 0.22 < plain / 4000 < 0.31 and adjusted / 4000 <= 0.06
 
 
+@statistics_test
 def test_the_sample_skewness_worked_by_hand_and_its_warning():
     """1, 2, 3, 10: mean 4, deviations -3, -2, -1, 6; m2 = 50 / 4 = 12.5, m3 = 180 / 4 = 45;
     g1 = 45 / 12.5^1.5 = 1.01823; G1 = sqrt(4 x 3) / 2 x g1 = 1.76363 (the biased g1 would be 1.018)."""
