@@ -51,3 +51,40 @@ def angular_distance(
     console.print(angular.angular_table(result))
     console.print(angular.massive_summary(result))
     console.print(f"wrote {', '.join(str(p) for p in paths)}")
+
+
+def depth_use(
+    model: str = ModelArg,
+    data: str = typer.Option("wiki", "--data", help="auto (C4, or wiki offline), c4, wiki, code, math, dialogue, or a .txt/.jsonl/.parquet file."),
+    windows: int = typer.Option(16, "--windows", help="Windows of the text (the intervals are over them)."),
+    seq_len: int = typer.Option(256, "--seq-len", help="Tokens per window."),
+    batch_size: int = typer.Option(4, "--batch-size", help="Windows per forward pass."),
+    influence: bool = typer.Option(True, "--influence/--no-influence", help="Also skip each layer in turn (about n / 2 passes more) for the influence matrix."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default runs/depth-use/<model>)."),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    trust_remote_code: bool = TrustOpt,
+    revision: Optional[str] = RevisionOpt,
+) -> None:
+    """How a model uses its depth, per layer: what each sublayer adds to the residual stream, where the
+    logit lens settles, and whose later work a skipped layer changes (Csordás et al. 2025).
+
+    Example: depthcurse depth-use smollm2-135m --data wiki --windows 16 --seq-len 256"""
+    from depthcurse import depth  # lazy: start-up
+    from depthcurse.cli.shared import model_line, progress_bar, showing, verdicts
+
+    out_dir = claim_out_dir(out or Path("runs") / "depth-use" / slug(model))
+    loaded = load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
+    progress = progress_bar()
+    bar = progress.add_task("starting", total=None)
+    with showing(progress):
+        record = depth.run_depth_use(loaded, data, windows, seq_len, batch_size, influence=influence,
+                                     on_step=lambda text, done, total: progress.update(bar, description=text, completed=done, total=total))
+    console.print(model_line(loaded))
+    console.print(depth.depth_table(record))
+    verdicts(depth.depth_verdicts(record))
+    paths = depth.write_depth(record, out_dir) + [depth.plot_settling(record, out_dir / "settling.png")]
+    figure = depth.plot_influence(record, out_dir / "influence.png")
+    if figure is not None:
+        paths.append(figure)
+    console.print(f"wrote {', '.join(str(p) for p in paths)}")

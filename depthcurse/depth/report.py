@@ -1,0 +1,159 @@
+"""`depth-use`'s run on a text, and its results: a rich table per layer, verdicts, `depth_use.json`,
+`depth_use.csv`, the influence heatmap and the settling figure."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+from rich.table import Table
+
+from depthcurse.depth.measure import DepthUse, measure_depth_use, per_layer_rows, phase_transition
+from depthcurse.errors import DepthcurseError
+from depthcurse.io import atomic_write, json_text, save_figure
+from depthcurse.loading import check_sequence_length
+from depthcurse.tasks import PerplexityTask
+from depthcurse.text import load_texts
+
+DEPTH_JSON = "depth_use.json"
+
+
+def run_depth_use(loaded, data: str, windows: int, seq_len: int, batch_size: int, influence: bool = True, on_step=lambda text, done, total: None) -> dict:
+    """`windows` windows of `seq_len` tokens of `data` (ppl's packing), measured; the record."""
+    if windows < 2:
+        raise DepthcurseError(f"--windows must be at least 2 (the intervals are over windows), got {windows}")
+    if seq_len < 2 or batch_size < 1:
+        raise DepthcurseError("--seq-len must be at least 2 and --batch-size at least 1")
+    check_sequence_length(loaded.model, seq_len)
+    texts, label = load_texts(data, option="--data")
+    ids = PerplexityTask(loaded.tokenizer, texts, source=label, seq_len=seq_len, limit=windows, warn_short=False).windows
+    if len(ids) < windows:
+        raise DepthcurseError(f"--data {data} holds {len(ids)} windows of {seq_len} tokens, fewer than --windows {windows}")
+    use = measure_depth_use(loaded.model.eval(), ids, batch_size, influence=influence, on_step=on_step)
+    return {"run": {**{k: v for k, v in loaded.describe().items() if k != "device"}, "data": label, "windows": windows, "seq_len": seq_len},
+            "use": use.summary(), "layers": per_layer_rows(use), "phase_transition": phase_transition(use)}
+
+
+def _use(record: dict) -> DepthUse:
+    return DepthUse(**record["use"])
+
+
+def _cell(value: float, interval) -> str:
+    return f"{value:.3f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "")
+
+
+def depth_table(record: dict) -> Table:
+    run = record["run"]
+    table = Table(title=f"{run['model']}: how each layer is used, {run['windows']} windows x {run['seq_len']} tokens of {run['data']}",
+                  caption="attention / MLP: the sublayer's output norm over the residual stream it is added to, and their cosine (Csordás et al. 2025, "
+                          "Fig. 2); lens: the model's final norm and head on the stream after the layer, against its output (KL, top-1, the output's "
+                          "top-1 in the lens's top-5); settles here: tokens whose lens top-1 is the output's from this layer on; influence: the "
+                          "layer skipped, the mean relative change of every later layer's contribution, and the output's KL. Means over windows, "
+                          "in brackets the 95% interval (Student's t over windows)", caption_justify="left")
+    for column in ("layer", "attention ||a||/||h||", "MLP ||m||/||h||", "cos(a, h)", "cos(m, h)", "lens KL", "lens top-1", "lens top-5",
+                   "settles here", "influence on later layers", "output KL when skipped"):
+        table.add_column(column, justify="right")
+    use = _use(record)
+    for row in record["layers"]:
+        i = row["layer"]
+        later = [v for v in (use.influence[i] if use.influence else []) if v == v]
+        table.add_row(str(i), *(_cell(row[n], row[f"{n}_interval"]) for n in ("attn_norm", "mlp_norm", "attn_cos", "mlp_cos", "lens_kl", "lens_top1", "lens_top5")),
+                      f"{row['settled_share']:.1%}", f"{sum(later) / len(later):.3f}" if later else "-",
+                      f"{use.output_change[i]:.3f}" if use.output_change else "-")
+    return table
+
+
+def depth_verdicts(record: dict) -> list[str]:
+    use, rows = _use(record), record["layers"]
+    lines = []
+    settled = use.settled
+    total = sum(settled) or 1
+    half = next(i for i in range(len(settled)) if sum(settled[: i + 1]) >= total / 2)
+    lines.append(f"half of the tokens' predictions have settled by layer {half} of {use.n_layers} (logit lens; "
+                 f"{settled[-1] / total:.0%} settle only at the last layer)")
+    phase = record.get("phase_transition")
+    if phase is not None:
+        lines.append(f"phase transition at layer {phase} of {use.n_layers} ({phase / use.n_layers:.0%} of the depth): from there no layer's skip "
+                     "changes the later layers' work by half as much as the most influential layer's (docs/depth-use.md)")
+    if use.output_change:
+        worst = max(range(use.n_layers), key=lambda i: use.output_change[i])
+        lines.append(f"skipping layer {worst} changes the output most (KL {use.output_change[worst]:.3f})")
+    return lines
+
+
+def write_depth(record: dict, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [atomic_write(out / DEPTH_JSON, json_text(record))]
+
+    def rows(tmp: Path) -> None:
+        with open(tmp, "w", newline="") as f:
+            writer = csv.writer(f)
+            names = ("attn_norm", "mlp_norm", "attn_cos", "mlp_cos", "lens_kl", "lens_top1", "lens_top5")
+            writer.writerow(["layer", *names, *(f"{n}_low" for n in names), *(f"{n}_high" for n in names), "settled_share", "output_kl_when_skipped"])
+            use = _use(record)
+            for row in record["layers"]:
+                iv = [row[f"{n}_interval"] or [None, None] for n in names]
+                writer.writerow([row["layer"], *(row[n] for n in names), *(i[0] for i in iv), *(i[1] for i in iv), row["settled_share"],
+                                 use.output_change[row["layer"]] if use.output_change else ""])
+
+    paths.append(atomic_write(out / "depth_use.csv", rows))
+    return paths
+
+
+def plot_influence(record: dict, path: Path) -> Path | None:
+    """The influence matrix: layer i skipped (rows), the relative change of layer j's contribution (columns)."""
+    use = _use(record)
+    if use.influence is None:
+        return None
+    import matplotlib  # lazy: only figures need matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 5.4), dpi=120)
+    grid = [[v if v == v else math.nan for v in row] for row in use.influence]
+    im = ax.imshow(grid, cmap="magma", origin="upper")
+    ax.set_xlabel("later layer j")
+    ax.set_ylabel("layer i skipped")
+    fig.colorbar(im, ax=ax, label="mean ||c_j(skip i) - c_j|| / ||c_j||")
+    ax.set_title(f"{record['run']['model']}: whose later work each layer changes\n({record['run']['windows']} x {record['run']['seq_len']} "
+                 f"tokens of {record['run']['data']})", fontsize=9)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def plot_settling(record: dict, path: Path) -> Path:
+    """Left: where each token's prediction settles (logit lens), as a share of tokens per layer. Right:
+    the lens's top-1 agreement and KL to the output per layer."""
+    import matplotlib  # lazy: only figures need matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    use, rows = _use(record), record["layers"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
+    total = sum(use.settled) or 1
+    axes[0].bar(range(use.n_layers), [s / total for s in use.settled], color="C0")
+    axes[0].set_xlabel("layer after which the lens's top-1 stays the output's")
+    axes[0].set_ylabel("share of tokens")
+    axes[0].set_title("settling depth (logit lens)", fontsize=9)
+    layers = [r["layer"] for r in rows]
+    axes[1].plot(layers, [r["lens_top1"] for r in rows], "o-", label="top-1 agreement with the output")
+    axes[1].plot(layers, [r["lens_top5"] for r in rows], "s-", label="output's top-1 in the lens's top-5")
+    axes[1].set_xlabel("layer")
+    axes[1].set_ylabel("share of tokens")
+    twin = axes[1].twinx()
+    twin.plot(layers, [r["lens_kl"] for r in rows], "k:", label="KL(output || lens)")
+    twin.set_ylabel("KL (nats)")
+    axes[1].legend(fontsize=7, loc="center left")
+    axes[1].set_title("the logit lens per layer", fontsize=9)
+    fig.suptitle(f"{record['run']['model']}: where the prediction settles ({record['run']['windows']} x {record['run']['seq_len']} tokens of "
+                 f"{record['run']['data']})", fontsize=10)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def read_depth(path: Path) -> dict:
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,132 @@
+"""`depth-use` (issue 73): the logit lens at the last layer is the model's own output, a skipped
+layer's influence row is two plain forward passes compared by hand, each sublayer's contribution is
+its branch's output against the stream by hand, the settling depth on a case worked by hand, the
+phase-transition rule, the command end to end, and the bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import assert_one_line_error, tiny_llama
+
+from depthcurse.depth import measure_depth_use, phase_transition, settling_depth
+from depthcurse.depth.measure import DepthUse
+from depthcurse.surgery import removed_layers
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _model():
+    return tiny_llama(300, layers=5, seed=3).eval()
+
+
+def _ids(windows=3, length=12):
+    return torch.randint(3, 300, (windows, length), generator=torch.Generator().manual_seed(1))
+
+
+def _branches_by_hand(model, ids):
+    """Each block's attention and MLP output, and the stream entering it, by hooks put here on a plain forward."""
+    seen = {}
+    hooks = []
+    for i, block in enumerate(model.model.layers):
+        hooks.append(block.register_forward_pre_hook(lambda m, args, kwargs, i=i: seen.__setitem__(("h", i), (args[0] if args else kwargs["hidden_states"]).float()),
+                                                     with_kwargs=True))
+        hooks.append(block.self_attn.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(("a", i), out[0].float())))
+        hooks.append(block.mlp.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(("m", i), out.float())))
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits.float()
+    for h in hooks:
+        h.remove()
+    return seen, logits
+
+
+def test_the_lens_at_the_last_layer_is_the_models_output_and_each_contribution_is_its_branch_by_hand():
+    model, ids = _model(), _ids()
+    use = measure_depth_use(model, ids, 2, influence=False)
+    seen, logits = _branches_by_hand(model, ids)
+    last = len(model.model.layers) - 1
+    assert use.lens_kl[last] == pytest.approx([0.0] * 3, abs=1e-6) and use.lens_top1[last] == [1.0] * 3 and use.lens_top5[last] == [1.0] * 3
+    for i in range(last + 1):
+        h, a, m = seen["h", i], seen["a", i], seen["m", i]
+        by_hand = (a.norm(dim=-1) / h.norm(dim=-1)).mean(-1)
+        assert use.attn_norm[i] == pytest.approx(by_hand.tolist(), rel=1e-5)
+        assert use.mlp_norm[i] == pytest.approx((m.norm(dim=-1) / (h + a).norm(dim=-1)).mean(-1).tolist(), rel=1e-5)
+        assert use.mlp_cos[i] == pytest.approx(torch.nn.functional.cosine_similarity(m, h + a, dim=-1).mean(-1).tolist(), rel=1e-5, abs=1e-6)
+    # the lens on the last stream is the model's log-probs: its top-1 is the model's argmax on every token
+    assert sum(use.settled) == ids.numel()
+
+
+def test_a_skipped_layers_influence_row_is_two_plain_forward_passes_by_hand():
+    """Layer 1 skipped: for every later layer j, mean over tokens then windows of ||c_j' - c_j|| / ||c_j||,
+    c_j = a_j + m_j from the whole model's forward and from the forward of the model built without
+    layer 1; and the output's KL(whole || skipped)."""
+    model, ids = _model(), _ids()
+    use = measure_depth_use(model, ids, 2)
+    whole, logits = _branches_by_hand(model, ids)
+    with removed_layers(model, [1]):
+        skipped, skipped_logits = _branches_by_hand(model, ids)  # its blocks renumbered: old j is new j - 1
+    for j in range(2, 5):
+        c, c_skip = whole["a", j] + whole["m", j], skipped["a", j - 1] + skipped["m", j - 1]
+        assert use.influence[1][j] == pytest.approx(((c_skip - c).norm(dim=-1) / c.norm(dim=-1)).mean(-1).mean().item(), rel=1e-4)
+    assert use.influence[1][0] != use.influence[1][0] and use.influence[1][1] != use.influence[1][1]  # NaN: not later
+    p, q = torch.log_softmax(logits[:, :, :], -1), torch.log_softmax(skipped_logits, -1)
+    assert use.output_change[1] == pytest.approx((p.exp() * (p - q)).sum(-1).mean().item(), rel=1e-4)
+
+
+def test_the_settling_depth_worked_by_hand():
+    """Four layers, three tokens; the final top-1 is 7, 8, 9. Token 0 agrees at layers 1, 2, 3 (settles
+    at 1); token 1 at 0 and 3 only (3); token 2 everywhere (0)."""
+    lens = torch.tensor([[5, 8, 9], [7, 1, 9], [7, 2, 9], [7, 8, 9]])
+    assert settling_depth(lens, torch.tensor([7, 8, 9])).tolist() == [1, 3, 0]
+
+
+def test_the_phase_transition_rule_by_hand():
+    """Row means of later influence 0.8, 0.6, 0.5, 0.3, 0.2, (last: none): half of the largest is 0.4,
+    and from layer 3 on every row stays below it."""
+    rows = [0.8, 0.6, 0.5, 0.3, 0.2]
+    nan = float("nan")
+    influence = [[nan] * (i + 1) + [rows[i]] * (5 - i) for i in range(5)] + [[nan] * 6]
+    use = DepthUse(n_layers=6, windows=2, influence=influence, output_change=[0.0] * 6)
+    assert phase_transition(use) == 3
+
+
+def test_depth_use_end_to_end_and_its_bad_input(run_cli, tiny_model_dir, text_file, tmp_path):
+    out = tmp_path / "du"
+    code, stdout, err = run_cli("depth-use", tiny_model_dir, "--data", text_file, "--windows", "3", "--seq-len", "16", "--out", out)
+    assert code == 0, err
+    said = " ".join(stdout.split())
+    assert "how each layer is used, 3 windows x 16 tokens" in said and "half of the tokens' predictions have settled by layer" in said
+    record = json.loads((out / "depth_use.json").read_text())
+    assert len(record["layers"]) == 4 and record["use"]["influence"] is not None
+    assert all((out / f).is_file() for f in ("depth_use.csv", "settling.png", "influence.png"))
+    base = ["depth-use", tiny_model_dir, "--data", text_file, "--seq-len", "16"]
+    assert_one_line_error(*run_cli(*base, "--windows", "1", "--out", tmp_path / "a"), "--windows must be at least 2")
+    assert_one_line_error(*run_cli(*base, "--windows", "100000", "--out", tmp_path / "b"), "windows of 16 tokens, fewer than --windows 100000")
+
+
+def test_a_model_the_lens_cannot_read_is_one_line(run_cli, tmp_path, tiny_tokenizer, text_file):
+    """A Post-LN encoder (BERT) has no language-model head the lens could use: one line before any work, nothing written."""
+    import transformers as tf
+
+    path = tmp_path / "bert"
+    tf.BertForMaskedLM(tf.BertConfig(vocab_size=len(tiny_tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64)).save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    out = tmp_path / "du"
+    assert_one_line_error(*run_cli("depth-use", path, "--data", text_file, "--windows", "2", "--seq-len", "16", "--out", out),
+                          "bert is an encoder without a language-model head")
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_a_decoder_the_stepper_cannot_run_is_one_line_naming_why():
+    """GPT-2 (learned positions, no rotary embedding): the lens and the skips need prune's stepper."""
+    import transformers as tf
+
+    from depthcurse.errors import DepthcurseError
+
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=300, n_embd=32, n_layer=2, n_head=2)).eval()
+    with pytest.raises(DepthcurseError, match=r"^depth-use needs the model's blocks, final norm and head one by one \(the logit lens, the skips\): "):
+        measure_depth_use(model, _ids(), 2)
