@@ -84,13 +84,18 @@ def test_the_settling_depth_worked_by_hand():
 
 
 def test_the_phase_transition_rule_by_hand():
-    """Row means of later influence 0.8, 0.6, 0.5, 0.3, 0.2, (last: none): half of the largest is 0.4,
-    and from layer 3 on every row stays below it."""
-    rows = [0.8, 0.6, 0.5, 0.3, 0.2]
+    """Row means 0.8, 0.7, 0.75, 0.2, 0.25 (the last layer: none). Splits: at 1, SSE 0 + (0.7, 0.75, 0.2,
+    0.25 about 0.475) 0.255; at 2, 0.005 + (0.75, 0.2, 0.25 about 0.4) 0.185; at 3, (about 0.75) 0.005 +
+    (about 0.225) 0.00125 = 0.00625, the least: layer 3. Rising influence has no transition."""
     nan = float("nan")
-    influence = [[nan] * (i + 1) + [rows[i]] * (5 - i) for i in range(5)] + [[nan] * 6]
-    use = DepthUse(n_layers=6, windows=2, influence=influence, output_change=[0.0] * 6)
-    assert phase_transition(use) == 3
+
+    def use(rows):
+        influence = [[nan] * (i + 1) + [rows[i]] * (len(rows) - i) for i in range(len(rows))] + [[nan] * (len(rows) + 1)]
+        return DepthUse(n_layers=len(rows) + 1, windows=2, influence=influence, output_change=[0.0] * (len(rows) + 1))
+
+    assert phase_transition(use([0.8, 0.7, 0.75, 0.2, 0.25])) == 3
+    assert phase_transition(use([0.2, 0.25, 0.8, 0.7, 0.75])) is None
+    assert phase_transition(use([0.5, 0.4])) is None and phase_transition(DepthUse(n_layers=6, windows=2)) is None
 
 
 def test_depth_use_end_to_end_and_its_bad_input(run_cli, tiny_model_dir, text_file, tmp_path):

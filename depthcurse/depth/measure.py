@@ -192,18 +192,22 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
 
 
 def phase_transition(use: DepthUse) -> int | None:
-    """The depth where the model stops composing: the first layer from which every later layer's
-    mean influence on the layers after it (its row of the influence matrix) stays below half of the
-    largest such mean. Csordás et al. read theirs from the same figure by eye; this is the rule
-    written down (docs/depth-use.md). None without the matrix."""
+    """The depth where the layers' influence on later layers drops: the single change point in the
+    mean of the row means of the influence matrix (each layer's mean effect on the layers after it),
+    the split l that leaves the least squared deviation about the two segments' means (least
+    squares), where the first segment's mean is the higher. Csordás et al. read their transition from
+    the same figure by eye; this is a rule written down (docs/depth-use.md). None without the matrix,
+    with fewer than 3 rows, or where no split lowers the mean."""
     if use.influence is None:
         return None
-    rows = [[v for v in row if v == v] for row in use.influence]
-    means = [sum(r) / len(r) if r else 0.0 for r in rows]
-    top = max(means[:-1] or [0.0])
-    if top <= 0:
+    rows = [[v for v in row if v is not None and v == v] for row in use.influence[:-1]]  # the last layer has no later one (NaN; null in JSON)
+    means = [sum(r) / len(r) for r in rows]
+    if len(means) < 3:
         return None
-    for layer in range(len(means)):
-        if all(m < top / 2 for m in means[layer:-1]):
-            return layer
-    return None
+
+    def sse(xs):
+        centre = sum(xs) / len(xs)
+        return sum((x - centre) ** 2 for x in xs)
+
+    best = min(range(1, len(means)), key=lambda l: (sse(means[:l]) + sse(means[l:]), l))
+    return best if sum(means[:best]) / best > sum(means[best:]) / (len(means) - best) else None

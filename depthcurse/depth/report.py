@@ -58,7 +58,7 @@ def depth_table(record: dict) -> Table:
     use = _use(record)
     for row in record["layers"]:
         i = row["layer"]
-        later = [v for v in (use.influence[i] if use.influence else []) if v == v]
+        later = [v for v in (use.influence[i] if use.influence else []) if v is not None and v == v]  # NaN here, null read back
         table.add_row(str(i), *(_cell(row[n], row[f"{n}_interval"]) for n in ("attn_norm", "mlp_norm", "attn_cos", "mlp_cos", "lens_kl", "lens_top1", "lens_top5")),
                       f"{row['settled_share']:.1%}", f"{sum(later) / len(later):.3f}" if later else "-",
                       f"{use.output_change[i]:.3f}" if use.output_change else "-")
@@ -75,8 +75,8 @@ def depth_verdicts(record: dict) -> list[str]:
                  f"{settled[-1] / total:.0%} settle only at the last layer)")
     phase = record.get("phase_transition")
     if phase is not None:
-        lines.append(f"phase transition at layer {phase} of {use.n_layers} ({phase / use.n_layers:.0%} of the depth): from there no layer's skip "
-                     "changes the later layers' work by half as much as the most influential layer's (docs/depth-use.md)")
+        lines.append(f"phase transition at layer {phase} of {use.n_layers} ({phase / use.n_layers:.0%} of the depth): from there the median layer's skip "
+                     "changes the later layers' work by less than half as much as the most influential layer's (docs/depth-use.md)")
     if use.output_change:
         worst = max(range(use.n_layers), key=lambda i: use.output_change[i])
         lines.append(f"skipping layer {worst} changes the output most (KL {use.output_change[worst]:.3f})")
@@ -113,7 +113,7 @@ def plot_influence(record: dict, path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 5.4), dpi=120)
-    grid = [[v if v == v else math.nan for v in row] for row in use.influence]
+    grid = [[v if v is not None and v == v else math.nan for v in row] for row in use.influence]
     im = ax.imshow(grid, cmap="magma", origin="upper")
     ax.set_xlabel("later layer j")
     ax.set_ylabel("layer i skipped")
