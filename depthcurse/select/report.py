@@ -293,15 +293,17 @@ def answer_lines(record: dict) -> list[str]:
     lines = []
     for name, cell in answer_picks(record):
         d, pick, c = record["distances"][name], record["distances"][name]["picks"][cell], record["cells"][cell]
-        found = sorted({record["cells"][other]["search"] for other, p in d["picks"].items() if p["layers"] == pick["layers"]})
-        how = f"the exact optimum of {d['space']:,} removals" if d["exact"] and pick["is_best"] else \
-            f"the best of {', '.join(found)}; {'not' if not d['exact'] else 'and'} checked against every removal"
+        same = [other for other, p in d["picks"].items() if p["layers"] == pick["layers"]]
+        found = sorted({record["cells"][other]["search"] for other in same})
+        how = f"the exact optimum of {d['space']:,} removals; found by {', '.join(found)}" if d["exact"] and pick["is_best"] else \
+            f"found by {', '.join(found)}; " + ("not the exact optimum, which exact found" if d["exact"] else "no exact run, so not known to be the optimum")
         scores = cell_scores(record, cell)
         held = [f"{column} {v:.4g} [{lh[0]:.4g}, {lh[1]:.4g}]" for column, (v, lh) in scores.items() if lh and not column.endswith("rejection")]
-        stability = (record.get("stability_summary") or {}).get(cell)
+        stabilities = record.get("stability_summary") or {}
+        stability = next((stabilities[other] for other in [cell, *same] if other in stabilities), None)  # any search that chose this removal and was rerun
         sure = f"in {stability['resamples']} reruns on resampled windows, " + words(stability) if stability else "not resampled (--resamples R says how often it comes back)"
         unit = "layers" if record["run"].get("granularity", "layer") == "layer" else "units"
-        lines.append(f"answer ({name}): remove {unit} {pick['layers']} ({how}; found by {', '.join(found)}) · held out against the unpruned model: "
+        lines.append(f"answer ({name}): remove {unit} {pick['layers']} ({how}) · held out against the unpruned model: "
                      + "; ".join(held) + f" · how sure: {sure}")
     return lines
 
