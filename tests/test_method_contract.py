@@ -261,10 +261,11 @@ PAPER_DEFAULTS = {
     "prune-comp": {"calib_tokens": 16384, "per": "layer"},
     # Lu et al. (partial-layer fine-tuning): the head and the last three layers
     "tune-last": {"layers": 3, "head": True, "loss": "lm"},
-    # LaCo: RDSC as the paper writes it (the notebook's in-place loop one setting away)
-    "laco": {"as_": "paper"},
-    # Sliding-Window Merging (SLM.py): merge_layers_return_model(..., weight_factor=1)
-    "swm": {"weight_factor": 1.0},
+    # LaCo: RDSC as the paper writes it (the notebook's in-place loop one setting away); the notebook's
+    # seven projection weights, biases left the base layer's
+    "laco": {"as_": "paper", "biases": False},
+    # Sliding-Window Merging (SLM.py): merge_layers_return_model(..., weight_factor=1), the seven weights
+    "swm": {"weight_factor": 1.0, "biases": False},
 }
 
 
