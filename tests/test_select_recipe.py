@@ -412,3 +412,43 @@ def test_held_out_documents_share_no_document_with_the_calibration(six_dir, tmp_
         one = tmp_path / "one.txt"
         one.write_text("a single document " * 200)
         text_windows(tiny_tokenizer, str(one), replace(cfg, calibration=(str(one),)))
+
+
+@pytest.mark.statistics
+def test_the_verdicts_other_branches_and_the_draws_pinned():
+    """A pick that never comes back, others in the units' order, more than four others cut; the draws
+    of seed 3 pinned by value."""
+    assert verdict("x", summary((1, 2), [(3, 4), (3, 4)], "layer")) == (
+        "x: the pick 1,2: 1, 2 in no rerun; also 3 (2 of 2), 4 (2 of 2); the whole pick in 0 of 2 (0%-66%, Wilson 95%), mean Jaccard 0.00")
+    many = verdict("x", summary((1, 2), [(3, 4), (5, 6), (7, 8), (1, 9)], "layer"))
+    assert "1 in 1 of 4; 2 in no rerun; also 3 (1 of 4), 4 (1 of 4), 5 (1 of 4), 6 (1 of 4) ...;" in many and "mean Jaccard 0.08" in many
+    assert draws(4, 2, seed=3) == [[0, 0, 1, 2], [1, 2, 3, 3]]
+    s = summary(("m3", "a1"), [("a1", "m3"), ("a2", "m3")], "sub-block")
+    assert s["full"] == "a1,m3" and s["frequency"] == {"a1": 0.5, "a2": 0.5, "m3": 1.0} and s["same"] == 1
+
+
+@pytest.mark.statistics
+def test_a_resample_reweighs_each_windows_scores_by_how_often_it_was_drawn():
+    """Windows drawn 0, 0, 2 of three: a removal's loss is (l0 + l0 + l2) / 3; its stage minibatch
+    (EvoPress) maps the resample's windows to the ones they are."""
+    from depthcurse.select.stability import Resampled
+
+    class Scorer:
+        asked = []
+
+        def per_window(self, removals):
+            return [([1.0, 2.0, 4.0], [0.1, 0.2, 0.4], [1.0, 0.5, 0.0]) for _ in removals]
+
+        def _scores(self, removal, loss, kl, agreement):
+            return [loss, kl, 1.0 - agreement, None]
+
+        def score_on_many(self, removals, windows, last, objective):
+            self.asked.append((windows, last, objective))
+            return [0.0] * len(removals)
+
+    view = Resampled(Scorer(), [0, 0, 2])
+    assert view.score_many([(3,)], "ppl") == [pytest.approx(6.0 / 3)]
+    assert view.score_many([(3,), (4,)], "kl") == [pytest.approx(0.6 / 3)] * 2
+    assert view.score_many([(3,)], "acceptance") == [pytest.approx(1 - 2.0 / 3)]
+    view.score_on_many([(3,)], [2, 0], 5, "kl")
+    assert Scorer.asked == [([2, 0], 5, "kl")]

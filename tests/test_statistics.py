@@ -408,3 +408,19 @@ def test_the_sample_skewness_worked_by_hand_and_its_warning():
     said = skew_warning([1, 2, 3, 10], "without 3, wiki held-out kl")
     assert said.startswith("without 3, wiki held-out kl: the paired differences are skewed (G1 +1.76 over 4 items)")
     assert skew_warning([1, 2, 3, 4.5], "x") is None  # G1 0.42: within the bound
+
+
+@statistics_test
+def test_holm_and_its_p_values_at_their_edges():
+    """No spread (se 0): p 0 for a difference, 1 for none; no interval where the value, the se or the df
+    is not usable; an adjusted p-value is capped at 1; an unknown difference in the middle of a family
+    is left out and the rest still adjusted."""
+    from depthcurse.stats.intervals import Spread
+    from depthcurse.stats.multiple import holm, holm_family, t_p_value
+
+    assert t_p_value(0.3, Spread(0.0, 4)) == 0.0 and t_p_value(0.0, Spread(0.0, 4)) == 1.0
+    assert t_p_value(float("nan"), Spread(1.0, 4)) is None and t_p_value(0.3, Spread(float("inf"), 4)) is None and t_p_value(0.3, Spread(1.0, 0)) is None
+    assert holm([0.6, 0.7]) == [1.0, 1.0]
+    family = holm_family([(3.5, Spread(1.0, 9)), (1.0, Spread(float("nan"), 0)), (0.5, Spread(1.0, 9))])
+    assert family[1] == {"p": None, "p_holm": None, "interval_holm": None, "apart_holm": None}
+    assert family[2]["p_holm"] == pytest.approx(max(2 * family[0]["p"], family[2]["p"])) and family[2]["interval_holm"] is not None
