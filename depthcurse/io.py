@@ -223,6 +223,26 @@ def json_text(data) -> str:
     return json.dumps(finite(data), indent=2) + "\n"
 
 
+def record_path(folder: Path, name: str) -> Path:
+    """A results file: `folder`'s `name`, or `folder` itself where it is the file."""
+    path = Path(folder)
+    return path / name if path.is_dir() else path
+
+
+def read_record(folder: Path, name: str, what: str, needs: tuple[str, ...] = (), shape: Callable[[dict], object] = lambda record: record):
+    """A results file read back (`record_path`), with the keys `needs` names, one inside the other,
+    made into what the caller keeps by `shape`; one line where it is not there, not JSON, or not of
+    that shape: "FOLDER holds no WHAT (NAME): why"."""
+    try:
+        record = json.loads(record_path(folder, name).read_text())
+        inner = record
+        for key in needs:
+            inner = inner[key]
+        return shape(record)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DepthcurseError(f"{folder} holds no {what} ({name}): {exc}") from None
+
+
 def csv_text(rows: list[dict], *, digits: int | None = 8, empty_header: list[str] | None = None) -> str:
     """Rows of dicts as CSV text: floats to `digits` significant digits (None: as Python prints
     them), None as an empty cell; the header is the first row's keys (or `empty_header`)."""

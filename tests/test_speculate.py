@@ -377,6 +377,7 @@ def test_speculate_prints_the_table_says_lossless_and_resumes_a_cut_run(run_cli,
     ([], "give the blocks the draft skips"),
     (["--skip", "1", "--draft-length", "wild"], "unknown --draft-length"),
     (["--skip", "1", "--baselines", "medusa"], "'medusa' is not one"),
+    (["--skip-from", "no-such-select-run"], "--skip-from no-such-select-run: no select run there (select.json)"),
 ])
 def test_bad_input_is_one_line_before_any_work(run_cli, tiny_model_dir, prompts_file, tmp_path, extra, match):
     code, out, err = run_cli("speculate", tiny_model_dir, "--prompts", prompts_file, "--out", tmp_path / "bad", *extra)

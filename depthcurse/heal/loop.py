@@ -38,7 +38,7 @@ from depthcurse.heal.model_index import evaluation_results
 from depthcurse.heal.report import cost_text, heal_rows, sites_text
 from depthcurse.heal.shares import recovered, with_retained
 from depthcurse.heal.sites import massive_at_sites
-from depthcurse.io import atomic_write, ensure_out_dir, environment, json_text, refuse_other_run
+from depthcurse.io import atomic_write, ensure_out_dir, environment, json_text, read_record, refuse_other_run
 from depthcurse.loading import LoadedModel, load_model, window_length
 from depthcurse.prune.engine import evaluate_variants, why_unsupported
 from depthcurse.runtime import DTYPES, World
@@ -443,11 +443,4 @@ def _write(out_dir: Path, record: dict) -> None:
 
 def read_heal(folder: Path) -> dict:
     """A heal run's or a healed curve's `heal.json`, or one clear error."""
-    path = Path(folder)
-    path = path / HEAL_JSON if path.is_dir() else path
-    try:
-        record = json.loads(path.read_text())
-        record["run"]
-        return record
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DepthcurseError(f"{folder} holds no heal result ({HEAL_JSON}): {exc}") from None
+    return read_record(folder, HEAL_JSON, "heal result", needs=("run",))

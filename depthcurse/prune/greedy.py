@@ -21,13 +21,12 @@ task): whether the units a strategy chose on one text are also the cheap ones on
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.io import atomic_write, csv_text, ensure_out_dir, json_text
+from depthcurse.io import atomic_write, csv_text, ensure_out_dir, json_text, read_record
 from depthcurse.loading import LoadedModel
 from depthcurse.prune.results import Sweep, read_sweep, removal_key
 from depthcurse.prune.sweep import run_sweep
@@ -96,12 +95,7 @@ class DepthCurves:
 
 def read_curves(path: Path) -> DepthCurves:
     """A greedy result, from its folder or its greedy.json."""
-    path = Path(path)
-    file = path / GREEDY_JSON if path.is_dir() else path
-    try:
-        return DepthCurves.from_json(json.loads(file.read_text()))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DepthcurseError(f"{path} holds no greedy result ({GREEDY_JSON}): {exc}") from None
+    return read_record(path, GREEDY_JSON, "greedy result", shape=DepthCurves.from_json)
 
 
 def max_units(n_layers: int, granularity: str) -> int:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.io import record_path
 from depthcurse.select.grid import SELECT_JSON
 from depthcurse.select.scoring import KEPT
 from depthcurse.select.search import key
@@ -18,9 +19,8 @@ def draft_pick(folder: Path) -> tuple[tuple[int, ...], str]:
     """(the removal, where it came from) of the select run in `folder`: among the cells of the first
     objective of `DRAFT_PREFERENCE` that ran, the pick with the best calibration score on its own
     text (blocks, or attention and MLP branches: the draft skips either)."""
-    path = Path(folder) / SELECT_JSON if Path(folder).is_dir() else Path(folder)
     try:
-        record = json.loads(path.read_text())
+        record = json.loads(record_path(folder, SELECT_JSON).read_text())
         cells, scores = record["cells"], record["calibration_scores"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise DepthcurseError(f"--skip-from {folder}: no select run there ({SELECT_JSON}): {exc}") from None

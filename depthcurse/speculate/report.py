@@ -3,13 +3,11 @@ per-prompt CSV and the figure of measured against expected speedup."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rich.table import Table
 
-from depthcurse.errors import DepthcurseError
-from depthcurse.io import atomic_write, csv_text, save_figure
+from depthcurse.io import atomic_write, csv_text, read_record, save_figure
 from depthcurse.speculate.run import SPECULATE_JSON
 
 SPECULATE_CSV = "speculate.csv"
@@ -17,14 +15,7 @@ SPECULATE_PNG = "speculate.png"
 
 
 def read_speculate(folder: Path) -> dict:
-    path = Path(folder)
-    path = path / SPECULATE_JSON if path.is_dir() else path
-    try:
-        record = json.loads(path.read_text())
-        record["summary"]["drafts"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DepthcurseError(f"{folder} holds no finished speculate run ({SPECULATE_JSON}): {exc}") from None
-    return record
+    return read_record(folder, SPECULATE_JSON, "finished speculate run", needs=("summary", "drafts"))
 
 
 def _num(value, digits: int = 2, suffix: str = "") -> str:

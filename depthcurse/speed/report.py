@@ -4,13 +4,12 @@ and its verdict."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rich.table import Table
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.io import atomic_write, json_text
+from depthcurse.io import atomic_write, json_text, read_record, record_path
 
 SPEED_JSON = "speed.json"
 
@@ -20,15 +19,9 @@ def write_speed(record: dict, out_dir: Path) -> Path:
 
 
 def read_speed(folder: Path) -> dict:
-    path = Path(folder)
-    path = path / SPEED_JSON if path.is_dir() else path
-    try:
-        record = json.loads(path.read_text())
-        record["models"]["pruned"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DepthcurseError(f"{folder} holds no speed result ({SPEED_JSON}): {exc}") from None
+    record = read_record(folder, SPEED_JSON, "speed result", needs=("models", "pruned"))
     if "checks" not in record:
-        raise DepthcurseError(f"{path} was written before speed judged its ratios (no intervals, no verdicts): run depthcurse speed again")
+        raise DepthcurseError(f"{record_path(folder, SPEED_JSON)} was written before speed judged its ratios (no intervals, no verdicts): run depthcurse speed again")
     return record
 
 
