@@ -103,19 +103,26 @@ class Space:
         return (tuple(f"a{i}" for i in a) + tuple(f"m{i}" for i in m)
                 for a in itertools.combinations(range(self.n), self.k) for m in itertools.combinations(range(self.n), self.k))
 
+    def why_bad_units(self, units) -> str | None:
+        """Why `units` are not units of this space, each once (None: they are), whatever their number."""
+        units = list(units)
+        if len(set(units)) != len(units):
+            return f"it names a unit twice ({key(units)})"
+        if self.granularity == "layer":
+            bad = [u for u in units if not (isinstance(u, int) and not isinstance(u, bool) and 0 <= u < self.n)]
+            return f"{bad[0]!r} is not a block index 0-{self.n - 1}" if bad else None
+        bad = [u for u in units if not (isinstance(u, str) and u[:1] in "am" and u[1:].isdigit() and int(u[1:]) < self.n)]
+        return f"{bad[0]!r} is not a sub-block (a0-a{self.n - 1}, m0-m{self.n - 1})" if bad else None
+
     def why_illegal(self, removal, any_count: bool = False) -> str | None:
         """Why `removal` is not one of this space's (None: it is); `any_count`: of any number of
         branches from one to all but one (a search that chooses how many, as Draft & Verify's)."""
         units = list(removal)
-        if len(set(units)) != len(units):
-            return f"it names a unit twice ({key(removal)})"
+        bad = self.why_bad_units(units)
+        if bad is not None:
+            return bad
         if self.granularity == "layer":
-            if not all(isinstance(u, int) and not isinstance(u, bool) and 0 <= u < self.n for u in units):
-                return f"{key(removal)} is not a set of block indices 0-{self.n - 1}"
             return None if len(units) == self.k else f"it removes {len(units)} blocks, not k = {self.k}"
-        bad = [u for u in units if not (isinstance(u, str) and u[:1] in "am" and u[1:].isdigit() and int(u[1:]) < self.n)]
-        if bad:
-            return f"{bad[0]!r} is not a sub-block (a0-a{self.n - 1}, m0-m{self.n - 1})"
         if self.granularity == "branch":
             if any_count:
                 return None if 1 <= len(units) < 2 * self.n else f"it removes {len(units)} branches, not 1 to {2 * self.n - 1}"
@@ -260,14 +267,7 @@ def checked_asks(search, space: Space, removals) -> list[Removal]:
         if not isinstance(removal, (tuple, list)):
             raise DepthcurseError(f"--search {_named(search)} asked the scorer for {removal!r}: a removal is a tuple of units")
         units = _plain_units(removal, space.granularity)
-        if len(set(units)) != len(units):
-            why = f"it names a unit twice ({key(units)})"
-        elif space.granularity == "layer":
-            bad = [u for u in units if not (isinstance(u, int) and not isinstance(u, bool) and 0 <= u < space.n)]
-            why = f"{bad[0]!r} is not a block index 0-{space.n - 1}" if bad else None
-        else:
-            bad = [u for u in units if not (isinstance(u, str) and u[:1] in "am" and u[1:].isdigit() and int(u[1:]) < space.n)]
-            why = f"{bad[0]!r} is not a sub-block (a0-a{space.n - 1}, m0-m{space.n - 1})" if bad else None
+        why = space.why_bad_units(units)
         if why is None:
             counts = [len(units)] if space.granularity != "sub-block" else [sum(1 for u in units if u[0] == t) for t in "am"]
             if max(counts, default=0) > most:
