@@ -86,8 +86,9 @@ def words(s: dict) -> str:
     for c in sorted(groups, reverse=True):
         units = ", ".join(map(str, groups[c]))
         said.append(f"{units} in {'every rerun' if c == n else ('no rerun' if c == 0 else f'{c} of {n}')}")
-    others = sorted(((count(u), u) for u in parse_key(",".join(s["frequency"])) if u not in full and count(u)), key=lambda cu: (-cu[0], parse_key(str(cu[1]))))
-    if others:  # the most frequent first, ties in the units' order
+    # the most frequent first; `frequency` holds the units in their order, which a stable sort keeps for ties
+    others = sorted(((count(u), u) for u in parse_key(",".join(s["frequency"])) if u not in full and count(u)), key=lambda cu: -cu[0])
+    if others:
         said.append("also " + ", ".join(f"{u} ({c} of {n})" for c, u in others[:4]) + (" ..." if len(others) > 4 else ""))
     low, high = s["same_interval"]
     return "; ".join(said) + f"; the whole pick in {s['same']} of {n} ({low:.0%}-{high:.0%}, Wilson 95%), mean Jaccard {s['mean_jaccard']:.2f}"
