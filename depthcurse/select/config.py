@@ -63,7 +63,8 @@ class SelectConfig:
         if self.recipe:
             if self.granularity != "layer":
                 raise DepthcurseError(f"--granularity {self.granularity} needs --search: the recipe (greedy, then exact or evo) removes whole blocks")
-            return replace(self, searches=("greedy",)).checked(n_layers, space)._replace_back(self)
+            # checked as greedy's would be (every other check the same), its searches left for the run to choose
+            return replace(replace(self, searches=("greedy",)).checked(n_layers, space), searches=None, objectives=self.objectives)
         if not self.searches:
             raise DepthcurseError("--search (none): give at least one search")
         twice = sorted({g for g in self.searches if self.searches.count(g) > 1})
@@ -111,10 +112,6 @@ class SelectConfig:
             for search in searches.values():
                 search.check(space)
         return replace(self, objectives=objectives)
-
-    def _replace_back(self, given: "SelectConfig") -> "SelectConfig":
-        """The recipe's config checked as greedy's (every other check the same), its searches left to choose."""
-        return replace(self, searches=None, objectives=given.objectives)
 
     def cells(self) -> list[tuple[str, str, str]]:
         """(calibration, search, objective) of every cell; a search that reads no objective is one
