@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -40,6 +40,10 @@ class PassTiming:
 
     def summary(self) -> dict:
         return {"seconds_per_block_pass": self.block, "seconds_per_head_pass": self.head}
+
+    def estimate(self, block_passes: float, head_passes: float) -> dict:
+        """What a search expects, as a cell keeps it (the timing itself is the record's `pass_timing`)."""
+        return {"block_passes": round(block_passes, 1), "head_passes": round(head_passes, 1), "seconds": round(self.seconds(block_passes, head_passes), 1)}
 
 
 def head_blocks(model) -> float:
@@ -127,14 +131,6 @@ def trie_passes(removals, n: int) -> float:
         return blocks
 
     return float(visit(trie, 0, True))
-
-
-def estimate_summary(block_passes: float, head_passes: float, timing: PassTiming | None) -> dict:
-    out = {"block_passes": round(block_passes, 1), "head_passes": round(head_passes, 1)}
-    if timing is not None:
-        out["seconds"] = round(timing.seconds(block_passes, head_passes), 1)
-        out["timing"] = asdict(timing)
-    return out
 
 
 def duration(seconds: float) -> str:

@@ -37,7 +37,7 @@ from depthcurse.loading import check_sequence_length
 from depthcurse.prune.engine import evaluate_variants, why_unsupported
 from depthcurse.runtime import World
 from depthcurse.select.config import SelectConfig, cell_name, source_labels
-from depthcurse.select.estimate import PassTiming, duration, estimate_summary, pass_timing
+from depthcurse.select.estimate import PassTiming, duration, pass_timing
 from depthcurse.select.recipe import OBJECTIVE as RECIPE_OBJECTIVE
 from depthcurse.select.recipe import RESAMPLES as RECIPE_RESAMPLES
 from depthcurse.select.recipe import recipe
@@ -166,7 +166,7 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
             before = replace(scorer.cost) if scorer is not None else None
             expected = search.passes(space, tokens)
             if expected is not None:
-                estimate = estimate_summary(*expected, timing)
+                estimate = timing.estimate(*expected)
                 note(f"{name}: expect {estimate['block_passes']:,.0f} block passes and {estimate['head_passes']:,.0f} head passes, "
                      f"about {duration(estimate['seconds'])} ({timing.block * 1e3:.1f} ms a block pass, {timing.head * 1e3:.1f} ms a head pass here)")
             cell_started = time.perf_counter()
