@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.prune.stepping import Stepper, Unsupported
+from depthcurse.prune.stepping import Stepper, Unsupported, checked_stepper
 from depthcurse.stats.intervals import mean_interval
 from depthcurse.surgery import branch_output, find_blocks
 
@@ -102,11 +102,9 @@ class _Branches:
 def stepper_of(model) -> Stepper:
     """Prune's stepper for `model`, or one line on why the lens and the skips cannot read it."""
     try:
-        stepper = Stepper(model)
-        stepper.check()
-    except (Unsupported, AssertionError, RuntimeError) as exc:
+        return checked_stepper(model)
+    except Unsupported as exc:
         raise DepthcurseError(f"depth-use needs the model's blocks, final norm and head one by one (the logit lens, the skips): {exc}") from None
-    return stepper
 
 
 def _relative(x: torch.Tensor, of: torch.Tensor) -> torch.Tensor:

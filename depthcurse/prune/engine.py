@@ -33,7 +33,7 @@ from depthcurse.errors import DepthcurseError
 from depthcurse.prune.requests import LmEvalRequests, ppl_requests
 from depthcurse.prune.layout import parse_memory
 from depthcurse.prune.scoring import score_requests
-from depthcurse.prune.stepping import Stepper, Unsupported
+from depthcurse.prune.stepping import Stepper, Unsupported, checked_stepper
 from depthcurse.runtime import World
 from depthcurse.tasks.base import Score
 from depthcurse.tasks.harness import LmEvalTask
@@ -49,7 +49,7 @@ def why_unsupported(model, task) -> str | None:
         # token after that is the variant's own, so generation runs per variant.
         return f"task {task.name} generates text: each variant's continuation is its own"
     try:
-        Stepper(model).check()
+        checked_stepper(model)
     except Unsupported as exc:
         return str(exc)
     except Exception as exc:  # an architecture whose blocks want something the stepper does not give them

@@ -309,3 +309,17 @@ class Stepper:
                 return f"{type(self.model).__name__}: a packed document's logits differ from its own by {err:.2g}"
             offset += n
         return None
+
+
+def checked_stepper(model: torch.nn.Module) -> Stepper:
+    """A stepper shown to give `model`'s own logits (`Stepper.check`), or Unsupported saying why,
+    also where building or checking it failed another way (an architecture whose blocks want
+    something the stepper does not give them)."""
+    try:
+        stepper = Stepper(model)
+        stepper.check()
+    except Unsupported:
+        raise
+    except (AssertionError, RuntimeError) as exc:
+        raise Unsupported(f"{type(model).__name__}: stepping through its blocks failed ({type(exc).__name__}: {exc})") from exc
+    return stepper

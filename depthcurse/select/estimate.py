@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from depthcurse.prune.stepping import Stepper, Unsupported
+from depthcurse.prune.stepping import Unsupported, checked_stepper
 from depthcurse.select.scoring import window_scores
 from depthcurse.surgery import find_blocks, num_layers
 
@@ -62,9 +62,8 @@ def pass_timing(model, windows: torch.Tensor, batch_size: int, clock=time.perf_c
     batches = [windows[i : i + batch_size].to(device) for i in range(0, len(windows), batch_size)]
     n = num_layers(model)
     try:
-        stepper = Stepper(model)
-        stepper.check()
-    except (Unsupported, AssertionError, RuntimeError):
+        stepper = checked_stepper(model)
+    except Unsupported:
         stepper = None
     if stepper is None:
         model(input_ids=batches[0], use_cache=False)  # warm-up

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from depthcurse.prune.stepping import Stepper, Unsupported
+from depthcurse.prune.stepping import Stepper, Unsupported, checked_stepper
 from depthcurse.runtime import World
 from depthcurse.select.search import OBJECTIVES, Removal, key
 from depthcurse.speculate.costs import DraftCosts
@@ -120,10 +120,8 @@ class CalibrationScorer:
 
     def _stepper(self) -> Stepper | None:
         try:
-            stepper = Stepper(self.model)
-            stepper.check()
-            return stepper
-        except (Unsupported, AssertionError, RuntimeError):
+            return checked_stepper(self.model)
+        except Unsupported:
             return None
 
     @torch.no_grad()
