@@ -175,6 +175,7 @@ def test_bad_launches(setup, run_cli, monkeypatch, tmp_path):
     # period; still running after it (here, with no rank 0), it says the error with its rank.
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setattr("depthcurse.cli.shared.RANK_0_GRACE_S", 0.0)
+    monkeypatch.setattr("depthcurse.io.SIBLING_WAIT_S", 0.0)  # no rank 0 makes its folder here: rank 1 would wait out the 120 s
     code, out, err = run_cli("lns-train", *cli_args(cfg), "--batch-size", "6", "--micro-batch", "2", "--out", tmp_path / "e")
     assert code == 1 and out.strip() == "", (out, err)
     assert err.strip().splitlines() == ["error: rank 1: each of the 2 ranks gets 3 sequences, not a multiple of --micro-batch 2"], err
