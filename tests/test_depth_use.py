@@ -135,3 +135,129 @@ def test_a_decoder_the_stepper_cannot_run_is_one_line_naming_why():
     model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=300, n_embd=32, n_layer=2, n_head=2)).eval()
     with pytest.raises(DepthcurseError, match=r"^depth-use needs the model's blocks, final norm and head one by one \(the logit lens, the skips\): "):
         measure_depth_use(model, _ids(), 2)
+
+
+# --------------------------------------------------------------------------- the tuned lens
+def port_of_tuned_lens_training(model, windows, order, steps, step_windows, micro_batch, lr_scale, momentum, weight_decay):
+    """`scripts/train_loop.py` and `ingredients.Optimizer` (AlignmentResearch/tuned-lens @ 8db471b), line
+    for line where it decides the numbers, on the model's own `output_hidden_states` (no stepper): zero
+    translators, KL(output || lens) at shift 0 per layer, each layer's backward divided by the
+    accumulation, the gradient clipped to 1, SGD(lr = lr_scale (1 - beta), Nesterov), transformers'
+    linear schedule with no warm-up. Theirs also has a translator for the embedding (their idx 0);
+    ours reads the stream after each block, so the port keeps the translators of hidden_states[1:-1]."""
+    from transformers import get_linear_schedule_with_warmup
+
+    width, n = model.config.hidden_size, model.config.num_hidden_layers
+    translator = torch.nn.Linear(width, width)
+    translator.weight.data.zero_()
+    translator.bias.data.zero_()
+    layer_translators = torch.nn.ModuleList([__import__("copy").deepcopy(translator) for _ in range(n - 1)])
+    β = momentum
+    opt = torch.optim.SGD(layer_translators.parameters(), lr=lr_scale * (1 - β), momentum=β, nesterov=True, weight_decay=weight_decay)
+    scheduler = get_linear_schedule_with_warmup(opt, 0, steps - 0)
+    grad_acc_steps = step_windows // micro_batch
+    model.requires_grad_(False)
+    for step in range(steps):
+        taken = order[step * step_windows : (step + 1) * step_windows]
+        for batch_idx in range(grad_acc_steps):
+            batch = windows[taken[batch_idx * micro_batch : (batch_idx + 1) * micro_batch]]
+            with torch.no_grad():
+                output = model(input_ids=batch, output_hidden_states=True, use_cache=False)
+            labels = output.logits.float().log_softmax(dim=-1)
+            for i, h in enumerate(output.hidden_states[1:-1]):
+                logits = model.lm_head(model.model.norm(h + layer_translators[i](h)))
+                loss = torch.sum(labels.exp() * (labels - logits.log_softmax(-1)), dim=-1).mean()
+                (loss / grad_acc_steps).backward()
+        torch.nn.utils.clip_grad_norm_(layer_translators.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        scheduler.step()
+    model.requires_grad_(True)
+    return layer_translators
+
+
+def _lens_order(windows, step_windows, steps, seed):
+    """The windows each step takes: rounds over all of them, each in a fresh order of random.Random(seed)."""
+    import random
+
+    rng, order = random.Random(seed), []
+    while len(order) < steps * step_windows:
+        round_ = list(range(windows))
+        rng.shuffle(round_)
+        order += round_
+    return order
+
+
+@pytest.mark.parametrize("micro_batch", [1, 2])
+def test_tuned_lens_training_is_the_authors_loop_step_for_step(micro_batch):
+    """Settings other than the defaults (3 steps, 2 of 3 windows a step so the rounds wrap, a seed,
+    lr_scale 0.5, momentum 0.8, decay 0.01, micro-batches of 1 and 2): every translator the port's."""
+    from depthcurse.depth import LensSettings, train_tuned_lens
+    from depthcurse.depth.measure import stepper_of
+
+    model, ids = _model(), _ids(windows=3, length=10)
+    settings = LensSettings(steps=3, tokens_per_step=2 * 10, lr_scale=0.5, momentum=0.8, weight_decay=0.01, micro_batch=micro_batch, seed=11)
+    lens, record = train_tuned_lens(model, stepper_of(model), ids, settings, clock=iter(range(0, 100, 7)).__next__)
+    theirs = port_of_tuned_lens_training(model, ids, _lens_order(3, 2, 3, 11), 3, 2, micro_batch, 0.5, 0.8, 0.01)
+    for ours, port in zip(lens.translators, theirs):
+        assert torch.allclose(ours.weight, port.weight, atol=1e-6) and torch.allclose(ours.bias, port.bias, atol=1e-6)
+    assert any(t.weight.abs().sum() > 0 for t in lens.translators)  # it moved
+    assert record["tokens_per_step"] == 20 and record["train_windows"] == 3 and record["seconds"] == 7 and len(record["train_kl_last_step"]) == 4
+    assert all(p.requires_grad for p in model.parameters())  # the model's own weights as they were
+
+
+def test_an_untrained_lens_is_the_logit_lens_and_a_trained_one_reads_held_out_windows_closer():
+    from depthcurse.depth import LensSettings, TunedLens, train_tuned_lens
+    from depthcurse.depth.measure import stepper_of
+    from depthcurse.depth.tuned_lens import fingerprint
+
+    model, ids = _model(), _ids(windows=19, length=12)
+    with torch.no_grad():  # a peaked output (a random model's is near uniform, and every lens near it): something for a translator to learn
+        model.lm_head.weight.mul_(30)
+    stepper = stepper_of(model)
+    plain = measure_depth_use(model, ids[:3], 2, influence=False, tuned=TunedLens(model.config.hidden_size, 5, fingerprint(stepper)))
+    assert plain.tuned_kl == plain.lens_kl and plain.tuned_top1 == plain.lens_top1 and plain.tuned_settled == plain.settled
+    lens, _ = train_tuned_lens(model, stepper, ids[3:], LensSettings(steps=30, micro_batch=8))
+    use = measure_depth_use(model, ids[:3], 2, influence=False, tuned=lens)
+    held_out = [sum(v) / 3 for v in use.tuned_kl[:-1]]
+    logit = [sum(v) / 3 for v in use.lens_kl[:-1]]
+    assert all(t < g for t, g in zip(held_out, logit)), (held_out, logit)
+    assert use.tuned_kl[-1] == use.lens_kl[-1]  # the last layer: the output itself, no translator
+
+
+def test_a_lens_file_reads_back_and_one_from_another_model_is_one_line(tmp_path):
+    from depthcurse.depth import LensSettings, load_lens, train_tuned_lens
+    from depthcurse.depth.measure import stepper_of
+    from depthcurse.errors import DepthcurseError
+
+    model, ids = _model(), _ids()
+    lens, record = train_tuned_lens(model, stepper_of(model), ids, LensSettings(steps=2))
+    path = lens.save(tmp_path / "lens.safetensors", record)
+    again, training = load_lens(path, stepper_of(model))
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), lens.state_dict().values())) and training == json.loads(json.dumps(record))
+    other = tiny_llama(300, layers=5, seed=4).eval()  # same shape, another head
+    with pytest.raises(DepthcurseError, match=r"^--lens .*lens.safetensors was trained on another model \(width 32, 5 layers, head [0-9a-f]{16}; this one: "):
+        load_lens(path, stepper_of(other))
+    (tmp_path / "junk.safetensors").write_bytes(b"not a lens")
+    with pytest.raises(DepthcurseError, match="is not a tuned lens written by depth-use"):
+        load_lens(tmp_path / "junk.safetensors", stepper_of(model))
+    with pytest.raises(DepthcurseError, match="must each be at least 1"):
+        train_tuned_lens(model, stepper_of(model), ids, LensSettings(steps=0))
+
+
+def test_depth_use_trains_a_tuned_lens_keeps_it_and_reads_it_again(run_cli, tiny_model_dir, text_file, tmp_path):
+    out = tmp_path / "du"
+    base = ["depth-use", tiny_model_dir, "--data", text_file, "--windows", "2", "--seq-len", "16", "--no-influence"]
+    code, stdout, err = run_cli(*base, "--tuned-lens", "--lens-steps", "3", "--lens-windows", "3", "--out", out)
+    assert code == 0, err
+    record = json.loads((out / "depth_use.json").read_text())
+    lens = record["tuned_lens"]
+    assert lens["settings"]["steps"] == 3 and lens["train_windows"] == 3 and lens["source"] == "trained here" and len(lens["held_out_kl"]) == 4
+    assert "tuned lens: half settled by layer" in " ".join(stdout.split()) and (out / "tuned_lens.safetensors").is_file()
+    code, stdout, err = run_cli(*base, "--tuned-lens", "--lens-steps", "3", "--lens-windows", "3", "--out", out)  # kept: read, not trained again
+    assert code == 0 and json.loads((out / "depth_use.json").read_text())["tuned_lens"]["seconds"] == lens["seconds"], err
+    code, _, err = run_cli(*base, "--lens", out / "tuned_lens.safetensors", "--out", tmp_path / "read")
+    assert code == 0 and json.loads((tmp_path / "read" / "depth_use.json").read_text())["layers"] == record["layers"], err
+    assert_one_line_error(*run_cli(*base, "--tuned-lens", "--lens", out / "tuned_lens.safetensors", "--out", tmp_path / "c"), "give one of them")
+    assert_one_line_error(*run_cli(*base, "--tuned-lens", "--lens-windows", "100000", "--out", tmp_path / "d"),
+                          "fewer than --windows 2 and 100000 more to train the tuned lens on")

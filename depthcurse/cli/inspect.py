@@ -60,6 +60,11 @@ def depth_use(
     seq_len: int = typer.Option(256, "--seq-len", help="Tokens per window."),
     batch_size: int = typer.Option(4, "--batch-size", help="Windows per forward pass."),
     influence: bool = typer.Option(True, "--influence/--no-influence", help="Also skip each layer in turn (about n / 2 passes more) for the influence matrix."),
+    tuned_lens: bool = typer.Option(False, "--tuned-lens", help="Also train a tuned lens (one affine translator per layer) on other windows of the text, "
+                                    "read beside the logit lens on the measured ones; saved as tuned_lens.safetensors in --out."),
+    lens: Optional[Path] = typer.Option(None, "--lens", help="Read a tuned lens saved by an earlier run on this model instead of training one."),
+    lens_steps: int = typer.Option(250, "--lens-steps", help="The tuned lens's SGD steps (Belrose et al.'s 250)."),
+    lens_windows: Optional[int] = typer.Option(None, "--lens-windows", help="Windows the tuned lens trains on (default: as many as --windows)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default runs/depth-use/<model>)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
@@ -69,7 +74,7 @@ def depth_use(
     """How a model uses its depth, per layer: what each sublayer adds to the residual stream, where the
     logit lens settles, and whose later work a skipped layer changes (Csordás et al. 2025).
 
-    Example: depthcurse depth-use smollm2-135m --data wiki --windows 16 --seq-len 256"""
+    Example: depthcurse depth-use smollm2-135m --data wiki --windows 16 --seq-len 256 [--tuned-lens]"""
     from depthcurse import depth  # lazy: start-up
     from depthcurse.cli.shared import model_line, progress_bar, showing, verdicts
 
@@ -78,7 +83,8 @@ def depth_use(
     progress = progress_bar()
     bar = progress.add_task("starting", total=None)
     with showing(progress):
-        record = depth.run_depth_use(loaded, data, windows, seq_len, batch_size, influence=influence,
+        record = depth.run_depth_use(loaded, data, windows, seq_len, batch_size, influence=influence, tuned=tuned_lens, lens=lens,
+                                     lens_windows=lens_windows, lens_settings=depth.LensSettings(steps=lens_steps), lens_out=out_dir / depth.LENS_FILE,
                                      on_step=lambda text, done, total: progress.update(bar, description=text, completed=done, total=total))
     console.print(model_line(loaded))
     console.print(depth.depth_table(record))

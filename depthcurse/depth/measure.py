@@ -29,6 +29,7 @@ from depthcurse.stats.intervals import mean_interval
 from depthcurse.surgery import branch_output, find_blocks
 
 TOP = 5  # the lens's top-k agreement
+TUNED = ("tuned_kl", "tuned_top1", "tuned_top5")
 
 
 @dataclass
@@ -45,6 +46,11 @@ class DepthUse:
     lens_top1: list[list[float]] = field(default_factory=list)
     lens_top5: list[list[float]] = field(default_factory=list)
     settled: list[int] = field(default_factory=list)  # tokens whose prediction settles after layer l
+    # the same four through the tuned lens (None without one): KL, top-1, top-5, settling
+    tuned_kl: list[list[float]] | None = None
+    tuned_top1: list[list[float]] | None = None
+    tuned_top5: list[list[float]] | None = None
+    tuned_settled: list[int] | None = None
     influence: list[list[float]] | None = None  # [skipped i][later j]: mean relative change of c_j (NaN for j <= i)
     output_change: list[float] | None = None  # [skipped i]: mean KL(whole || skipped) of the output
 
@@ -62,9 +68,12 @@ def per_layer_rows(use: DepthUse) -> list[dict]:
     total = sum(use.settled) or 1
     for layer in range(use.n_layers):
         row = {"layer": layer}
-        for name in ("attn_norm", "mlp_norm", "attn_cos", "mlp_cos", "lens_kl", "lens_top1", "lens_top5"):
-            row[name], row[f"{name}_interval"] = _mean_over(getattr(use, name)[layer])
+        for name in ("attn_norm", "mlp_norm", "attn_cos", "mlp_cos", "lens_kl", "lens_top1", "lens_top5", *TUNED):
+            if getattr(use, name) is not None:
+                row[name], row[f"{name}_interval"] = _mean_over(getattr(use, name)[layer])
         row["settled_share"] = use.settled[layer] / total
+        if use.tuned_settled is not None:
+            row["tuned_settled_share"] = use.tuned_settled[layer] / (sum(use.tuned_settled) or 1)
         rows.append(row)
     return rows
 
@@ -125,15 +134,32 @@ def settling_depth(lens_top1: torch.Tensor, final_top1: torch.Tensor) -> torch.T
     return (~from_here).sum(0)  # the layers below the settled run
 
 
+def _read_lens(lens: list[torch.Tensor], final: torch.Tensor, kl: list, top1: list, top5: list, settled: list[int]) -> None:
+    """One lens's figures on a batch (`lens`: its log-probabilities after each layer), added per window."""
+    final_top1 = final.argmax(-1)
+    for i, logp in enumerate(lens):
+        kl[i].extend((final.exp() * (final - logp)).sum(-1).mean(-1).tolist())
+        top1[i].extend((logp.argmax(-1) == final_top1).float().mean(-1).tolist())
+        top = logp.topk(TOP, dim=-1).indices
+        top5[i].extend((top == final_top1[..., None]).any(-1).float().mean(-1).tolist())
+    depth = settling_depth(torch.stack([logp.argmax(-1) for logp in lens]).flatten(1), final_top1.flatten())
+    for layer in depth.tolist():
+        settled[layer] += 1
+
+
 @torch.no_grad()
-def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: bool = True, on_step=lambda text, done, total: None) -> DepthUse:
-    """Every figure of `DepthUse` on `windows` (token ids, windows x tokens)."""
+def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: bool = True, on_step=lambda text, done, total: None,
+                      tuned=None) -> DepthUse:
+    """Every figure of `DepthUse` on `windows` (token ids, windows x tokens); the tuned lens's too
+    where `tuned` (a `TunedLens` for this model) is given."""
     stepper = stepper_of(model)
     n = stepper.n_layers
     use = DepthUse(n, len(windows))
-    for name in ("attn_norm", "mlp_norm", "attn_cos", "mlp_cos", "lens_kl", "lens_top1", "lens_top5"):
+    for name in ("attn_norm", "mlp_norm", "attn_cos", "mlp_cos", "lens_kl", "lens_top1", "lens_top5", *(TUNED if tuned is not None else ())):
         setattr(use, name, [[] for _ in range(n)])
     use.settled = [0] * n
+    if tuned is not None:
+        use.tuned_settled = [0] * n
     if influence:
         sums, out_sums = [[0.0] * n for _ in range(n)], [0.0] * n
     branches = _Branches(model)
@@ -144,7 +170,7 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
             ids = batch.to(stepper.device)
             ctx = stepper.context(ids.shape[1], 0)
             h = stepper.embed(ids)
-            entering, contributions, lens = [], [], []
+            entering, contributions, lens, tuned_lens = [], [], [], []
             branches.recording = True
             for i in range(n):
                 entering.append(h)
@@ -157,17 +183,13 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
                     getattr(use, name)[i].extend(value.mean(-1).tolist())
                 contributions.append(a + m)
                 lens.append(torch.log_softmax(stepper.logits(h), -1))
+                if tuned is not None:
+                    tuned_lens.append(torch.log_softmax(stepper.logits(tuned(h, i)), -1))
             branches.recording = False
             final = lens[-1]
-            final_top1 = final.argmax(-1)
-            for i, logp in enumerate(lens):
-                use.lens_kl[i].extend((final.exp() * (final - logp)).sum(-1).mean(-1).tolist())
-                use.lens_top1[i].extend((logp.argmax(-1) == final_top1).float().mean(-1).tolist())
-                top = logp.topk(TOP, dim=-1).indices
-                use.lens_top5[i].extend((top == final_top1[..., None]).any(-1).float().mean(-1).tolist())
-            depth = settling_depth(torch.stack([logp.argmax(-1) for logp in lens]).flatten(1), final_top1.flatten())
-            for layer in depth.tolist():
-                use.settled[layer] += 1
+            _read_lens(lens, final, use.lens_kl, use.lens_top1, use.lens_top5, use.settled)
+            if tuned is not None:
+                _read_lens(tuned_lens, final, use.tuned_kl, use.tuned_top1, use.tuned_top5, use.tuned_settled)
             if influence:
                 for i in range(n):  # layer i skipped: the stream entering it goes on to i + 1
                     on_step(f"without layer {i}", b, len(batches))

@@ -1,0 +1,189 @@
+"""The tuned lens (Belrose et al., "Eliciting Latent Predictions from Transformers with the Tuned
+Lens", 2023; AlignmentResearch/tuned-lens @ 8db471b, `nn/lenses.py` and `scripts/train_loop.py`):
+one affine translator per layer, h + A_l h + b_l, read by the model's own final norm and head, and
+trained so that its distribution after layer l matches the model's output (KL(output || lens)).
+
+As their code does it: every translator starts at zero (the lens starts as the logit lens, and
+weight decay pulls it back there, not to zero); no translator for the last layer (its stream is the
+model's output); the loss is each layer's KL at the same position (their default `--loss kl`,
+shift 0), each layer's backward in turn; SGD with Nesterov momentum 0.9 at lr `lr_scale * (1 -
+0.9)` (they undo PyTorch's 1 / (1 - momentum) gain), weight decay 1e-3, the learning rate falling
+linearly to 0 over the steps with no warm-up (theirs for SGD), the gradient clipped to norm 1 over
+the whole lens before each step, 250 steps of 2^18 tokens (fewer where the text has fewer: the
+steps then go round the same windows, in a seeded shuffled order as their loader shuffles). Their
+steps run in bf16 autocast on a GPU; here in the model's dtype (float32 on the CPU).
+
+A lens is a file (`save`, `load_lens`): the translators (safetensors) and a fingerprint of the
+model it read (its width, depth and a hash of its final norm and head), so that a lens trained on
+another model is refused in one line instead of read through the wrong head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from depthcurse.errors import DepthcurseError
+from depthcurse.prune.stepping import Stepper
+
+LENS_FILE = "tuned_lens.safetensors"
+
+
+@dataclass(frozen=True)
+class LensSettings:
+    steps: int = 250  # their --num_steps
+    tokens_per_step: int = 2**18  # their --tokens_per_step; at most the training text's tokens here
+    lr_scale: float = 1.0  # their --lr_scale: SGD's lr is lr_scale * (1 - momentum)
+    momentum: float = 0.9
+    weight_decay: float = 1e-3
+    micro_batch: int = 4  # windows per backward (a step accumulates tokens_per_step's worth)
+    seed: int = 42  # the order the steps take the windows in (their --seed)
+
+    def check(self) -> None:
+        if self.steps < 1 or self.tokens_per_step < 1 or self.micro_batch < 1:
+            raise DepthcurseError(f"--lens-steps, the lens's tokens per step and its micro-batch must each be at least 1 (got {self.steps}, "
+                                  f"{self.tokens_per_step}, {self.micro_batch})")
+        if not 0 <= self.momentum < 1 or self.lr_scale <= 0 or self.weight_decay < 0:
+            raise DepthcurseError("the tuned lens needs 0 <= momentum < 1, lr_scale > 0 and weight_decay >= 0")
+
+
+class TunedLens(torch.nn.Module):
+    """One translator per layer but the last; `forward(h, l)` is the stream after layer l made ready
+    for the model's final norm and head."""
+
+    def __init__(self, width: int, layers: int, fingerprint: dict):
+        super().__init__()
+        self.fingerprint = fingerprint
+        self.translators = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers - 1))
+        for t in self.translators:  # the logit lens to start, and what weight decay pulls toward
+            torch.nn.init.zeros_(t.weight)
+            torch.nn.init.zeros_(t.bias)
+
+    def forward(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+        if layer == len(self.translators):  # the last layer's stream is the model's output
+            return h
+        return h + self.translators[layer](h)  # residual, as theirs: decay regularises toward the identity
+
+    def save(self, path: Path, record: dict | None = None) -> Path:
+        from safetensors.torch import save_file
+
+        meta = {"fingerprint": json.dumps(self.fingerprint), "training": json.dumps(record or {})}
+        save_file({k: v.detach().contiguous() for k, v in self.translators.state_dict().items()}, str(path), metadata=meta)
+        return Path(path)
+
+
+def fingerprint(stepper: Stepper) -> dict:
+    """What a lens depends on: the stream's width, the layers, and the final norm and head it is read
+    by (a hash of their weights)."""
+    digest = hashlib.sha256()
+    for tensor in (stepper.norm.weight, stepper.head.weight):
+        digest.update(tensor.detach().float().cpu().numpy().tobytes())
+    return {"width": int(stepper.head.weight.shape[1]), "layers": int(stepper.n_layers), "head_sha256": digest.hexdigest()[:16]}
+
+
+def load_lens(path: Path, stepper: Stepper) -> tuple[TunedLens, dict]:
+    """A saved lens for this model, and how it was trained; one line where it was trained on another."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise DepthcurseError(f"--lens {path}: no such file")
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        state = load_file(str(path))
+        theirs = json.loads(meta["fingerprint"])
+    except (SafetensorError, KeyError, ValueError, OSError) as exc:
+        raise DepthcurseError(f"--lens {path} is not a tuned lens written by depth-use ({exc})") from None
+    ours = fingerprint(stepper)
+    if theirs != ours:
+        raise DepthcurseError(f"--lens {path} was trained on another model (width {theirs.get('width')}, {theirs.get('layers')} layers, head "
+                              f"{theirs.get('head_sha256')}; this one: width {ours['width']}, {ours['layers']} layers, head {ours['head_sha256']}): "
+                              "train one for it with --tuned-lens")
+    lens = TunedLens(ours["width"], ours["layers"], ours)
+    lens.translators.load_state_dict(state)
+    return lens.to(stepper.device), json.loads(meta.get("training", "{}"))
+
+
+@contextlib.contextmanager
+def _frozen(model: torch.nn.Module):
+    """The model's own weights out of the backward: only the lens learns."""
+    kept = {name: p.requires_grad for name, p in model.named_parameters()}
+    model.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for name, p in model.named_parameters():
+            p.requires_grad_(kept[name])
+
+
+def _kl(final: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(output || lens) per token: their loss, `sum(labels.exp() * (labels - logits.log_softmax(-1)))`."""
+    return (final.exp() * (final - torch.log_softmax(logits.float(), -1))).sum(-1)
+
+
+@torch.no_grad()
+def _streams(stepper: Stepper, ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The stream after every layer but the last, and the output's log-probabilities."""
+    ctx = stepper.context(ids.shape[1], 0)
+    h = stepper.embed(ids.to(stepper.device))
+    after = []
+    for i in range(stepper.n_layers):
+        h = stepper.block(i, h, ctx)
+        after.append(h)
+    return after[:-1], torch.log_softmax(stepper.logits(h), -1)
+
+
+def train_tuned_lens(model, stepper: Stepper, windows: torch.Tensor, settings: LensSettings = LensSettings(),
+                     on_step=lambda text, done, total: None, clock=time.perf_counter) -> tuple[TunedLens, dict]:
+    """A tuned lens for `model`, trained on `windows` (token ids, windows x tokens): the lens and what
+    its training did (each layer's mean KL over the last step, the tokens it saw, the seconds)."""
+    settings.check()
+    started = clock()
+    n, width = stepper.n_layers, int(stepper.head.weight.shape[1])
+    lens = TunedLens(width, n, fingerprint(stepper)).to(stepper.device)
+    per_window = windows.shape[1]
+    step_windows = max(1, min(len(windows), settings.tokens_per_step // per_window))
+    momentum = settings.momentum
+    opt = torch.optim.SGD(lens.parameters(), lr=settings.lr_scale * (1 - momentum), momentum=momentum, nesterov=momentum > 0,
+                          weight_decay=settings.weight_decay)
+    # transformers' get_linear_schedule_with_warmup(opt, 0, steps): 1 - step / steps
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: max(0.0, (settings.steps - step) / settings.steps))
+    order: list[int] = []
+    rng = random.Random(settings.seed)
+    last = [0.0] * (n - 1)
+    with _frozen(model):
+        for step in range(settings.steps):
+            on_step("training the tuned lens", step, settings.steps)
+            while len(order) < step_windows:  # go round the windows, each round in a fresh shuffled order
+                round_ = list(range(len(windows)))
+                rng.shuffle(round_)
+                order += round_
+            taken, order = order[:step_windows], order[step_windows:]
+            sums = [0.0] * (n - 1)
+            for start in range(0, step_windows, settings.micro_batch):
+                ids = windows[taken[start : start + settings.micro_batch]]
+                after, final = _streams(stepper, ids)
+                share = len(ids) / step_windows  # each micro-batch's part of the step's mean
+                for layer, h in enumerate(after):  # one layer's backward at a time, as theirs (memory)
+                    loss = _kl(final, stepper.logits(lens(h, layer))).mean()
+                    (loss * share).backward()
+                    sums[layer] += loss.item() * share
+            torch.nn.utils.clip_grad_norm_(lens.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            schedule.step()
+            last = sums
+    record = {"settings": asdict(settings), "train_windows": len(windows), "tokens_per_step": step_windows * per_window,
+              "train_kl_last_step": last, "seconds": round(clock() - started, 3)}
+    return lens.eval(), record
