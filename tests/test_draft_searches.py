@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from depthcurse.errors import DepthcurseError
 from depthcurse.select.search import SearchContext, Space, find_search
 from depthcurse.select.searches.draft_verify import DraftVerify, DraftVerifySettings
 from depthcurse.select.searches.swift import Swift, SwiftSettings
@@ -128,6 +129,7 @@ def _context(space, objective, score, seed=3):
                          window_tokens=16, streams=None, seed=seed)
 
 
+@pytest.mark.searching
 def test_swift_tries_the_sets_its_authors_loop_tries_and_keeps_the_same():
     n, k = 6, 3  # a Bayesian suggestion costs seconds (bayes_opt's acquisition search): two of them, at the 2nd and 4th candidates
     tried, (attn, mlp) = port_of_swift(n, k, _made_up, seed=11, bayes_interval=2, max_opt_iter=4, max_tolerance_iter=6)
@@ -142,6 +144,7 @@ def test_swift_tries_the_sets_its_authors_loop_tries_and_keeps_the_same():
     assert "swift stopped" in ctx.notes[0]
 
 
+@pytest.mark.searching
 def test_swift_stops_where_its_matchness_passes_max_score_and_says_which_bound_it_hit():
     n, k = 8, 4
     tried, kept = port_of_swift(n, k, _made_up, seed=2, bayes=False, max_opt_iter=200, max_score=0.55)
@@ -157,6 +160,7 @@ def test_swift_stops_where_its_matchness_passes_max_score_and_says_which_bound_i
     assert len(bounded.trace) == 6 and "stopped at the bound: 6 candidates (max_opt_iter 5)" in ctx.notes[0]
 
 
+@pytest.mark.searching
 def test_draft_verify_scores_the_points_its_authors_loop_scores_and_chooses_the_same():
     n, probes = 4, (([1, 3], [2]), ([0], []))  # two probes first, then two suggestions (seconds each)
     tried, (attn, mlp) = port_of_draft_verify(n, lambda a, m: 1.0 + _made_up(a, m) * (len(a) + len(m)), n_iter=2, probes=probes)
@@ -170,6 +174,7 @@ def test_draft_verify_scores_the_points_its_authors_loop_scores_and_chooses_the_
     assert _split(chosen) == (attn, mlp)  # any number of branches: the search's own choice
 
 
+@pytest.mark.searching
 def test_the_searches_are_found_by_name_and_refuse_what_they_cannot_run():
     from depthcurse.errors import DepthcurseError
 
@@ -231,6 +236,7 @@ def test_draft_costs_price_a_draft_by_hand():
 
 
 # --------------------------------------------------------------------------- a draft that skips branches
+@pytest.mark.searching
 def test_a_skipped_branch_costs_nothing_and_gives_the_zeroed_branch_s_logits_and_generate_s_tokens():
     from helpers import tiny_llama
 
@@ -255,6 +261,7 @@ def test_a_skipped_branch_costs_nothing_and_gives_the_zeroed_branch_s_logits_and
     assert g.tokens == reference and g.rounds
 
 
+@pytest.mark.searching
 def test_block_0_s_attention_is_refused_where_the_model_reads_its_cache_length_there_and_it_cannot_be_written(run_cli, tmp_path, tiny_tokenizer):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -271,3 +278,70 @@ def test_block_0_s_attention_is_refused_where_the_model_reads_its_cache_length_t
     assert_one_line_error(code, out, err, "cannot skip a0: the model reads its KV cache's length off block 0")
     code, out, err = run_cli("speculate", path, "--skip", "m0,a1", "--prompts", prompts, "--max-new-tokens", "5", "--baselines", "none", "--out", tmp_path / "o2")
     assert code == 0 and "lossless" in out, err
+
+
+@pytest.mark.searching
+def test_swift_stops_on_its_tolerance_as_theirs_and_says_every_stop_and_refusal_by_value():
+    """bayes off, max_tolerance_iter 3: the port's candidates one by one, kept set, and the stop said;
+    matchness never above 0 is one line; k, n and each count at their edges."""
+    import re
+
+    from depthcurse.select.estimate import mean_run
+
+    n, k = 8, 4
+    matchness = lambda a, m: _made_up(a, m) if len(a) >= 2 else _made_up(a, m) / 10  # noqa: E731 (some sets far below others: repeats of no gain)
+    tried, kept = port_of_swift(n, k, matchness, seed=5, bayes=False, max_opt_iter=500, max_tolerance_iter=3)
+    search = Swift(SwiftSettings(bayes=False, max_opt_iter=500, max_tolerance_iter=3, seed=5))
+    ctx = _context(Space(n, k, "branch"), "acceptance", lambda r: 1.0 - matchness(*_split(r)))
+    chosen = search.run(ctx)
+    assert [_split(r) for r in search.trace] == [(list(a), list(m)) for a, m in tried] and _split(chosen) == (list(kept[0]), list(kept[1]))
+    assert ctx.notes == [f"swift stopped: 4 candidates in a row without a better one (max_tolerance_iter 3), after {len(tried)} candidates"]
+    # a lower score is better on another objective: the first candidate is kept over worse ones (their origin_score starts at -inf there)
+    lowest = Swift(SwiftSettings(bayes=False, max_opt_iter=3, seed=5))
+    ctx = _context(Space(n, k, "branch"), "kl", lambda r: float(len(lowest.trace)))  # each later candidate scores worse
+    assert lowest.run(ctx) == lowest.trace[0] and ctx.notes == ["swift stopped at the bound: 4 candidates (max_opt_iter 3), after 4 candidates"]
+    with pytest.raises(DepthcurseError, match=r"^--search swift: no candidate matched the unpruned model once \(matchness 0 throughout\): nothing to choose$"):
+        Swift(SwiftSettings(bayes=False, max_opt_iter=2, seed=5)).run(_context(Space(n, k, "branch"), "acceptance", lambda r: 1.0))
+
+    Swift().check(Space(3, 2, "branch"))  # blocks 0-2: the middle block's two branches
+    assert Swift(SwiftSettings(max_opt_iter=7)).passes(Space(8, 3, "branch"), 0) == (7 * mean_run(8, 3, "branch"), 7.0)
+    for space, settings, said in (
+            (Space(2, 1, "branch"), SwiftSettings(), "--search swift keeps the first and last blocks and skips branches between them: 2 blocks leave none"),
+            (Space(3, 3, "branch"), SwiftSettings(), "--search swift: k = 3 is more than the 2 branches of blocks 1-1"),
+            (Space(8, 3, "branch"), SwiftSettings(bayes_interval=0), "--search-args swift.bayes_interval must be at least 1, got 0"),
+            (Space(8, 3, "branch"), SwiftSettings(max_opt_iter=0), "--search-args swift.max_opt_iter must be at least 1, got 0"),
+            (Space(8, 3, "branch"), SwiftSettings(max_tolerance_iter=0), "--search-args swift.max_tolerance_iter must be at least 1, got 0")):
+        with pytest.raises(DepthcurseError, match="^" + re.escape(said) + "$"):
+            Swift(settings).check(space)
+
+
+@pytest.mark.searching
+def test_draft_verify_on_another_objective_reads_its_probes_and_points_by_value():
+    """KL (lower is better, their black box given -KL) with two probes and one suggestion: the port's
+    points and choice; the note; a point's x exactly 0.5 keeps its branch; each bad probe by value."""
+    import re
+
+    from depthcurse.select.estimate import mean_run
+    from depthcurse.select.searches.draft_verify import parse_probes, skipped
+
+    n, probes = 4, (([0, 2], [3]), ([1], [0, 1]))
+    kl = lambda a, m: 1.0 - _made_up(a, m) + 0.01 * (len(a) + len(m))  # noqa: E731
+    tried, (attn, mlp) = port_of_draft_verify(n, lambda a, m: -kl(a, m), n_iter=1, probes=probes)
+    search = DraftVerify(DraftVerifySettings(n_iter=1, probes="a0,a2,m3; ;a1,m0,m1;"))
+    ctx = _context(Space(n, 2, "branch"), "kl", lambda r: kl(*_split(r)))
+    chosen = search.run(ctx)
+    assert [_split(r) for r in search.trace] == tried and len(tried) == 3 and _split(chosen) == (attn, mlp)
+    assert ctx.notes == [f"draft-verify: 3 points scored (n_iter 1, its bound), {len(chosen)} branches chosen"]
+
+    assert parse_probes("a0,m3; ;a3;", 4) == [("a0", "m3"), ("a3",)]
+    for text, bad in (("a4", "'a4'"), ("m1,x2", "'x2'"), ("a", "'a'"), ("m-1", "'m-1'")):
+        with pytest.raises(DepthcurseError, match="^" + re.escape(f"--search-args draft-verify.probes: {bad} is not a branch (a0-a3, m0-m3)") + "$"):
+            parse_probes(text, 4)
+    point = {f"x{i}": v for i, v in enumerate([0.5, 0.51, 0.0, 1.0, 0.5, 0.9, 0.49, 0.5])}
+    assert skipped(point, 4) == ("a1", "a3", "m1")
+    assert DraftVerify(DraftVerifySettings(n_iter=5, probes="a0;m1")).passes(Space(6, 2, "branch"), 0) == (7 * mean_run(6, 6, "branch"), 7.0)
+    DraftVerify(DraftVerifySettings(n_iter=0)).check(Space(4, 2, "branch"))
+    with pytest.raises(DepthcurseError, match=r"^--search-args draft-verify.n_iter must be 0 or more, got -1$"):
+        DraftVerify(DraftVerifySettings(n_iter=-1)).check(Space(4, 2, "branch"))
+    with pytest.raises(DepthcurseError, match=r"^--search-args draft-verify.probes: 'a9' is not a branch"):
+        DraftVerify(DraftVerifySettings(probes="a9")).check(Space(4, 2, "branch"))

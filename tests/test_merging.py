@@ -152,6 +152,7 @@ def _healed_checkpoint(model, layers, method, folder):
 
 
 # --------------------------------------------------------------------------- the rules, by hand
+@pytest.mark.searching
 def test_the_papers_rdsc_the_codes_loop_and_swms_average_on_numbers_worked_by_hand():
     """Base 1, run 2 and 4 (each a 1-element tensor): the paper 1 + (2 - 1) + (4 - 1) = 5; LaCo's code
     1 -> 2 -> 4 (the last layer); SWM at f = 0.5: 1 -> 1 -> 1.5 -> 2.75; at f = 1, 4 as LaCo's code."""
@@ -165,6 +166,7 @@ def test_the_papers_rdsc_the_codes_loop_and_swms_average_on_numbers_worked_by_ha
     assert torch.equal(rdsc_paper(grid, [grid * 2, grid * 3]), grid + grid + 2 * grid)
 
 
+@pytest.mark.searching
 def test_laco_as_code_is_the_released_notebook_tensor_for_tensor_and_as_paper_the_formula(tmp_path):
     model = _llama(8, 5)
     theirs = _laco_merge(model, 3, 3)  # layer 3 with 4, 5, 6 merged in
@@ -185,6 +187,7 @@ def test_laco_as_code_is_the_released_notebook_tensor_for_tensor_and_as_paper_th
     assert (code_q - paper.model.layers[3].self_attn.q_proj.weight).abs().max() > 0.01
 
 
+@pytest.mark.searching
 @pytest.mark.parametrize("factor", [1.0, 0.5])
 def test_swm_is_the_released_scripts_merge_tensor_for_tensor(tmp_path, factor):
     model = _llama(8, 6)
@@ -193,6 +196,7 @@ def test_swm_is_the_released_scripts_merge_tensor_for_tensor(tmp_path, factor):
     _same_weights(ours, theirs)
 
 
+@pytest.mark.searching
 def test_a_merged_model_saves_as_a_stock_checkpoint_with_the_logits_measured_and_two_runs_merge_apart(tmp_path):
     model = _llama(8, 7)
     ids = torch.randint(3, 300, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -210,6 +214,7 @@ def test_a_merged_model_saves_as_a_stock_checkpoint_with_the_logits_measured_and
     assert method.untouched((2, 3, 6)) == 1
 
 
+@pytest.mark.searching
 def test_a_merge_composes_with_a_training_method():
     composed = build_method("laco+lora", {"laco.as": "code", "lora_rank": "2"})
     assert composed.name == "laco+lora" and composed.recorded()["laco"]["as_"] == "code"
@@ -224,6 +229,7 @@ def test_a_merge_composes_with_a_training_method():
     ("swm", {"weight_factor": "1.5"}, (3,), "lies in (0, 1]"),
     ("laco", {}, (0, 1), "--method laco: it merges each removed run into the layer before it, and layers 0-1 starts at layer 0"),
 ])
+@pytest.mark.searching
 def test_bad_merges_are_one_line_naming_the_method_and_the_setting(spec, args, layers, match):
     import re
 
@@ -232,6 +238,7 @@ def test_bad_merges_are_one_line_naming_the_method_and_the_setting(spec, args, l
         method.check(tiny_llama(300, layers=6), layers)
 
 
+@pytest.mark.searching
 def test_a_layer_of_another_shape_is_refused_before_any_work():
     import re
 
@@ -266,6 +273,7 @@ def _windows(n=3, tokens=12, seed=0):
     return torch.randint(3, 300, (n, tokens), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.searching
 def test_the_similarity_is_the_scripts_cosine_of_flattened_last_hidden_states():
     model, other = tiny_llama(300, layers=6, seed=1), tiny_llama(300, layers=6, seed=2)
     windows = _windows()
@@ -282,6 +290,7 @@ def _merged_state_model(model, state):
     return out
 
 
+@pytest.mark.searching
 @pytest.mark.parametrize("threshold", [0.99, 0.9, 0.5])
 def test_lacos_procedure_is_the_notebooks_loop(threshold):
     model = _llama(10, 3)
@@ -293,6 +302,7 @@ def test_lacos_procedure_is_the_notebooks_loop(threshold):
     assert len(theirs.model.layers) == 10 - len(state.gone())
 
 
+@pytest.mark.searching
 def test_lacos_procedure_steps_by_its_interval_after_a_kept_merge_and_by_one_after_a_refused_one():
     """interval 2 at a threshold where some merges are kept and some refused (at interval 1 the two
     steps are the same): the notebook's loop, merge for merge."""
@@ -310,6 +320,7 @@ def test_lacos_procedure_steps_by_its_interval_after_a_kept_merge_and_by_one_aft
     assert steps == [2 if t[3] else 1 for t in trail[:-1]]
 
 
+@pytest.mark.searching
 def test_lacos_procedure_tries_and_refuses_on_a_tiny_model_and_stops_at_k():
     """At a threshold between the merges' similarities some are kept and some refused, and with k
     the procedure ends once k layers are gone, the last merge cut to fit."""
@@ -324,6 +335,7 @@ def test_lacos_procedure_tries_and_refuses_on_a_tiny_model_and_stops_at_k():
     assert len(stopped.gone()) == 3 and len(free.gone()) > 3
 
 
+@pytest.mark.searching
 @pytest.mark.parametrize("threshold", [0.99, 0.9, 0.5])
 def test_swms_procedure_is_the_scripts_loop(threshold):
     model = _llama(10, 4)
@@ -333,12 +345,14 @@ def test_swms_procedure_is_the_scripts_loop(threshold):
     _same_weights(_merged_state_model(model, state), theirs)
 
 
+@pytest.mark.searching
 def test_swm_stops_at_k_with_the_window_that_reaches_it():
     model = _llama(10, 4)
     state, trail = swm_procedure(model, _windows(seed=1), SwmSearchSettings(threshold=-0.99), stop_at=4)
     assert state.gone() == (5, 6, 7, 8) and list(state.merged) == [4]  # one window grown down from 7-8 until four are gone
 
 
+@pytest.mark.searching
 def test_the_searches_refuse_settings_that_cannot_work_before_any_work():
     import re
 
@@ -390,6 +404,7 @@ def _mka_layer_fusion(model, layer1_idx, layer2_idx, ratio_i, weight_types):
     return model
 
 
+@pytest.mark.searching
 def test_mkas_released_fusion_writes_into_a_copy_of_the_state_dict_so_it_only_removes_the_last_layer():
     """docs/healing.md states it: MKA's pipeline.py assigns the fused weights into the dict
     `model.state_dict()` returns, a fresh one, so no parameter changes; with its loop always fusing
@@ -421,6 +436,7 @@ def _qwen2(layers, seed):
     return model
 
 
+@pytest.mark.searching
 @pytest.mark.parametrize("spec, args, port", [("laco", {"as": "code"}, lambda m: _laco_merge(m, 3, 3)), ("swm", {}, lambda m: _swm_merge(m, 3, 6, 1.0))])
 def test_a_model_with_biases_merges_as_the_authors_code_by_default_and_its_biases_by_a_setting(tmp_path, spec, args, port):
     """On a Qwen2 the authors' code merges the seven projection weights and leaves q, k and v's biases
@@ -438,3 +454,165 @@ def test_a_model_with_biases_merges_as_the_authors_code_by_default_and_its_biase
     method = build_method(spec, args)
     method.prepare(HealContext(model=model, layers=(4, 5, 6), calibration=lambda tokens: []))
     assert "(its biases, self_attn.q_proj.bias, self_attn.k_proj.bias, self_attn.v_proj.bias, the base layer's own" in method.changes((4, 5, 6))
+
+
+# --------------------------------------------------------------------------- what a merge says, pinned by value
+LLAMA_WEIGHTS = ("self_attn.q_proj.weight, self_attn.k_proj.weight, self_attn.v_proj.weight, self_attn.o_proj.weight, "
+                 "mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight")
+
+
+@pytest.mark.searching
+def test_every_text_a_merge_says_is_pinned_for_each_setting():
+    """The card's lines, for both forms of LaCo, SWM at 1 and at 0.5, with and without biases, on a
+    model with none (Llama) and one with q, k, v biases (Qwen2)."""
+    from depthcurse.merging import projections_text
+
+    llama, qwen = _llama(6, 1), _qwen2(6, 2)
+    assert projections_text(llama.model.layers[0]) == projections_text(llama.model.layers[0], True) == LLAMA_WEIGHTS
+    biases = "self_attn.q_proj.bias, self_attn.k_proj.bias, self_attn.v_proj.bias"
+    assert projections_text(qwen.model.layers[0]) == (LLAMA_WEIGHTS + f" (its biases, {biases}, the base layer's own, as the authors' code leaves them)")
+    assert projections_text(qwen.model.layers[0], True) == ("self_attn.q_proj.weight, self_attn.q_proj.bias, self_attn.k_proj.weight, "
+                                                            "self_attn.k_proj.bias, self_attn.v_proj.weight, self_attn.v_proj.bias, "
+                                                            "self_attn.o_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight")
+    paper = "RDSC as LaCo's paper writes it (theta_l + sum_k (theta_l+k - theta_l))"
+    code = "RDSC as LaCo's released code computes it (each difference from the updated base: the run's last layer)"
+    said = {("laco", ()): paper, ("laco", (("as", "code"),)): code, ("swm", ()): "as SWM's code computes it, weight factor 1 (the window's last layer)",
+            ("swm", (("weight_factor", "0.5"),)): "as SWM's code computes it, weight factor 0.5"}
+    fresh = build_method("laco", {})  # before `prepare`: nothing merged, and the parameters named in general
+    assert fresh.modules() == [] and fresh.changes((2,)).endswith(": its the attention and MLP parameters changed, its norms its own (as the authors' code leaves them)")
+    before = list(llama.model.layers)
+    with fresh.applied(llama):
+        assert all(a is b for a, b in zip(llama.model.layers, before)) and len(llama.model.layers) == 6  # no layer placed
+    for (spec, args), rule in said.items():
+        method = build_method(spec, dict(args))
+        assert method.rule_text() == rule and method.describe() == f"each removed run merged into the layer before it, {rule}"
+        method.prepare(HealContext(model=llama, layers=(2, 3, 5), calibration=lambda tokens: []))
+        assert method.changes((2, 3, 5)) == (f"layer 1 holds layers 1-3 merged ({rule}); layer 4 holds layers 4-5 merged ({rule}): its {LLAMA_WEIGHTS} "
+                                            "changed, its norms its own (as the authors' code leaves them)")
+        assert method.untouched((2, 3, 5)) == 1 and sorted(method.merged) == [1, 4] and method.state_dict() == {}
+        assert method.modules() == [method.merged[1], method.merged[4]]
+    with pytest.raises(DepthcurseError, match=r"^--method laco: as='theirs': use paper \(RDSC as the paper writes it\) or code \(as the released notebook computes it\)$"):
+        build_method("laco", {"as": "theirs"})
+
+
+@pytest.mark.searching
+@pytest.mark.parametrize("value, ok", [(1.0, True), (0.5, True), (1e-9, True), (0.0, False), (1.0000001, False), (-0.5, False), (float("nan"), False),
+                                       (float("inf"), False)])
+def test_a_weight_factor_is_a_step_in_0_to_1_and_a_threshold_a_cosine_in_minus_1_to_1(value, ok):
+    from depthcurse.merging import check_threshold, check_weight_factor
+
+    if ok:
+        check_weight_factor(value, "--method swm: weight_factor")
+    else:
+        with pytest.raises(DepthcurseError, match=rf"^--method swm: weight_factor={value}: a step towards each layer lies in \(0, 1\] \(SLM.py uses 1\)$"):
+            check_weight_factor(value, "--method swm: weight_factor")
+    threshold = value * 2 - 1  # (-1, 1]: 1.0 -> 1, 0.5 -> 0, 1e-9 -> just above -1; 0 -> -1 (refused), ...
+    if ok:
+        check_threshold(threshold, "laco")
+    else:
+        with pytest.raises(DepthcurseError, match=r"^--search-args laco.threshold=.*: a cosine similarity threshold lies in \(-1, 1\]$"):
+            check_threshold(threshold, "laco")
+
+
+@pytest.mark.searching
+def test_a_run_that_cannot_merge_is_one_line_naming_the_layer_and_the_tensor():
+    from depthcurse.merging import check_run, check_uniform
+
+    model = _llama(5, 3)
+    check_run(model, (2, 3), "--method laco")
+    check_run(model, (1,), "--method laco")
+    with pytest.raises(DepthcurseError, match=r"^--method swm: it merges each removed run into the layer before it, and layers 0-2 starts at layer 0, "
+                                              r"which has none: remove from layer 1 on$"):
+        check_run(model, (0, 1, 2), "--method swm")
+    with pytest.raises(DepthcurseError, match=r"^--method laco: it merges each removed run into the layer before it, and layer 0 starts at layer 0"):
+        check_run(model, (0,), "--method laco")
+    with torch.no_grad():  # layer 3's up projection of another width
+        model.model.layers[3].mlp.up_proj.weight = torch.nn.Parameter(torch.zeros(10, model.config.hidden_size))
+    with pytest.raises(DepthcurseError, match=r"^--search swm: layer 3 differs from layer 1 in shape \(mlp.up_proj.weight\), so it cannot be merged into it$"):
+        check_run(model, (2, 3), "--search swm")
+    check_run(model, (2,), "--search swm")  # 2 into 1: neither is layer 3
+    with pytest.raises(DepthcurseError, match=r"^--search laco: layer 3 differs from layer 2 in shape \(mlp.up_proj.weight\)"):
+        check_uniform(model, "--search laco")
+    other = _llama(5, 3)
+    other.model.layers[2] = torch.nn.Identity()
+    with pytest.raises(DepthcurseError, match=r"^--method laco: layer 2 differs from layer 1 in shape \(self_attn.q_proj.weight\)"):
+        check_run(other, (2,), "--method laco")
+
+
+@pytest.mark.searching
+def test_a_merging_states_kept_and_gone_layers_and_the_short_stop_by_value():
+    from depthcurse.merging import Merging, merged_away, rdsc_code, similarity_range
+
+    model = _llama(6, 4)
+    blocks = model.model.layers
+    state = Merging.start(6)
+    assert state.kept == [0, 1, 2, 3, 4, 5] and state.merged == {} and state.gone() == ()
+    once = state.merge(blocks, 1, 3, rdsc_code)  # positions 2-3 into position 1
+    assert once.kept == [0, 1, 4, 5] and once.gone() == (2, 3) and sorted(once.merged) == [1]
+    twice = once.merge(blocks, 1, 2, rdsc_code)  # position 2 is layer 4 now: into the merged layer 1
+    assert twice.kept == [0, 1, 5] and twice.gone() == (2, 3, 4) and sorted(twice.merged) == [1]
+    close = lambda a, b: (a - b).abs().max() < 1e-7  # noqa: E731 (code's RDSC ends on the run's last layer, up to the additions' rounding)
+    assert close(twice.merged[1].mlp.up_proj.weight, blocks[4].mlp.up_proj.weight)
+    assert not close(twice.merged[1].mlp.up_proj.weight, blocks[3].mlp.up_proj.weight)
+    again = twice.merge(blocks, 0, 1, rdsc_code)  # the merged layer 1 into layer 0: it goes, its merge with it
+    assert again.kept == [0, 5] and sorted(again.merged) == [0] and close(again.merged[0].mlp.up_proj.weight, blocks[4].mlp.up_proj.weight)
+    trail = [(3, 4, 0.91234), (2, 3, 0.5), (1, 2, 0.99999)]
+    assert similarity_range(trail) == "0.5000-1.0000"
+    assert merged_away("swm", twice, trail, 3, 0.9) == (2, 3, 4)
+    with pytest.raises(DepthcurseError, match=r"^--search swm merged 3 of k = 4 layers away at threshold 0.9 \(similarities 0.5000-1.0000\): "
+                                              r"lower swm.threshold$"):
+        merged_away("swm", twice, trail, 4, 0.9)
+
+
+def _search_context(model, windows, k, phases=None):
+    from depthcurse.select.search import SearchContext
+
+    return SearchContext(space=Space(len(model.model.layers), k), objective="kl", score=None, score_many=None, score_on=None, windows=len(windows),
+                         window_tokens=windows.shape[1], streams=None, seed=0, model=model, calibration=windows,
+                         phase=(phases.append if phases is not None else (lambda text: None)))
+
+
+@pytest.mark.searching
+def test_the_merge_searches_check_every_bound_and_run_through_the_contract_by_value():
+    """Each setting's edge refused or passed by value (laco: merge_layers 2, interval 1, lowest and
+    highest at their ends; swm: three layers at least), and a run through `SearchContext`: the
+    procedure's layers, its note and its phases, the same as the procedure called alone."""
+    import re
+
+    space = Space(8, 2)
+    for spec, args in (("laco", {"merge_layers": "2", "interval": "1", "lowest": "5", "highest": "7"}), ("laco", {"threshold": "1"}),
+                       ("laco", {"lowest": "0", "highest": "7", "merge_layers": "7"}), ("swm", {"threshold": "1", "weight_factor": "1"})):
+        build_search(spec, args).check(space)
+    for spec, args, said in (
+            ("laco", {"merge_layers": "1"}, "--search-args laco: merge_layers (1) must be at least 2 and interval (1) at least 1"),
+            ("laco", {"interval": "0"}, "--search-args laco: merge_layers (7) must be at least 2 and interval (0) at least 1"),
+            ("laco", {"merge_layers": "2", "lowest": "6", "highest": "7"}, "--search-args laco: lowest 6, highest 7 and merge_layers 2 leave no run to "
+                                                                            "merge in 8 layers (0 <= lowest <= highest - merge_layers, highest < 8)"),
+            ("laco", {"merge_layers": "2", "lowest": "-1"}, "--search-args laco: lowest -1, highest 7 and merge_layers 2 leave no run"),
+            ("laco", {"merge_layers": "2", "highest": "8"}, "--search-args laco: lowest 0, highest 8 and merge_layers 2 leave no run"),
+            ("laco", {"merge_layers": "8"}, "--search-args laco: lowest 0, highest 7 and merge_layers 8 leave no run"),
+            ("swm", {"weight_factor": "0"}, "--search-args swm.weight_factor=0.0: a step towards each layer lies in (0, 1] (SLM.py uses 1)")):
+        with pytest.raises(DepthcurseError, match="^" + re.escape(said)):
+            build_search(spec, args).check(space)
+    with pytest.raises(DepthcurseError, match=r"^--search swm slides a window under the last layer: 2 layers leave none$"):
+        build_search("swm", {}).check(Space(2, 1))
+    build_search("swm", {}).check(Space(3, 1))
+
+    model, windows = _llama(10, 3), _windows()
+    for spec, settings, procedure, note in (
+            ("laco", LacoSearchSettings(merge_layers=3, threshold=-0.99, highest=9), laco_procedure, r"^\d+ merges tried, \d+ kept; similarities "),
+            ("swm", SwmSearchSettings(threshold=-0.99), swm_procedure, r"^\d+ windows tried; similarities ")):
+        search = build_search(spec, {"threshold": "-0.99", **({"merge_layers": "3", "highest": "9"} if spec == "laco" else {})})
+        phases = []
+        ctx = _search_context(model, windows, 3, phases)
+        chosen = search.run(ctx)
+        state, trail = procedure(model, windows, settings, stop_at=3)
+        assert chosen == state.gone() and len(chosen) == 3
+        kept = sum(1 for t in trail if t[3])
+        lo, hi = min(t[2] for t in trail), max(t[2] for t in trail)
+        said = (f"{len(trail)} merges tried, {kept} kept" if spec == "laco" else f"{len(trail)} windows tried") + f"; similarities {lo:.4f}-{hi:.4f}"
+        assert ctx.notes == [said] and re.match(note, said)
+        assert len(phases) == len(trail) and phases[0].endswith(f"similarity {trail[0][2]:.4f}")
+        assert phases[0].startswith("layer 6 with 2 above" if spec == "laco" else "window 7-8")
+        with pytest.raises(DepthcurseError, match=rf"^--search {spec} merged \d of k = 3 layers away at threshold 0.9999"):
+            build_search(spec, {"threshold": "0.9999", **({"merge_layers": "3", "highest": "9"} if spec == "laco" else {})}).run(_search_context(model, windows, 3))

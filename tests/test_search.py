@@ -60,6 +60,7 @@ def _plain(model, windows, removal):
 # --------------------------------------------------------------------------- exact and the prefix walk
 
 
+@pytest.mark.searching
 def test_the_prefix_walk_scores_every_removal_as_a_plain_forward_does_and_counts_its_block_passes(six, tiny_tokenizer, text):
     from depthcurse.select.windows import text_windows
 
@@ -79,6 +80,7 @@ def test_the_prefix_walk_scores_every_removal_as_a_plain_forward_does_and_counts
         assert cost["sets_scored"] == len(every) and json.dumps(known)  # kept as the record keeps it
 
 
+@pytest.mark.searching
 def test_walk_passes_is_the_trie_counted_by_hand():
     # every 2-set of 4: advances 2 + 1 + 0 (from 0, 1, 2 to their last child), finishes 2 + 1 + 0 + 1 + 0 + 0
     assert walk_passes(4, 2) == (7, 6)
@@ -97,6 +99,7 @@ def test_walk_passes_is_the_trie_counted_by_hand():
         assert walk_passes(n, k) == (blocks, math.comb(n, k)), (n, k)
 
 
+@pytest.mark.searching
 def test_the_exact_optimum_is_a_brute_force_done_another_way(six, text, tmp_path, tiny_tokenizer):
     """select's exact cell at k = 2 (ppl and KL) is the best of the 15 removals, each scored here by
     the model's own forward on the calibration windows; every pick's rank is counted from them."""
@@ -120,6 +123,7 @@ def test_the_exact_optimum_is_a_brute_force_done_another_way(six, text, tmp_path
     assert len(set(drawn)) == 6 and record["cells"]["text/random/kl"]["drawn"] == drawn  # one seed, the same draws for both objectives
 
 
+@pytest.mark.searching
 def test_exact_resumes_where_it_stopped(six, text, tmp_path):
     cfg = SelectConfig(k=2, calibration=(text,), searches=("exact",), calib_windows=3, eval_windows=2, seq_len=16, batch_size=2)
     whole = run_select(six, cfg, tmp_path / "whole")
@@ -231,6 +235,7 @@ def _state(removal, n):
     return state
 
 
+@pytest.mark.searching
 @pytest.mark.parametrize("granularity", ["layer", "sub-block"])
 def test_evo_makes_the_candidates_evopress_makes_one_by_one(granularity):
     """The same seed, the same scores: every selection's candidates the port's, in the same order,
@@ -251,6 +256,7 @@ def test_evo_makes_the_candidates_evopress_makes_one_by_one(granularity):
     assert _state(chosen, n) == final and not ctx.notes  # 16 x 512 tokens: no stage scaled
 
 
+@pytest.mark.searching
 @pytest.mark.parametrize("population, survivors, stage_tokens", [(2, (4, 2), (2048, 8192)), (1, (2, 1), (2000, 7000))])
 def test_evo_with_a_population_of_two_and_a_cut_last_window_makes_evopress_candidates(population, survivors, stage_tokens):
     """A population of 2 (each child copied from a random parent, which a population of 1 cannot
@@ -274,6 +280,7 @@ def test_evo_with_a_population_of_two_and_a_cut_last_window_makes_evopress_candi
         assert batches[1][1] == 2000 - 3 * 512 == 464 and batches[2][1] == 7000 - 13 * 512 == 344
 
 
+@pytest.mark.searching
 def test_a_stage_scores_its_cut_window_on_exactly_its_tokens(six, tiny_tokenizer, text):
     """score_on with the last window cut to t tokens: the mean over the whole windows' predictions
     and the cut one's first t - 1, computed here from the plain forward."""
@@ -291,6 +298,7 @@ def test_a_stage_scores_its_cut_window_on_exactly_its_tokens(six, tiny_tokenizer
     assert scorer.score_on((2,), [3, 1], 7, "ppl") != pytest.approx(torch.cat([loss[3], loss[1, :7]]).mean().item(), rel=1e-7)
 
 
+@pytest.mark.searching
 @pytest.mark.parametrize("name, settings", [("evo", EvoSettings(generations=3, offspring=8, initially_generated=16)), ("random", None)])
 def test_a_searchs_own_seed_setting_is_the_seed_its_draws_follow(name, settings):
     """`evo.seed` and `random.seed` set: the draws are those of that seed given as --seed, and not
@@ -311,6 +319,7 @@ def test_a_searchs_own_seed_setting_is_the_seed_its_draws_follow(name, settings)
     assert run(1234, 7) == run(7, None) and run(1234, 7) != run(1234, None)
 
 
+@pytest.mark.searching
 def test_random_sub_block_draws_choose_the_attention_and_mlp_branches_apart():
     """EvoPress's default space: k attention and k MLP branches drawn apart, as a port draws them."""
     from depthcurse.select.searches.random_sets import RandomSets, RandomSettings
@@ -326,6 +335,7 @@ def test_random_sub_block_draws_choose_the_attention_and_mlp_branches_apart():
     assert any({u[1:] for u in r if u[0] == "a"} != {u[1:] for u in r if u[0] == "m"} for r in search.drawn)
 
 
+@pytest.mark.searching
 def test_a_loop_past_its_bound_is_one_line_naming_the_procedure():
     from depthcurse.select.search import Bound
 
@@ -336,6 +346,7 @@ def test_a_loop_past_its_bound_is_one_line_naming_the_procedure():
         bound.step("window 2-4")
 
 
+@pytest.mark.searching
 def test_evo_keeps_evopress_defaults_and_scales_its_stages_to_the_calibration_text():
     assert {f: getattr(EvoSettings(), f) for f in EvoSettings.__dataclass_fields__} == {k: v for k, v in PAPER_DEFAULTS.items() if k != "fitness"}
     assert PAPER_DEFAULTS["fitness"] == "kl" and generations_for(32, 12) == 160 and generations_for(30, 8) == 117  # their script's int(k (n - k) / 1.5)
@@ -346,6 +357,7 @@ def test_evo_keeps_evopress_defaults_and_scales_its_stages_to_the_calibration_te
     assert scaled_tokens([2048, 32768], 16) == ([2, 16], 16 / 32768)  # never below one prediction
 
 
+@pytest.mark.searching
 def test_evo_on_a_model_says_when_it_scaled_its_stages(six, text, tmp_path):
     cfg = SelectConfig(k=2, calibration=(text,), objectives=("kl",), searches=("evo",), calib_windows=4, eval_windows=2, seq_len=16, batch_size=2,
                        search_args={"evo.generations": "2", "evo.offspring": "4", "evo.initially_generated": "5"})
@@ -360,6 +372,7 @@ def test_evo_on_a_model_says_when_it_scaled_its_stages(six, text, tmp_path):
 # --------------------------------------------------------------------------- sub-blocks
 
 
+@pytest.mark.searching
 def test_sub_block_removals_score_as_branches_zeroed_by_hand(six, text, tiny_tokenizer, tmp_path):
     """A sub-block removal (attention of block 1, MLP of block 3) scores as the model with those two
     branches' outputs zeroed in its own forward; exact over C(4, 1)^2 = 16 on a 4-block model."""
@@ -418,6 +431,7 @@ class Raises(Search):
 '''
 
 
+@pytest.mark.searching
 def test_a_search_from_outside_runs_and_one_that_breaks_the_contract_is_one_line(run_cli, six, text, tmp_path):
     plugin = tmp_path / "my_searches.py"
     plugin.write_text(PLUGIN)
@@ -430,6 +444,7 @@ def test_a_search_from_outside_runs_and_one_that_breaks_the_contract_is_one_line
         run_select(six, SelectConfig(k=2, calibration=(text,), searches=(f"{plugin}:Raises",), calib_windows=3, eval_windows=2, seq_len=16), tmp_path / "bad2")
 
 
+@pytest.mark.searching
 def test_a_failed_cell_loses_no_finished_one(six, text, tmp_path):
     plugin = tmp_path / "my_searches.py"
     plugin.write_text(PLUGIN)
@@ -471,3 +486,157 @@ def test_prune_greedy_beside_an_exact_run_says_where_its_pick_falls(run_cli, tin
     assert code == 0, err
     said = " ".join(stdout.split())
     assert "- optimum at k = 2 (select's exact, ppl on text's 3 calibration windows x 16 tokens): without" in said and "greedy's" in said
+
+
+@pytest.mark.searching
+def test_exacts_budget_says_the_work_and_the_time_by_value_and_its_walk_ties_to_the_first(monkeypatch):
+    """C(10, 3) = 120 removals: 120 allowed runs, 119 is refused with the prefix walk's 322 block
+    passes (`walk_passes`, counted by hand above) and, with a measured timing (0.5 s a block pass, 2 s a
+    head pass), 322 x 0.5 + 120 x 2 = 401 s, "about 7 minutes"; sub-blocks (C(4, 2)^2 = 36) say
+    36 x 4 = 144 block passes. Run in chunks of 4 over C(5, 2) = 10: the phases count what is
+    scored, and of two equal best scores the first in lexicographic order is chosen."""
+    import re
+
+    from depthcurse.select.estimate import PassTiming, mean_run
+    from depthcurse.select.searches import exact as exact_module
+    from depthcurse.select.searches.exact import Exact, ExactSettings
+
+    Exact(ExactSettings(max_sets=120)).check(Space(10, 3))
+    Exact(ExactSettings(max_sets=1)).check(Space(3, 3))
+    said = ("--search exact: C(10, 3) = 120 removals, more than exact.max_sets=119 (322 block passes and 120 head passes by the prefix walk): "
+            "give --search-args exact.max_sets=120 to run it, or a smaller --k")
+    with pytest.raises(DepthcurseError, match="^" + re.escape(said) + "$"):
+        Exact(ExactSettings(max_sets=119)).check(Space(10, 3))
+    with pytest.raises(DepthcurseError, match=re.escape("by the prefix walk, about 7 minutes): give")):
+        Exact(ExactSettings(max_sets=119)).check(Space(10, 3, timing=PassTiming(0.5, 2.0)))
+    with pytest.raises(DepthcurseError, match="^" + re.escape("--search exact: C(4, 2)^2 (k attention and k MLP branches) = 36 removals, more than "
+                                                             "exact.max_sets=35 (about 144 block passes): give --search-args exact.max_sets=36")):
+        Exact(ExactSettings(max_sets=35)).check(Space(4, 2, "sub-block"))
+    with pytest.raises(DepthcurseError, match=r"^--search-args exact.max_sets must be at least 1, got 0$"):
+        Exact(ExactSettings(max_sets=0)).check(Space(3, 1))
+    assert Exact().passes(Space(10, 3), 0) == (322.0, 120.0)
+    assert Exact().passes(Space(4, 2, "sub-block"), 0) == (36 * mean_run(4, 2, "sub-block"), 36.0) == (134.0, 36.0)
+
+    monkeypatch.setattr(exact_module, "CHUNK", 4)
+    scores = {(0, 1): 3.0, (0, 2): 1.0, (3, 4): 1.0, (1, 3): 2.0}  # (0, 2) and (3, 4) tie for the best
+    phases, asked = [], []
+
+    def score_many(chunk):
+        asked.append(list(chunk))
+        return [scores.get(r, 5.0) for r in chunk]
+
+    ctx = SearchContext(space=Space(5, 2), objective="kl", score=None, score_many=score_many, score_on=None, windows=2, window_tokens=8, streams=None,
+                        seed=0, phase=phases.append)
+    assert Exact().run(ctx) == (0, 2)
+    assert phases == ["exact: 0 of 10 removals scored", "exact: 4 of 10 removals scored", "exact: 8 of 10 removals scored"]
+    assert [len(c) for c in asked] == [4, 4, 2] and sum(asked, []) == list(Space(5, 2).every())
+
+
+@pytest.mark.searching
+def test_random_checks_its_count_and_draws_branches_as_a_port_draws_them():
+    """sets = 1 and sets = every removal run; 0 and one more than there are are refused by value; the
+    passes are sets x the mean run of the granularity; at branch granularity the draws are k of the
+    2n branches, sampled as one, in the port's order, and the best scored is chosen."""
+    import re
+
+    from depthcurse.select.estimate import mean_run
+    from depthcurse.select.searches.random_sets import RandomSets, RandomSettings
+
+    RandomSets(RandomSettings(sets=1)).check(Space(4, 2))
+    RandomSets(RandomSettings(sets=6)).check(Space(4, 2))
+    with pytest.raises(DepthcurseError, match=r"^--search-args random.sets must be at least 1, got 0$"):
+        RandomSets(RandomSettings(sets=0)).check(Space(4, 2))
+    with pytest.raises(DepthcurseError, match="^" + re.escape("--search-args random.sets=29 is more than the 28 removals there are: use exact for all of them") + "$"):
+        RandomSets(RandomSettings(sets=29)).check(Space(4, 2, "branch"))
+    for granularity in ("layer", "sub-block", "branch"):
+        assert RandomSets(RandomSettings(sets=7)).passes(Space(6, 2, granularity), 0) == (7 * mean_run(6, 2, granularity), 7.0)
+    assert mean_run(6, 2, "layer") != mean_run(6, 2, "branch")
+
+    n, k = 5, 3
+    search = RandomSets(RandomSettings(sets=8))
+    score = lambda r: sum(int(u[1:]) * (1 if u[0] == "a" else 1.5) for u in r)  # noqa: E731 (made up: the lowest branches cost least)
+    ctx = SearchContext(space=Space(n, k, "branch"), objective="kl", windows=1, window_tokens=8, streams=None, seed=9, score=None,
+                        score_many=lambda rs: [score(r) for r in rs], score_on=None)
+    chosen = search.run(ctx)
+    rng, port = random.Random("random:9"), {}
+    units = [f"a{i}" for i in range(n)] + [f"m{i}" for i in range(n)]
+    while len(port) < 8:
+        port.setdefault(tuple(sorted(rng.sample(units, k), key=lambda u: (u[0], int(u[1:])))), None)
+    assert search.drawn == list(port) and chosen == min(port, key=score)
+    assert any(sum(u[0] == "a" for u in r) != sum(u[0] == "m" for u in r) for r in search.drawn)  # either kind, in any mix
+
+
+@pytest.mark.searching
+def test_evo_checks_each_setting_by_value_counts_its_passes_by_hand_and_says_its_phases_and_scaling():
+    """Every refusal's line and every edge that passes; the passes of population 1, 4 offspring, 6
+    first draws of 64 tokens, stages 2/1 on 64/128 tokens, 3 generations, over 256 tokens:
+    6 x 64/256 + 3 x (4 x 64/256 + (2 + 1) x 128/256) = 1.5 + 3 x 2.5 = 9 head passes, times the mean
+    run; and a run on 2 windows of 16 tokens with generations left to their rule (k (n - k) / 1.5 =
+    8 at n = 8, k = 2): its phases, and its stages scaled by 32/128 = 0.25, said by value."""
+    import re
+
+    from depthcurse.select.estimate import mean_run
+
+    space = Space(8, 2)  # C(8, 2) = 28 removals
+    fine = dict(population_size=2, offspring=26, initially_generated=28, survivors_per_selection="26/2", tokens_per_selection="64/128", generations=0)
+    Evo(EvoSettings(**fine)).check(space)  # every edge at once: generations 0, the first stage keeps every child, all 28 drawn, 26 + 2 = 28
+    for change, said in (
+            ({"population_size": 0, "survivors_per_selection": "2/1"}, "--search-args evo.population_size must be at least 1, got 0"),
+            ({"offspring": 0}, "--search-args evo.offspring must be at least 1, got 0"),
+            ({"initially_generated": 0}, "--search-args evo.initially_generated must be at least 1, got 0"),
+            ({"initial_tokens": 0}, "--search-args evo.initial_tokens must be at least 1, got 0"),
+            ({"max_mutations": 0}, "--search-args evo.max_mutations must be at least 1, got 0"),
+            ({"generations": -1}, "--search-args evo.generations must be 0 or more, got -1"),
+            ({"tokens_per_selection": "64"}, "--search-args evo: survivors_per_selection 26/2 and tokens_per_selection 64 must have one entry per "
+                                             "selection stage each (2 against 1)"),
+            ({"survivors_per_selection": "26/1"}, "--search-args evo: the last stage keeps 1, which must be population_size (2)"),
+            ({"survivors_per_selection": "27/2", "offspring": 25}, "--search-args evo: its first stage keeps 27 of 25 offspring: survivors cannot outnumber the offspring"),
+            ({"initially_generated": 1}, "--search-args evo: population_size 2 is more than the 1 removals initially generated it is chosen from"),
+            ({"initially_generated": 29}, "--search-args evo: initially_generated (29) is more than the 28 distinct removals of C(8, 2): the search would "
+                                          "never find enough (use exact)"),
+            ({"offspring": 27, "survivors_per_selection": "27/2"}, "--search-args evo: offspring + population_size (29) is more than the 28 distinct removals"),
+            ({"survivors_per_selection": "26/x"}, "--search-args evo.survivors_per_selection=26/x: give whole numbers separated by /, e.g. 2/1"),
+            ({"tokens_per_selection": "64/0"}, "--search-args evo.tokens_per_selection=64/0: each stage needs at least 1")):
+        with pytest.raises(DepthcurseError, match="^" + re.escape(said)):
+            Evo(EvoSettings(**{**fine, **change})).check(space)
+
+    counted = EvoSettings(population_size=1, offspring=4, initially_generated=6, initial_tokens=64, survivors_per_selection="2/1",
+                          tokens_per_selection="64/128", generations=3)
+    assert Evo(counted).passes(space, 256) == (9.0 * mean_run(8, 2), 9.0)
+    assert Evo(EvoSettings(**{**counted.__dict__, "generations": None})).passes(space, 256)[1] == 1.5 + 8 * 2.5  # their rule: int(2 x 6 / 1.5) = 8 generations
+
+    phases = []
+    search = Evo(EvoSettings(offspring=4, initially_generated=6, initial_tokens=64, tokens_per_selection="64/128"))
+    ctx = SearchContext(space=space, objective="kl", score=None, score_many=None, windows=2, window_tokens=16, streams=None, seed=2,
+                        score_on=lambda r, ids, last: _fitness(_state(r, 8), ids, last), phase=phases.append)
+    search.run(ctx)
+    assert phases == ["evo: the first population", *(f"evo: generation {g} of 8" for g in range(1, 9))]
+    assert ctx.notes == ["evo: the calibration windows hold 32 tokens, fewer than its stages ask (64 for the first population; 64, then 128 in each "
+                         "generation): every stage scaled by 0.25, to 16; 16, then 32 (the largest: every calibration token)"]
+    assert [t["tokens"] for t in search.trace] == [16, *([16, 32] * 8)] and search.trace[0]["last"] == 16 and len(search.trace[0]["windows"]) == 1
+
+
+@pytest.mark.searching
+def test_greedy_and_block_influence_pinned_by_value():
+    """Greedy's estimate: k = 1 is one walk over the n single removals (trie_passes of them: 15 block
+    passes and 6 head passes at n = 6, each of the 8 draws the same); k = 2 adds the second step's
+    walks for 8 seeded draws of the first (26.5 at n = 6, the draws of random.Random(0)). Its phases
+    count its steps; Block Influence takes the k least influential blocks, ties to the lower."""
+    from depthcurse.select.estimate import trie_passes
+    from depthcurse.select.searches.bi import BlockInfluence
+    from depthcurse.select.searches.greedy import Greedy
+
+    assert Greedy().passes(Space(6, 1), 0) == (float(trie_passes([[u] for u in range(6)], 6)), 6.0) == (15.0, 6.0)
+    assert Greedy().passes(Space(6, 2), 0) == (26.5, 11.0)
+    phases = []
+    ctx = SearchContext(space=Space(5, 3), objective="kl", score=None, score_many=lambda rs: [sum(r) for r in rs], score_on=None, windows=1,
+                        window_tokens=4, streams=None, seed=0, phase=phases.append)
+    assert Greedy().run(ctx) == (0, 1, 2) and phases == ["greedy step 1 of 3", "greedy step 2 of 3", "greedy step 3 of 3"]
+    assert BlockInfluence().passes(Space(7, 2), 0) == (7.0, 0.0)
+    streams = type("Streams", (), {"block_influence": [0.3, 0.1, 0.2, 0.1, 0.5]})()
+    ctx = SearchContext(space=Space(5, 2), objective="kl", score=None, score_many=None, score_on=None, windows=1, window_tokens=4,
+                        streams=lambda: streams, seed=0)
+    assert BlockInfluence().run(ctx) == (1, 3)
+    ctx = SearchContext(space=Space(5, 3), objective="kl", score=None, score_many=None, score_on=None, windows=1, window_tokens=4,
+                        streams=lambda: type("S", (), {"block_influence": [0.9, 0.2, 0.2, 0.2, 0.2]})(), seed=0)
+    assert BlockInfluence().run(ctx) == (1, 2, 3)  # four tie: the three lowest

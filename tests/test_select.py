@@ -45,6 +45,7 @@ def _loss(model, windows):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten(), reduction="none").view(len(windows), -1).mean(1).mean().item()
 
 
+@pytest.mark.searching
 def test_each_cell_is_its_search_by_hand_and_the_grid_resumes(tiny_model_dir, two_texts, tmp_path):
     loaded = load_model(str(tiny_model_dir))
     model = loaded.model
@@ -134,6 +135,7 @@ def test_greedy_and_one_shot_rank_by_the_cells_objective_worked_out_by_hand():
     assert run(Greedy(), "kl", k=1) == [3]
 
 
+@pytest.mark.searching
 def test_calibration_texts_of_one_name_in_two_folders_keep_apart(tmp_path, two_texts):
     """Two files called lee.txt in two folders are two texts: their labels (and so their cells) differ,
     and a text named twice is refused."""
@@ -147,6 +149,7 @@ def test_calibration_texts_of_one_name_in_two_folders_keep_apart(tmp_path, two_t
         SelectConfig(k=1, calibration=(str(a), str(tmp_path / "a" / ".." / "a" / "lee.txt"))).checked()
 
 
+@pytest.mark.searching
 def test_held_out_windows_are_never_calibration_windows(tiny_tokenizer, two_texts):
     cfg = SelectConfig(k=1, calibration=(two_texts[0],), calib_windows=5, eval_windows=7, seq_len=16)
     texts = text_windows(tiny_tokenizer, two_texts[0], cfg)
@@ -183,6 +186,7 @@ def test_select_on_the_command_line_and_its_bad_input(run_cli, tiny_model_dir, t
     assert code == 1 and "--calibration names" in err and "more than once" in err
 
 
+@pytest.mark.searching
 def test_scoring_from_the_kept_streams_equals_the_models_own_forward(tiny_model_dir, two_texts):
     """The fast path (the unpruned streams kept, a removal run from its first removed block, many
     removals by the prefix walk) gives the plain path's losses and KLs (the model's own forward with
@@ -213,6 +217,7 @@ def test_scoring_from_the_kept_streams_equals_the_models_own_forward(tiny_model_
     assert fast.score_on((1, 3), [2, 0], 9, "kl") == pytest.approx(torch.cat([by_hand[2], by_hand[0, :8]]).mean().item(), rel=1e-4)
 
 
+@pytest.mark.searching
 def test_an_interrupted_select_says_where_it_stopped_and_resumes(run_cli, tiny_model_dir, two_texts, tmp_path, monkeypatch):
     """Ctrl-C or SIGTERM (which the CLI turns into the same) during the grid: the finished pieces are
     in select.json, the one line says what it was doing and that a rerun continues, and the rerun
