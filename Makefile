@@ -29,10 +29,12 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q -n 2
 
-# Mutation testing of the statistics core (pyproject.toml's [tool.mutmut]): every mutant of stats/,
-# heal's intervals, shares and model-index, select's statistics, speed's paired ratio, the probes and
-# speculate's expected speedups and summary,
-# run against the tests marked `statistics`; the score per module, failing below 90%.
+# Mutation testing (pyproject.toml's [tool.mutmut]): every mutant of the statistics core (stats/,
+# heal's intervals, shares and model-index, select's statistics and stability, speed's paired ratio,
+# the probes, speculate's expected speedups and summary) and of where the searching and merging happen
+# (select/searches/, the scorer and prefix walk, merging and the merge methods), each run against the
+# tests marked `statistics` or `searching` that reach it; the score per module, failing where any is
+# below 90%. `mutmut run "depthcurse.select.searches*"` reruns one part.
 mutate: setup
 	rm -rf mutants
 	$(BIN)/mutmut run --max-children 2

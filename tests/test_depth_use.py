@@ -261,3 +261,70 @@ def test_depth_use_trains_a_tuned_lens_keeps_it_and_reads_it_again(run_cli, tiny
     assert_one_line_error(*run_cli(*base, "--tuned-lens", "--lens", out / "tuned_lens.safetensors", "--out", tmp_path / "c"), "give one of them")
     assert_one_line_error(*run_cli(*base, "--tuned-lens", "--lens-windows", "100000", "--out", tmp_path / "d"),
                           "fewer than --windows 2 and 100000 more to train the tuned lens on")
+
+
+# --------------------------------------------------------------------------- agreement with select
+def _depth_record(n=5, model="m"):
+    nan = float("nan")
+    layers = [{"layer": i, "attn_norm": 0.1 * (i + 1), "mlp_norm": 0.2, "lens_kl": 5.0 - i} for i in range(n)]
+    influence = [[nan] * (i + 1) + [1.0 / (i + 1)] * (n - i - 1) for i in range(n)]
+    return {"run": {"model": model}, "layers": layers, "use": {"influence": influence, "output_change": [0.5, 0.1, 0.4, 0.3, 0.2][:n]}}
+
+
+def _select_record(n=5, model="m"):
+    costs = {str(i): [0.0, c, 0.0, None] for i, c in enumerate([9.0, 1.0, 8.0, 7.0, 6.0][:n])}
+    return {"run": {"model": model, "n_layers": n}, "labels": {"wiki": "wiki"}, "calibration_scores": {"wiki": {**costs, "1,2": [0, 1, 0, None]}},
+            "cells": {"wiki/exact/kl": {"layers": [1, 4]}, "wiki/evo/kl": {"layers": ["a1", "m2"]}}}
+
+
+def test_agreement_sets_each_measure_against_removal_costs_and_picks_by_hand():
+    """Five layers. Output KL when skipped 0.5, 0.1, 0.4, 0.3, 0.2 against removal costs 9, 1, 8, 7, 6:
+    the same order, rho = +1, expected +: agrees only if its interval leaves 0 out (n = 5: it is the
+    point 1). Contribution rises with depth (0.3 ... 0.7) against costs whose ranks are 5, 1, 4, 3, 2:
+    no ties, so rho = 1 - 6 x (16 + 1 + 1 + 1 + 9) / 120 = -0.4, cannot tell at n = 5. The pick {1, 4} as 0, 1, 0, 0, 1
+    against the output KL: ranks 5, 1, 4, 3, 2 and 2, 4.5, 2, 2, 4.5. The branch pick names no layer:
+    left out."""
+    from depthcurse.depth.agreement import agreement, select_targets
+    from depthcurse.stats.correlation import spearman
+
+    targets = select_targets(_select_record())
+    assert list(targets) == ["removal cost alone (kl, wiki)", "picked by wiki/exact/kl at k = 2"]
+    assert targets["picked by wiki/exact/kl at k = 2"] == ([0.0, 1.0, 0.0, 0.0, 1.0], -1)
+    rows = {(r["measure"], r["target"]): r for r in agreement(_depth_record(), [_select_record()])}
+    out = rows["output KL when skipped", "removal cost alone (kl, wiki)"]
+    assert out["rho"] == pytest.approx(1.0) and out["interval"] == [pytest.approx(1.0)] * 2 and out["agrees"] is True and out["layers"] == 5
+    contribution = rows["contribution ||a||/||h|| + ||m||/||h||", "removal cost alone (kl, wiki)"]
+    assert contribution["rho"] == pytest.approx(-0.4) and contribution["agrees"] is None
+    pick = rows["output KL when skipped", "picked by wiki/exact/kl at k = 2"]
+    assert pick["rho"] == pytest.approx(spearman([0.5, 0.1, 0.4, 0.3, 0.2], [0, 1, 0, 0, 1])) and pick["expected_sign"] == -1
+    assert pick["rho"] < 0
+    influence = rows["influence on later layers", "removal cost alone (kl, wiki)"]
+    assert influence["layers"] == 4  # the last layer has no later one
+    lens = rows["logit lens KL drop", "removal cost alone (kl, wiki)"]
+    assert lens["layers"] == 4 and lens["rho"] is None  # every drop is 1: nothing to rank
+    from depthcurse.errors import DepthcurseError
+
+    with pytest.raises(DepthcurseError, match=r"^--agree-with: a select run of 4 layers against depth-use's 5: not the same model$"):
+        agreement(_depth_record(), [_select_record(n=4)])
+    with pytest.raises(DepthcurseError, match=r"^--agree-with: a select run of other against depth-use's m$"):
+        agreement(_depth_record(), [_select_record(model="other")])
+
+
+def test_depth_use_agrees_with_a_select_run_on_the_command_line(run_cli, tiny_model_dir, text_file, tmp_path):
+    """A select run of the same model (greedy and exact at k = 2, every single removal scored): the
+    agreement table and agreement.csv; a folder with no select run is one line before any work."""
+    code, _, err = run_cli("select", tiny_model_dir, "--k", "2", "--search", "greedy,exact", "--calibration", text_file, "--calib-windows", "2",
+                           "--eval-windows", "2", "--seq-len", "16", "--out", tmp_path / "sel")
+    assert code == 0, err
+    out = tmp_path / "du"
+    code, stdout, err = run_cli("depth-use", tiny_model_dir, "--data", text_file, "--windows", "2", "--seq-len", "16", "--agree-with", tmp_path / "sel",
+                                "--out", out)
+    assert code == 0, err
+    said = " ".join(stdout.split())
+    assert "do the layers depth-use calls little used match" in said and "picked by" in said
+    record = json.loads((out / "depth_use.json").read_text())
+    targets = {r["target"] for r in record["agreement"]}
+    assert any(t.startswith("removal cost alone (kl") for t in targets) and any("exact" in t for t in targets) and (out / "agreement.csv").is_file()
+    assert_one_line_error(*run_cli("depth-use", tiny_model_dir, "--data", text_file, "--windows", "2", "--seq-len", "16", "--agree-with", tmp_path,
+                                   "--out", tmp_path / "x"), "holds no select run (select.json)")
+    assert not (tmp_path / "x").exists()

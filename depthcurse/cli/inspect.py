@@ -65,6 +65,8 @@ def depth_use(
     lens: Optional[Path] = typer.Option(None, "--lens", help="Read a tuned lens saved by an earlier run on this model instead of training one."),
     lens_steps: int = typer.Option(250, "--lens-steps", help="The tuned lens's SGD steps (Belrose et al.'s 250)."),
     lens_windows: Optional[int] = typer.Option(None, "--lens-windows", help="Windows the tuned lens trains on (default: as many as --windows)."),
+    agree_with: Optional[list[Path]] = typer.Option(None, "--agree-with", help="A select run of this model (repeatable): each measure's rank "
+                                                    "correlation with its layers' removal costs and picks."),
     out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default runs/depth-use/<model>)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
@@ -78,6 +80,7 @@ def depth_use(
     from depthcurse import depth  # lazy: start-up
     from depthcurse.cli.shared import model_line, progress_bar, showing, verdicts
 
+    selects = depth.read_selects(agree_with or [])  # before any work: a folder that holds no select run is one line
     out_dir = claim_out_dir(out or Path("runs") / "depth-use" / slug(model))
     loaded = load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
     progress = progress_bar()
@@ -86,8 +89,12 @@ def depth_use(
         record = depth.run_depth_use(loaded, data, windows, seq_len, batch_size, influence=influence, tuned=tuned_lens, lens=lens,
                                      lens_windows=lens_windows, lens_settings=depth.LensSettings(steps=lens_steps), lens_out=out_dir / depth.LENS_FILE,
                                      on_step=lambda text, done, total: progress.update(bar, description=text, completed=done, total=total))
+    if selects:
+        record["agreement"] = depth.agreement(record, selects)
     console.print(model_line(loaded))
     console.print(depth.depth_table(record))
+    if selects:
+        console.print(depth.agreement_table(record))
     verdicts(depth.depth_verdicts(record))
     paths = depth.write_depth(record, out_dir) + [depth.plot_settling(record, out_dir / "settling.png")]
     figure = depth.plot_influence(record, out_dir / "influence.png")

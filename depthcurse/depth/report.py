@@ -15,7 +15,7 @@ from rich.table import Table
 from depthcurse.depth.measure import TUNED, DepthUse, measure_depth_use, per_layer_rows, phase_transition, stepper_of
 from depthcurse.depth.tuned_lens import LensSettings, load_lens, train_tuned_lens
 from depthcurse.errors import DepthcurseError
-from depthcurse.io import atomic_write, json_text, save_figure
+from depthcurse.io import atomic_write, csv_text, json_text, save_figure
 from depthcurse.loading import check_sequence_length
 from depthcurse.tasks import PerplexityTask
 from depthcurse.text import load_texts
@@ -153,6 +153,10 @@ def write_depth(record: dict, out: Path) -> list[Path]:
                                  *((row["tuned_settled_share"],) if tuned else ()), use.output_change[row["layer"]] if use.output_change else ""])
 
     paths.append(atomic_write(out / "depth_use.csv", rows))
+    if record.get("agreement"):
+        flat = [{**{k: v for k, v in r.items() if k != "interval"}, "low": (r["interval"] or [None, None])[0], "high": (r["interval"] or [None, None])[1]}
+                for r in record["agreement"]]
+        paths.append(atomic_write(out / "agreement.csv", csv_text(flat)))
     return paths
 
 
@@ -215,3 +219,27 @@ def plot_settling(record: dict, path: Path) -> Path:
 
 def read_depth(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def read_selects(folders: list[Path]) -> list[dict]:
+    """The `select` runs `--agree-with` names, each read back or one line."""
+    from depthcurse.io import read_record
+
+    return [read_record(Path(f), "select.json", "select run", needs=("cells",)) for f in folders]
+
+
+def agreement_table(record: dict) -> Table:
+    rows = record["agreement"]
+    table = Table(title="do the layers depth-use calls little used match the ones select measures as cheapest to remove?",
+                  caption="Spearman's rho over the layers both rank, with its 95% interval (Fisher's z, Bonett and Wright's standard error); "
+                          "a measure of use should rise with a layer's removal cost (+) and fall where a search picked the layer (-). "
+                          "agrees: the interval leaves 0 out on the expected side; opposite: on the other; cannot tell: it holds 0",
+                  caption_justify="left")
+    for column in ("measure", "against", "rho [95%]", "layers", "expected", "verdict"):
+        table.add_column(column, justify="left" if column in ("measure", "against", "verdict") else "right")
+    for row in rows:
+        iv = row["interval"]
+        rho = "-" if row["rho"] is None else f"{row['rho']:+.2f}" + (f" [{iv[0]:+.2f}, {iv[1]:+.2f}]" if iv else "")
+        verdict = {True: "agrees", False: "opposite", None: "cannot tell"}[row["agrees"]]
+        table.add_row(row["measure"], row["target"], rho, str(row["layers"]), "+" if row["expected_sign"] > 0 else "-", verdict)
+    return table
