@@ -22,6 +22,8 @@ from rich.text import Text
 from depthcurse.angular import load_angular
 from depthcurse.angular.report import plot_angular
 from depthcurse.angular.result import ANGULAR_JSON
+from depthcurse.depth import agreement_table, depth_table, depth_verdicts, plot_influence, plot_settling
+from depthcurse.depth.report import DEPTH_JSON, depth_overview, read_depth
 from depthcurse.errors import DepthcurseError
 from depthcurse.heal import HEAL_JSON, curve_table, heal_table, heal_verdicts, methods_table, plot_heal_curve, read_heal
 from depthcurse.io import atomic_write, ensure_out_dir, save_figure
@@ -36,7 +38,7 @@ from depthcurse.speed import SPEED_JSON, read_speed, speed_table
 from depthcurse.train import read_run, table1
 from depthcurse.train.config import CONFIG
 
-KINDS = ("greedy", "prune", "angular", "heal", "select", "speculate", "speed", "checkpoint", "train")
+KINDS = ("greedy", "prune", "angular", "heal", "select", "speculate", "depth", "speed", "checkpoint", "train")
 
 
 def kind_of(folder: Path) -> str:
@@ -46,10 +48,10 @@ def kind_of(folder: Path) -> str:
         raise DepthcurseError(f"{folder} is not a folder: give results folders that depthcurse wrote")
     # a checkpoint drop or heal made holds a transformers config.json too: its card comes before a training run's config
     for kind, marker in (("greedy", GREEDY_JSON), ("prune", RESULTS_JSON), ("angular", ANGULAR_JSON), ("heal", HEAL_JSON), ("select", SELECT_JSON),
-                         ("speculate", SPECULATE_JSON), ("speed", SPEED_JSON), ("checkpoint", PROVENANCE), ("train", CONFIG)):
+                         ("speculate", SPECULATE_JSON), ("depth", DEPTH_JSON), ("speed", SPEED_JSON), ("checkpoint", PROVENANCE), ("train", CONFIG)):
         if (folder / marker).is_file() and (kind != "train" or "norm" in json.loads((folder / marker).read_text())):
             return kind
-    raise DepthcurseError(f"{folder} holds no depthcurse result ({GREEDY_JSON}, {RESULTS_JSON}, {ANGULAR_JSON}, {HEAL_JSON}, {SELECT_JSON}, {SPECULATE_JSON}, {SPEED_JSON}, "
+    raise DepthcurseError(f"{folder} holds no depthcurse result ({GREEDY_JSON}, {RESULTS_JSON}, {ANGULAR_JSON}, {HEAL_JSON}, {SELECT_JSON}, {SPECULATE_JSON}, {DEPTH_JSON}, {SPEED_JSON}, "
                           f"a checkpoint's {PROVENANCE}, or an lns-train run's {CONFIG})")
 
 
@@ -225,6 +227,22 @@ def _speculate_section(folders: list[Path], figures: Path) -> str:
     return "\n\n".join(parts)
 
 
+def _depth_section(folders: list[Path], figures: Path) -> str:
+    """Several depth-use runs side by side (one row each), then each run's table and figures."""
+    records = [read_depth(folder / DEPTH_JSON) for folder in folders]
+    parts = ["## How each model uses its depth (depth-use)", markdown_table(depth_overview(records, [str(f) for f in folders]))]
+    for i, (folder, record) in enumerate(zip(folders, records)):
+        parts += [f"### {record['run'].get('model')} · {folder}", markdown_table(depth_table(record)), *_bullets(depth_verdicts(record))]
+        if record.get("agreement"):
+            parts.append(markdown_table(agreement_table(record)))
+        settling = plot_settling(record, figures / f"depth_settling_{i}.png")
+        parts.append(f"![where the prediction settles]({figures.name}/{settling.name})")
+        influence = plot_influence(record, figures / f"depth_influence_{i}.png")
+        if influence is not None:
+            parts.append(f"![whose later work each layer changes]({figures.name}/{influence.name})")
+    return "\n\n".join(parts)
+
+
 def _speed_section(folders: list[Path]) -> str:
     parts = ["## What a removal buys: speed and memory, pruned against unpruned"]
     for folder in folders:
@@ -284,6 +302,8 @@ def write_report(folders: list[Path], out: Path) -> Path:
             sections.append(_select_section(by_kind["select"], figures))
         if by_kind["speculate"]:
             sections.append(_speculate_section(by_kind["speculate"], figures))
+        if by_kind["depth"]:
+            sections.append(_depth_section(by_kind["depth"], figures))
         if by_kind["speed"]:
             sections.append(_speed_section(by_kind["speed"]))
         if by_kind["checkpoint"]:

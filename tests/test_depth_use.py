@@ -258,6 +258,10 @@ def test_depth_use_trains_a_tuned_lens_keeps_it_and_reads_it_again(run_cli, tiny
     assert code == 0 and json.loads((out / "depth_use.json").read_text())["tuned_lens"]["seconds"] == lens["seconds"], err
     code, _, err = run_cli(*base, "--lens", out / "tuned_lens.safetensors", "--out", tmp_path / "read")
     assert code == 0 and json.loads((tmp_path / "read" / "depth_use.json").read_text())["layers"] == record["layers"], err
+    code, _, err = run_cli("report", out, tmp_path / "read", "--out", tmp_path / "page.md")  # two runs side by side
+    page = (tmp_path / "page.md").read_text()
+    assert code == 0 and "depth-use runs side by side" in page and page.count("| " + str(out)) == 1 and "tuned lens KL" in page, err
+    assert (tmp_path / "page_figures" / "depth_settling_1.png").is_file()
     assert_one_line_error(*run_cli(*base, "--tuned-lens", "--lens", out / "tuned_lens.safetensors", "--out", tmp_path / "c"), "give one of them")
     assert_one_line_error(*run_cli(*base, "--tuned-lens", "--lens-windows", "100000", "--out", tmp_path / "d"),
                           "fewer than --windows 2 and 100000 more to train the tuned lens on")

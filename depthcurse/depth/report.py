@@ -107,6 +107,24 @@ def depth_table(record: dict) -> Table:
     return table
 
 
+def depth_overview(records: list[dict], names: list[str]) -> Table:
+    """Runs side by side, a row each: what each measured on, its phase transition, where half of the
+    predictions have settled by each lens, and the layer whose skip changes the output most."""
+    table = Table(title="depth-use runs side by side", caption="phase transition: the change point of the influence rows (docs/depth-use.md); "
+                  "half settled: the layer by which half of the tokens' lens top-1 stays the output's; most changing skip: the layer whose "
+                  "removal moves the output most (KL)", caption_justify="left")
+    for column in ("run", "model", "text", "layers", "phase transition", "half settled (logit lens)", "half settled (tuned lens)", "most changing skip"):
+        table.add_column(column, justify="left" if column in ("run", "model", "text") else "right")
+    for name, record in zip(names, records):
+        use, run = _use(record), record["run"]
+        phase = record.get("phase_transition")
+        worst = max(range(use.n_layers), key=lambda i: use.output_change[i]) if use.output_change else None
+        table.add_row(name, str(run.get("model")), f"{run['data']}, {run['windows']} x {run['seq_len']}", str(use.n_layers),
+                      "-" if phase is None else f"{phase} ({phase / use.n_layers:.0%})", str(_half_settled(use.settled)),
+                      "-" if use.tuned_settled is None else str(_half_settled(use.tuned_settled)), "-" if worst is None else str(worst))
+    return table
+
+
 def _half_settled(settled: list[int]) -> int:
     total = sum(settled) or 1
     return next(i for i in range(len(settled)) if sum(settled[: i + 1]) >= total / 2)
