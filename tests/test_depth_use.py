@@ -332,3 +332,70 @@ def test_depth_use_agrees_with_a_select_run_on_the_command_line(run_cli, tiny_mo
     assert_one_line_error(*run_cli("depth-use", tiny_model_dir, "--data", text_file, "--windows", "2", "--seq-len", "16", "--agree-with", tmp_path,
                                    "--out", tmp_path / "x"), "holds no select run (select.json)")
     assert not (tmp_path / "x").exists()
+
+
+# --------------------------------------------------------------------------- the depth map
+def _stretched(shallow):
+    """The shallow model with an identity block after each of its blocks (o_proj and down_proj zero:
+    the block adds nothing), twice as deep: deep layer 2k and 2k + 1 both give shallow layer k's stream."""
+    import copy
+
+    deep = copy.deepcopy(shallow)
+    blocks = []
+    for block in shallow.model.layers:
+        idle = copy.deepcopy(block)
+        with torch.no_grad():
+            idle.self_attn.o_proj.weight.zero_()
+            idle.mlp.down_proj.weight.zero_()
+        blocks += [copy.deepcopy(block), idle]
+    deep.model.layers = torch.nn.ModuleList(blocks)
+    deep.config.num_hidden_layers = len(blocks)
+    deep.config.layer_types = ["full_attention"] * len(blocks)
+    for i, block in enumerate(deep.model.layers):
+        block.self_attn.layer_idx = i
+    return deep.eval()
+
+
+def test_a_map_is_ridge_least_squares_by_hand_and_a_stretched_model_maps_on_the_diagonal():
+    """fit_map against the normal equations solved by numpy (centred, ridge 1e-3 x the mean diagonal);
+    then a 3-layer model against itself with an identity block after each block (6 layers): shallow
+    layer k's stream is deep layer 2k's exactly, so each maps there with R^2 1 (up to the ridge), the
+    first of the two equal matches, and the relative depths (k + 1) / 3 and (2k + 1) / 6 keep their order."""
+    import numpy as np
+
+    from depthcurse.depth.depth_map import depth_map, fit_map
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 5, generator=g, dtype=torch.float64), torch.randn(40, 3, generator=g, dtype=torch.float64)
+    w, b, mean = fit_map(x, y)
+    xc, yc = (x - x.mean(0)).numpy(), (y - y.mean(0)).numpy()
+    gram = xc.T @ xc
+    theirs = np.linalg.solve(gram + 1e-3 * np.trace(gram) / 5 * np.eye(5), xc.T @ yc)
+    assert np.allclose(w.numpy(), theirs, atol=1e-12) and np.allclose(b.numpy(), y.mean(0).numpy() - x.mean(0).numpy() @ theirs, atol=1e-12)
+    assert torch.equal(mean, y.mean(0))
+
+    shallow = tiny_llama(300, layers=3, seed=5).eval()
+    deep = _stretched(shallow)
+    ids = _ids(windows=6, length=12)
+    with torch.no_grad():
+        assert torch.allclose(shallow(input_ids=ids).logits, deep(input_ids=ids).logits, atol=1e-5)
+    record = depth_map(shallow, deep, ids[:4], ids[4:], batch_size=2)
+    assert record["best"] == [0, 2, 4] and record["shallow_layers"] == 3 and record["deep_layers"] == 6
+    assert all(record["r2"][k][2 * k] > 0.999 and record["r2"][k][2 * k + 1] == pytest.approx(record["r2"][k][2 * k], abs=1e-9) for k in range(3))
+    assert record["relative_depth"]["best_deep"] == [1 / 6, 3 / 6, 5 / 6] and record["relative_depth"]["spearman"] == pytest.approx(1.0)
+    assert record["relative_depth"]["mean_abs_difference"] == pytest.approx(sum(abs((k + 1) / 3 - (2 * k + 1) / 6) for k in range(3)) / 3)
+    assert len(record["r2_interval"][0][0]) == 2
+
+
+def test_depth_map_end_to_end_and_two_tokenizers_are_one_line(run_cli, tiny_model_dir, six_dir, bos_model_dir, text_file, tmp_path):
+    out = tmp_path / "map"
+    code, stdout, err = run_cli("depth-map", tiny_model_dir, six_dir, "--data", text_file, "--windows", "3", "--held-out", "2", "--seq-len", "16", "--out", out)
+    assert code == 0, err
+    said = " ".join(stdout.split())
+    assert "which deep layer each shallow layer's stream maps to best" in said and "best match lies" in said
+    record = json.loads((out / "depth_map.json").read_text())
+    assert record["shallow_layers"] == 4 and record["deep_layers"] == 6 and len(record["r2"]) == 4 and (out / "depth_map.png").is_file()
+    assert_one_line_error(*run_cli("depth-map", tiny_model_dir, bos_model_dir, "--data", text_file, "--seq-len", "16", "--out", tmp_path / "b"),
+                          "have different tokenizers")
+    assert_one_line_error(*run_cli("depth-map", tiny_model_dir, six_dir, "--data", text_file, "--held-out", "1", "--seq-len", "16", "--out", tmp_path / "c"),
+                          "--held-out at least 2")

@@ -2,7 +2,7 @@
 
 One typer app (`cli.shared`, with what every command uses), on which `COMMANDS` here puts the
 commands of a module per family: `prune` (prune, plot, report), `heal`, `models` (drop,
-speed, finetune-qa, assets), `inspect` (angular-distance, depth-use), `train` (lns-train, lns-report), `select`, `speculate`, `settings`. Each
+speed, finetune-qa, assets), `inspect` (angular-distance, depth-use, depth-map), `train` (lns-train, lns-report), `select`, `speculate`, `settings`. Each
 command imports the library inside itself: the library loads torch and transformers (several
 seconds), which `depthcurse --help` and a mistyped option should not wait for.
 """
@@ -20,7 +20,7 @@ from depthcurse.io import removing_empty_on_failure
 
 # Every command, in the order --help lists them: the sweep, what follows it, what shows results,
 # training, and the helpers.
-COMMANDS = (("prune", prune.prune), ("heal", heal.heal), ("drop", models.drop), ("speed", models.speed), ("angular-distance", inspect.angular_distance), ("depth-use", inspect.depth_use),
+COMMANDS = (("prune", prune.prune), ("heal", heal.heal), ("drop", models.drop), ("speed", models.speed), ("angular-distance", inspect.angular_distance), ("depth-use", inspect.depth_use), ("depth-map", inspect.depth_map),
             ("report", prune.report), ("plot", prune.plot), ("lns-train", train.lns_train), ("lns-report", train.lns_report),
             ("finetune-qa", models.finetune_qa), ("assets", models.assets), ("select", select.select), ("speculate", speculate.speculate),
             ("settings", settings.settings))

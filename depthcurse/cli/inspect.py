@@ -101,3 +101,37 @@ def depth_use(
     if figure is not None:
         paths.append(figure)
     console.print(f"wrote {', '.join(str(p) for p in paths)}")
+
+
+def depth_map(
+    shallow: str = typer.Argument(..., help="The shallower model (a hub name, an alias such as smollm2-135m, or a folder)."),
+    deep: str = typer.Argument(..., help="The deeper model, of the same tokenizer."),
+    data: str = typer.Option("wiki", "--data", help="auto (C4, or wiki offline), c4, wiki, code, math, dialogue, or a .txt/.jsonl/.parquet file."),
+    windows: int = typer.Option(16, "--windows", help="Windows the maps are fitted on."),
+    held_out: int = typer.Option(8, "--held-out", help="Other windows they are scored on (the intervals are over them)."),
+    seq_len: int = typer.Option(128, "--seq-len", help="Tokens per window."),
+    batch_size: int = typer.Option(4, "--batch-size", help="Windows per forward pass."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default runs/depth-map/<shallow>-to-<deep>)."),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    trust_remote_code: bool = TrustOpt,
+) -> None:
+    """Which layers of a deeper model each layer of a shallower one maps to (Csordás et al. 2025,
+    Section 5): a linear map between every pair of layers' streams, scored on held-out windows.
+
+    Example: depthcurse depth-map runs/train/tiny-6/hf runs/train/tiny-12/hf --data wiki"""
+    from depthcurse.cli.shared import progress_bar, showing, verdicts
+    from depthcurse.depth import map_report
+
+    out_dir = claim_out_dir(out or Path("runs") / "depth-map" / f"{slug(shallow)}-to-{slug(deep)}")
+    small = load(shallow, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    large = load(deep, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    progress = progress_bar()
+    bar = progress.add_task("starting", total=None)
+    with showing(progress):
+        record = map_report.run_depth_map(small, large, data, windows, held_out, seq_len, batch_size,
+                                          on_step=lambda text, done, total: progress.update(bar, description=text, completed=done, total=total))
+    console.print(map_report.map_table(record))
+    verdicts(map_report.map_verdicts(record))
+    paths = map_report.write_map(record, out_dir)
+    console.print(f"wrote {', '.join(str(p) for p in paths)}")
