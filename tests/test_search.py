@@ -640,3 +640,31 @@ def test_greedy_and_block_influence_pinned_by_value():
     ctx = SearchContext(space=Space(5, 3), objective="kl", score=None, score_many=None, score_on=None, windows=1, window_tokens=4,
                         streams=lambda: type("S", (), {"block_influence": [0.9, 0.2, 0.2, 0.2, 0.2]})(), seed=0)
     assert BlockInfluence().run(ctx) == (1, 2, 3)  # four tie: the three lowest
+
+
+@pytest.mark.searching
+def test_a_stage_of_three_windows_scores_every_objective_as_the_plain_forward_does(six, tiny_tokenizer, text):
+    """Windows 3, 0 and 1 cut to 7 tokens: loss and KL the mean over the whole windows' predictions
+    and the cut one's first 6; rejection 1 - the top-1 agreement over the same predictions; the
+    speedup objective 1 / expected speedup at that agreement, the draft without block 2 (by
+    `DraftCosts`, here made up: gamma 3, a block 0.1 of a step, a check 1.2 steps)."""
+    from depthcurse.select.windows import text_windows
+    from depthcurse.speculate.costs import DraftCosts
+
+    windows = text_windows(tiny_tokenizer, text, SelectConfig(k=2, calibration=(text,), calib_windows=4, eval_windows=2, seq_len=16)).calibration
+    costs = DraftCosts(gamma=3, block_share=0.1, verify=1.2)
+    scorer = CalibrationScorer(six.model, windows, 2, {}, lambda: None, costs=costs)
+    with torch.no_grad():
+        ref = torch.log_softmax(six.model(input_ids=windows).logits[:, :-1].float(), -1)
+        with removed_layers(six.model, (2,)):
+            logp = torch.log_softmax(six.model(input_ids=windows).logits[:, :-1].float(), -1)
+    loss = -logp.gather(-1, windows[:, 1:, None])[..., 0]
+    kl = torch.nn.functional.kl_div(logp, ref, log_target=True, reduction="none").sum(-1)
+    agree = (logp.argmax(-1) == ref.argmax(-1)).float()
+    pick = lambda t: torch.cat([t[3], t[0], t[1, :6]]).mean().item()  # noqa: E731
+    assert scorer.score_on_many([(2,)], [3, 0, 1], 7, "ppl") == [pytest.approx(pick(loss), rel=1e-5)]
+    assert scorer.score_on_many([(2,)], [3, 0, 1], 7, "kl") == [pytest.approx(pick(kl), rel=1e-5, abs=1e-7)]
+    assert scorer.score_on_many([(2,)], [3, 0, 1], 7, "acceptance") == [pytest.approx(1.0 - pick(agree), abs=1e-7)]
+    assert scorer.score_on_many([(2,), (1, 2)], [3, 0, 1], 7, "speedup") == [pytest.approx(costs.time_per_token(pick(agree), 1), rel=1e-6),
+                                                                              pytest.approx(scorer.score_on_many([(1, 2)], [3, 0, 1], 7, "speedup")[0])]
+    assert scorer.cost.subset_scores == 6 and scorer.cost.tokens == 6 * (16 + 16 + 7)
