@@ -668,3 +668,11 @@ def test_a_stage_of_three_windows_scores_every_objective_as_the_plain_forward_do
     assert scorer.score_on_many([(2,), (1, 2)], [3, 0, 1], 7, "speedup") == [pytest.approx(costs.time_per_token(pick(agree), 1), rel=1e-6),
                                                                               pytest.approx(scorer.score_on_many([(1, 2)], [3, 0, 1], 7, "speedup")[0])]
     assert scorer.cost.subset_scores == 6 and scorer.cost.tokens == 6 * (16 + 16 + 7)
+    whole = -ref.gather(-1, windows[:, 1:, None])[..., 0].mean(-1)  # nothing removed: the unpruned model, per window
+    losses, kls, agreements = scorer.unpruned_windows()
+    assert losses == pytest.approx(whole.tolist(), rel=1e-5) and kls == [0.0] * 4 and agreements == [1.0] * 4
+    assert scorer.score_many([()]) == [{"ppl": pytest.approx(whole.mean().item(), rel=1e-5), "kl": 0.0, "acceptance": 0.0,
+                                        "speedup": pytest.approx(costs.time_per_token(1.0, 0))}]
+    # both branches of block 2 skipped: the same predictions as block 2 removed, and a draft one block shorter (two branches, half a block each)
+    branches = CalibrationScorer(six.model, windows, 2, {}, lambda: None, "sub-block", costs=costs)
+    assert branches.score_on_many([("a2", "m2")], [3, 0, 1], 7, "speedup") == [pytest.approx(costs.time_per_token(pick(agree), 1), rel=1e-6)]

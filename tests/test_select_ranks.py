@@ -49,6 +49,7 @@ def test_two_ranks_choose_what_one_process_chooses_score_for_score(run_cli, six_
     assert (two.stdout + two.stderr).count("written: ") == 1  # only rank 0 talks and writes
 
 
+@pytest.mark.searching
 def test_contiguous_shares_cut_in_order_as_evenly_as_the_costs_allow():
     assert contiguous_shares([1] * 7, 1) == [(0, 7)]
     assert contiguous_shares([1] * 7, 2) == [(0, 4), (4, 7)]  # the fourth item's middle is the half: the first rank's
