@@ -399,3 +399,22 @@ def test_depth_map_end_to_end_and_two_tokenizers_are_one_line(run_cli, tiny_mode
                           "have different tokenizers")
     assert_one_line_error(*run_cli("depth-map", tiny_model_dir, six_dir, "--data", text_file, "--held-out", "1", "--seq-len", "16", "--out", tmp_path / "c"),
                           "--held-out at least 2")
+
+
+def test_three_ranks_share_the_influence_matrix_and_give_one_processs_record(run_cli, six_dir, text_file, tmp_path):
+    """`torchrun --nproc-per-node 3 -m depthcurse depth-use` on the CPU (gloo): each rank skips a
+    consecutive run of layers (6 layers, costs 6..1: 0 | 1-2 | 3-5), the rows gathered; the record
+    is one process's, figure for figure, and rank 0 alone writes."""
+    from helpers import torchrun
+
+    from depthcurse.select.scoring import contiguous_shares
+
+    assert contiguous_shares([6 - i for i in range(6)], 3) == [(0, 1), (1, 3), (3, 6)]  # each rank's skips: none empty
+    common = ["depth-use", six_dir, "--data", text_file, "--windows", "3", "--seq-len", "16", "--batch-size", "2"]
+    code, _, err = run_cli(*map(str, common), "--out", str(tmp_path / "one"))
+    assert code == 0, err
+    three = torchrun("-m", "depthcurse", *common, "--out", tmp_path / "three", nproc=3)
+    assert three.returncode == 0, three.stderr[-3000:]
+    one, shared = (json.loads((tmp_path / d / "depth_use.json").read_text()) for d in ("one", "three"))
+    assert shared["use"] == one["use"] and shared["layers"] == one["layers"] and shared["phase_transition"] == one["phase_transition"]
+    assert (three.stdout + three.stderr).count("wrote ") == 1

@@ -78,17 +78,24 @@ def depth_use(
 
     Example: depthcurse depth-use smollm2-135m --data wiki --windows 16 --seq-len 256 [--tuned-lens]"""
     from depthcurse import depth  # lazy: start-up
-    from depthcurse.cli.shared import model_line, progress_bar, showing, verdicts
+    from depthcurse.cli.shared import join_ranks, model_line, progress_bar, showing, verdicts
 
     selects = depth.read_selects(agree_with or [])  # before any work: a folder that holds no select run is one line
     out_dir = claim_out_dir(out or Path("runs") / "depth-use" / slug(model))
-    loaded = load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
-    progress = progress_bar()
-    bar = progress.add_task("starting", total=None)
-    with showing(progress):
-        record = depth.run_depth_use(loaded, data, windows, seq_len, batch_size, influence=influence, tuned=tuned_lens, lens=lens,
-                                     lens_windows=lens_windows, lens_settings=depth.LensSettings(steps=lens_steps), lens_out=out_dir / depth.LENS_FILE,
-                                     on_step=lambda text, done, total: progress.update(bar, description=text, completed=done, total=total))
+    world = join_ranks(device)  # under torchrun the influence matrix's skips are shared over the ranks; rank 0 talks and writes
+    try:
+        loaded = load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
+        progress = progress_bar()
+        bar = progress.add_task("starting", total=None)
+        with showing(progress):
+            record = depth.run_depth_use(loaded, data, windows, seq_len, batch_size, influence=influence, tuned=tuned_lens, lens=lens,
+                                         lens_windows=lens_windows, lens_settings=depth.LensSettings(steps=lens_steps),
+                                         lens_out=out_dir / depth.LENS_FILE if world.main else None, world=world,
+                                         on_step=lambda text, done, total: progress.update(bar, description=text, completed=done, total=total))
+    finally:
+        world.close()
+    if not world.main:
+        return
     if selects:
         record["agreement"] = depth.agreement(record, selects)
     console.print(model_line(loaded))

@@ -25,6 +25,8 @@ import torch
 
 from depthcurse.errors import DepthcurseError
 from depthcurse.prune.stepping import Stepper, Unsupported, checked_stepper
+from depthcurse.runtime import World
+from depthcurse.select.scoring import contiguous_shares
 from depthcurse.stats.intervals import mean_interval
 from depthcurse.surgery import branch_output, find_blocks
 
@@ -149,11 +151,15 @@ def _read_lens(lens: list[torch.Tensor], final: torch.Tensor, kl: list, top1: li
 
 @torch.no_grad()
 def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: bool = True, on_step=lambda text, done, total: None,
-                      tuned=None) -> DepthUse:
+                      tuned=None, world: World = World()) -> DepthUse:
     """Every figure of `DepthUse` on `windows` (token ids, windows x tokens); the tuned lens's too
-    where `tuned` (a `TunedLens` for this model) is given."""
+    where `tuned` (a `TunedLens` for this model) is given. Under torchrun (`world`) every rank runs
+    the whole model's pass and the lenses, and the influence matrix's skips are shared over the
+    ranks, each a consecutive run of skipped layers of even cost (the blocks after each), every
+    row gathered on every rank: N ranks give one process's matrix."""
     stepper = stepper_of(model)
     n = stepper.n_layers
+    start, end = contiguous_shares([n - i for i in range(n)], world.size)[world.rank]  # skip i runs the n - 1 - i blocks after it and the head
     use = DepthUse(n, len(windows))
     for name in ("attn_norm", "mlp_norm", "attn_cos", "mlp_cos", "lens_kl", "lens_top1", "lens_top5", *(TUNED if tuned is not None else ())):
         setattr(use, name, [[] for _ in range(n)])
@@ -191,7 +197,7 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
             if tuned is not None:
                 _read_lens(tuned_lens, final, use.tuned_kl, use.tuned_top1, use.tuned_top5, use.tuned_settled)
             if influence:
-                for i in range(n):  # layer i skipped: the stream entering it goes on to i + 1
+                for i in range(start, end):  # layer i skipped: the stream entering it goes on to i + 1
                     on_step(f"without layer {i}", b, len(batches))
                     h = entering[i]
                     branches.recording = True
@@ -205,6 +211,10 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
                     out_sums[i] += (final.exp() * (final - logp)).sum(-1).mean(-1).sum().item()
     finally:
         branches.close()
+    if influence and world.size > 1:  # every rank's rows, on every rank
+        for part in world.all_gather({i: (sums[i], out_sums[i]) for i in range(start, end)}):
+            for i, (row, out) in part.items():
+                sums[i], out_sums[i] = row, out
     if influence:
         use.influence = [[sums[i][j] / len(windows) if j > i else float("nan") for j in range(n)] for i in range(n)]
         use.output_change = [s / len(windows) for s in out_sums]

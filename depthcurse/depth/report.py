@@ -17,6 +17,7 @@ from depthcurse.depth.tuned_lens import LensSettings, load_lens, train_tuned_len
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import atomic_write, csv_text, json_text, save_figure
 from depthcurse.loading import check_sequence_length
+from depthcurse.runtime import World
 from depthcurse.tasks import PerplexityTask
 from depthcurse.text import load_texts
 
@@ -25,7 +26,7 @@ DEPTH_JSON = "depth_use.json"
 
 def run_depth_use(loaded, data: str, windows: int, seq_len: int, batch_size: int, influence: bool = True, on_step=lambda text, done, total: None,
                   tuned: bool = False, lens: Path | None = None, lens_windows: int | None = None, lens_settings: LensSettings = LensSettings(),
-                  lens_out: Path | None = None) -> dict:
+                  lens_out: Path | None = None, world: World = World()) -> dict:
     """`windows` windows of `seq_len` tokens of `data` (ppl's packing), measured; the record. With
     `tuned`, a tuned lens is trained on the next `lens_windows` windows of the same text (held out
     from the measured ones; default as many) and read beside the logit lens, and saved to `lens_out`
@@ -60,7 +61,7 @@ def run_depth_use(loaded, data: str, windows: int, seq_len: int, batch_size: int
             translators, training = train_tuned_lens(model, stepper, ids[windows:], lens_settings, on_step=on_step)
             if lens_out is not None:
                 translators.save(lens_out, training)
-    use = measure_depth_use(model, ids[:windows], batch_size, influence=influence, on_step=on_step, tuned=translators)
+    use = measure_depth_use(model, ids[:windows], batch_size, influence=influence, on_step=on_step, tuned=translators, world=world)
     record = {"run": {**{k: v for k, v in loaded.describe().items() if k != "device"}, "data": label, "windows": windows, "seq_len": seq_len},
               "use": use.summary(), "layers": per_layer_rows(use), "phase_transition": phase_transition(use)}
     if translators is not None:
