@@ -676,3 +676,86 @@ def test_a_stage_of_three_windows_scores_every_objective_as_the_plain_forward_do
     # both branches of block 2 skipped: the same predictions as block 2 removed, and a draft one block shorter (two branches, half a block each)
     branches = CalibrationScorer(six.model, windows, 2, {}, lambda: None, "sub-block", costs=costs)
     assert branches.score_on_many([("a2", "m2")], [3, 0, 1], 7, "speedup") == [pytest.approx(costs.time_per_token(pick(agree), 1), rel=1e-6)]
+
+
+@pytest.mark.searching
+def test_a_costs_summary_and_difference_by_value():
+    from depthcurse.select.scoring import Cost
+
+    now = Cost(window_blocks=30, window_heads=12, sets=5, subset_scores=7, tokens=900, seconds=2.34567, naive_window_blocks=48)
+    before = Cost(window_blocks=6, window_heads=2, sets=1, subset_scores=3, tokens=100, seconds=0.5, naive_window_blocks=8)
+    assert now.minus(before) == Cost(window_blocks=24, window_heads=10, sets=4, subset_scores=4, tokens=800, seconds=pytest.approx(1.84567),
+                                     naive_window_blocks=40)
+    assert now.summary(4) == {"block_passes": 7.5, "head_passes": 3.0, "naive_block_passes": 12.0, "sets_scored": 5, "subset_scores": 7,
+                              "tokens_scored": 900, "seconds": 2.346}
+
+
+@pytest.mark.searching
+def test_a_kept_score_of_an_earlier_record_is_measured_again_only_where_it_lacks_what_is_asked(six, tiny_tokenizer, text):
+    """A removal kept with three scores (before the speedup objective) or with no speedup where the
+    costs are known is measured again; one kept whole is not (its made-up values come back)."""
+    from depthcurse.select.windows import text_windows
+    from depthcurse.speculate.costs import DraftCosts
+
+    windows = text_windows(tiny_tokenizer, text, SelectConfig(k=2, calibration=(text,), calib_windows=2, eval_windows=2, seq_len=16)).calibration
+    made_up = [9.0, 8.0, 0.7, 0.5]
+    costs = DraftCosts(gamma=3, block_share=0.1, verify=1.2)
+    known = {"1": made_up[:3], "2": [9.0, 8.0, 0.7, None], "3": list(made_up)}
+    scorer = CalibrationScorer(six.model, windows, 2, known, lambda: None, costs=costs)
+    scores = scorer.score_many([(1,), (2,), (3,)])
+    assert scores[2] == dict(zip(("ppl", "kl", "acceptance", "speedup"), made_up))
+    assert scores[0]["ppl"] != 9.0 and scores[1]["ppl"] != 9.0 and scores[1]["speedup"] is not None and len(known["1"]) == 4
+    plain = CalibrationScorer(six.model, windows, 2, {"2": [9.0, 8.0, 0.7, None]}, lambda: None)  # no costs: a missing speedup is not asked
+    assert plain.score_many([(2,)]) == [{"ppl": 9.0, "kl": 8.0, "acceptance": 0.7, "speedup": None}]
+
+
+@pytest.mark.searching
+def test_two_ranks_in_threads_share_the_removals_and_give_one_processs_scores_and_blocks(six, tiny_tokenizer, text):
+    """The torchrun path in one process: two scorers, each on its own copy of the model, exchange
+    their shares through a stand-in world (a barrier and a list); each gets every score in order,
+    as one scorer alone computes them, and the blocks both ran added to its cost."""
+    import copy
+    import threading
+
+    from depthcurse.select.windows import text_windows
+
+    windows = text_windows(tiny_tokenizer, text, SelectConfig(k=2, calibration=(text,), calib_windows=2, eval_windows=2, seq_len=16)).calibration
+    removals = [(0, 1), (0, 2), (1, 3), (2, 4), (4, 5)]
+    alone = CalibrationScorer(six.model, windows, 2, {}, lambda: None)
+    expected = alone.score_many(removals)
+    barrier, slots = threading.Barrier(2), [None, None]
+
+    class ThreadWorld:
+        size, parallel = 2, "requests"
+
+        def __init__(self, rank):
+            self.rank = rank
+
+        @property
+        def main(self):
+            return self.rank == 0
+
+        def all_gather(self, obj):
+            slots[self.rank] = obj
+            barrier.wait()
+            out = list(slots)
+            barrier.wait()
+            return out
+
+    results, scorers = [None, None], [CalibrationScorer(copy.deepcopy(six.model), windows, 2, {}, lambda: None, world=ThreadWorld(r)) for r in (0, 1)]
+
+    def run(rank):
+        results[rank] = scorers[rank].score_many(removals)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    for got in results:
+        assert [d["kl"] for d in got] == pytest.approx([d["kl"] for d in expected], rel=1e-5, abs=1e-7)
+        assert [d["ppl"] for d in got] == pytest.approx([d["ppl"] for d in expected], rel=1e-5)
+    # each rank's cost holds both ranks' blocks: at least the one walk's, at most its shares' prefixes run twice
+    assert scorers[0].cost.window_blocks == scorers[1].cost.window_blocks >= alone.cost.window_blocks
+    assert scorers[0].cost.window_heads == scorers[1].cost.window_heads == alone.cost.window_heads
