@@ -87,7 +87,7 @@ def port_of_swift(n, num_skip, matchness, seed, bayes=True, bayes_interval=25, m
     return tried, skip
 
 
-def port_of_draft_verify(n, tokens_per_s, n_iter, probes=()):
+def port_of_draft_verify(n, tokens_per_s, n_iter, probes=(), kappa=None):
     """`LayerSkippingSearching` (dilab-zju/self-speculative-decoding @ 688db8b, searching.py): its
     black box's tokens per second replaced by `tokens_per_s(attention, mlp)`, its probes at x_(i+n) for
     an MLP (theirs: x_(i+40), Llama-2-13B's n). Returns every skip set scored and the solution."""
@@ -110,7 +110,12 @@ def port_of_draft_verify(n, tokens_per_s, n_iter, probes=()):
         for i in mlp_skip_layers:
             params[f"x{i + n}"] = 1.0
         optimizer.probe(params=params, lazy=True)
-    optimizer.maximize(init_points=0, n_iter=n_iter)
+    if kappa is None:  # theirs
+        optimizer.maximize(init_points=0, n_iter=n_iter)
+    else:  # the kappa setting: bayes_opt 1.5's own UCB, at another kappa
+        from bayes_opt import UtilityFunction
+
+        optimizer.maximize(init_points=0, n_iter=n_iter, acquisition_function=UtilityFunction(kind="ucb", kappa=kappa, xi=0.0))
     best = optimizer.max["params"]
     return tried, ([i for i in range(n) if best[f"x{i}"] > 0.5], [i - n for i in range(n, 2 * n) if best[f"x{i}"] > 0.5])
 
@@ -345,3 +350,20 @@ def test_draft_verify_on_another_objective_reads_its_probes_and_points_by_value(
         DraftVerify(DraftVerifySettings(n_iter=-1)).check(Space(4, 2, "branch"))
     with pytest.raises(DepthcurseError, match=r"^--search-args draft-verify.probes: 'a9' is not a branch"):
         DraftVerify(DraftVerifySettings(probes="a9")).check(Space(4, 2, "branch"))
+
+
+@pytest.mark.searching
+def test_draft_verify_gives_the_optimiser_the_speedup_or_minus_the_score_and_follows_its_kappa():
+    """What the optimiser maximises, pinned per point: the expected speedup (1 / time per token) on
+    the speedup objective, minus the score on any other; and kappa 0.01 (not bayes_opt's 2.576)
+    suggests what the port's UCB at 0.01 suggests (there: a0 alone, where 2.576 suggests a0, m0, m2, m3)."""
+    n, probes = 4, (([1, 3], [2]), ([0], []))
+    value = lambda r: 1.0 / (1.0 + _made_up(*_split(r)) * len(r))  # noqa: E731
+    for objective, target in (("speedup", lambda r: 1.0 / value(r)), ("kl", lambda r: -value(r))):
+        search = DraftVerify(DraftVerifySettings(n_iter=0, probes="a1,a3,m2;a0"))
+        search.run(_context(Space(n, 2, "branch"), objective, value))
+        assert search.targets == [target(r) for r in search.trace] and len(search.targets) == 2
+    tried, (attn, mlp) = port_of_draft_verify(n, lambda a, m: 1.0 + _made_up(a, m) * (len(a) + len(m)), n_iter=1, probes=probes, kappa=0.01)
+    search = DraftVerify(DraftVerifySettings(n_iter=1, kappa=0.01, probes="a1,a3,m2;a0"))
+    chosen = search.run(_context(Space(n, 2, "branch"), "speedup", value))
+    assert [_split(r) for r in search.trace] == tried and _split(chosen) == (attn, mlp) and tried[-1] == ([0], [])

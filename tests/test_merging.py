@@ -117,18 +117,18 @@ def _laco_loop(model, windows, merge_layers, interval, lowest, highest, threshol
     return compressed
 
 
-def _swm_loop(model, windows, threshold):
-    """SLM.py's main loop (weight_factor=1, as it calls the merge)."""
+def _swm_loop(model, windows, threshold, weight_factor=1):
+    """SLM.py's main loop (weight_factor=1, as it calls the merge; another here for the setting)."""
     reference = _hidden(model, windows)
     short_model = model
     high_lay = len(short_model.model.layers) - 1 - 1
     low_lay = high_lay - 1
     while low_lay >= 0:
-        tmp = _swm_merge(short_model, low_lay, high_lay, weight_factor=1)
+        tmp = _swm_merge(short_model, low_lay, high_lay, weight_factor=weight_factor)
         if _sim(reference, tmp, windows) > threshold:
             low_lay -= 1
         elif low_lay + 1 != high_lay:
-            short_model = _swm_merge(short_model, low_lay + 1, high_lay, weight_factor=1)
+            short_model = _swm_merge(short_model, low_lay + 1, high_lay, weight_factor=weight_factor)
             high_lay = low_lay
         else:
             high_lay -= 1
@@ -616,3 +616,34 @@ def test_the_merge_searches_check_every_bound_and_run_through_the_contract_by_va
         assert phases[0].startswith("layer 6 with 2 above" if spec == "laco" else "window 7-8")
         with pytest.raises(DepthcurseError, match=rf"^--search {spec} merged \d of k = 3 layers away at threshold 0.9999"):
             build_search(spec, {"threshold": "0.9999", **({"merge_layers": "3", "highest": "9"} if spec == "laco" else {})}).run(_search_context(model, windows, 3))
+
+
+@pytest.mark.searching
+def test_the_procedures_edges_against_the_authors_loops():
+    """LaCo with runs of 5 in 10 layers, every merge kept: the run is cut where the model ends (the
+    notebook's min(merge_layer_num, len - base - 1)), and `highest` unset is the last layer; with k
+    the trail ends at the merge that reaches it. SWM at weight factor 0.5, and at a threshold every
+    window passes: its window grows to the bottom (low 0) and, as SLM.py, merges nothing it did not
+    refuse. Biases merge through the procedures where asked."""
+    model, windows = _llama(10, 3), _windows()
+    state, trail = laco_procedure(model, windows, LacoSearchSettings(merge_layers=5, threshold=-0.99, as_="code"))
+    _same_weights(_merged_state_model(model, state), _laco_loop(model, windows, 5, 1, 0, 9, -0.99))
+    assert trail[0][:2] == (4, 4) and trail[1][:2] == (3, 2)  # from 9 - 5 = 4; then cut to the 2 layers left above layer 3
+    stopped, short = laco_procedure(model, windows, LacoSearchSettings(merge_layers=3, threshold=-0.99, highest=9), stop_at=3)
+    assert short[-1][3] and sum(t[1] for t in short if t[3]) == 3 == len(stopped.gone())
+
+    deep = _llama(10, 4)
+    state, trail = swm_procedure(deep, _windows(seed=1), SwmSearchSettings(threshold=0.9, weight_factor=0.5))
+    _same_weights(_merged_state_model(deep, state), _swm_loop(deep, _windows(seed=1), 0.9, weight_factor=0.5))
+    state, trail = swm_procedure(deep, _windows(seed=1), SwmSearchSettings(threshold=-0.99))
+    assert [t[:2] for t in trail] == [(low, 8) for low in range(7, -1, -1)] and state.gone() == ()
+    _same_weights(_merged_state_model(deep, state), _swm_loop(deep, _windows(seed=1), -0.99))
+
+    qwen = _qwen2(8, 9)
+    bias = lambda st: st.merged[min(st.merged)].self_attn.q_proj.bias  # noqa: E731
+    for procedure, make in ((laco_procedure, lambda b: LacoSearchSettings(merge_layers=3, threshold=-0.99, biases=b)),
+                            (swm_procedure, lambda b: SwmSearchSettings(threshold=-0.99, biases=b))):
+        kept, _ = procedure(qwen, _windows(), make(False), stop_at=2)
+        merged, _ = procedure(qwen, _windows(), make(True), stop_at=2)
+        base = min(kept.merged)
+        assert torch.equal(bias(kept), qwen.model.layers[base].self_attn.q_proj.bias) and not torch.equal(bias(merged), bias(kept))

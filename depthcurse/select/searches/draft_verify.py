@@ -85,13 +85,14 @@ class DraftVerify(Search):
 
         n, s = ctx.space.n, self.settings
         speed = ctx.objective == "speedup"
-        self.trace = []
+        self.trace, self.targets = [], []  # each point's skip set, and what the optimiser was given for it
 
         def black_box(**params):
             removal = skipped(params, n)
             self.trace.append(removal)
             value = ctx.score(removal)
-            return 1.0 / value if speed else -value  # their tokens per second: the expected speedup
+            self.targets.append(1.0 / value if speed else -value)  # their tokens per second: the expected speedup
+            return self.targets[-1]
 
         bo = BayesianOptimization(f=black_box, pbounds={f"x{i}": (0, 1) for i in range(2 * n)}, random_state=s.optimizer_seed, verbose=0)
         bo.set_gp_params(alpha=1e-2)
