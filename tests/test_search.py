@@ -759,3 +759,15 @@ def test_two_ranks_in_threads_share_the_removals_and_give_one_processs_scores_an
     # each rank's cost holds both ranks' blocks: at least the one walk's, at most its shares' prefixes run twice
     assert scorers[0].cost.window_blocks == scorers[1].cost.window_blocks >= alone.cost.window_blocks
     assert scorers[0].cost.window_heads == scorers[1].cost.window_heads == alone.cost.window_heads
+
+
+@pytest.mark.searching
+def test_angular_takes_the_first_of_the_streams_choices():
+    """The angular pass ranks its candidate runs best first (`block_choices`): the search takes the first."""
+    from depthcurse.select.searches.angular import Angular
+
+    run = lambda layers: type("Choice", (), {"layers": layers})()  # noqa: E731
+    streams = type("Streams", (), {"block_choices": lambda self, k: [run([3, 4]), run([1, 2])]})()
+    ctx = SearchContext(space=Space(6, 2), objective="kl", score=None, score_many=None, score_on=None, windows=1, window_tokens=4,
+                        streams=lambda: streams, seed=0)
+    assert Angular().run(ctx) == (3, 4)
