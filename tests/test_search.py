@@ -771,3 +771,47 @@ def test_angular_takes_the_first_of_the_streams_choices():
     ctx = SearchContext(space=Space(6, 2), objective="kl", score=None, score_many=None, score_on=None, windows=1, window_tokens=4,
                         streams=lambda: streams, seed=0)
     assert Angular().run(ctx) == (3, 4)
+
+
+@pytest.mark.searching
+def test_each_procedures_bound_says_its_name_and_where_it_stood(monkeypatch, tiny_tokenizer):
+    """Each loop held to a bound of 2 steps here (the bound's own test: `Bound`), as a bug that never
+    ends would meet it: random drawing the same removal for ever, evo's first population likewise,
+    SWM's and LaCo's procedures on a 6-layer model; each one line naming the procedure and where it
+    stood."""
+    import re
+
+    from depthcurse.select import search as search_module
+    from depthcurse.select.searches import evo as evo_module
+    from depthcurse.select.searches import laco as laco_module
+    from depthcurse.select.searches import random_sets as random_module
+    from depthcurse.select.searches import swm as swm_module
+    from depthcurse.select.searches.laco import LacoSearchSettings, laco_procedure
+    from depthcurse.select.searches.random_sets import RandomSets, RandomSettings
+    from depthcurse.select.searches.swm import SwmSearchSettings, swm_procedure
+    from helpers import tiny_llama
+
+    small = lambda limit, procedure: search_module.Bound(2, procedure)  # noqa: E731
+    for module in (random_module, evo_module, swm_module, laco_module):
+        monkeypatch.setattr(module, "Bound", small)
+
+    class Stuck(random.Random):  # every draw the same: no second distinct removal is ever found
+        def sample(self, population, k):
+            return list(population)[:k]
+
+    monkeypatch.setattr(random_module.random, "Random", Stuck)
+    ctx = SearchContext(space=Space(6, 2), objective="kl", score=None, score_many=lambda rs: [0.0] * len(rs), score_on=None, windows=1,
+                        window_tokens=8, streams=None, seed=0)
+    with pytest.raises(DepthcurseError, match=re.escape("random's draws did not end within its bound of 2 steps (1 of 3 distinct removals found)")):
+        RandomSets(RandomSettings(sets=3)).run(ctx)
+    monkeypatch.setattr(evo_module.random, "Random", Stuck)
+    ctx = SearchContext(space=Space(6, 2), objective="kl", score=None, score_many=None, windows=1, window_tokens=8, streams=None, seed=0,
+                        score_on=lambda r, ids, last: 0.0)
+    with pytest.raises(DepthcurseError, match=re.escape("evo's first population did not end within its bound of 2 steps (1 of 4 distinct removals found)")):
+        Evo(EvoSettings(initially_generated=4, offspring=2)).run(ctx)
+    model = tiny_llama(300, layers=6, seed=1)
+    windows = torch.randint(3, 300, (2, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(DepthcurseError, match=re.escape("swm's procedure did not end within its bound of 2 steps (window 1-4)")):
+        swm_procedure(model, windows, SwmSearchSettings(threshold=-0.99))
+    with pytest.raises(DepthcurseError, match=re.escape("laco's procedure did not end within its bound of 2 steps (layer 1)")):
+        laco_procedure(model, windows, LacoSearchSettings(merge_layers=2, threshold=0.9999, highest=5))
