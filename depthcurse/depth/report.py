@@ -15,7 +15,7 @@ from rich.table import Table
 from depthcurse.depth.measure import TUNED, DepthUse, measure_depth_use, per_layer_rows, phase_transition, stepper_of
 from depthcurse.depth.tuned_lens import LensSettings, load_lens, train_tuned_lens
 from depthcurse.errors import DepthcurseError
-from depthcurse.io import atomic_write, csv_text, json_text, save_figure
+from depthcurse.io import atomic_write, csv_text, json_text, read_record, save_figure
 from depthcurse.loading import check_sequence_length
 from depthcurse.runtime import World
 from depthcurse.tasks import PerplexityTask
@@ -242,8 +242,6 @@ def read_depth(path: Path) -> dict:
 
 def read_selects(folders: list[Path]) -> list[dict]:
     """The `select` runs `--agree-with` names, each read back or one line."""
-    from depthcurse.io import read_record
-
     return [read_record(Path(f), "select.json", "select run", needs=("cells",)) for f in folders]
 
 
