@@ -353,7 +353,7 @@ def test_draft_verify_on_another_objective_reads_its_probes_and_points_by_value(
 
 
 @pytest.mark.searching
-def test_draft_verify_gives_the_optimiser_the_speedup_or_minus_the_score_and_follows_its_kappa():
+def test_draft_verify_gives_the_optimiser_the_speedup_or_minus_the_score_and_follows_its_kappa(capsys):
     """What the optimiser maximises, pinned per point: the expected speedup (1 / time per token) on
     the speedup objective, minus the score on any other; and kappa 0.01 (not bayes_opt's 2.576)
     suggests what the port's UCB at 0.01 suggests (there: a0 alone, where 2.576 suggests a0, m0, m2, m3)."""
@@ -367,3 +367,6 @@ def test_draft_verify_gives_the_optimiser_the_speedup_or_minus_the_score_and_fol
     search = DraftVerify(DraftVerifySettings(n_iter=1, kappa=0.01, probes="a1,a3,m2;a0"))
     chosen = search.run(_context(Space(n, 2, "branch"), "speedup", value))
     assert [_split(r) for r in search.trace] == tried and _split(chosen) == (attn, mlp) and tried[-1] == ([0], [])
+    capsys.readouterr()
+    DraftVerify(DraftVerifySettings(n_iter=1, probes="a1,a3,m2;a0")).run(_context(Space(n, 2, "branch"), "speedup", value))
+    assert capsys.readouterr().out == ""  # bayes_opt's own table of points stays out of the command's output

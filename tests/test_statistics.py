@@ -451,7 +451,10 @@ def test_spearman_ranks_ties_by_their_mean_and_differs_from_the_textbook_formula
     assert spearman_interval(rho, 5) == pytest.approx([-0.9125, 0.8467], abs=1e-4)
     assert spearman_interval(rho, 3) is None and spearman_interval(None, 10) is None and spearman_interval(1.0, 10) == [1.0, 1.0]
     assert spearman_interval(-1.0, 4) == [-1.0, -1.0] and spearman_interval(0.5, 4) is not None
-    assert spearman([1, 2, 3], [5, 5, 5]) is None and spearman([1], [2]) is None
+    assert spearman([1, 2, 3], [5, 5, 5]) is None and spearman([5, 5, 5], [1, 2, 3]) is None and spearman([1], [2]) is None
+    assert spearman([1, 2], [3, 4]) == pytest.approx(1.0) and spearman([1, 2], [4, 3]) == pytest.approx(-1.0)  # two pairs: the order alone
+    half90 = 1.6448536269514722 * se  # at 90%: the normal's 0.95 quantile
+    assert spearman_interval(rho, 5, confidence=0.9) == pytest.approx([math.tanh(z - half90), math.tanh(z + half90)], abs=1e-12)
     assert spearman([3, 1, 2, 7], [30, 10, 20, 70]) == pytest.approx(1.0) and spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     with pytest.raises(ValueError, match="spearman: 3 values against 2"):
         spearman([1, 2, 3], [1, 2])
