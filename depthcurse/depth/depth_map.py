@@ -20,6 +20,7 @@ import torch
 
 from depthcurse.depth.measure import stepper_of
 from depthcurse.errors import DepthcurseError
+from depthcurse.prune.stepping import Stepper
 from depthcurse.stats.correlation import spearman, spearman_interval
 from depthcurse.stats.intervals import mean_interval
 
@@ -31,18 +32,10 @@ def same_tokenizer(a, b) -> bool:
 
 
 @torch.no_grad()
-def streams_after_each_layer(model, windows: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
-    """The stream after every block, [windows, tokens, width] in float64, by prune's stepper."""
-    stepper = stepper_of(model)
-    per_layer: list[list[torch.Tensor]] = [[] for _ in range(stepper.n_layers)]
-    for start in range(0, len(windows), batch_size):
-        ids = windows[start : start + batch_size].to(stepper.device)
-        ctx = stepper.context(ids.shape[1], 0)
-        h = stepper.embed(ids)
-        for i in range(stepper.n_layers):
-            h = stepper.block(i, h, ctx)
-            per_layer[i].append(h.double().cpu())
-    return [torch.cat(chunks) for chunks in per_layer]
+def streams_after_each_layer(stepper: Stepper, windows: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    """The stream after every block, [windows, tokens, width] in float64, batch by batch."""
+    batches = [[h.double().cpu() for h in stepper.streams(windows[start : start + batch_size])] for start in range(0, len(windows), batch_size)]
+    return [torch.cat([batch[i] for batch in batches]) for i in range(stepper.n_layers)]
 
 
 def fit_map(x: torch.Tensor, y: torch.Tensor, ridge: float = RIDGE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -69,10 +62,11 @@ def depth_map(shallow, deep, fit_windows: torch.Tensor, held_windows: torch.Tens
     each shallow layer's best match, and the agreement of the two relative-depth orders."""
     if len(held_windows) < 2:
         raise DepthcurseError("the depth map needs at least 2 held-out windows (its intervals are over them)")
+    small, large = stepper_of(shallow), stepper_of(deep)  # each checked once: a model the stepper cannot run is one line before any work
     on_step("the shallow model's streams", 0, 2)
-    xs_fit, xs_held = streams_after_each_layer(shallow, fit_windows, batch_size), streams_after_each_layer(shallow, held_windows, batch_size)
+    xs_fit, xs_held = streams_after_each_layer(small, fit_windows, batch_size), streams_after_each_layer(small, held_windows, batch_size)
     on_step("the deep model's streams", 1, 2)
-    ys_fit, ys_held = streams_after_each_layer(deep, fit_windows, batch_size), streams_after_each_layer(deep, held_windows, batch_size)
+    ys_fit, ys_held = streams_after_each_layer(large, fit_windows, batch_size), streams_after_each_layer(large, held_windows, batch_size)
     ns, nd = len(xs_fit), len(ys_fit)
     r2 = [[[] for _ in range(nd)] for _ in range(ns)]
     for i in range(ns):

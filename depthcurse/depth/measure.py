@@ -136,11 +136,16 @@ def settling_depth(lens_top1: torch.Tensor, final_top1: torch.Tensor) -> torch.T
     return (~from_here).sum(0)  # the layers below the settled run
 
 
+def output_kl(final: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """KL(output || another distribution) per token, both as log-probabilities: a lens's, or a skip's output."""
+    return (final.exp() * (final - logp)).sum(-1)
+
+
 def _read_lens(lens: list[torch.Tensor], final: torch.Tensor, kl: list, top1: list, top5: list, settled: list[int]) -> None:
     """One lens's figures on a batch (`lens`: its log-probabilities after each layer), added per window."""
     final_top1 = final.argmax(-1)
     for i, logp in enumerate(lens):
-        kl[i].extend((final.exp() * (final - logp)).sum(-1).mean(-1).tolist())
+        kl[i].extend(output_kl(final, logp).mean(-1).tolist())
         top1[i].extend((logp.argmax(-1) == final_top1).float().mean(-1).tolist())
         top = logp.topk(TOP, dim=-1).indices
         top5[i].extend((top == final_top1[..., None]).any(-1).float().mean(-1).tolist())
@@ -208,7 +213,7 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
                         sums[i][j] += _relative(changed - contributions[j], contributions[j]).mean(-1).sum().item()
                     branches.recording = False
                     logp = torch.log_softmax(stepper.logits(h), -1)
-                    out_sums[i] += (final.exp() * (final - logp)).sum(-1).mean(-1).sum().item()
+                    out_sums[i] += output_kl(final, logp).mean(-1).sum().item()
     finally:
         branches.close()
     if influence and world.size > 1:  # every rank's rows, on every rank

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from depthcurse.depth.measure import output_kl
 from depthcurse.errors import DepthcurseError
 from depthcurse.prune.stepping import Stepper
 
@@ -90,18 +91,15 @@ def fingerprint(stepper: Stepper) -> dict:
 
 def load_lens(path: Path, stepper: Stepper) -> tuple[TunedLens, dict]:
     """A saved lens for this model, and how it was trained; one line where it was trained on another."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     if not path.is_file():
         raise DepthcurseError(f"--lens {path}: no such file")
     try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
+        with safe_open(str(path), "pt") as f:  # the metadata and the tensors in one read
             meta = f.metadata() or {}
-        state = load_file(str(path))
+            state = {name: f.get_tensor(name) for name in f.keys()}
         theirs = json.loads(meta["fingerprint"])
     except (SafetensorError, KeyError, ValueError, OSError) as exc:
         raise DepthcurseError(f"--lens {path} is not a tuned lens written by depth-use ({exc})") from None
@@ -129,19 +127,14 @@ def _frozen(model: torch.nn.Module):
 
 def _kl(final: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """KL(output || lens) per token: their loss, `sum(labels.exp() * (labels - logits.log_softmax(-1)))`."""
-    return (final.exp() * (final - torch.log_softmax(logits.float(), -1))).sum(-1)
+    return output_kl(final, torch.log_softmax(logits.float(), -1))
 
 
 @torch.no_grad()
 def _streams(stepper: Stepper, ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The stream after every layer but the last, and the output's log-probabilities."""
-    ctx = stepper.context(ids.shape[1], 0)
-    h = stepper.embed(ids.to(stepper.device))
-    after = []
-    for i in range(stepper.n_layers):
-        h = stepper.block(i, h, ctx)
-        after.append(h)
-    return after[:-1], torch.log_softmax(stepper.logits(h), -1)
+    after = stepper.streams(ids)
+    return after[:-1], torch.log_softmax(stepper.logits(after[-1]), -1)
 
 
 def train_tuned_lens(model, stepper: Stepper, windows: torch.Tensor, settings: LensSettings = LensSettings(),

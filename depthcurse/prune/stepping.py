@@ -227,6 +227,16 @@ class Stepper:
                     use_cache=False, **{self.cache_arg: cache.layer(i) if cache is not None else None}, **self.extra)
         return out[0] if isinstance(out, tuple) else out
 
+    def streams(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """The stream after every block on `ids`, from their first token (no cache): what the lenses
+        and the depth map read."""
+        ctx = self.context(ids.shape[1], 0)
+        h, out = self.embed(ids.to(self.device)), []
+        for i in range(self.n_layers):
+            h = self.block(i, h, ctx)
+            out.append(h)
+        return out
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and head for the given positions only, in fp32."""
         logits = self.head(self.norm(h)).float()
