@@ -15,9 +15,9 @@ picked (rho < 0): each row says which it expects and whether its interval leaves
 from __future__ import annotations
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.select.scoring import KEPT
 from depthcurse.stats.correlation import spearman, spearman_interval
 
-OBJECTIVE_INDEX = {"loss": 0, "kl": 1, "rejection": 2}  # select.json's calibration score order (select.scoring.KEPT)
 
 
 def layer_measures(record: dict) -> dict[str, list[float | None]]:
@@ -47,9 +47,10 @@ def select_targets(select: dict, objective: str = "kl") -> dict[str, tuple[list[
     out: dict[str, tuple[list[float | None], int]] = {}
     for source, scores in select.get("calibration_scores", {}).items():
         single = [scores.get(str(i)) for i in range(n)]
-        if all(s is not None and s[OBJECTIVE_INDEX[objective]] is not None for s in single):
+        at = KEPT.index(objective)  # select.json keeps each removal's scores in this order
+        if all(s is not None and len(s) > at and s[at] is not None for s in single):
             label = select.get("labels", {}).get(source, source)
-            out[f"removal cost alone ({objective}, {label})"] = ([s[OBJECTIVE_INDEX[objective]] for s in single], +1)
+            out[f"removal cost alone ({objective}, {label})"] = ([s[at] for s in single], +1)
     for name, cell in sorted(select["cells"].items()):
         if all(isinstance(u, int) for u in cell["layers"]):  # whole blocks only: a branch pick names no layer
             picked = set(cell["layers"])
@@ -62,6 +63,7 @@ def agreement(record: dict, selects: list[dict], objective: str = "kl") -> list[
     the sign expected, and whether the interval says so (True), says the opposite (False) or cannot
     tell (None)."""
     n = len(record["layers"])
+    measures = layer_measures(record)
     rows = []
     for select in selects:
         if select["run"]["n_layers"] != n:
@@ -69,9 +71,9 @@ def agreement(record: dict, selects: list[dict], objective: str = "kl") -> list[
         if select["run"]["model"] != record["run"]["model"]:
             raise DepthcurseError(f"--agree-with: a select run of {select['run']['model']} against depth-use's {record['run']['model']}")
         for target, (values, sign) in select_targets(select, objective).items():
-            for measure, per_layer in layer_measures(record).items():
+            for measure, per_layer in measures.items():
                 both = [(m, t) for m, t in zip(per_layer, values) if m is not None and t is not None]
-                rho = spearman([m for m, _ in both], [t for _, t in both]) if len(both) >= 2 else None
+                rho = spearman([m for m, _ in both], [t for _, t in both])
                 interval = spearman_interval(rho, len(both))
                 says = None if interval is None or interval[0] <= 0 <= interval[1] else (interval[0] * sign > 0)
                 rows.append({"measure": measure, "target": target, "rho": rho, "interval": interval, "layers": len(both), "expected_sign": sign,
