@@ -31,7 +31,7 @@ test: setup
 
 # Mutation testing (pyproject.toml's [tool.mutmut]): every mutant of the statistics core (stats/,
 # heal's intervals, shares and model-index, select's statistics and stability, speed's paired ratio,
-# the probes, speculate's expected speedups and summary) and of where the searching and merging happen
+# the probes, speculate's expected speedups and summary, depth-use's figures over seeds) and of where the searching and merging happen
 # (select/searches/, the scorer and prefix walk, merging and the merge methods), each run against the
 # tests marked `statistics` or `searching` that reach it; the score per module, failing where any is
 # below 90%. `mutmut run "depthcurse.select.searches*"` reruns one part.

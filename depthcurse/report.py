@@ -23,6 +23,8 @@ from depthcurse.angular import load_angular
 from depthcurse.angular.report import plot_angular
 from depthcurse.angular.result import ANGULAR_JSON
 from depthcurse.depth import agreement_table, depth_table, depth_verdicts, plot_influence, plot_settling
+from depthcurse.depth.map_report import MAP_JSON, map_table, map_verdicts, plot_map
+from depthcurse.depth.over_seeds import differences_table, map_over_seeds, repeated, seeds_table, seeds_verdicts, use_over_seeds
 from depthcurse.depth.report import DEPTH_JSON, depth_overview, read_depth
 from depthcurse.errors import DepthcurseError
 from depthcurse.heal import HEAL_JSON, curve_table, heal_table, heal_verdicts, methods_table, plot_heal_curve, read_heal
@@ -38,7 +40,7 @@ from depthcurse.speed import SPEED_JSON, read_speed, speed_table
 from depthcurse.train import read_run, table1
 from depthcurse.train.config import CONFIG
 
-KINDS = ("greedy", "prune", "angular", "heal", "select", "speculate", "depth", "speed", "checkpoint", "train")
+KINDS = ("greedy", "prune", "angular", "heal", "select", "speculate", "depth", "map", "speed", "checkpoint", "train")
 
 
 def kind_of(folder: Path) -> str:
@@ -48,10 +50,10 @@ def kind_of(folder: Path) -> str:
         raise DepthcurseError(f"{folder} is not a folder: give results folders that depthcurse wrote")
     # a checkpoint drop or heal made holds a transformers config.json too: its card comes before a training run's config
     for kind, marker in (("greedy", GREEDY_JSON), ("prune", RESULTS_JSON), ("angular", ANGULAR_JSON), ("heal", HEAL_JSON), ("select", SELECT_JSON),
-                         ("speculate", SPECULATE_JSON), ("depth", DEPTH_JSON), ("speed", SPEED_JSON), ("checkpoint", PROVENANCE), ("train", CONFIG)):
+                         ("speculate", SPECULATE_JSON), ("depth", DEPTH_JSON), ("map", MAP_JSON), ("speed", SPEED_JSON), ("checkpoint", PROVENANCE), ("train", CONFIG)):
         if (folder / marker).is_file() and (kind != "train" or "norm" in json.loads((folder / marker).read_text())):
             return kind
-    raise DepthcurseError(f"{folder} holds no depthcurse result ({GREEDY_JSON}, {RESULTS_JSON}, {ANGULAR_JSON}, {HEAL_JSON}, {SELECT_JSON}, {SPECULATE_JSON}, {DEPTH_JSON}, {SPEED_JSON}, "
+    raise DepthcurseError(f"{folder} holds no depthcurse result ({GREEDY_JSON}, {RESULTS_JSON}, {ANGULAR_JSON}, {HEAL_JSON}, {SELECT_JSON}, {SPECULATE_JSON}, {DEPTH_JSON}, {MAP_JSON}, {SPEED_JSON}, "
                           f"a checkpoint's {PROVENANCE}, or an lns-train run's {CONFIG})")
 
 
@@ -231,6 +233,7 @@ def _depth_section(folders: list[Path], figures: Path) -> str:
     """Several depth-use runs side by side (one row each), then each run's table and figures."""
     records = [read_depth(folder / DEPTH_JSON) for folder in folders]
     parts = ["## How each model uses its depth (depth-use)", markdown_table(depth_overview(records, [str(f) for f in folders]))]
+    parts += _over_seeds(use_over_seeds(records, [str(f) for f in folders]), "depth-use")
     for i, (folder, record) in enumerate(zip(folders, records)):
         parts += [f"### {record['run'].get('model')} · {folder}", markdown_table(depth_table(record)), *_bullets(depth_verdicts(record))]
         if record.get("agreement"):
@@ -240,6 +243,29 @@ def _depth_section(folders: list[Path], figures: Path) -> str:
         influence = plot_influence(record, figures / f"depth_influence_{i}.png")
         if influence is not None:
             parts.append(f"![whose later work each layer changes]({figures.name}/{influence.name})")
+    return "\n\n".join(parts)
+
+
+def _over_seeds(summary: dict, what: str) -> list[str]:
+    """Where some architecture was measured from several seeds: the means over seeds, each other
+    architecture against the first, and the verdicts; nothing otherwise."""
+    if not repeated(summary):
+        return []
+    parts = [markdown_table(seeds_table(summary, what))]
+    if len(summary["groups"]) > 1:
+        parts += [markdown_table(differences_table(summary)), *_bullets(seeds_verdicts(summary))]
+    return parts
+
+
+def _map_section(folders: list[Path], figures: Path) -> str:
+    """Depth maps: over seeds where a pair of architectures was mapped more than once, then each map."""
+    records = [json.loads((folder / MAP_JSON).read_text()) for folder in folders]
+    parts = ["## The depth map: which layers of a deeper model each shallow layer's stream maps to (depth-map)"]
+    parts += _over_seeds(map_over_seeds(records, [str(f) for f in folders]), "depth-map")
+    for i, (folder, record) in enumerate(zip(folders, records)):
+        figure = plot_map(record, figures / f"depth_map_{i}.png")
+        parts += [f"### {record['run']['shallow']['model']} -> {record['run']['deep']['model']} · {folder}", markdown_table(map_table(record)),
+                  *_bullets(map_verdicts(record)), f"![the depth map]({figures.name}/{figure.name})"]
     return "\n\n".join(parts)
 
 
@@ -304,6 +330,8 @@ def write_report(folders: list[Path], out: Path) -> Path:
             sections.append(_speculate_section(by_kind["speculate"], figures))
         if by_kind["depth"]:
             sections.append(_depth_section(by_kind["depth"], figures))
+        if by_kind["map"]:
+            sections.append(_map_section(by_kind["map"], figures))
         if by_kind["speed"]:
             sections.append(_speed_section(by_kind["speed"]))
         if by_kind["checkpoint"]:

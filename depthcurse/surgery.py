@@ -466,6 +466,15 @@ def branch_output(block: nn.Module, part: str) -> tuple[nn.Module, torch.Tensor 
     return branch, scale if isinstance(scale, nn.Parameter) else None
 
 
+def half_stream(block: nn.Module) -> nn.Module | None:
+    """For a block that does not add its attention's output to the stream as it is (lns-train's
+    Post-LN blocks, Mix-LN's first ones, normalise the sum; HybridNorm's normalise the stream after
+    the attention), the module whose output is the stream between its attention half and its MLP
+    half; None for every other block."""
+    kind = getattr(getattr(block, "spec", None), "kind", None)
+    return {"post": getattr(block, "input_layernorm", None), "hybrid": getattr(block, "post_attention_layernorm", None)}.get(kind)
+
+
 def branch_of(block: nn.Module, part: str) -> nn.Module:
     """The module computing `part` ("attn" or "mlp") of a block, whose output the block adds to
     its stream (pre-norm) or to the sum it normalises (Post-LN)."""

@@ -14,6 +14,7 @@ from helpers import assert_one_line_error, tiny_llama
 
 from depthcurse.depth import measure_depth_use, phase_transition, settling_depth
 from depthcurse.depth.measure import DepthUse
+from depthcurse.depth.report import depth_verdicts
 from depthcurse.surgery import removed_layers
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -76,6 +77,90 @@ def test_a_skipped_layers_influence_row_is_two_plain_forward_passes_by_hand():
     assert use.output_change[1] == pytest.approx((p.exp() * (p - q)).sum(-1).mean().item(), rel=1e-4)
 
 
+def _own(norm: str, layers: int = 4, seed: int = 0):
+    """lns-train's own Hugging Face class (its hf/ export) of `norm`, with trained-looking norm gains."""
+    from depthcurse.train import export as E, model as M
+
+    torch.manual_seed(seed)
+    model = M.Transformer(M.ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_layers=layers, num_heads=4, max_seq_len=64,
+                                        norm=norm)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    return E.to_hf(model).eval()
+
+
+@pytest.mark.parametrize("norm", ["pre", "mix", "hybridnorm", "dyt", "post"])
+def test_lns_trains_own_class_steps_from_the_first_token_only(norm):
+    """Its blocks take the rotary tables its base builds and keep no cache: the stepper gives the
+    model's own logits from the first token, and refuses a cached prefix or packed documents (so
+    prune's engine and select's scorer go on without it, as before)."""
+    from depthcurse.prune.stepping import Unsupported, checked_stepper
+
+    model = _own(norm)
+    stepper = checked_stepper(model, cached=False)
+    ids = _ids(2, 12)
+    with torch.no_grad():
+        streams = stepper.streams(ids)
+        torch.testing.assert_close(stepper.logits(streams[-1]), model(input_ids=ids).logits.float(), rtol=0, atol=1e-5)
+    with pytest.raises(Unsupported, match="its blocks keep no cache, so it steps from the first token only"):
+        checked_stepper(model)
+    assert "no mask of packed documents" in stepper.packing_fails()
+
+
+def _halves_by_hand(model, ids):
+    """Each block's input and output, and its two halves' changes worked out from its own parts: a
+    pre-norm block's attention and MLP outputs; a Post-LN block's stream after its first norm (h' =
+    LN(h + a)); a HybridNorm block's after its MLP's norm, whose MLP output is then the second change."""
+    seen, hooks = {}, []
+    for i, block in enumerate(model.model.layers):
+        hooks.append(block.register_forward_pre_hook(lambda m, args, i=i: seen.__setitem__(("h", i), args[0].float())))
+        hooks.append(block.register_forward_hook(lambda m, args, out, i=i: seen.__setitem__(("out", i), out.float())))
+        hooks.append(block.self_attn.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(("attn", i), out.float())))
+        hooks.append(block.mlp.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(("mlp", i), out.float())))
+        middle = {"post": "input_layernorm", "hybrid": "post_attention_layernorm"}.get(block.spec.kind)
+        if middle:
+            hooks.append(getattr(block, middle).register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(("middle", i), out.float())))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()
+    for h in hooks:
+        h.remove()
+    halves = {}
+    for i, block in enumerate(model.model.layers):
+        if block.spec.kind == "post":
+            halves[i] = (seen["middle", i] - seen["h", i], seen["out", i] - seen["middle", i])
+        elif block.spec.kind == "hybrid":
+            halves[i] = (seen["middle", i] - seen["h", i], seen["mlp", i])
+        else:
+            halves[i] = (seen["attn", i], seen["mlp", i])
+        torch.testing.assert_close(sum(halves[i]), seen["out", i] - seen["h", i], rtol=0, atol=1e-5)  # the halves make up the block's change
+    return seen, halves, logits
+
+
+@pytest.mark.parametrize("norm", ["mix", "hybridnorm"])
+def test_blocks_that_normalise_inside_give_each_halfs_change_and_their_influence_by_hand(norm):
+    """Mix-LN (its first block Post-LN, at 4 layers) and HybridNorm: each sublayer's figure is its half's
+    change to the stream, and layer 1 skipped changes every later block's change c_j = out_j - h_j
+    as two plain forward passes (the whole model, and the model built without layer 1) say."""
+    model, ids = _own(norm), _ids()
+    use = measure_depth_use(model, ids, 2)
+    seen, halves, logits = _halves_by_hand(model, ids)
+    assert [b.spec.kind for b in model.model.layers][:1] == ["post" if norm == "mix" else "hybrid"]
+    for i in range(4):
+        (a, m), h = halves[i], seen["h", i]
+        assert use.attn_norm[i] == pytest.approx((a.norm(dim=-1) / h.norm(dim=-1)).mean(-1).tolist(), rel=1e-5)
+        assert use.mlp_norm[i] == pytest.approx((m.norm(dim=-1) / (h + a).norm(dim=-1)).mean(-1).tolist(), rel=1e-5)
+        assert use.attn_cos[i] == pytest.approx(torch.nn.functional.cosine_similarity(a, h, dim=-1).mean(-1).tolist(), rel=1e-5, abs=1e-6)
+    with removed_layers(model, [1]):
+        skipped, skipped_halves, skipped_logits = _halves_by_hand(model, ids)
+    for j in range(2, 4):
+        c, c_skip = sum(halves[j]), sum(skipped_halves[j - 1])
+        assert use.influence[1][j] == pytest.approx(((c_skip - c).norm(dim=-1) / c.norm(dim=-1)).mean(-1).mean().item(), rel=1e-4)
+    p, q = torch.log_softmax(logits, -1), torch.log_softmax(skipped_logits, -1)
+    assert use.output_change[1] == pytest.approx((p.exp() * (p - q)).sum(-1).mean().item(), rel=1e-4)
+
+
 def test_the_settling_depth_worked_by_hand():
     """Four layers, three tokens; the final top-1 is 7, 8, 9. Token 0 agrees at layers 1, 2, 3 (settles
     at 1); token 1 at 0 and 3 only (3); token 2 everywhere (0)."""
@@ -94,6 +179,9 @@ def test_the_phase_transition_rule_by_hand():
         return DepthUse(n_layers=len(rows) + 1, windows=2, influence=influence, output_change=[0.0] * (len(rows) + 1))
 
     assert phase_transition(use([0.8, 0.7, 0.75, 0.2, 0.25])) == 3
+    record = {"use": {**use([0.8, 0.7, 0.75, 0.2, 0.25]).summary(), "settled": [1, 0, 0, 0, 0, 1]}, "layers": [], "phase_transition": 3}
+    assert ("phase transition at layer 3 of 6 (50% of the depth): the one drop in how much each layer's skip changes the later layers' work "
+            "(the influence rows' means, least squares; docs/depth-use.md), 0.750 before it, 0.225 from it on") in depth_verdicts(record)
     assert phase_transition(use([0.2, 0.25, 0.8, 0.7, 0.75])) is None
     assert phase_transition(use([0.5, 0.4])) is None and phase_transition(DepthUse(n_layers=6, windows=2)) is None
 

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from depthcurse.select.statistics import decomposition, jaccard, overlap
-from depthcurse.stats import (MIN_ITEMS, UNPAIRED, TooFewItems, decided_by, difference_interval, interval, mean_interval, paired_spread,
-                              ratio_interval, resample, shares, t_quantile, wilson)
+from depthcurse.stats import (MIN_ITEMS, UNPAIRED, TooFewItems, decided_by, difference_interval, independent_spread, interval, mean_interval,
+                              paired_spread, ratio_interval, resample, shares, t_quantile, welch_interval, wilson)
 from depthcurse.stats.bootstrap import expanded_levels
 from depthcurse.stats.intervals import Spread
 
@@ -77,6 +77,22 @@ def test_unpaired_or_too_few_items_give_no_interval():
     # the same differences everywhere: no spread, the interval a point
     assert paired_spread({"a": [[2.0, 3.0]], "b": [[1.0, 2.0]]}, {"a": 1.0, "b": -1.0}) == Spread(0.0, 1.0)
     assert difference_interval(2.5, 1.5, {"a": [[2.0, 3.0]], "b": [[1.0, 2.0]]}, "a", "b") == [1.0, 1.0]
+
+
+@statistics_test
+def test_welchs_interval_of_two_independent_samples_by_hand():
+    """a = 1, 2, 6 (mean 3, variance 7) and b = 0, 1, 1, 2 (mean 1, variance 2/3): se^2 = 7/3 + 1/6 =
+    5/2, df = (5/2)^2 / ((7/3)^2 / 2 + (1/6)^2 / 3) = 2.2881, t(2.2881) = 3.8230, so 2 -+ 6.0446. The
+    pooled variance's would be 2 -+ 2.571 * sqrt(16/5 * 7/12) = 2 -+ 3.513, at 5 df."""
+    spread = independent_spread([1.0, 2.0, 6.0], [0.0, 1.0, 1.0, 2.0])
+    assert spread.se == pytest.approx(math.sqrt(2.5)) and spread.df == pytest.approx(6.25 / (49 / 18 + 1 / 108))
+    assert t_quantile(spread.df) == pytest.approx(3.82295, abs=1e-5)
+    assert welch_interval([1.0, 2.0, 6.0], [0.0, 1.0, 1.0, 2.0]) == pytest.approx([2 - 6.044621, 2 + 6.044621], abs=1e-6)
+    assert welch_interval([0.0, 1.0, 1.0, 2.0], [1.0, 2.0, 6.0]) == pytest.approx([-2 - 6.044621, -2 + 6.044621], abs=1e-6)
+    assert welch_interval([1.0, 2.0, 6.0], [1.0, 2.0, 6.0], confidence=0.9) == pytest.approx([-4.60532, 4.60532], abs=1e-5)  # t(4) 2.13185 * sqrt(14/3) = 2.13185 * 2.16025
+    assert independent_spread([1.0], [1.0, 2.0]) == UNPAIRED and welch_interval([1.0], [1.0, 2.0]) is None and welch_interval([], [1.0]) is None
+    assert independent_spread([1.0, 1.0], [2.0, 2.0, 2.0]) == Spread(0.0, 3.0)
+    assert welch_interval([1.0, 1.0], [2.0, 2.0, 2.0]) == [-1.0, -1.0]
 
 
 @statistics_test
@@ -247,6 +263,18 @@ def test_the_welch_interval_of_a_suite_covers_95_percent(n):
         low, high = interval(value, paired_spread({"a": a, "b": b}, {"a": 1.0, "b": -1.0}))
         covered += low <= 0.1 <= high
     assert 0.93 <= covered / runs <= 0.97, f"n={n}: {covered / runs:.3f}"
+
+
+@pytest.mark.parametrize("sizes", [(3, 3), (3, 5), (8, 4)])
+def test_welchs_interval_of_two_independent_samples_covers_95_percent(sizes):
+    """Two sets of seeds, of other sizes and spreads (sd 2 against 0.5): the difference of their means."""
+    rng = np.random.default_rng(300 + sum(sizes))
+    runs, covered = 3000, 0
+    for _ in range(runs):
+        a, b = rng.normal(1.0, 2.0, sizes[0]), rng.normal(0.0, 0.5, sizes[1])
+        low, high = welch_interval(list(a), list(b))
+        covered += low <= 1.0 <= high
+    assert 0.93 <= covered / runs <= 0.97, f"{sizes}: {covered / runs:.3f}"
 
 
 @pytest.mark.parametrize("n", [2, 4, 8, 32])

@@ -238,7 +238,7 @@ def _finish_interrupted(out_dir: Path) -> None:
 
 
 def report(
-    folders: list[Path] = typer.Argument(..., help="Results folders: prune sweeps, greedy curves (prune --greedy), angular-distance results, heal runs and curves, lns-train runs."),
+    folders: list[Path] = typer.Argument(..., help="Results folders: prune sweeps, greedy curves (prune --greedy), angular-distance results, heal runs and curves, select, speculate, depth-use and depth-map results (several seeds of one model: means over seeds), speed results, checkpoints, lns-train runs."),
     out: Path = typer.Option(Path("report.md"), "--out", help="The Markdown page to write; its figures go to <name>_figures/ beside it."),
 ) -> None:
     """One Markdown page for several results folders: figures and tables side by side."""

@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.table import Table
 
 from depthcurse.depth.depth_map import RIDGE, depth_map, same_tokenizer
+from depthcurse.depth.over_seeds import architecture
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import atomic_write, json_text, save_figure
 from depthcurse.loading import check_sequence_length
@@ -32,7 +33,7 @@ def run_depth_map(shallow, deep, data: str, windows: int, held_out: int, seq_len
     if len(ids) < windows + held_out:
         raise DepthcurseError(f"--data {data} holds {len(ids)} windows of {seq_len} tokens, fewer than --windows {windows} and --held-out {held_out}")
     result = depth_map(shallow.model.eval(), deep.model.eval(), ids[:windows], ids[windows:], batch_size, ridge, on_step=on_step)
-    describe = lambda loaded: {k: v for k, v in loaded.describe().items() if k != "device"}  # noqa: E731
+    describe = lambda loaded: {**{k: v for k, v in loaded.describe().items() if k != "device"}, "architecture": architecture(loaded.model)}  # noqa: E731
     return {"run": {"shallow": describe(shallow), "deep": describe(deep), "data": label, "seq_len": seq_len}, **result}
 
 

@@ -3,7 +3,10 @@ Efficiently?", NeurIPS 2025; robertcsordas/llm_effective_depth), on one text, pe
 
 - what each sublayer adds: ||a_l|| / ||h|| and ||m_l|| / ||h'|| (the attention's and the MLP's
   outputs against the residual stream they are added to: h entering the block, h' = h + a_l), and
-  the cosine of each with that stream (their Figure 2);
+  the cosine of each with that stream (their Figure 2). A block that normalises the stream inside
+  (lns-train's Post-LN blocks, Mix-LN's first ones, and HybridNorm's) adds no branch output to the
+  stream as it is; there a_l and m_l are what each half changes in the stream, h' - h and the
+  block's output - h', which for a pre-norm block are its two outputs again;
 - where the prediction settles: the logit lens (the model's own final norm and head on the stream
   after each layer) against the final distribution: KL, top-1 and top-5 agreement, and each token's
   settling depth, the first layer after which the lens's top-1 stays the final one;
@@ -28,7 +31,7 @@ from depthcurse.prune.stepping import Stepper, Unsupported, checked_stepper
 from depthcurse.runtime import World
 from depthcurse.select.scoring import contiguous_shares
 from depthcurse.stats.intervals import mean_interval
-from depthcurse.surgery import branch_output, find_blocks
+from depthcurse.surgery import branch_output, find_blocks, half_stream
 
 TOP = 5  # the lens's top-k agreement
 TUNED = ("tuned_kl", "tuned_top1", "tuned_top5")
@@ -81,15 +84,21 @@ def per_layer_rows(use: DepthUse) -> list[dict]:
 
 
 class _Branches:
-    """Forward hooks on every block's attention and MLP branch (where they meet the stream), which
-    keep each branch's output as the block adds it (times a learned scale where the block has one)
-    while `recording`."""
+    """What each sublayer adds to the stream, read by forward hooks while `recording`. A pre-norm
+    block's attention and MLP outputs where they meet the stream (times a learned scale where the
+    block has one); for a block that normalises the stream inside (lns-train's Post-LN and
+    HybridNorm blocks: `surgery.half_stream`), the stream between its two halves, from which each
+    half's change follows (`sublayers`): for a pre-norm block the same two outputs."""
 
     def __init__(self, model):
         self.outputs: dict[tuple[int, str], torch.Tensor] = {}
         self.recording = False
         self.handles = []
         for i, block in enumerate(find_blocks(model).layers):
+            middle = half_stream(block)
+            if middle is not None:
+                self.handles.append(middle.register_forward_hook(self._keep(i, "middle", None)))
+                continue
             for part in ("attn", "mlp"):
                 found = branch_output(block, part)
                 if found is None:
@@ -105,6 +114,13 @@ class _Branches:
                 self.outputs[i, part] = (out * scale if scale is not None else out).float()
         return hook
 
+    def sublayers(self, i: int, before: torch.Tensor, after: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block i's attention and MLP changes to the stream, given the stream entering and leaving it."""
+        middle = self.outputs.get((i, "middle"))
+        if middle is None:
+            return self.outputs[i, "attn"], self.outputs[i, "mlp"]
+        return middle - before.float(), after.float() - middle
+
     def close(self):
         for h in self.handles:
             h.remove()
@@ -113,7 +129,7 @@ class _Branches:
 def stepper_of(model) -> Stepper:
     """Prune's stepper for `model`, or one line on why the lens and the skips cannot read it."""
     try:
-        return checked_stepper(model)
+        return checked_stepper(model, cached=False)  # every pass here starts at the first token
     except Unsupported as exc:
         raise DepthcurseError(f"depth-use needs the model's blocks, final norm and head one by one (the logit lens, the skips): {exc}") from None
 
@@ -187,7 +203,7 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
                 entering.append(h)
                 branches.outputs.clear()
                 h = stepper.block(i, h, ctx)
-                a, m = branches.outputs[i, "attn"], branches.outputs[i, "mlp"]
+                a, m = branches.sublayers(i, entering[i], h)
                 before = entering[i].float()
                 for name, value in (("attn_norm", _relative(a, before)), ("mlp_norm", _relative(m, before + a)),
                                     ("attn_cos", _cos(a, before)), ("mlp_cos", _cos(m, before + a))):
@@ -208,8 +224,8 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
                     branches.recording = True
                     for j in range(i + 1, n):
                         branches.outputs.clear()
-                        h = stepper.block(j, h, ctx)
-                        changed = branches.outputs[j, "attn"] + branches.outputs[j, "mlp"]
+                        h, entered = stepper.block(j, h, ctx), h
+                        changed = sum(branches.sublayers(j, entered, h))
                         sums[i][j] += _relative(changed - contributions[j], contributions[j]).mean(-1).sum().item()
                     branches.recording = False
                     logp = torch.log_softmax(stepper.logits(h), -1)
@@ -226,6 +242,19 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
     return use
 
 
+def half_settled(settled: list[int]) -> int:
+    """The layer by which half of the tokens' predictions have settled (`settled`: tokens per layer)."""
+    total = sum(settled) or 1
+    return next(i for i in range(len(settled)) if sum(settled[: i + 1]) >= total / 2)
+
+
+def influence_row_means(use: DepthUse) -> list[float]:
+    """Each layer's mean effect on the layers after it (its influence row's mean), for every layer
+    but the last, which has no later one (NaN in memory, null in JSON)."""
+    rows = [[v for v in row if v is not None and v == v] for row in use.influence[:-1]]
+    return [sum(r) / len(r) for r in rows]
+
+
 def phase_transition(use: DepthUse) -> int | None:
     """The depth where the layers' influence on later layers drops: the single change point in the
     mean of the row means of the influence matrix (each layer's mean effect on the layers after it),
@@ -235,8 +264,7 @@ def phase_transition(use: DepthUse) -> int | None:
     with fewer than 3 rows, or where no split lowers the mean."""
     if use.influence is None:
         return None
-    rows = [[v for v in row if v is not None and v == v] for row in use.influence[:-1]]  # the last layer has no later one (NaN; null in JSON)
-    means = [sum(r) / len(r) for r in rows]
+    means = influence_row_means(use)
     if len(means) < 3:
         return None
 

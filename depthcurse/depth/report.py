@@ -12,7 +12,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from depthcurse.depth.measure import TUNED, DepthUse, measure_depth_use, per_layer_rows, phase_transition, stepper_of
+from depthcurse.depth.measure import TUNED, DepthUse, half_settled, influence_row_means, measure_depth_use, per_layer_rows, phase_transition, stepper_of
+from depthcurse.depth.over_seeds import architecture
 from depthcurse.depth.tuned_lens import LensSettings, load_lens, train_tuned_lens
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import atomic_write, csv_text, json_text, read_record, save_figure
@@ -62,7 +63,8 @@ def run_depth_use(loaded, data: str, windows: int, seq_len: int, batch_size: int
             if lens_out is not None:
                 translators.save(lens_out, training)
     use = measure_depth_use(model, ids[:windows], batch_size, influence=influence, on_step=on_step, tuned=translators, world=world)
-    record = {"run": {**{k: v for k, v in loaded.describe().items() if k != "device"}, "data": label, "windows": windows, "seq_len": seq_len},
+    record = {"run": {**{k: v for k, v in loaded.describe().items() if k != "device"}, "architecture": architecture(loaded.model), "data": label,
+                      "windows": windows, "seq_len": seq_len},
               "use": use.summary(), "layers": per_layer_rows(use), "phase_transition": phase_transition(use)}
     if translators is not None:
         record["tuned_lens"] = {**training, "source": str(lens) if lens is not None else "trained here",
@@ -121,14 +123,9 @@ def depth_overview(records: list[dict], names: list[str]) -> Table:
         phase = record.get("phase_transition")
         worst = max(range(use.n_layers), key=lambda i: use.output_change[i]) if use.output_change else None
         table.add_row(name, str(run.get("model")), f"{run['data']}, {run['windows']} x {run['seq_len']}", str(use.n_layers),
-                      "-" if phase is None else f"{phase} ({phase / use.n_layers:.0%})", str(_half_settled(use.settled)),
-                      "-" if use.tuned_settled is None else str(_half_settled(use.tuned_settled)), "-" if worst is None else str(worst))
+                      "-" if phase is None else f"{phase} ({phase / use.n_layers:.0%})", str(half_settled(use.settled)),
+                      "-" if use.tuned_settled is None else str(half_settled(use.tuned_settled)), "-" if worst is None else str(worst))
     return table
-
-
-def _half_settled(settled: list[int]) -> int:
-    total = sum(settled) or 1
-    return next(i for i in range(len(settled)) if sum(settled[: i + 1]) >= total / 2)
 
 
 def depth_verdicts(record: dict) -> list[str]:
@@ -136,18 +133,20 @@ def depth_verdicts(record: dict) -> list[str]:
     lines = []
     settled = use.settled
     total = sum(settled) or 1
-    lines.append(f"half of the tokens' predictions have settled by layer {_half_settled(settled)} of {use.n_layers} (logit lens; "
+    lines.append(f"half of the tokens' predictions have settled by layer {half_settled(settled)} of {use.n_layers} (logit lens; "
                  f"{settled[-1] / total:.0%} settle only at the last layer)")
     if use.tuned_settled is not None:
         lens = record["tuned_lens"]
         closer = sum(1 for r in rows[:-1] if r["tuned_kl"] < r["lens_kl"])
-        lines.append(f"tuned lens: half settled by layer {_half_settled(use.tuned_settled)}; on the held-out windows its KL to the output is below "
+        lines.append(f"tuned lens: half settled by layer {half_settled(use.tuned_settled)}; on the held-out windows its KL to the output is below "
                      f"the logit lens's at {closer} of {len(rows) - 1} layers (trained on {lens['train_windows']} windows, {lens['settings']['steps']} "
                      f"steps, {lens['seconds']:.0f} s)")
     phase = record.get("phase_transition")
     if phase is not None:
-        lines.append(f"phase transition at layer {phase} of {use.n_layers} ({phase / use.n_layers:.0%} of the depth): from there the median layer's skip "
-                     "changes the later layers' work by less than half as much as the most influential layer's (docs/depth-use.md)")
+        means = influence_row_means(use)
+        lines.append(f"phase transition at layer {phase} of {use.n_layers} ({phase / use.n_layers:.0%} of the depth): the one drop in how much each "
+                     f"layer's skip changes the later layers' work (the influence rows' means, least squares; docs/depth-use.md), "
+                     f"{sum(means[:phase]) / phase:.3f} before it, {sum(means[phase:]) / len(means[phase:]):.3f} from it on")
     if use.output_change:
         worst = max(range(use.n_layers), key=lambda i: use.output_change[i])
         lines.append(f"skipping layer {worst} changes the output most (KL {use.output_change[worst]:.3f})")

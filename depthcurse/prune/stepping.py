@@ -73,6 +73,7 @@ class _Context:
     masks: dict
     rope: dict
     position_ids: torch.Tensor
+    inputs: dict | None = None  # a model that builds its blocks' inputs itself (`block_inputs`): those
 
 
 def compile_blocks(layers) -> list:
@@ -102,6 +103,11 @@ class Stepper:
     `rotary_emb` (Llama, Mistral, Qwen2/3, Gemma 1/2/3 text, Phi 1-3, GPT-NeoX/Pythia, rotary
     Falcon, ...). Sequences are right-padded and use no attention mask beyond causality (as
     lm-eval's HFLM calls the model), so padding never reaches a real position.
+
+    A base that builds its blocks' inputs itself, `block_inputs(length, device)` and `embed(ids)`
+    (lns-train's own class, whatever its norm), is stepped from the first token only: its blocks
+    keep no cache, so a shared prefix (prune's engine, select's scorer) is Unsupported and
+    `check(cached=False)` is what depth-use and the depth map ask.
     """
 
     def __init__(self, model: torch.nn.Module, compile: bool = False):
@@ -110,14 +116,16 @@ class Stepper:
             raise Unsupported(f"{type(model).__name__} is not a decoder-only language model")
         blocks = find_blocks(model)
         base = blocks.parent
-        parts = {"embeddings": base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None,
+        self.own = callable(getattr(base, "block_inputs", None)) and callable(getattr(base, "embed", None))
+        embeddings = getattr(base, "embed_tokens", None) if self.own else base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+        parts = {"embeddings": embeddings,
                  "final norm": next((getattr(base, n) for n in FINAL_NORMS if isinstance(getattr(base, n, None), torch.nn.Module)), None),
-                 "rotary embedding": getattr(base, "rotary_emb", None),
+                 "rotary embedding": base if self.own else getattr(base, "rotary_emb", None),  # its own: `block_inputs` builds the tables
                  "language-model head": model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None}
         missing = [name for name, part in parts.items() if not isinstance(part, torch.nn.Module)]
         if missing:
             raise Unsupported(f"{type(model).__name__}: no {', '.join(missing)} where Llama-like models keep it")
-        self.model, self.layers = model, blocks.layers
+        self.model, self.layers, self.base = model, blocks.layers, base
         self.embed_tokens, self.norm, self.rotary, self.head = parts.values()
         # The keyword a block takes its cache by: `cache` since transformers 5.24 (`past_key_values`
         # still works there, with a warning, until 5.40), GPT-NeoX's `layer_past`, else `past_key_values`.
@@ -126,7 +134,7 @@ class Stepper:
         if getattr(config, "alibi", False):
             raise Unsupported(f"{type(model).__name__}: ALiBi position biases, not rotary embeddings")
         self.extra = {"alibi": None} if "alibi" in params else {}  # rotary Falcon's blocks still take the argument
-        self.config = config = base.config
+        self.config = config = getattr(base, "config", config)
         n = len(self.layers)
         types = getattr(config, "layer_types", None)
         if types is not None and len(types) == n:
@@ -145,7 +153,7 @@ class Stepper:
         # sdpa given no mask applies causality itself (is_causal: the fused kernels, no [T, T]
         # mask in memory), as the model's own forward does; eager attention needs the mask.
         self.implicit_causal = getattr(config, "_attn_implementation", None) == "sdpa"
-        self.rope_per_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self.rope_per_type = not self.own and "layer_type" in inspect.signature(self.rotary.forward).parameters
         # Scalars some families apply outside their blocks: Granite scales the embeddings up and the
         # logits down, Cohere scales the logits, Gemma 2/3 soft-cap them.
         self.embedding_multiplier = float(getattr(config, "embedding_multiplier", None) or 1.0)
@@ -161,6 +169,8 @@ class Stepper:
         return len(self.layers)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.own:
+            return self.base.embed(ids)
         h = self.embed_tokens(ids)
         return h * self.embedding_multiplier if self.embedding_multiplier != 1.0 else h
 
@@ -178,6 +188,10 @@ class Stepper:
 
     def context(self, length: int, past: int) -> _Context:
         """Masks and rotary embeddings for `length` new positions after `past` cached ones."""
+        if self.own:
+            if past:
+                raise Unsupported(f"{type(self.model).__name__}: its blocks keep no cache, so it steps from the first token only")
+            return _Context({}, {}, torch.arange(length, device=self.device)[None], self.base.block_inputs(length, self.device))
         q = torch.arange(past, past + length, device=self.device)[:, None]
         k = torch.arange(past + length, device=self.device)[None]
         masks = {}
@@ -199,6 +213,8 @@ class Stepper:
         A document then sees exactly what it would see alone in a row: causality and sliding
         windows hold per document, and its rotary positions restart after the prefix.
         """
+        if self.own:
+            raise Unsupported(f"{type(self.model).__name__}: its blocks take no mask of packed documents")
         docs, positions = docs.to(self.device), positions.to(self.device)
         position_ids = past + positions
         same = (docs[:, :, None] == docs[:, None, :]) & (positions[:, :, None] >= positions[:, None, :])
@@ -219,6 +235,10 @@ class Stepper:
         return {t: shared for t in set(self.types)}
 
     def block(self, i: int, h: torch.Tensor, ctx: _Context, cache=None) -> torch.Tensor:
+        if ctx.inputs is not None:
+            if cache is not None:
+                raise Unsupported(f"{type(self.model).__name__}: its blocks keep no cache, so it steps from the first token only")
+            return self.layers[i](h, **ctx.inputs)
         t = self.types[i]
         layer = self.layers[i]
         if self.compiled is not None and not _hooked(layer):
@@ -247,8 +267,9 @@ class Stepper:
         return logits
 
     @torch.inference_mode()
-    def check(self, length: int = 40) -> None:
-        """Raise Unsupported unless block stepping (with and without a cached prefix) gives the model's own logits."""
+    def check(self, length: int = 40, cached: bool = True) -> None:
+        """Raise Unsupported unless block stepping (and, where `cached`, stepping after a cached
+        prefix) gives the model's own logits."""
         max_pos = getattr(self.config, "max_position_embeddings", None) or length
         length = max(4, min(length, max_pos))
         gen = torch.Generator().manual_seed(0)
@@ -260,6 +281,13 @@ class Stepper:
         for i in range(self.n_layers):
             h = self.block(i, h, ctx)
         full = self.logits(h)
+        tol = 1e-3 if self.dtype == torch.float32 else 5e-2
+        scale = reference.abs().max().item() + 1.0
+        err = (full - reference).abs().max().item()
+        if not err <= tol * scale:
+            raise Unsupported(f"{type(self.model).__name__}: the block-by-block forward differs from the model's own by {err:.2g}")
+        if not cached:
+            return
         split = length // 2
         rec = _RecordKV()
         hp, cp = self.embed(ids[:1, :split]), self.context(split, 0)
@@ -269,17 +297,16 @@ class Stepper:
         for i in range(self.n_layers):
             hs = self.block(i, hs, cs, cache)
         suffix = self.logits(hs)
-        tol = 1e-3 if self.dtype == torch.float32 else 5e-2
-        scale = reference.abs().max().item() + 1.0
-        for name, ours, theirs in (("block-by-block forward", full, reference), ("cached-prefix forward", suffix, reference[:1, split:])):
-            err = (ours - theirs).abs().max().item()
-            if not err <= tol * scale:
-                raise Unsupported(f"{type(self.model).__name__}: the {name} differs from the model's own by {err:.2g}")
+        err = (suffix - reference[:1, split:]).abs().max().item()
+        if not err <= tol * scale:
+            raise Unsupported(f"{type(self.model).__name__}: the cached-prefix forward differs from the model's own by {err:.2g}")
 
     @torch.inference_mode()
     def packing_fails(self) -> str | None:
         """None when documents packed into one row (after a cached prefix, as `packed_context` runs
         them) get the model's own logits for each document alone; otherwise why not."""
+        if self.own:
+            return f"{type(self.model).__name__}: its blocks take no mask of packed documents"
         if getattr(self.config, "_attn_implementation", None) not in ("sdpa", "eager"):
             return f"attention {self.config._attn_implementation!r} does not take an arbitrary mask"
         if getattr(self.config, "attn_temperature_tuning", False) and not all(getattr(self.config, "no_rope_layers", None) or [1]):
@@ -321,13 +348,13 @@ class Stepper:
         return None
 
 
-def checked_stepper(model: torch.nn.Module) -> Stepper:
-    """A stepper shown to give `model`'s own logits (`Stepper.check`), or Unsupported saying why,
-    also where building or checking it failed another way (an architecture whose blocks want
-    something the stepper does not give them)."""
+def checked_stepper(model: torch.nn.Module, cached: bool = True) -> Stepper:
+    """A stepper shown to give `model`'s own logits (`Stepper.check`; after a cached prefix too
+    where `cached`), or Unsupported saying why, also where building or checking it failed another
+    way (an architecture whose blocks want something the stepper does not give them)."""
     try:
         stepper = Stepper(model)
-        stepper.check()
+        stepper.check(cached=cached)
     except Unsupported:
         raise
     except (AssertionError, RuntimeError) as exc:

@@ -4,7 +4,8 @@ A mean over n paired items (windows, questions) has a standard error s / sqrt(n)
 estimated from n items; its interval needs Student's t quantile at n - 1 degrees of freedom, not
 the normal's 1.96 (at 2 windows t is 12.7: 1.96 would give an interval 6.5x too narrow, at 4 windows
 3.18, 38% too narrow). A suite averages several tasks, each a group of questions: the variance is
-a sum over groups and its degrees of freedom Welch and Satterthwaite's. A proportion of k successes
+a sum over groups and its degrees of freedom Welch and Satterthwaite's, as for two independent
+samples (two sets of training seeds). A proportion of k successes
 in n has Wilson's score interval, which stays inside [0, 1] and covers near 95% at small n where
 the normal's does not. A ratio of two paired means (a share kept, a share won back) takes the delta
 method's standard error with the same t quantile.
@@ -87,6 +88,30 @@ def interval(value: float, spread: Spread, confidence: float = CONFIDENCE) -> li
 def mean_interval(values: list[float], confidence: float = CONFIDENCE) -> list[float] | None:
     """The t interval of the mean of `values` (one sample; paired differences are one)."""
     return interval(mean(values), paired_spread({"x": [list(values)]}, {"x": 1.0}), confidence) if values else None
+
+
+def independent_spread(a: list[float], b: list[float]) -> Spread:
+    """The standard error of mean(a) - mean(b), two independent samples (runs of two seeds' sets,
+    nothing paired), and Welch and Satterthwaite's degrees of freedom: each sample's own variance,
+    not a pooled one, which would be wrong where the two spread differently. UNPAIRED where either
+    has fewer than two values."""
+    a, b = list(a), list(b)
+    if len(a) < 2 or len(b) < 2:
+        return UNPAIRED
+    parts = []
+    for values in (a, b):
+        centre = sum(values) / len(values)
+        parts.append(sum((v - centre) ** 2 for v in values) / (len(values) - 1) / len(values))
+    variance = sum(parts)
+    if variance == 0.0:
+        return Spread(0.0, float(len(a) + len(b) - 2))
+    df = 1 / sum((v / variance) ** 2 / (len(values) - 1) for v, values in zip(parts, (a, b)))
+    return Spread(math.sqrt(variance), df)
+
+
+def welch_interval(a: list[float], b: list[float], confidence: float = CONFIDENCE) -> list[float] | None:
+    """Welch's interval of mean(a) - mean(b), two independent samples."""
+    return interval(mean(a) - mean(b), independent_spread(a, b), confidence) if a and b else None
 
 
 def difference_interval(a: float, b: float, groups: dict[str, list[list[float]]], first: str, second: str,

@@ -359,17 +359,27 @@ class Body(nn.Module):
             self.embed_scale = nn.Parameter(torch.full((1,), math.sqrt(cfg.hidden_size)))
         self.kernels = "off"  # "off", "torch" or "triton": see KERNELS
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x * self.embed_scale if hasattr(self, "embed_scale") else x
+
+    def block_inputs(self, length: int, device) -> dict:
+        """What every block takes besides the stream, for `length` positions from the first and no
+        padding: the rotary tables and no mask (plain causality). Prune's stepper calls the blocks
+        one by one with these (depth-use, the depth map)."""
+        if length > self.cfg.max_seq_len:
+            raise DepthcurseError(f"a sequence of {length} tokens is longer than the model allows ({self.cfg.max_seq_len})")
+        cos, sin = rope_cos_sin(length, self.cfg.head_dim, self.cfg.rope_theta, device)
+        return {"cos": cos, "sin": sin, "mask": None}
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_ignored) -> torch.Tensor:
         T = input_ids.shape[1]
-        if T > self.cfg.max_seq_len:
-            raise DepthcurseError(f"a sequence of {T} tokens is longer than the model allows ({self.cfg.max_seq_len})")
-        cos, sin = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, input_ids.device)
+        inputs = self.block_inputs(T, input_ids.device)
+        cos, sin = inputs["cos"], inputs["sin"]
         # None when nothing is padded (always in training): SDPA then runs plain causal
         # attention, for which the flash and memory-efficient backends are eligible.
         mask = _padding_mask(attention_mask, T)
-        x = self.embed_tokens(input_ids)
-        if hasattr(self, "embed_scale"):
-            x = x * self.embed_scale
+        x = self.embed(input_ids)
         if self.kernels == "off":
             for block in self.layers:
                 x = block(x, cos, sin, mask)
