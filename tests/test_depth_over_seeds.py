@@ -109,14 +109,14 @@ def test_the_tables_and_verdicts_say_what_they_measured():
 
     seeds = markdown_table(seeds_table(summary, "depth-use"))
     assert "pre, 5 layers (2 runs)" in seeds and "lns, 5 layers (2 runs)" in seeds and "Student's t at runs - 1 df" in seeds
-    assert "| phase transition (layer) | 3.5 [-2.9, 9.9] | 2.0 [2.0, 2.0] |" in seeds  # 3.5 -+ 12.706 * 0.5; 2, 2: no spread
+    assert "| phase transition (layer) | 3.5 [-2.9, 9.9] | 2.0 (every run) |" in seeds  # 3.5 -+ 12.706 * 0.5; 2, 2: no spread
     differences = markdown_table(differences_table(summary))
     assert "lns, 5 layers - pre, 5 layers" in differences and "Welch's 95% interval" in differences
     iv = welch_interval([0.35, 0.36], [0.15, 0.18])
     assert f"| attention \\|\\|a\\|\\|/\\|\\|h\\|\\|, first half | {0.355 - 0.165:+.3f} [{iv[0]:+.3f}, {iv[1]:+.3f}] apart |" in differences
     phase = welch_interval([2, 2], [3, 4])
     assert f"| phase transition (layer) | -1.5 [{phase[0]:+.1f}, {phase[1]:+.1f}] cannot tell |" in differences
-    assert "| MLP \\|\\|m\\|\\|/\\|\\|h\\|\\|, first half | +0.000 [+0.000, +0.000] equal |" in differences
+    assert "| MLP \\|\\|m\\|\\|/\\|\\|h\\|\\|, first half | +0.000 (every run) |" in differences
     (line,) = seeds_verdicts(summary)
     assert line.startswith(f"lns, 5 layers against pre, 5 layers: attention ||a||/||h||, first half +0.19 [{iv[0]:+.3g}, {iv[1]:+.3g}]; ")
     assert line.count("; ") == 3  # the attention's and the influence's halves, all shifted alike
@@ -213,8 +213,8 @@ def test_runs_measured_otherwise_are_other_groups_and_a_configs_key_order_is_not
 def test_labels_name_the_norm_its_init_and_the_depth():
     from depthcurse.depth.over_seeds import _label
 
-    assert _label({"norm": "lns", "init_rule": "scaled", "num_hidden_layers": 4}) == "lns + scaled, 4 layers"
-    assert _label({"norm": "lns", "init_rule": "default", "num_hidden_layers": 4}) == "lns, 4 layers"
+    assert _label({"norm": "lns", "init_rule": "common", "num_hidden_layers": 4}) == "lns + common init, 4 layers"
+    assert _label({"norm": "lns", "init_rule": "authors", "num_hidden_layers": 4}) == _label({"norm": "lns", "init_rule": "default", "num_hidden_layers": 4}) == "lns, 4 layers"
     assert _label({"model_type": "gpt2"}) == "gpt2" and _label({"hidden_size": 8}) == "model" and _label({"source": "x/y"}) == "x/y"
     assert _label({"source": "x", "norm": "pre"}) == "pre"
 
@@ -247,7 +247,7 @@ def test_a_figure_only_some_runs_have_is_compared_only_where_both_groups_have_it
     from depthcurse.report import markdown_table
 
     seeds = markdown_table(seeds_table(summary, "depth-use"))
-    assert "| half of the tokens settled, tuned lens (layer) | 1.0 [1.0, 1.0] | - |" in seeds
+    assert "| half of the tokens settled, tuned lens (layer) | 1.0 (every run) | - |" in seeds
     one = markdown_table(seeds_table(use_over_seeds([tuned[0], plain[0]], ["p1", "l1"]), "depth-use"))
     assert "| phase transition (layer) | 3.0 | 3.0 |" in one and "(1 run)" in one  # one run: no interval, no plural
 
@@ -258,14 +258,15 @@ def test_the_tables_say_what_they_measured_column_by_column():
                              ["p1", "p2", "l1", "l2"])
     table = seeds_table(summary, "depth-use")
     assert table.title == "depth-use over seeds: each architecture's runs on the same text" and table.caption_justify == "left"
-    assert table.caption == ("mean over runs (seeds), in brackets the 95% interval (Student's t at runs - 1 df; none from one run); the halves split "
-                             "the layers at n // 2")
+    assert table.caption == ("mean over runs (seeds), in brackets the 95% interval (Student's t at runs - 1 df; none from one run; (every run): "
+                             "every run gave this value, no spread to give an interval of); the halves split the layers at n // 2")
     assert [(c.header, c.justify) for c in table.columns] == [("figure", "left"), ("pre, 5 layers (2 runs)", "right"), ("lns, 5 layers (2 runs)", "right")]
     assert table.row_count == len(summary["figures"])  # every figure: the pre runs have each
     table = differences_table(summary)
     assert table.title == "each architecture against pre, 5 layers: the difference of the means over seeds" and table.caption_justify == "left"
     assert table.caption == ("in brackets Welch's 95% interval (independent seeds, each group's own variance, Welch-Satterthwaite df); apart: the "
-                             "interval leaves 0 out; cannot tell: it holds 0, or a group has one run; equal: every run of both gave the same value")
+                             "interval leaves 0 out; cannot tell: it holds 0, or a group has one run; (every run): every run of both groups gave one "
+                             "value each, so there is no spread to give an interval of")
     assert [(c.header, c.justify) for c in table.columns] == [("figure", "left"), ("lns, 5 layers - pre, 5 layers", "right")]
     assert table.row_count == len(summary["figures"]) - 2  # the tuned lens's two figures: the lns runs have none
     three = use_over_seeds([_record("pre", "p1"), _record("pre", "p2", shift=0.03), _record("lns", "l1", tuned=False), _record("lns", "l2", tuned=False),
@@ -273,7 +274,23 @@ def test_the_tables_say_what_they_measured_column_by_column():
     from depthcurse.report import markdown_table
 
     text = markdown_table(differences_table(three))
-    assert "| half of the tokens settled, tuned lens (layer) | - | +0.0 [+0.0, +0.0] equal |" in text  # lns: none to compare; dyt: a tie
+    assert "| half of the tokens settled, tuned lens (layer) | - | +0.0 (every run) |" in text  # lns: none to compare; dyt: a tie
     lns, dyt = welch_interval([0.85, 0.85], [0.85, 0.88]), welch_interval([0.85, 0.95], [0.85, 0.88])  # row means 0.9 and 0.8, shifted
     assert (f"| influence on later layers, first half | -0.015 [{lns[0]:+.3f}, {lns[1]:+.3f}] cannot tell "
             f"| +0.035 [{dyt[0]:+.3f}, {dyt[1]:+.3f}] cannot tell |") in text
+
+
+@pytest.mark.statistics
+def test_figures_the_same_in_every_run_of_each_group_are_said_so_not_given_an_interval():
+    """Phase 3 in both runs of one group and 2 in both of the other: Welch's interval has no width (no
+    spread to estimate), so the difference is said as the same in every run, neither apart nor a tie."""
+    summary = use_over_seeds([_record("pre", "p1"), _record("pre", "p2", shift=0.03), _record("lns", "l1", phase=2), _record("lns", "l2", phase=2, shift=0.2)],
+                             ["p1", "p2", "l1", "l2"])
+    from depthcurse.report import markdown_table
+
+    assert "| phase transition (layer) | -1.0 (every run) |" in markdown_table(differences_table(summary))
+    (line,) = seeds_verdicts(summary)
+    assert "; the same in every run of each, and different: phase transition (layer) -1 (" in line
+    assert line.endswith("(4 of 13 cannot tell at these seeds, 8 equal in every run)")  # the shifted four; the rest tie
+    phase = next(d for d in summary["differences"] if d["figure"] == "phase")
+    assert phase["interval"] == [-1.0, -1.0] and phase["apart"] is True  # the record keeps the arithmetic; the words do not claim it

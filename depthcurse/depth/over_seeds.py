@@ -119,8 +119,8 @@ def _label(arch: dict) -> str:
     if "source" in arch and len(arch) == 1:
         return str(arch["source"])
     name = arch.get("norm") or arch.get("model_type") or "model"
-    if arch.get("init_rule") not in (None, "default"):
-        name += f" + {arch['init_rule']}"
+    if arch.get("init_rule") not in (None, "default", "authors"):  # lns-train's default: each norm's authors' init
+        name += f" + {arch['init_rule']} init"
     layers = arch.get("num_hidden_layers")
     return f"{name}, {layers} layers" if layers else name
 
@@ -185,14 +185,16 @@ def _cell(entry: dict | None, digits: int, signed: bool = False) -> str:
     value = entry["mean"] if "mean" in entry else entry["difference"]
     form = f"{{:{'+' if signed else ''}.{digits}f}}"
     iv = entry.get("interval")
+    if iv and iv[0] == iv[1]:  # no spread between the runs (a layer index, say): no interval to give, only that
+        return form.format(value) + " (every run)"
     return form.format(value) + (f" [{form.format(iv[0])}, {form.format(iv[1])}]" if iv else "")
 
 
 def seeds_table(summary: dict, what: str) -> Table:
     """A figure per row, a group per column: the mean over its runs and the 95% interval."""
     table = Table(title=f"{what} over seeds: each architecture's runs on the same text",
-                  caption="mean over runs (seeds), in brackets the 95% interval (Student's t at runs - 1 df; none from one run); the halves split "
-                          "the layers at n // 2", caption_justify="left")
+                  caption="mean over runs (seeds), in brackets the 95% interval (Student's t at runs - 1 df; none from one run; (every run): "
+                          "every run gave this value, no spread to give an interval of); the halves split the layers at n // 2", caption_justify="left")
     table.add_column("figure", justify="left")
     for group in summary["groups"]:
         table.add_column(f"{group['label']} ({len(group['runs'])} run{'s' if len(group['runs']) != 1 else ''})", justify="right")
@@ -208,7 +210,8 @@ def differences_table(summary: dict) -> Table:
     first = summary["groups"][0]["label"]
     table = Table(title=f"each architecture against {first}: the difference of the means over seeds",
                   caption="in brackets Welch's 95% interval (independent seeds, each group's own variance, Welch-Satterthwaite df); "
-                          "apart: the interval leaves 0 out; cannot tell: it holds 0, or a group has one run; equal: every run of both gave the same value", caption_justify="left")
+                          "apart: the interval leaves 0 out; cannot tell: it holds 0, or a group has one run; (every run): every run of both groups gave one value each, "
+                          "so there is no spread to give an interval of", caption_justify="left")
     table.add_column("figure", justify="left")
     others = [g["label"] for g in summary["groups"][1:]]
     for label in others:
@@ -221,15 +224,21 @@ def differences_table(summary: dict) -> Table:
         cells = []
         for label in others:
             d = found.get(label)
-            mark = "" if d is None else " equal" if _equal(d) else {True: " apart", False: " cannot tell", None: " cannot tell"}[d["apart"]]
+            mark = "" if d is None else {"equal": "", "constant": "", "apart": " apart", "cannot tell": " cannot tell"}[_verdict(d)]
             cells.append(_cell(d, digits[figure["key"]], signed=True) + mark)
         table.add_row(figure["label"], *cells)
     return table
 
 
-def _equal(difference: dict) -> bool:
-    """Every run of both groups gave the same value (a layer index, say): a tie, not a doubt."""
-    return difference["interval"] == [0.0, 0.0] and difference["difference"] == 0.0
+def _verdict(difference: dict) -> str:
+    """equal: every run of both groups gave one value (a layer index, say), the same: a tie;
+    constant: every run of each gave one value, and they differ (Welch's interval has no width
+    there, and no coverage to claim); apart: the interval leaves 0 out; cannot tell: it holds 0,
+    or there is none."""
+    iv = difference["interval"]
+    if iv is not None and iv[0] == iv[1]:
+        return "equal" if difference["difference"] == 0.0 else "constant"
+    return "apart" if difference["apart"] else "cannot tell"
 
 
 def seeds_verdicts(summary: dict) -> list[str]:
@@ -239,9 +248,12 @@ def seeds_verdicts(summary: dict) -> list[str]:
     for d in summary["differences"]:
         by_group.setdefault(d["group"], []).append(d)
     for group, rows in by_group.items():
-        told = [d for d in rows if d["apart"]]
+        verdicts = [_verdict(d) for d in rows]
+        told = [d for d, v in zip(rows, verdicts) if v == "apart"]
         said = "; ".join(f"{d['label']} {d['difference']:+.3g} [{d['interval'][0]:+.3g}, {d['interval'][1]:+.3g}]" for d in told)
-        equal = sum(1 for d in rows if _equal(d))
+        constant = "; ".join(f"{d['label']} {d['difference']:+.3g}" for d, v in zip(rows, verdicts) if v == "constant")
+        equal = verdicts.count("equal")
         lines.append(f"{group} against {rows[0]['against']}: " + (said if told else "no figure apart")
-                     + f" ({len(rows) - len(told) - equal} of {len(rows)} cannot tell at these seeds" + (f", {equal} equal in every run)" if equal else ")"))
+                     + (f"; the same in every run of each, and different: {constant}" if constant else "")
+                     + f" ({verdicts.count('cannot tell')} of {len(rows)} cannot tell at these seeds" + (f", {equal} equal in every run)" if equal else ")"))
     return lines
