@@ -294,3 +294,22 @@ def test_figures_the_same_in_every_run_of_each_group_are_said_so_not_given_an_in
     assert line.endswith("(4 of 13 cannot tell at these seeds, 8 equal in every run)")  # the shifted four; the rest tie
     phase = next(d for d in summary["differences"] if d["figure"] == "phase")
     assert phase["interval"] == [-1.0, -1.0] and phase["apart"] is True  # the record keeps the arithmetic; the words do not claim it
+
+
+@pytest.mark.statistics
+def test_a_maps_bounded_figures_keep_their_intervals_inside_their_range():
+    """Spearman's rho 0.48 and 0.94 over two seeds: t(1) = 12.706 gives 0.71 -+ 2.92, cut to [-1, 1]; a
+    relative depth to [0, 1]; an R^2 above 1 to 1. The map's table says what relative depth is, not halves."""
+    def record(source, rho, reach_row):
+        return {"run": {"shallow": {"source": source, "architecture": {"num_hidden_layers": 2}}, "deep": {"source": source + "d", "architecture": {"num_hidden_layers": 4}},
+                        "data": "wiki", "seq_len": 16},
+                "fit_windows": 4, "held_out_windows": 2, "deep_layers": 4, "r2": [[0.5, 0.2, 0.1, 0.0], reach_row],
+                "relative_depth": {"mean_abs_difference": 0.1, "spearman": rho}}
+
+    summary = map_over_seeds([record("a", 0.48, [0.99, 0.2, 0.1, 0.0]), record("b", 0.94, [0.1, 0.2, 0.3, 0.98])], ["a", "b"])
+    got = summary["groups"][0]["summary"]
+    assert got["order"]["mean"] == pytest.approx(0.71) and got["order"]["interval"] == [-1.0, 1.0]
+    assert got["last_reach"]["interval"] == [0.0, 1.0] and got["last_r2"]["interval"] == pytest.approx([0.985 - 12.7062 * 0.005, 1.0], abs=1e-4)
+    assert got["depth_gap"]["interval"] == [0.1, 0.1]  # unbounded figures as they are
+    caption = seeds_table(summary, "depth-map").caption
+    assert caption.endswith("relative depth: (layer + 1) / layers; a correlation's, a relative depth's and an R^2's interval cut at the ends of its range")

@@ -39,6 +39,7 @@ class Figure:
     key: str
     label: str
     digits: int = 3
+    bounds: tuple[float, float] | None = None  # a figure that cannot leave a range (a correlation, a relative depth): its interval is cut there
 
 
 USE_FIGURES = (
@@ -59,10 +60,10 @@ USE_FIGURES = (
 
 MAP_FIGURES = (
     Figure("depth_gap", "best match's distance from the same relative depth"),
-    Figure("order", "Spearman's rho, shallow depth against its best match's"),
-    Figure("last_reach", "shallow last layer's best match (relative depth)"),
-    Figure("last_r2", "shallow last layer's best R^2"),
-    Figure("deep_last_r2", "deep last layer's R^2 from the best shallow layer"),
+    Figure("order", "Spearman's rho, shallow depth against its best match's", bounds=(-1.0, 1.0)),
+    Figure("last_reach", "shallow last layer's best match (relative depth)", bounds=(0.0, 1.0)),
+    Figure("last_r2", "shallow last layer's best R^2", bounds=(float("-inf"), 1.0)),
+    Figure("deep_last_r2", "deep last layer's R^2 from the best shallow layer", bounds=(float("-inf"), 1.0)),
 )
 
 
@@ -146,12 +147,19 @@ def _group(records: list[dict], names: list[str], key_of, figures_of) -> list[di
     return out
 
 
-def _summarise(groups: list[dict], figures: tuple[Figure, ...]) -> dict:
+def _within(interval: list[float] | None, bounds: tuple[float, float] | None) -> list[float] | None:
+    if interval is None or bounds is None:
+        return interval
+    return [max(interval[0], bounds[0]), min(interval[1], bounds[1])]
+
+
+def _summarise(groups: list[dict], figures: tuple[Figure, ...], note: str) -> dict:
     for group in groups:
         group["summary"] = {}
         for figure in figures:
             values = [f[figure.key] for f in group["figures"] if f[figure.key] is not None]
-            group["summary"][figure.key] = {"values": values, "mean": mean(values) if values else None, "interval": mean_interval(values)}
+            group["summary"][figure.key] = {"values": values, "mean": mean(values) if values else None,
+                                            "interval": _within(mean_interval(values), figure.bounds)}
     differences = []
     for group in groups[1:]:
         for figure in figures:
@@ -160,18 +168,19 @@ def _summarise(groups: list[dict], figures: tuple[Figure, ...]) -> dict:
                 iv = welch_interval(a, b)
                 differences.append({"group": group["label"], "against": groups[0]["label"], "figure": figure.key, "label": figure.label,
                                     "difference": mean(a) - mean(b), "interval": iv, "apart": apart(iv)})
-    return {"figures": [f.__dict__ for f in figures], "groups": groups, "differences": differences}
+    return {"figures": [{"key": f.key, "label": f.label, "digits": f.digits} for f in figures], "groups": groups, "differences": differences, "note": note}
 
 
 def use_over_seeds(records: list[dict], names: list[str]) -> dict:
     """depth-use records grouped by architecture and text, in the order first met (the first group
     is what the others are compared with)."""
-    return _summarise(_group(records, names, _use_key, use_figures), USE_FIGURES)
+    return _summarise(_group(records, names, _use_key, use_figures), USE_FIGURES, "the halves split the layers at n // 2")
 
 
 def map_over_seeds(records: list[dict], names: list[str]) -> dict:
     """depth-map records grouped by the two architectures and the text."""
-    return _summarise(_group(records, names, _map_key, map_figures), MAP_FIGURES)
+    return _summarise(_group(records, names, _map_key, map_figures), MAP_FIGURES,
+                      "relative depth: (layer + 1) / layers; a correlation's, a relative depth's and an R^2's interval cut at the ends of its range")
 
 
 def repeated(summary: dict) -> bool:
@@ -194,7 +203,7 @@ def seeds_table(summary: dict, what: str) -> Table:
     """A figure per row, a group per column: the mean over its runs and the 95% interval."""
     table = Table(title=f"{what} over seeds: each architecture's runs on the same text",
                   caption="mean over runs (seeds), in brackets the 95% interval (Student's t at runs - 1 df; none from one run; (every run): "
-                          "every run gave this value, no spread to give an interval of); the halves split the layers at n // 2", caption_justify="left")
+                          f"every run gave this value, no spread to give an interval of); {summary['note']}", caption_justify="left")
     table.add_column("figure", justify="left")
     for group in summary["groups"]:
         table.add_column(f"{group['label']} ({len(group['runs'])} run{'s' if len(group['runs']) != 1 else ''})", justify="right")
