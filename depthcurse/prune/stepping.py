@@ -120,13 +120,15 @@ class Stepper:
         embeddings = getattr(base, "embed_tokens", None) if self.own else base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
         parts = {"embeddings": embeddings,
                  "final norm": next((getattr(base, n) for n in FINAL_NORMS if isinstance(getattr(base, n, None), torch.nn.Module)), None),
-                 "rotary embedding": base if self.own else getattr(base, "rotary_emb", None),  # its own: `block_inputs` builds the tables
+                 # a base of its own builds the rotary tables in `block_inputs`: no module to find
+                 **({} if self.own else {"rotary embedding": getattr(base, "rotary_emb", None)}),
                  "language-model head": model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None}
         missing = [name for name, part in parts.items() if not isinstance(part, torch.nn.Module)]
         if missing:
             raise Unsupported(f"{type(model).__name__}: no {', '.join(missing)} where Llama-like models keep it")
         self.model, self.layers, self.base = model, blocks.layers, base
-        self.embed_tokens, self.norm, self.rotary, self.head = parts.values()
+        self.embed_tokens, self.norm, self.head = parts["embeddings"], parts["final norm"], parts["language-model head"]
+        self.rotary = parts.get("rotary embedding")
         # The keyword a block takes its cache by: `cache` since transformers 5.24 (`past_key_values`
         # still works there, with a warning, until 5.40), GPT-NeoX's `layer_past`, else `past_key_values`.
         params = inspect.signature(self.layers[0].forward).parameters
