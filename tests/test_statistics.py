@@ -507,3 +507,21 @@ def test_spearmans_interval_covers_95_percent_at_small_n():
             lo, hi = spearman_interval(spearman(list(a), list(b)), n)
             covered += lo <= truth <= hi
         assert 0.93 <= covered / 1500 <= 0.97, (n, covered / 1500)
+
+
+@pytest.mark.statistics
+def test_the_verdict_words_are_the_intervals_by_hand():
+    """A difference's word: above 0, below 0, or holding it (an end at 0 holds it: [0.0, 6.6] is
+    Mix-LN's tuned-lens settling once called "later"); its own words where a figure has them; an
+    agreement's word from the expected sign."""
+    from depthcurse.stats.verdicts import agreement_word, difference_word
+
+    assert difference_word([0.02, 0.08]) == "more" and difference_word([-0.08, -0.02]) == "less" and difference_word([-0.01, 0.02]) == "cannot tell"
+    assert difference_word([0.0, 6.6]) == "cannot tell" and difference_word([-6.6, 0.0]) == "cannot tell" and difference_word(None) == "cannot tell"
+    assert difference_word([1e-12, 1.0]) == "more" and difference_word([-1.0, -1e-12]) == "less"
+    assert difference_word([0.1, 0.2], "later", "earlier") == "later" and difference_word([-0.2, -0.1], "further", "closer") == "closer"
+    assert agreement_word([0.46, 0.87], +1) == "agrees" and agreement_word([0.46, 0.87], -1) == "opposite"
+    assert agreement_word([-0.69, -0.05], -1) == "agrees" and agreement_word([-0.69, -0.05], +1) == "opposite"
+    assert agreement_word([-0.63, 0.03], -1) == "cannot tell" and agreement_word(None, +1) == "cannot tell" and agreement_word([0.0, 0.5], +1) == "cannot tell"
+    with pytest.raises(ValueError, match=r"^an expected sign is \+1 or -1, got 0$"):
+        agreement_word([0.1, 0.2], 0)
