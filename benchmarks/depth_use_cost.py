@@ -7,9 +7,13 @@ once, the influence matrix alone. Prints the medians, the ratios, and the blocks
 matrix steps, counted (sum over skipped layers i of the n - 1 - i blocks after it, per window) and
 as forward passes' worth (n - 1) / 2. The logit lens runs the head at every layer; the head's share
 of a pass (`select.estimate.head_blocks`: its parameters over a block's) says how much of the
-report's cost that is. Example (offline):
+report's cost that is. `--against FILE` times another version of `depth/measure.py` (an older
+checkout's) against this one instead, in turns, on the same windows, with the influence matrix: what a
+change to the measurement costs. Example (offline):
 
     python benchmarks/depth_use_cost.py smollm2-135m --windows 8 --seq-len 128 --rounds 3
+    git show COMMIT:depthcurse/depth/measure.py > /tmp/old_measure.py
+    python benchmarks/depth_use_cost.py smollm2-135m --windows 8 --seq-len 128 --rounds 2 --against /tmp/old_measure.py
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--against", help="another version of depth/measure.py, timed against this one in turns")
     args = parser.parse_args()
 
     import torch
@@ -60,6 +65,24 @@ def main() -> None:
 
     print(f"{args.model}: {len(ids)} windows x {args.seq_len} tokens of {label}, batches of {args.batch_size}, {n} layers, "
           f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}", flush=True)
+    if args.against:
+        import importlib.util
+        import sys
+
+        spec = importlib.util.spec_from_file_location("other_measure", args.against)
+        other = sys.modules["other_measure"] = importlib.util.module_from_spec(spec)  # a dataclass looks its module up there
+        spec.loader.exec_module(other)
+        timed = {"this": measure_depth_use, "other": other.measure_depth_use}
+        seconds = {name: [] for name in timed}
+        for _ in range(args.rounds):
+            for name, measure in timed.items():  # in turns: A B A B
+                started = time.perf_counter()
+                measure(model, ids, args.batch_size, influence=True)
+                seconds[name].append(time.perf_counter() - started)
+        this, that = statistics.median(seconds["this"]), statistics.median(seconds["other"])
+        print(f"this measure.py: median {this:.2f} s ({', '.join(f'{t:.2f}' for t in seconds['this'])}); {args.against}: median {that:.2f} s "
+              f"({', '.join(f'{t:.2f}' for t in seconds['other'])}); this / that {this / that:.3f}")
+        return
     streams()  # warm-up
     a, b = [], []
     for _ in range(args.rounds):

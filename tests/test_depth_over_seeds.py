@@ -86,9 +86,10 @@ def test_runs_group_by_architecture_and_text_and_a_model_measured_twice_counts_o
     told = {(d["group"], d["figure"]): d for d in summary["differences"]}
     d = told[("lns, 5 layers", "phase")]
     assert d["against"] == "pre, 5 layers" and d["difference"] == pytest.approx(5 / 3 - 3.5)
-    assert d["interval"] == pytest.approx(welch_interval([2, 2, 1], [3, 4])) and d["apart"] is False
+    assert d["interval"] == pytest.approx(welch_interval([2, 2, 1], [3, 4])) and d["apart"] is False and d["verdict"] == "cannot tell"
     assert told[("pre, 5 layers #2", "phase")]["interval"] is None  # one run against two: Welch needs two a side
     assert told[("lns, 5 layers", "attn_first")]["apart"] is True  # 0.2-0.22 shifts against 0 and 0.03
+    assert told[("lns, 5 layers", "attn_first")]["verdict"] == "more"  # above 0: the word the interval gives
     assert repeated(summary) and not repeated(use_over_seeds(records[:2], names[:2]))
 
 
@@ -113,12 +114,12 @@ def test_the_tables_and_verdicts_say_what_they_measured():
     differences = markdown_table(differences_table(summary))
     assert "lns, 5 layers - pre, 5 layers" in differences and "Welch's 95% interval" in differences
     iv = welch_interval([0.35, 0.36], [0.15, 0.18])
-    assert f"| attention \\|\\|a\\|\\|/\\|\\|h\\|\\|, first half | {0.355 - 0.165:+.3f} [{iv[0]:+.3f}, {iv[1]:+.3f}] apart |" in differences
+    assert f"| attention \\|\\|a\\|\\|/\\|\\|h\\|\\|, first half | {0.355 - 0.165:+.3f} [{iv[0]:+.3f}, {iv[1]:+.3f}] more |" in differences
     phase = welch_interval([2, 2], [3, 4])
     assert f"| phase transition (layer) | -1.5 [{phase[0]:+.1f}, {phase[1]:+.1f}] cannot tell |" in differences
     assert "| MLP \\|\\|m\\|\\|/\\|\\|h\\|\\|, first half | +0.000 (every run) |" in differences
     (line,) = seeds_verdicts(summary)
-    assert line.startswith(f"lns, 5 layers against pre, 5 layers: attention ||a||/||h||, first half +0.19 [{iv[0]:+.3g}, {iv[1]:+.3g}]; ")
+    assert line.startswith(f"lns, 5 layers against pre, 5 layers: attention ||a||/||h||, first half more +0.19 [{iv[0]:+.3g}, {iv[1]:+.3g}]; ")
     assert line.count("; ") == 3  # the attention's and the influence's halves, all shifted alike
     assert line.endswith("(1 of 13 cannot tell at these seeds, 8 equal in every run)")  # the phase cannot tell; the rest tie
 
@@ -264,9 +265,9 @@ def test_the_tables_say_what_they_measured_column_by_column():
     assert table.row_count == len(summary["figures"])  # every figure: the pre runs have each
     table = differences_table(summary)
     assert table.title == "each architecture against pre, 5 layers: the difference of the means over seeds" and table.caption_justify == "left"
-    assert table.caption == ("in brackets Welch's 95% interval (independent seeds, each group's own variance, Welch-Satterthwaite df); apart: the "
-                             "interval leaves 0 out; cannot tell: it holds 0, or a group has one run; (every run): every run of both groups gave one "
-                             "value each, so there is no spread to give an interval of")
+    assert table.caption == ("in brackets Welch's 95% interval (independent seeds, each group's own variance, Welch-Satterthwaite df); more / less "
+                             "(later / earlier for a layer): the interval lies above / below 0; cannot tell: it holds 0, or a group has one run; "
+                             "(every run): every run of both groups gave one value each, so there is no spread to give an interval of")
     assert [(c.header, c.justify) for c in table.columns] == [("figure", "left"), ("lns, 5 layers - pre, 5 layers", "right")]
     assert table.row_count == len(summary["figures"]) - 2  # the tuned lens's two figures: the lns runs have none
     three = use_over_seeds([_record("pre", "p1"), _record("pre", "p2", shift=0.03), _record("lns", "l1", tuned=False), _record("lns", "l2", tuned=False),
@@ -312,4 +313,5 @@ def test_a_maps_bounded_figures_keep_their_intervals_inside_their_range():
     assert got["last_reach"]["interval"] == [0.0, 1.0] and got["last_r2"]["interval"] == pytest.approx([0.985 - 12.7062 * 0.005, 1.0], abs=1e-4)
     assert got["depth_gap"]["interval"] == [0.1, 0.1]  # unbounded figures as they are
     caption = seeds_table(summary, "depth-map").caption
-    assert caption.endswith("relative depth: (layer + 1) / layers; a correlation's, a relative depth's and an R^2's interval cut at the ends of its range")
+    assert caption.endswith("relative depth: (layer + 1) / layers (stream / layers by their definitions); the score: the map's deciding one; "
+                            "a correlation's, a relative depth's and an R^2's interval cut at the ends of its range")

@@ -65,6 +65,11 @@ def depth_use(
     lens: Optional[Path] = typer.Option(None, "--lens", help="Read a tuned lens saved by an earlier run on this model instead of training one."),
     lens_steps: int = typer.Option(250, "--lens-steps", help="The tuned lens's SGD steps (Belrose et al.'s 250)."),
     lens_windows: Optional[int] = typer.Option(None, "--lens-windows", help="Windows the tuned lens trains on (default: as many as --windows)."),
+    lens_embedding: bool = typer.Option(True, "--lens-embedding/--no-lens-embedding", help="The tuned lens's translator of the embedding's output, "
+                                        "trained and clipped with the others, as Belrose et al.'s code does (--no-lens-embedding: without it)."),
+    definitions: str = typer.Option("depthcurse", "--as", help="Whose definitions: depthcurse (ours: the stream after each layer, KL(output || lens), "
+                                    "means with intervals) or csordas (Csordás et al.'s code: the stream entering each layer, KL(lens || output), "
+                                    "top-5 overlap, the first token never skipped, maxima, the output's probability change). docs/depth-use.md has the table."),
     agree_with: Optional[list[Path]] = typer.Option(None, "--agree-with", help="A select run of this model (repeatable): each measure's rank "
                                                     "correlation with its layers' removal costs and picks."),
     out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default runs/depth-use/<model>)."),
@@ -74,12 +79,14 @@ def depth_use(
     revision: Optional[str] = RevisionOpt,
 ) -> None:
     """How a model uses its depth, per layer: what each sublayer adds to the residual stream, where the
-    logit lens settles, and whose later work a skipped layer changes (Csordás et al. 2025).
+    logit lens settles, and whose later work a skipped layer changes (Csordás et al. 2025; --as csordas: their code's own quantities).
 
     Example: depthcurse depth-use smollm2-135m --data wiki --windows 16 --seq-len 256 [--tuned-lens]"""
     from depthcurse import depth  # lazy: start-up
-    from depthcurse.cli.shared import join_ranks, model_line, progress_bar, showing, verdicts
+    from depthcurse.cli.shared import join_ranks, model_line, progress_bar, say, showing, verdicts
+    from depthcurse.depth.definitions import find_definitions
 
+    chosen = find_definitions(definitions)  # before any work: an unknown name is one line
     selects = depth.read_selects(agree_with or [])  # before any work: a folder that holds no select run is one line
     out_dir = claim_out_dir(out or Path("runs") / "depth-use" / slug(model))
     world = join_ranks(device)  # under torchrun the influence matrix's skips are shared over the ranks; rank 0 talks and writes
@@ -89,8 +96,9 @@ def depth_use(
         bar = progress.add_task("starting", total=None)
         with showing(progress):
             record = depth.run_depth_use(loaded, data, windows, seq_len, batch_size, influence=influence, tuned=tuned_lens, lens=lens,
-                                         lens_windows=lens_windows, lens_settings=depth.LensSettings(steps=lens_steps),
-                                         lens_out=out_dir / depth.LENS_FILE if world.main else None, world=world,
+                                         lens_windows=lens_windows, lens_settings=depth.LensSettings(steps=lens_steps, embedding=lens_embedding),
+                                         lens_out=out_dir / depth.LENS_FILE if world.main else None, world=world, definitions=chosen,
+                                         on_note=lambda text: say("note", text) if world.main else None,
                                          on_step=lambda text, done, total: progress.update(bar, description=text, completed=done, total=total))
     finally:
         world.close()
@@ -118,6 +126,12 @@ def depth_map(
     held_out: int = typer.Option(8, "--held-out", help="Other windows they are scored on (the intervals are over them)."),
     seq_len: int = typer.Option(128, "--seq-len", help="Tokens per window."),
     batch_size: int = typer.Option(4, "--batch-size", help="Windows per forward pass."),
+    definitions: str = typer.Option("depthcurse", "--as", help="Whose map: depthcurse (ours: ridge least squares per pair of layers, held-out R^2 "
+                                    "per dimension and pooled) or csordas (Csordás et al.'s code: one trained linear map from each shallow stream to "
+                                    "every deep stream, scored by the relative error)."),
+    score: Optional[str] = typer.Option(None, "--score", help="The score that picks each best match: r2_dims (default: every dimension alike) or "
+                                        "r2 (pooled: a dimension counts by its variance); csordas: relative_error."),
+    map_steps: int = typer.Option(10000, "--map-steps", help="--as csordas: the map's AdamW steps (their stop_after, 10,000; batches of 64 windows)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default runs/depth-map/<shallow>-to-<deep>)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
@@ -129,15 +143,18 @@ def depth_map(
     Example: depthcurse depth-map runs/train/tiny-6/hf runs/train/tiny-12/hf --data wiki"""
     from depthcurse.cli.shared import progress_bar, showing, verdicts
     from depthcurse.depth import map_report
+    from depthcurse.depth.csordas_map import MapSettings
 
+    settings = MapSettings(steps=map_steps)
+    settings.check()
     out_dir = claim_out_dir(out or Path("runs") / "depth-map" / f"{slug(shallow)}-to-{slug(deep)}")
     small = load(shallow, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     large = load(deep, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     progress = progress_bar()
     bar = progress.add_task("starting", total=None)
     with showing(progress):
-        record = map_report.run_depth_map(small, large, data, windows, held_out, seq_len, batch_size,
-                                          on_step=lambda text, done, total: progress.update(bar, description=text, completed=done, total=total))
+        record = map_report.run_depth_map(small, large, data, windows, held_out, seq_len, batch_size, definitions=definitions, score=score,
+                                          settings=settings, on_step=lambda text, done, total: progress.update(bar, description=text, completed=done, total=total))
     console.print(map_report.map_table(record))
     verdicts(map_report.map_verdicts(record))
     paths = map_report.write_map(record, out_dir)

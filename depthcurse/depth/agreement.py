@@ -14,10 +14,12 @@ picked (rho < 0): each row says which it expects and whether its interval leaves
 
 from __future__ import annotations
 
+from depthcurse.depth.definitions import definitions_of
+from depthcurse.depth.measure import later_means
 from depthcurse.errors import DepthcurseError
 from depthcurse.select.scoring import KEPT
 from depthcurse.stats.correlation import spearman, spearman_interval
-
+from depthcurse.stats.verdicts import agreement_word
 
 
 def layer_measures(record: dict) -> dict[str, list[float | None]]:
@@ -26,17 +28,21 @@ def layer_measures(record: dict) -> dict[str, list[float | None]]:
     n = len(rows)
     out = {"contribution ||a||/||h|| + ||m||/||h||": [r["attn_norm"] + r["mlp_norm"] for r in rows]}
     if use.get("influence"):
-        means = []
-        for row in use["influence"]:
-            later = [v for v in row if v is not None and v == v]
-            means.append(sum(later) / len(later) if later else None)  # the last layer has no later one
-        out["influence on later layers"] = means
-        out["output KL when skipped"] = list(use["output_change"])
-    lens = [r["lens_kl"] for r in rows]  # how much nearer the output the logit lens reads after this layer than before it
-    out["logit lens KL drop"] = [None] + [lens[i - 1] - lens[i] for i in range(1, n)]
+        out["influence on later layers"] = [*later_means(use["influence"]), None]  # the last layer has no later one
+        change = "KL" if definitions_of(record).output_change == "kl" else "probability change (L2)"
+        out[f"output {change} when skipped"] = list(use["output_change"])
+    entering = definitions_of(record).lens_reads == "entering"
+
+    def drops(kl: list[float]) -> list[float | None]:
+        """How much nearer the output the lens reads after each layer than before it: rows after each
+        layer leave the first layer's drop unknown; rows entering each layer end at the output (KL 0)."""
+        if entering:
+            return [kl[i] - (kl[i + 1] if i + 1 < n else 0.0) for i in range(n)]
+        return [None] + [kl[i - 1] - kl[i] for i in range(1, n)]
+
+    out["logit lens KL drop"] = drops([r["lens_kl"] for r in rows])
     if rows and "tuned_kl" in rows[0]:
-        tuned = [r["tuned_kl"] for r in rows]
-        out["tuned lens KL drop"] = [None] + [tuned[i - 1] - tuned[i] for i in range(1, n)]
+        out["tuned lens KL drop"] = drops([r["tuned_kl"] for r in rows])
     return out
 
 
@@ -60,8 +66,9 @@ def select_targets(select: dict, objective: str = "kl") -> dict[str, tuple[list[
 
 def agreement(record: dict, selects: list[dict], objective: str = "kl") -> list[dict]:
     """Every depth-use measure against every select target: rho, its interval, the layers it ranks,
-    the sign expected, and whether the interval says so (True), says the opposite (False) or cannot
-    tell (None)."""
+    the sign expected, whether the interval says so (True), says the opposite (False) or cannot tell
+    (None), the word for it, and how many distinct values the target holds (a pick of k layers in n:
+    2, every layer tied with k - 1 or n - k - 1 others)."""
     n = len(record["layers"])
     measures = layer_measures(record)
     rows = []
@@ -75,7 +82,8 @@ def agreement(record: dict, selects: list[dict], objective: str = "kl") -> list[
                 both = [(m, t) for m, t in zip(per_layer, values) if m is not None and t is not None]
                 rho = spearman([m for m, _ in both], [t for _, t in both])
                 interval = spearman_interval(rho, len(both))
-                says = None if interval is None or interval[0] <= 0 <= interval[1] else (interval[0] * sign > 0)
+                word = agreement_word(interval, sign)
                 rows.append({"measure": measure, "target": target, "rho": rho, "interval": interval, "layers": len(both), "expected_sign": sign,
-                             "agrees": says})
+                             "agrees": {"agrees": True, "opposite": False}.get(word), "verdict": word,
+                             "distinct": len({t for _, t in both})})
     return rows

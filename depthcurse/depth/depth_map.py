@@ -1,23 +1,37 @@
 """The depth map between two models (Csordás, Manning and Potts 2025, Section 5): a linear map from
-the residual stream after every layer of a shallow model to the stream after every layer of a
-deeper one of the same tokenizer, fitted on some windows of a text and scored on others. If the
-deeper model spreads the same computation over more layers, layers at the same relative depth map
-best to each other (a diagonal); if it does something new with its extra depth, the deep model's
-late layers are out of the shallow one's reach.
+a shallow model's residual stream to a deeper one's of the same tokenizer, fitted on some windows of
+a text and scored on others. If the deeper model spreads the same computation over more layers,
+layers at the same relative depth map best to each other (a diagonal); if it does something new with
+its extra depth, the deep model's late layers are out of the shallow one's reach.
 
-Each map is least squares with an intercept and a small ridge (`ridge` times the mean eigenvalue
-of the centred input's covariance, so that it does not depend on the stream's scale), fitted on
-every token of the fitting windows in float64. Its score is the held-out R^2: 1 - the squared
-error over the squared deviation about the fitting windows' mean, per held-out window, then the
-mean over windows with a Student's t interval. For each shallow layer, the deep layer it maps to
-best and the two relative depths ((layer + 1) / layers), and how well the two orders agree
-(Spearman's rho of the shallow layers' relative depth and their best match's).
+Ours (the default): a map from the stream after every shallow layer to the stream after every deep
+layer, each pair its own least squares with an intercept and a small ridge (`ridge` times the mean
+eigenvalue of the centred input's covariance, so that it does not depend on the stream's scale),
+fitted on every token of the fitting windows in float64, and two held-out scores per window, then
+their means over windows with Student's t intervals:
+
+- the pooled R^2, 1 - the squared error over the squared deviation about the fitting windows' mean,
+  summed over every dimension: a dimension counts by its variance, so where one dimension holds most
+  of a stream's variance (a massive activation) the pooled R^2 is mostly that dimension's;
+- the per-dimension R^2 (`r2_dims`, the default score): each dimension's R^2, then their mean, so
+  every dimension counts alike and no single one can decide it.
+
+How much of each stream's variance its largest dimension holds is kept (`variance`), and the
+verdicts say where one dimension holds half of it or more.
+
+Theirs (`--as csordas`, `csordas_map`): one trained linear map from each shallow stream (the
+embedding's output too) to all the deep streams at once, scored by the relative error.
+
+For each shallow stream, the deep stream it maps to best by the deciding score, the two relative
+depths, and how well the two orders agree (Spearman's rho of the shallow streams' relative depth and
+their best match's).
 """
 
 from __future__ import annotations
 
 import torch
 
+from depthcurse.depth.csordas_map import MapSettings, relative_errors, train_map
 from depthcurse.depth.measure import stepper_of
 from depthcurse.errors import DepthcurseError
 from depthcurse.prune.stepping import Stepper
@@ -25,6 +39,18 @@ from depthcurse.stats.correlation import spearman, spearman_interval
 from depthcurse.stats.intervals import mean_interval
 
 RIDGE = 1e-3
+DOMINANT = 0.5  # a stream whose largest dimension holds this share of its variance or more: the pooled R^2 is mostly that dimension's
+SCORES = {
+    "r2_dims": ("held-out R^2 per dimension (the mean over dimensions)", True),
+    "r2": ("held-out R^2 pooled over dimensions", True),
+    "relative_error": ("held-out relative error ||map(x) - y|| / ||y||", False),
+}
+MAP_DEFINITIONS = {
+    "depthcurse": {"name": "depthcurse", "streams": "after", "fit": "ridge least squares per pair of layers (float64)", "scores": ["r2_dims", "r2"],
+                   "source": "depthcurse (docs/depth-use.md)"},
+    "csordas": {"name": "csordas", "streams": "entering", "fit": "one linear map per shallow stream to every deep stream at once, AdamW on their MSE",
+                "scores": ["relative_error"], "source": "Csordás et al. 2025: training/tasks/map_layers.py, ShayanTalaei/llm_effective_depth @ e757a77"},
+}
 
 
 def same_tokenizer(a, b) -> bool:
@@ -32,15 +58,20 @@ def same_tokenizer(a, b) -> bool:
 
 
 @torch.no_grad()
-def streams_after_each_layer(stepper: Stepper, windows: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
-    """The stream after every block, [windows, tokens, width] in float64, batch by batch."""
-    batches = [[h.double().cpu() for h in stepper.streams(windows[start : start + batch_size])] for start in range(0, len(windows), batch_size)]
-    return [torch.cat([batch[i] for batch in batches]) for i in range(stepper.n_layers)]
+def streams_of(stepper: Stepper, windows: torch.Tensor, batch_size: int, entering: bool = False, dtype=torch.float64) -> list[torch.Tensor]:
+    """The stream after every block (with `entering`, the embedding's output first: every stream a
+    layer reads, then the last block's output), [windows, tokens, width] each, batch by batch."""
+    batches = []
+    for start in range(0, len(windows), batch_size):
+        ids = windows[start : start + batch_size].to(stepper.device)
+        after = stepper.streams(ids)
+        batches.append([h.to(dtype).cpu() for h in ([stepper.embed(ids), *after] if entering else after)])
+    return [torch.cat([batch[i] for batch in batches]) for i in range(len(batches[0]))]
 
 
 def fit_map(x: torch.Tensor, y: torch.Tensor, ridge: float = RIDGE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The least-squares map y ~ x W + b over rows ([tokens, width] each), with the ridge scaled to
-    x's covariance; (W, b, y's mean) for the score's baseline."""
+    x's covariance; (W, b, y's mean) for the scores' baseline."""
     mx, my = x.mean(0), y.mean(0)
     xc, yc = x - mx, y - my
     gram = xc.T @ xc
@@ -49,39 +80,97 @@ def fit_map(x: torch.Tensor, y: torch.Tensor, ridge: float = RIDGE) -> tuple[tor
     return w, my - mx @ w, my
 
 
-def held_out_r2(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor, baseline: torch.Tensor) -> list[float]:
-    """Per held-out window ([windows, tokens, width] each), 1 - ||y - (x W + b)||^2 / ||y - baseline||^2."""
-    error = ((y - (x @ w + b)) ** 2).sum(dim=(1, 2))
-    spread = ((y - baseline) ** 2).sum(dim=(1, 2)).clamp_min(1e-300)
-    return (1 - error / spread).tolist()
+def held_out_r2(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor, baseline: torch.Tensor) -> tuple[list[float], list[float]]:
+    """Per held-out window ([windows, tokens, width] each): the pooled R^2, 1 - sum_d ||y_d - yhat_d||^2 /
+    sum_d ||y_d - baseline_d||^2, and the per-dimension R^2's mean over dimensions, 1 - ||y_d - yhat_d||^2 /
+    ||y_d - baseline_d||^2 averaged over d."""
+    error = ((y - (x @ w + b)) ** 2).sum(dim=1)  # [windows, width]
+    spread = ((y - baseline) ** 2).sum(dim=1).clamp_min(1e-300)
+    pooled = 1 - error.sum(-1) / spread.sum(-1)
+    dims = (1 - error / spread).mean(-1)
+    return pooled.tolist(), dims.tolist()
+
+
+def largest_dimension_share(stream: torch.Tensor) -> float:
+    """The share of a stream's variance ([windows, tokens, width], about its mean over tokens) that its
+    largest dimension holds."""
+    variance = stream.flatten(0, 1).double().var(0)
+    return float(variance.max() / variance.sum().clamp_min(1e-300))
+
+
+def _summary(per_window: list[list[list[float]]]) -> dict:
+    """A score's mean over windows and its interval, per pair."""
+    return {"mean": [[sum(v) / len(v) for v in row] for row in per_window], "interval": [[mean_interval(v) for v in row] for row in per_window]}
+
+
+def deciding(record: dict) -> tuple[str, list[list[float]], bool]:
+    """The score that decides a map's best matches: its name, its matrix, whether higher is better (a
+    record from before scores were named: its pooled R^2)."""
+    if "scores" not in record:
+        return "r2", record["r2"], True
+    name = record["score"]
+    return name, record["scores"][name]["mean"], SCORES[name][1]
 
 
 def depth_map(shallow, deep, fit_windows: torch.Tensor, held_windows: torch.Tensor, batch_size: int, ridge: float = RIDGE,
+              definitions: str = "depthcurse", score: str | None = None, settings: MapSettings = MapSettings(),
               on_step=lambda text, done, total: None) -> dict:
-    """Every shallow layer's map to every deep layer: held-out R^2 per window, its mean and interval,
-    each shallow layer's best match, and the agreement of the two relative-depth orders."""
+    """Every shallow stream's map to every deep stream, by `definitions` ("depthcurse": ridge per pair,
+    R^2 pooled and per dimension; "csordas": their trained map and its relative error): each score per
+    held-out window, its mean and interval, each shallow stream's best match by `score` (default: the
+    per-dimension R^2, or their relative error), how much of each stream's variance its largest
+    dimension holds, and the agreement of the two relative-depth orders."""
+    if definitions not in MAP_DEFINITIONS:
+        raise DepthcurseError(f"--as {definitions}: no such definitions for the depth map (known: {', '.join(MAP_DEFINITIONS)})")
+    known = MAP_DEFINITIONS[definitions]
+    score = score or known["scores"][0]
+    if score not in known["scores"]:
+        raise DepthcurseError(f"--score {score}: the {definitions} map gives {', '.join(known['scores'])}")
     if len(held_windows) < 2:
         raise DepthcurseError("the depth map needs at least 2 held-out windows (its intervals are over them)")
+    if definitions == "csordas":
+        settings.check()
     small, large = stepper_of(shallow), stepper_of(deep)  # each checked once: a model the stepper cannot run is one line before any work
+    entering = known["streams"] == "entering"
+    dtype = torch.float32 if definitions == "csordas" else torch.float64
     on_step("the shallow model's streams", 0, 2)
-    xs_fit, xs_held = streams_after_each_layer(small, fit_windows, batch_size), streams_after_each_layer(small, held_windows, batch_size)
+    xs_fit, xs_held = (streams_of(small, w, batch_size, entering, dtype) for w in (fit_windows, held_windows))
     on_step("the deep model's streams", 1, 2)
-    ys_fit, ys_held = streams_after_each_layer(large, fit_windows, batch_size), streams_after_each_layer(large, held_windows, batch_size)
+    ys_fit, ys_held = (streams_of(large, w, batch_size, entering, dtype) for w in (fit_windows, held_windows))
     ns, nd = len(xs_fit), len(ys_fit)
-    r2 = [[[] for _ in range(nd)] for _ in range(ns)]
-    for i in range(ns):
-        on_step(f"maps from shallow layer {i}", i, ns)
-        x = xs_fit[i].flatten(0, 1)
-        for j in range(nd):
-            w, b, baseline = fit_map(x, ys_fit[j].flatten(0, 1), ridge)
-            r2[i][j] = held_out_r2(xs_held[i], ys_held[j], w, b, baseline)
-    mean = [[sum(v) / len(v) for v in row] for row in r2]
-    best = [max(range(nd), key=lambda j: (mean[i][j], -j)) for i in range(ns)]
-    shallow_depth = [(i + 1) / ns for i in range(ns)]
-    best_depth = [(j + 1) / nd for j in best]
+    per_window = {name: [[[] for _ in range(nd)] for _ in range(ns)] for name in known["scores"]}
+    if definitions == "csordas":
+        y_fit, y_held = torch.stack(ys_fit, dim=-2), torch.stack(ys_held, dim=-2)  # [windows, tokens, streams, width]: every deep stream at once
+        for i in range(ns):
+            on_step(f"training the map from shallow stream {i} (their loop)", i, ns)
+            errors = relative_errors(train_map(xs_fit[i], y_fit, settings), xs_held[i], y_held)
+            for j in range(nd):
+                per_window["relative_error"][i][j] = errors[:, j].tolist()
+    else:
+        for i in range(ns):
+            on_step(f"maps from shallow layer {i}", i, ns)
+            x = xs_fit[i].flatten(0, 1)
+            for j in range(nd):
+                w, b, baseline = fit_map(x, ys_fit[j].flatten(0, 1), ridge)
+                per_window["r2"][i][j], per_window["r2_dims"][i][j] = held_out_r2(xs_held[i], ys_held[j], w, b, baseline)
+    scores = {name: {**_summary(values), "label": SCORES[name][0], "higher_is_better": SCORES[name][1]} for name, values in per_window.items()}
+    matrix, higher = scores[score]["mean"], SCORES[score][1]
+    best = [max(range(nd), key=lambda j: (matrix[i][j] if higher else -matrix[i][j], -j)) for i in range(ns)]
+
+    def relative(index: int, layers: int) -> float:  # a stream after layer i: (i + 1) / layers; entering layer i (0 the embedding): i / layers
+        return index / layers if entering else (index + 1) / layers
+
+    shallow_depth = [relative(i, ns - entering) for i in range(ns)]
+    best_depth = [relative(j, nd - entering) for j in best]
     rho = spearman(shallow_depth, best_depth)
-    return {"shallow_layers": ns, "deep_layers": nd, "fit_windows": len(fit_windows), "held_out_windows": len(held_windows), "ridge": ridge,
-            "r2": mean, "r2_interval": [[mean_interval(v) for v in row] for row in r2], "best": best,
-            "relative_depth": {"shallow": shallow_depth, "best_deep": best_depth,
-                               "mean_abs_difference": sum(abs(a - b) for a, b in zip(shallow_depth, best_depth)) / ns,
-                               "spearman": rho, "spearman_interval": spearman_interval(rho, ns)}}
+    record = {"definitions": {**known, "settings": settings.summary() if definitions == "csordas" else {"ridge": ridge}},
+              "streams": known["streams"], "shallow_layers": ns - entering, "deep_layers": nd - entering, "fit_windows": len(fit_windows),
+              "held_out_windows": len(held_windows), "ridge": ridge, "scores": scores, "score": score, "best": best,
+              "variance": {"shallow": [largest_dimension_share(x) for x in xs_fit], "deep": [largest_dimension_share(y) for y in ys_fit],
+                           "dominant_at": DOMINANT},
+              "relative_depth": {"shallow": shallow_depth, "best_deep": best_depth,
+                                 "mean_abs_difference": sum(abs(a - b) for a, b in zip(shallow_depth, best_depth)) / ns,
+                                 "spearman": rho, "spearman_interval": spearman_interval(rho, ns)}}
+    if "r2" in scores:  # what readers from before the scores were named read
+        record["r2"], record["r2_interval"] = scores["r2"]["mean"], scores["r2"]["interval"]
+    return record

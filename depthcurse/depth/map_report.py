@@ -1,5 +1,5 @@
 """`depthcurse depth-map SHALLOW DEEP`: the depth map's run on a text, its table, verdict lines,
-`depth_map.json` and the R^2 heatmap."""
+`depth_map.json` and the score's heatmap."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from depthcurse.depth.depth_map import RIDGE, depth_map, same_tokenizer
+from depthcurse.depth.csordas_map import MapSettings
+from depthcurse.depth.depth_map import RIDGE, depth_map, deciding, same_tokenizer
 from depthcurse.depth.over_seeds import architecture
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import atomic_write, json_text, save_figure
@@ -19,7 +20,8 @@ MAP_JSON = "depth_map.json"
 
 
 def run_depth_map(shallow, deep, data: str, windows: int, held_out: int, seq_len: int, batch_size: int, ridge: float = RIDGE,
-                  on_step=lambda text, done, total: None) -> dict:
+                  on_step=lambda text, done, total: None, definitions: str = "depthcurse", score: str | None = None,
+                  settings: MapSettings = MapSettings()) -> dict:
     """Both models on `windows` fitting and `held_out` held-out windows of `data` (ppl's packing, the
     shallow model's tokenizer, which must be the deep one's)."""
     if not same_tokenizer(shallow.tokenizer, deep.tokenizer):
@@ -32,40 +34,74 @@ def run_depth_map(shallow, deep, data: str, windows: int, held_out: int, seq_len
     ids = PerplexityTask(shallow.tokenizer, texts, source=label, seq_len=seq_len, limit=windows + held_out, warn_short=False).windows
     if len(ids) < windows + held_out:
         raise DepthcurseError(f"--data {data} holds {len(ids)} windows of {seq_len} tokens, fewer than --windows {windows} and --held-out {held_out}")
-    result = depth_map(shallow.model.eval(), deep.model.eval(), ids[:windows], ids[windows:], batch_size, ridge, on_step=on_step)
+    result = depth_map(shallow.model.eval(), deep.model.eval(), ids[:windows], ids[windows:], batch_size, ridge, definitions=definitions, score=score,
+                       settings=settings, on_step=on_step)
     describe = lambda loaded: {**{k: v for k, v in loaded.describe().items() if k != "device"}, "architecture": architecture(loaded.model)}  # noqa: E731
     return {"run": {"shallow": describe(shallow), "deep": describe(deep), "data": label, "seq_len": seq_len}, **result}
 
 
+def _stream(record: dict, index: int) -> str:
+    if record.get("streams") == "entering":
+        return "embedding" if index == 0 else f"after {index - 1}"
+    return str(index)
+
+
+def _cell(value: float, interval) -> str:
+    return f"{value:.3f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "")
+
+
 def map_table(record: dict) -> Table:
     run = record["run"]
+    name, matrix, higher = deciding(record)
+    scores = record["scores"] if "scores" in record else {"r2": {"mean": record["r2"], "interval": record["r2_interval"], "label": "held-out R^2 pooled over dimensions"}}
+    entering = record.get("streams") == "entering"
+    how = (f"their trained linear map ({record['definitions']['source']}) from each shallow stream (the embedding's output, then after each layer) to "
+           f"every deep stream at once" if entering else
+           f"a linear map (least squares, ridge {record['ridge']:g}) from the stream after the shallow layer to the stream after each deep layer")
     table = Table(title=f"{run['shallow']['model']} ({record['shallow_layers']} layers) -> {run['deep']['model']} ({record['deep_layers']} layers): "
-                        f"which deep layer each shallow layer's stream maps to best",
-                  caption=f"a linear map (least squares, ridge {record['ridge']:g}) from the stream after the shallow layer to the stream after each "
-                          f"deep layer, fitted on {record['fit_windows']} windows of {run['data']} x {run['seq_len']} tokens; R^2 on "
-                          f"{record['held_out_windows']} held-out windows (mean, in brackets the 95% interval, Student's t over windows); relative "
-                          "depth: (layer + 1) / layers", caption_justify="left")
-    for column in ("shallow layer", "relative depth", "best deep layer", "its relative depth", "held-out R^2", "R^2 to the same relative depth"):
+                        f"which deep layer each shallow layer's stream maps to best, by the {scores[name]['label']}",
+                  caption=f"{how}, fitted on {record['fit_windows']} windows of {run['data']} x {run['seq_len']} tokens, scored on "
+                          f"{record['held_out_windows']} held-out windows (mean, in brackets the 95% interval, Student's t over windows; "
+                          f"{'higher' if higher else 'lower'} is better); relative depth: "
+                          + ("stream / layers (0: the embedding)" if entering else "(layer + 1) / layers")
+                          + ("; per dimension: each dimension's R^2, then their mean (one dimension cannot decide it); pooled: over every dimension "
+                             "at once (a dimension counts by its variance)" if "r2_dims" in scores else ""), caption_justify="left")
+    others = [n for n in scores if n != name]
+    for column in ("shallow layer", "relative depth", "best deep layer", "its relative depth", scores[name]["label"],
+                   *(scores[n]["label"] for n in others), "at the same relative depth"):
         table.add_column(column, justify="right")
-    nd = record["deep_layers"]
+    ns, nd = len(matrix), len(matrix[0])
     for i, j in enumerate(record["best"]):
-        iv = record["r2_interval"][i][j]
-        same = min(nd - 1, max(0, round((i + 1) / record["shallow_layers"] * nd) - 1))
-        table.add_row(str(i), f"{(i + 1) / record['shallow_layers']:.2f}", str(j), f"{(j + 1) / nd:.2f}",
-                      f"{record['r2'][i][j]:.3f}" + (f" [{iv[0]:.3f}, {iv[1]:.3f}]" if iv else ""), f"{record['r2'][i][same]:.3f} (layer {same})")
+        same = min(nd - 1, max(0, round(record["relative_depth"]["shallow"][i] * record["deep_layers"]) - (0 if entering else 1)))
+        table.add_row(_stream(record, i), f"{record['relative_depth']['shallow'][i]:.2f}", _stream(record, j), f"{record['relative_depth']['best_deep'][i]:.2f}",
+                      _cell(matrix[i][j], scores[name]["interval"][i][j]), *(_cell(scores[n]["mean"][i][j], scores[n]["interval"][i][j]) for n in others),
+                      f"{matrix[i][same]:.3f} (layer {_stream(record, same)})")
     return table
 
 
 def map_verdicts(record: dict) -> list[str]:
     depth = record["relative_depth"]
+    name, matrix, higher = deciding(record)
     rho, iv = depth["spearman"], depth["spearman_interval"]
     said = "-" if rho is None else f"{rho:+.2f}" + (f" [{iv[0]:+.2f}, {iv[1]:+.2f}]" if iv else "")
     lines = [f"each shallow layer's best match lies {depth['mean_abs_difference']:.2f} of the depth away from its own relative depth on average; "
              f"the two orders agree by Spearman's rho {said}"]
-    last = record["r2"][-1]
-    reach = max(range(record["deep_layers"]), key=lambda j: last[j])
-    lines.append(f"the shallow model's last layer maps best to deep layer {reach} of {record['deep_layers']} (R^2 {last[reach]:.3f}); "
-                 f"the deep model's last layer is reached with R^2 {max(row[-1] for row in record['r2']):.3f} at best")
+    pick = max if higher else min
+    last = matrix[-1]
+    reach = pick(range(len(last)), key=lambda j: last[j])
+    label = name.replace("r2_dims", "per-dimension R^2").replace("r2", "R^2").replace("relative_error", "relative error")
+    lines.append(f"the shallow model's last layer maps best to deep {'stream' if record.get('streams') == 'entering' else 'layer'} {_stream(record, reach)} "
+                 f"of {record['deep_layers']} ({label} {last[reach]:.3f}); "
+                 f"the deep model's last layer is reached with {label} {pick(row[-1] for row in matrix):.3f} at best")
+    variance = record.get("variance")
+    if variance:
+        at = variance["dominant_at"]
+        for side in ("shallow", "deep"):
+            shares = variance[side]
+            dominated = [i for i, s in enumerate(shares) if s >= at]
+            if dominated:
+                lines.append(f"in {len(dominated)} of the {side} model's {len(shares)} streams one dimension holds {at:.0%} of the variance or more "
+                             f"(up to {max(shares):.0%}): a pooled R^2 there is mostly that dimension's; the per-dimension R^2 weighs every dimension alike")
     return lines
 
 
@@ -75,15 +111,22 @@ def plot_map(record: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    name, matrix, higher = deciding(record)
     fig, ax = plt.subplots(figsize=(6.4, 5.0), dpi=120)
-    im = ax.imshow(record["r2"], cmap="viridis", origin="lower", aspect="auto", vmin=min(0.0, min(map(min, record["r2"]))), vmax=1.0)
-    ax.plot(record["best"], range(record["shallow_layers"]), "w.", label="best match")
+    low = min(map(min, matrix))
+    im = ax.imshow(matrix, cmap="viridis" if higher else "viridis_r", origin="lower", aspect="auto",
+                   vmin=min(0.0, low) if higher else 0.0, vmax=1.0 if higher else max(map(max, matrix)))
+    ax.plot(record["best"], range(len(matrix)), "w.", label="best match")
     ns, nd = record["shallow_layers"], record["deep_layers"]
-    ax.plot([(i + 1) / ns * nd - 1 for i in range(ns)], range(ns), "w:", label="same relative depth")
-    ax.set_xlabel(f"deep layer ({record['run']['deep']['model']})")
-    ax.set_ylabel(f"shallow layer ({record['run']['shallow']['model']})")
+    if record.get("streams") == "entering":
+        ax.plot([s / ns * nd for s in range(ns + 1)], range(ns + 1), "w:", label="same relative depth")
+    else:
+        ax.plot([(i + 1) / ns * nd - 1 for i in range(ns)], range(ns), "w:", label="same relative depth")
+    ax.set_xlabel(f"deep {'stream' if record.get('streams') == 'entering' else 'layer'} ({record['run']['deep']['model']})")
+    ax.set_ylabel(f"shallow {'stream' if record.get('streams') == 'entering' else 'layer'} ({record['run']['shallow']['model']})")
     ax.legend(fontsize=7, loc="upper left")
-    fig.colorbar(im, ax=ax, label="held-out R^2 of the linear map")
+    label = record.get("scores", {}).get(name, {}).get("label", "held-out R^2 of the linear map")
+    fig.colorbar(im, ax=ax, label=label)
     ax.set_title(f"the depth map ({record['held_out_windows']} held-out windows of {record['run']['data']})", fontsize=9)
     fig.tight_layout()
     return save_figure(fig, path)

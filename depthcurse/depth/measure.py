@@ -7,17 +7,26 @@ Efficiently?", NeurIPS 2025; robertcsordas/llm_effective_depth), on one text, pe
   (lns-train's Post-LN blocks, Mix-LN's first ones, and HybridNorm's) adds no branch output to the
   stream as it is; there a_l and m_l are what each half changes in the stream, h' - h and the
   block's output - h', which for a pre-norm block are its two outputs again;
-- where the prediction settles: the logit lens (the model's own final norm and head on the stream
-  after each layer) against the final distribution: KL, top-1 and top-5 agreement, and each token's
-  settling depth, the first layer after which the lens's top-1 stays the final one;
+- where the prediction settles: the logit lens (the model's own final norm and head on a layer's
+  stream) against the final distribution: KL, top-1 and top-5 agreement, and each token's settling
+  depth, the first row from which the lens's top-1 stays the final one;
 - whose later work a layer changes (their Figure 3): layer i skipped, the relative change of every
-  later layer j's contribution a_j + m_j, ||c_j' - c_j|| / ||c_j||, and of the output (KL from the
-  whole model's). The skip runs from the stream entering layer i, kept from the whole model's pass
-  (prune's stepper), so the matrix costs the blocks after each skip: about n / 2 passes.
+  later layer j's contribution c_j = a_j + m_j (the block's whole change, its output minus its
+  input), ||c_j' - c_j|| / ||c_j||, and of the output. The skip runs from
+  the stream entering layer i, kept from the whole model's pass (prune's stepper), so the matrix
+  costs the blocks after each skip: about n / 2 passes.
 
-Each figure is a mean over the tokens of a window, then over windows, with a Student's t interval
-over the windows. Where the stepper cannot run the model (or a block has no branch to read), one line
-says so before any work.
+Which stream the lens reads, the KL's direction, the top-5 figure, which tokens a skip touches, how a
+figure is reduced over tokens and windows and how the output's change is scored are `definitions`:
+ours by default, Csordás et al.'s code's with `--as csordas` (`depth.definitions`). With ours each
+figure is a mean over the tokens of a window, then over windows, with a Student's t interval over
+the windows; theirs takes the skips' maxima, which have none.
+
+Memory: the streams entering every block are kept for a batch (layers x tokens x width), never a
+layer's full-vocabulary distribution: each lens row is reduced to its figures and its top-1 as it is
+read, so the peak is one batch's streams and two vocabulary-wide tensors, whatever the depth.
+Where the stepper cannot run the model (or a block has no branch to read), one line says so before
+any work.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from depthcurse.depth.definitions import DEFINITIONS, Definitions
 from depthcurse.errors import DepthcurseError
 from depthcurse.prune.stepping import Stepper, Unsupported, checked_stepper
 from depthcurse.runtime import World
@@ -47,17 +57,18 @@ class DepthUse:
     mlp_norm: list[list[float]] = field(default_factory=list)
     attn_cos: list[list[float]] = field(default_factory=list)
     mlp_cos: list[list[float]] = field(default_factory=list)
-    lens_kl: list[list[float]] = field(default_factory=list)  # KL(final || lens after layer l)
+    lens_kl: list[list[float]] = field(default_factory=list)  # [lens row][window]: the definitions' KL of the lens and the output
     lens_top1: list[list[float]] = field(default_factory=list)
     lens_top5: list[list[float]] = field(default_factory=list)
-    settled: list[int] = field(default_factory=list)  # tokens whose prediction settles after layer l
+    settled: list[int] = field(default_factory=list)  # tokens whose prediction settles at each lens row (a last bin: the output, where the rows stop short of it)
     # the same four through the tuned lens (None without one): KL, top-1, top-5, settling
     tuned_kl: list[list[float]] | None = None
     tuned_top1: list[list[float]] | None = None
     tuned_top5: list[list[float]] | None = None
     tuned_settled: list[int] | None = None
-    influence: list[list[float]] | None = None  # [skipped i][later j]: mean relative change of c_j (NaN for j <= i)
-    output_change: list[float] | None = None  # [skipped i]: mean KL(whole || skipped) of the output
+    influence: list[list[float]] | None = None  # [skipped i][layer j]: the relative change of c_j, reduced over tokens and windows (NaN where not measured)
+    output_change: list[float] | None = None  # [skipped i]: the output's change, reduced over tokens and windows
+    definitions: str = "depthcurse"
 
     def summary(self) -> dict:
         return asdict(self)
@@ -68,7 +79,8 @@ def _mean_over(values: list[float]) -> tuple[float, list[float] | None]:
 
 
 def per_layer_rows(use: DepthUse) -> list[dict]:
-    """Each layer's figures: the mean over windows and its 95% interval (Student's t)."""
+    """Each layer's figures: the mean over windows and its 95% interval (Student's t); a lens
+    figure is its row's (the stream after the layer, or entering it, by the definitions)."""
     rows = []
     total = sum(use.settled) or 1
     for layer in range(use.n_layers):
@@ -134,8 +146,8 @@ def stepper_of(model) -> Stepper:
         raise DepthcurseError(f"depth-use needs the model's blocks, final norm and head one by one (the logit lens, the skips): {exc}") from None
 
 
-def _relative(x: torch.Tensor, of: torch.Tensor) -> torch.Tensor:
-    return x.norm(dim=-1) / of.norm(dim=-1).clamp_min(1e-12)
+def _relative(x: torch.Tensor, of: torch.Tensor, floor: float = 1e-12) -> torch.Tensor:
+    return x.norm(dim=-1) / of.norm(dim=-1).clamp_min(floor)
 
 
 def _cos(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -143,13 +155,12 @@ def _cos(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def settling_depth(lens_top1: torch.Tensor, final_top1: torch.Tensor) -> torch.Tensor:
-    """Each token's settling depth: the first layer l from which the lens's top-1 is the final one at
-    every layer after (lens_top1: [layers, tokens]); the last layer always agrees (its lens is the
-    model's output)."""
+    """Each token's settling depth: the first row l from which the lens's top-1 is the final one at
+    every row after (lens_top1: [rows, tokens]); a last row that is the output always agrees."""
     agrees = lens_top1 == final_top1[None]
-    # walking down from the top: a layer settles a token if it and every layer above it agree
+    # walking down from the top: a row settles a token if it and every row above it agree
     from_here = torch.flip(torch.cumprod(torch.flip(agrees, [0]).int(), 0), [0]).bool()
-    return (~from_here).sum(0)  # the layers below the settled run
+    return (~from_here).sum(0)  # the rows below the settled run
 
 
 def output_kl(final: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
@@ -157,38 +168,84 @@ def output_kl(final: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
     return (final.exp() * (final - logp)).sum(-1)
 
 
-def _read_lens(lens: list[torch.Tensor], final: torch.Tensor, kl: list, top1: list, top5: list, settled: list[int]) -> None:
-    """One lens's figures on a batch (`lens`: its log-probabilities after each layer), added per window."""
-    final_top1 = final.argmax(-1)
-    for i, logp in enumerate(lens):
-        kl[i].extend(output_kl(final, logp).mean(-1).tolist())
-        top1[i].extend((logp.argmax(-1) == final_top1).float().mean(-1).tolist())
-        top = logp.topk(TOP, dim=-1).indices
-        top5[i].extend((top == final_top1[..., None]).any(-1).float().mean(-1).tolist())
-    depth = settling_depth(torch.stack([logp.argmax(-1) for logp in lens]).flatten(1), final_top1.flatten())
-    for layer in depth.tolist():
-        settled[layer] += 1
+class _LensFigures:
+    """One lens's figures on a batch, row by row as each row is read: its KL to the output, top-1 and
+    top-5 per window, and its top-1 (kept for the settling depth: tokens, not a vocabulary). A row is
+    read a window at a time (`logp_of(window)`), so a batch's vocabulary-wide tensors are the output's
+    log-probabilities and one window's temporaries, whatever the batch size or the depth."""
+
+    def __init__(self, final: torch.Tensor, definitions: Definitions, kl: list, top1: list, top5: list):
+        self.final, self.d = final, definitions
+        self.final_top1 = final.argmax(-1)
+        self.final_top5 = final.topk(TOP, dim=-1).indices if definitions.top5 == "overlap" else None
+        self.kl, self.top1, self.top5 = kl, top1, top5
+        self.argmax: list[torch.Tensor] = []
+
+    def read(self, row: int, logp_of) -> None:
+        """Row `row`'s figures, `logp_of(w)` giving window w's log-probabilities [tokens, vocab]."""
+        top1s = []
+        for w in range(len(self.final)):
+            logp, final = logp_of(w), self.final[w]
+            kl = output_kl(final, logp) if self.d.lens_kl == "output||lens" else output_kl(logp, final)
+            self.kl[row].append(kl.mean(-1).item())
+            top1 = logp.argmax(-1)
+            top1s.append(top1)
+            self.top1[row].append((top1 == self.final_top1[w]).float().mean(-1).item())
+            top = logp.topk(TOP, dim=-1).indices
+            if self.final_top5 is None:  # the output's top-1 among the lens's top 5
+                hit = (top == self.final_top1[w][..., None]).any(-1).float()
+            else:  # their set overlap: |top-5 of the lens and of the output| / 5
+                hit = (top[..., :, None] == self.final_top5[w][..., None, :]).any(-1).float().sum(-1) / TOP
+            self.top5[row].append(hit.mean(-1).item())
+        self.argmax.append(torch.stack(top1s))
+
+    def settle(self, settled: list[int], with_output: bool) -> None:
+        rows = self.argmax + ([self.final_top1] if with_output else [])
+        for layer in settling_depth(torch.stack(rows).flatten(1), self.final_top1.flatten()).tolist():
+            settled[layer] += 1
+
+
+def _folded(kept: float, per_token: torch.Tensor, how: str) -> float:
+    """A per-token figure of a batch [windows, tokens] reduced over each window's tokens and folded
+    into what the windows before gave (`kept`, NaN before the first): a sum of the windows' means
+    (divided by the windows at the end), or the largest token of any window."""
+    if how == "max":
+        new = per_token.amax().item()
+        return new if kept != kept else max(kept, new)
+    new = per_token.mean(-1).sum().item()
+    return new if kept != kept else kept + new
+
+
+def _output_change(final: torch.Tensor, logp: torch.Tensor, definitions: Definitions) -> torch.Tensor:
+    """Per token: KL(output || skipped), or the L2 norm of the change of the output's probabilities (theirs)."""
+    if definitions.output_change == "kl":
+        return output_kl(final, logp)
+    return (logp.exp() - final.exp()).norm(dim=-1)
 
 
 @torch.no_grad()
 def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: bool = True, on_step=lambda text, done, total: None,
-                      tuned=None, world: World = World()) -> DepthUse:
-    """Every figure of `DepthUse` on `windows` (token ids, windows x tokens); the tuned lens's too
-    where `tuned` (a `TunedLens` for this model) is given. Under torchrun (`world`) every rank runs
-    the whole model's pass and the lenses, and the influence matrix's skips are shared over the
-    ranks, each a consecutive run of skipped layers of even cost (the blocks after each), every
-    row gathered on every rank: N ranks give one process's matrix."""
+                      tuned=None, world: World = World(), definitions: Definitions = DEFINITIONS["depthcurse"]) -> DepthUse:
+    """Every figure of `DepthUse` on `windows` (token ids, windows x tokens), by `definitions`; the
+    tuned lens's too where `tuned` (a `TunedLens` for this model) is given. Under torchrun (`world`)
+    every rank runs the whole model's pass and the lenses, and the influence matrix's skips are
+    shared over the ranks, each a consecutive run of skipped layers of even cost (the blocks after
+    each), every row gathered on every rank: N ranks give one process's matrix."""
+    d = definitions
     stepper = stepper_of(model)
     n = stepper.n_layers
     start, end = contiguous_shares([n - i for i in range(n)], world.size)[world.rank]  # skip i runs the n - 1 - i blocks after it and the head
-    use = DepthUse(n, len(windows))
+    use = DepthUse(n, len(windows), definitions=d.name)
     for name in ("attn_norm", "mlp_norm", "attn_cos", "mlp_cos", "lens_kl", "lens_top1", "lens_top5", *(TUNED if tuned is not None else ())):
         setattr(use, name, [[] for _ in range(n)])
-    use.settled = [0] * n
+    entering_rows = d.lens_reads == "entering"  # rows 0..n-1 read the streams entering the layers; the output is one more
+    use.settled = [0] * (n + entering_rows)
     if tuned is not None:
-        use.tuned_settled = [0] * n
+        use.tuned_settled = [0] * (n + entering_rows)
     if influence:
-        sums, out_sums = [[0.0] * n for _ in range(n)], [0.0] * n
+        nan = float("nan")
+        totals = [[nan] * n for _ in range(n)]  # a skip's row over the windows: a sum (mean) or a maximum
+        out_totals = [nan] * n
     branches = _Branches(model)
     batches = [windows[i : i + batch_size] for i in range(0, len(windows), batch_size)]
     try:
@@ -197,48 +254,58 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
             ids = batch.to(stepper.device)
             ctx = stepper.context(ids.shape[1], 0)
             h = stepper.embed(ids)
-            entering, contributions, lens, tuned_lens = [], [], [], []
+            streams, contributions = [h], []  # the stream entering every block, then the last block's output
             branches.recording = True
             for i in range(n):
-                entering.append(h)
                 branches.outputs.clear()
-                h = stepper.block(i, h, ctx)
-                a, m = branches.sublayers(i, entering[i], h)
-                before = entering[i].float()
-                for name, value in (("attn_norm", _relative(a, before)), ("mlp_norm", _relative(m, before + a)),
+                h = stepper.block(i, streams[i], ctx)
+                streams.append(h)
+                a, m = branches.sublayers(i, streams[i], h)
+                before = streams[i].float()
+                for name, value in (("attn_norm", _relative(a, before, d.norm_floor)), ("mlp_norm", _relative(m, before + a, d.norm_floor)),
                                     ("attn_cos", _cos(a, before)), ("mlp_cos", _cos(m, before + a))):
                     getattr(use, name)[i].extend(value.mean(-1).tolist())
-                contributions.append(a + m)
-                lens.append(torch.log_softmax(stepper.logits(h), -1))
-                if tuned is not None:
-                    tuned_lens.append(torch.log_softmax(stepper.logits(tuned(h, i)), -1))
+                if influence:
+                    contributions.append(h.float() - before)  # c_i = a_i + m_i: the block's whole change
             branches.recording = False
-            final = lens[-1]
-            _read_lens(lens, final, use.lens_kl, use.lens_top1, use.lens_top5, use.settled)
-            if tuned is not None:
-                _read_lens(tuned_lens, final, use.tuned_kl, use.tuned_top1, use.tuned_top5, use.tuned_settled)
+            final = torch.log_softmax(stepper.logits(streams[n]), -1)
+            reads = range(n) if entering_rows else range(1, n + 1)  # which of the n + 1 streams the lens rows read
+            plain = _LensFigures(final, d, use.lens_kl, use.lens_top1, use.lens_top5)
+            lensed = _LensFigures(final, d, use.tuned_kl, use.tuned_top1, use.tuned_top5) if tuned is not None else None
+            for row, s in enumerate(reads):  # a row's distribution is reduced as it is read, a window at a time: no vocabulary-wide tensor per layer is kept
+                plain.read(row, lambda w, s=s: final[w] if s == n else torch.log_softmax(stepper.logits(streams[s][w]), -1))
+                if lensed is not None:
+                    lensed.read(row, lambda w, s=s: final[w] if s == n else torch.log_softmax(stepper.logits(tuned(streams[s][w], s)), -1))
+            plain.settle(use.settled, entering_rows)
+            if lensed is not None:
+                lensed.settle(use.tuned_settled, entering_rows)
             if influence:
-                for i in range(start, end):  # layer i skipped: the stream entering it goes on to i + 1
+                for i in range(start, end):  # layer i skipped: the stream entering it goes on to i + 1 (from d.skip_from on)
                     on_step(f"without layer {i}", b, len(batches))
-                    h = entering[i]
-                    branches.recording = True
+                    h = streams[i]
+                    if d.skip_from:  # their first token(s) keep the layer's own output
+                        h = torch.cat([streams[i + 1][:, : d.skip_from], h[:, d.skip_from :]], dim=1)
+                    if d.diagonal:
+                        for j in range(i):
+                            totals[i][j] = 0.0  # nothing before the skip changes
+                        changed = h.float() - streams[i].float()  # the skipped layer's own contribution now
+                        totals[i][i] = _folded(totals[i][i], _relative(changed - contributions[i], contributions[i], d.norm_floor), d.reduce)
                     for j in range(i + 1, n):
-                        branches.outputs.clear()
                         h, entered = stepper.block(j, h, ctx), h
-                        changed = sum(branches.sublayers(j, entered, h))
-                        sums[i][j] += _relative(changed - contributions[j], contributions[j]).mean(-1).sum().item()
-                    branches.recording = False
-                    logp = torch.log_softmax(stepper.logits(h), -1)
-                    out_sums[i] += output_kl(final, logp).mean(-1).sum().item()
+                        change = _relative(h.float() - entered.float() - contributions[j], contributions[j], d.norm_floor)
+                        totals[i][j] = _folded(totals[i][j], change, d.reduce)
+                    moved = torch.stack([_output_change(final[w], torch.log_softmax(stepper.logits(h[w]), -1), d) for w in range(len(h))])  # a window at a time
+                    out_totals[i] = _folded(out_totals[i], moved, d.reduce)
     finally:
         branches.close()
     if influence and world.size > 1:  # every rank's rows, on every rank
-        for part in world.all_gather({i: (sums[i], out_sums[i]) for i in range(start, end)}):
+        for part in world.all_gather({i: (totals[i], out_totals[i]) for i in range(start, end)}):
             for i, (row, out) in part.items():
-                sums[i], out_sums[i] = row, out
+                totals[i], out_totals[i] = row, out
     if influence:
-        use.influence = [[sums[i][j] / len(windows) if j > i else float("nan") for j in range(n)] for i in range(n)]
-        use.output_change = [s / len(windows) for s in out_sums]
+        per = len(windows) if d.reduce == "mean" else 1
+        use.influence = [[v / per for v in row] for row in totals]
+        use.output_change = [v / per for v in out_totals]
     return use
 
 
@@ -248,11 +315,16 @@ def half_settled(settled: list[int]) -> int:
     return next(i for i in range(len(settled)) if sum(settled[: i + 1]) >= total / 2)
 
 
-def influence_row_means(use: DepthUse) -> list[float]:
-    """Each layer's mean effect on the layers after it (its influence row's mean), for every layer
-    but the last, which has no later one (NaN in memory, null in JSON)."""
-    rows = [[v for v in row if v is not None and v == v] for row in use.influence[:-1]]
+def later_means(influence: list[list[float]]) -> list[float]:
+    """Each row's mean over the later layers (j > i) of an influence matrix, for every layer but the
+    last, which has no later one."""
+    rows = [[v for v in row[i + 1 :] if v is not None and v == v] for i, row in enumerate(influence[:-1])]  # NaN in memory, null in JSON
     return [sum(r) / len(r) for r in rows]
+
+
+def influence_row_means(use: DepthUse) -> list[float]:
+    """Each layer's mean effect on the layers after it (its influence row's mean over j > i)."""
+    return later_means(use.influence)
 
 
 def phase_transition(use: DepthUse) -> int | None:

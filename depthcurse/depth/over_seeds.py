@@ -19,8 +19,12 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
+from depthcurse.depth.definitions import same_definitions
+from depthcurse.depth.depth_map import deciding
 from depthcurse.depth.measure import DepthUse, half_settled, influence_row_means
+from depthcurse.errors import DepthcurseError
 from depthcurse.stats.intervals import apart, mean, mean_interval, welch_interval
+from depthcurse.stats.verdicts import difference_word
 
 NOISE = ("transformers_version", "torch_dtype", "dtype", "architectures", "auto_map", "name_or_path")
 
@@ -40,12 +44,18 @@ class Figure:
     label: str
     digits: int = 3
     bounds: tuple[float, float] | None = None  # a figure that cannot leave a range (a correlation, a relative depth): its interval is cut there
+    words: tuple[str, str] = ("more", "less")  # what a difference above 0 and below 0 is called
+
+LAYER = ("later", "earlier")  # a layer index's difference
+USE_NOTE = "the halves split the layers at n // 2"
+MAP_NOTE = ("relative depth: (layer + 1) / layers (stream / layers by their definitions); the score: the map's deciding one; a correlation's, "
+            "a relative depth's and an R^2's interval cut at the ends of its range")
 
 
 USE_FIGURES = (
-    Figure("phase", "phase transition (layer)", 1),
-    Figure("half_settled", "half of the tokens settled, logit lens (layer)", 1),
-    Figure("tuned_half_settled", "half of the tokens settled, tuned lens (layer)", 1),
+    Figure("phase", "phase transition (layer)", 1, words=LAYER),
+    Figure("half_settled", "half of the tokens settled, logit lens (layer)", 1, words=LAYER),
+    Figure("tuned_half_settled", "half of the tokens settled, tuned lens (layer)", 1, words=LAYER),
     Figure("attn_first", "attention ||a||/||h||, first half"),
     Figure("attn_second", "attention ||a||/||h||, second half"),
     Figure("mlp_first", "MLP ||m||/||h||, first half"),
@@ -65,6 +75,13 @@ MAP_FIGURES = (
     Figure("last_r2", "shallow last layer's best R^2", bounds=(float("-inf"), 1.0)),
     Figure("deep_last_r2", "deep last layer's R^2 from the best shallow layer", bounds=(float("-inf"), 1.0)),
 )
+SCORE_FIGURES = {  # the last two figures by the maps' deciding score (an R^2 cannot pass 1; an error cannot fall below 0)
+    "r2_dims": (Figure("last_r2", "shallow last layer's best per-dimension R^2", bounds=(float("-inf"), 1.0)),
+                Figure("deep_last_r2", "deep last layer's per-dimension R^2 from the best shallow layer", bounds=(float("-inf"), 1.0))),
+    "r2": MAP_FIGURES[3:],
+    "relative_error": (Figure("last_r2", "shallow last layer's lowest relative error", bounds=(0.0, float("inf"))),
+                       Figure("deep_last_r2", "deep last layer's relative error from the best shallow layer", bounds=(0.0, float("inf")))),
+}
 
 
 def _average(values) -> float | None:
@@ -95,24 +112,29 @@ def use_figures(record: dict) -> dict[str, float | None]:
 
 def map_figures(record: dict) -> dict[str, float | None]:
     """One depth map's figures: how far the best matches lie from the diagonal, and how far the
-    shallow model's end reaches into the deep one."""
-    r2, nd = record["r2"], record["deep_layers"]
-    last = max(range(nd), key=lambda j: r2[-1][j])
-    return {"depth_gap": record["relative_depth"]["mean_abs_difference"], "order": record["relative_depth"]["spearman"],
-            "last_reach": (last + 1) / nd, "last_r2": r2[-1][last], "deep_last_r2": max(row[-1] for row in r2)}
+    shallow model's end reaches into the deep one, by the map's deciding score."""
+    _, matrix, higher = deciding(record)
+    pick = max if higher else min
+    last = pick(range(len(matrix[-1])), key=lambda j: matrix[-1][j])
+    reach = last / record["deep_layers"] if record.get("streams") == "entering" else (last + 1) / record["deep_layers"]
+    return {"depth_gap": record["relative_depth"]["mean_abs_difference"], "order": record["relative_depth"]["spearman"], "last_reach": reach,
+            "last_r2": matrix[-1][last], "deep_last_r2": pick(row[-1] for row in matrix)}
 
 
 def _use_key(record: dict) -> tuple[str, str]:
     run = record["run"]
     arch = run.get("architecture") or {"source": run.get("source")}  # a record from before architectures were kept: alone
     tuned = (record.get("tuned_lens") or {}).get("settings")
-    return json.dumps([arch, run["data"], run["windows"], run["seq_len"], tuned], sort_keys=True, default=str), _label(arch)
+    definitions = (record.get("definitions") or {}).get("name", "depthcurse")
+    return json.dumps([arch, run["data"], run["windows"], run["seq_len"], tuned, definitions], sort_keys=True, default=str), _label(arch)
 
 
 def _map_key(record: dict) -> tuple[str, str]:
     run = record["run"]
     archs = [run[side].get("architecture") or {"source": run[side].get("source")} for side in ("shallow", "deep")]
-    key = json.dumps([archs, run["data"], run["seq_len"], record["fit_windows"], record["held_out_windows"]], sort_keys=True, default=str)
+    definitions = (record.get("definitions") or {}).get("name", "depthcurse")
+    key = json.dumps([archs, run["data"], run["seq_len"], record["fit_windows"], record["held_out_windows"], definitions, deciding(record)[0]],
+                     sort_keys=True, default=str)
     return key, f"{_label(archs[0])} -> {_label(archs[1])}"
 
 
@@ -167,20 +189,37 @@ def _summarise(groups: list[dict], figures: tuple[Figure, ...], note: str) -> di
             if a and b:
                 iv = welch_interval(a, b)
                 differences.append({"group": group["label"], "against": groups[0]["label"], "figure": figure.key, "label": figure.label,
-                                    "difference": mean(a) - mean(b), "interval": iv, "apart": apart(iv)})
+                                    "difference": mean(a) - mean(b), "interval": iv, "apart": apart(iv), "verdict": difference_word(iv, *figure.words)})
     return {"figures": [{"key": f.key, "label": f.label, "digits": f.digits} for f in figures], "groups": groups, "differences": differences, "note": note}
+
+
+def summarise_runs(groups: dict[str, list[dict]], kind: str = "use", score: str = "r2") -> dict:
+    """The summary `report` prints, from each group's per-run figures alone (`use_figures` or
+    `map_figures` of each run, by group label, the first group the one the others are set against):
+    what a finding's stored figures are checked against (`tests/test_findings.py`)."""
+    figures = USE_FIGURES if kind == "use" else MAP_FIGURES[:3] + SCORE_FIGURES[score]
+    note = USE_NOTE if kind == "use" else MAP_NOTE
+    return _summarise([{"label": label, "runs": [f"{label} #{i + 1}" for i in range(len(runs))], "figures": runs} for label, runs in groups.items()],
+                      figures, note)
 
 
 def use_over_seeds(records: list[dict], names: list[str]) -> dict:
     """depth-use records grouped by architecture and text, in the order first met (the first group
-    is what the others are compared with)."""
-    return _summarise(_group(records, names, _use_key, use_figures), USE_FIGURES, "the halves split the layers at n // 2")
+    is what the others are compared with); records of two definitions are one line."""
+    same_definitions(records, names)
+    return _summarise(_group(records, names, _use_key, use_figures), USE_FIGURES, USE_NOTE)
 
 
 def map_over_seeds(records: list[dict], names: list[str]) -> dict:
-    """depth-map records grouped by the two architectures and the text."""
-    return _summarise(_group(records, names, _map_key, map_figures), MAP_FIGURES,
-                      "relative depth: (layer + 1) / layers; a correlation's, a relative depth's and an R^2's interval cut at the ends of its range")
+    """depth-map records grouped by the two architectures and the text; maps of two definitions, or
+    decided by two scores, are one line."""
+    same_definitions(records, names, what="maps")
+    scores = [deciding(r)[0] for r in records]
+    for name, score in zip(names, scores):
+        if score != scores[0]:
+            raise DepthcurseError(f"maps of two scores: {names[0]} decided by {scores[0]}, {name} by {score}; not set side by side (rerun one with --score)")
+    figures = MAP_FIGURES[:3] + SCORE_FIGURES[scores[0] if scores else "r2"]
+    return _summarise(_group(records, names, _map_key, map_figures), figures, MAP_NOTE)
 
 
 def repeated(summary: dict) -> bool:
@@ -219,7 +258,8 @@ def differences_table(summary: dict) -> Table:
     first = summary["groups"][0]["label"]
     table = Table(title=f"each architecture against {first}: the difference of the means over seeds",
                   caption="in brackets Welch's 95% interval (independent seeds, each group's own variance, Welch-Satterthwaite df); "
-                          "apart: the interval leaves 0 out; cannot tell: it holds 0, or a group has one run; (every run): every run of both groups gave one value each, "
+                          "more / less (later / earlier for a layer): the interval lies above / below 0; cannot tell: it holds 0, or a group has one run; "
+                          "(every run): every run of both groups gave one value each, "
                           "so there is no spread to give an interval of", caption_justify="left")
     table.add_column("figure", justify="left")
     others = [g["label"] for g in summary["groups"][1:]]
@@ -233,7 +273,8 @@ def differences_table(summary: dict) -> Table:
         cells = []
         for label in others:
             d = found.get(label)
-            mark = "" if d is None else {"equal": "", "constant": "", "apart": " apart", "cannot tell": " cannot tell"}[_verdict(d)]
+            verdict = None if d is None else _verdict(d)
+            mark = "" if verdict in (None, "equal", "constant") else f" {verdict}"
             cells.append(_cell(d, digits[figure["key"]], signed=True) + mark)
         table.add_row(figure["label"], *cells)
     return table
@@ -242,12 +283,12 @@ def differences_table(summary: dict) -> Table:
 def _verdict(difference: dict) -> str:
     """equal: every run of both groups gave one value (a layer index, say), the same: a tie;
     constant: every run of each gave one value, and they differ (Welch's interval has no width
-    there, and no coverage to claim); apart: the interval leaves 0 out; cannot tell: it holds 0,
-    or there is none."""
+    there, and no coverage to claim); else the interval's word (`stats.verdicts`): more / less
+    (later / earlier), or cannot tell where it holds 0 or there is none."""
     iv = difference["interval"]
     if iv is not None and iv[0] == iv[1]:
         return "equal" if difference["difference"] == 0.0 else "constant"
-    return "apart" if difference["apart"] else "cannot tell"
+    return difference.get("verdict") or difference_word(iv)
 
 
 def seeds_verdicts(summary: dict) -> list[str]:
@@ -258,11 +299,11 @@ def seeds_verdicts(summary: dict) -> list[str]:
         by_group.setdefault(d["group"], []).append(d)
     for group, rows in by_group.items():
         verdicts = [_verdict(d) for d in rows]
-        told = [d for d, v in zip(rows, verdicts) if v == "apart"]
-        said = "; ".join(f"{d['label']} {d['difference']:+.3g} [{d['interval'][0]:+.3g}, {d['interval'][1]:+.3g}]" for d in told)
+        told = [(d, v) for d, v in zip(rows, verdicts) if v not in ("equal", "constant", "cannot tell")]
+        said = "; ".join(f"{d['label']} {v} {d['difference']:+.3g} [{d['interval'][0]:+.3g}, {d['interval'][1]:+.3g}]" for d, v in told)
         constant = "; ".join(f"{d['label']} {d['difference']:+.3g}" for d, v in zip(rows, verdicts) if v == "constant")
         equal = verdicts.count("equal")
-        lines.append(f"{group} against {rows[0]['against']}: " + (said if told else "no figure apart")
+        lines.append(f"{group} against {rows[0]['against']}: " + (said if told else "no figure told apart")
                      + (f"; the same in every run of each, and different: {constant}" if constant else "")
                      + f" ({verdicts.count('cannot tell')} of {len(rows)} cannot tell at these seeds" + (f", {equal} equal in every run)" if equal else ")"))
     return lines

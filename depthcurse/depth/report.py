@@ -12,13 +12,17 @@ from pathlib import Path
 
 from rich.table import Table
 
+from depthcurse.depth.definitions import DEFINITIONS, Definitions, definitions_of, same_definitions
 from depthcurse.depth.measure import TUNED, DepthUse, half_settled, influence_row_means, measure_depth_use, per_layer_rows, phase_transition, stepper_of
+from depthcurse.depth.memory import Shape, check_fits, free_bytes, gib
 from depthcurse.depth.over_seeds import architecture
 from depthcurse.depth.tuned_lens import LensSettings, load_lens, train_tuned_lens
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import atomic_write, csv_text, json_text, read_record, save_figure
 from depthcurse.loading import check_sequence_length
 from depthcurse.runtime import World
+from depthcurse.stats.intervals import mean_interval
+from depthcurse.stats.verdicts import difference_word
 from depthcurse.tasks import PerplexityTask
 from depthcurse.text import load_texts
 
@@ -27,12 +31,16 @@ DEPTH_JSON = "depth_use.json"
 
 def run_depth_use(loaded, data: str, windows: int, seq_len: int, batch_size: int, influence: bool = True, on_step=lambda text, done, total: None,
                   tuned: bool = False, lens: Path | None = None, lens_windows: int | None = None, lens_settings: LensSettings = LensSettings(),
-                  lens_out: Path | None = None, world: World = World()) -> dict:
+                  lens_out: Path | None = None, world: World = World(), definitions: Definitions = DEFINITIONS["depthcurse"],
+                  on_note=lambda text: None, free: int | None = -1) -> dict:
     """`windows` windows of `seq_len` tokens of `data` (ppl's packing), measured; the record. With
     `tuned`, a tuned lens is trained on the next `lens_windows` windows of the same text (held out
     from the measured ones; default as many) and read beside the logit lens, and saved to `lens_out`
     (a lens already there for this model and these settings is read instead: a rerun trains none);
-    with `lens`, a saved one is read."""
+    with `lens`, a saved one is read. `definitions`: ours, or an anchor's own (`depth.definitions`).
+    Before any work the peak memory beyond the weights is estimated (`depth.memory`) and said
+    (`on_note`), and a run that would not fit in `free` bytes (-1: what is free now; None: unknown) is
+    one line naming the batch size that fits."""
     if windows < 2:
         raise DepthcurseError(f"--windows must be at least 2 (the intervals are over windows), got {windows}")
     if seq_len < 2 or batch_size < 1:
@@ -50,6 +58,9 @@ def run_depth_use(loaded, data: str, windows: int, seq_len: int, batch_size: int
     if len(ids) < windows + lens_windows:
         asked = f"--windows {windows}" + (f" and {lens_windows} more to train the tuned lens on" if lens_windows else "")
         raise DepthcurseError(f"--data {data} holds {len(ids)} windows of {seq_len} tokens, fewer than {asked}")
+    free = free_bytes(stepper.device) if free == -1 else free  # every input checked: what the work will hold, before any of it
+    need = check_fits(Shape.of(loaded.model), batch_size, seq_len, free, lens_settings.micro_batch if tuned else 0)
+    on_note(f"memory: about {gib(need)} beyond the model's weights at its peak" + (f" ({gib(free)} free)" if free is not None else ""))
     model = loaded.model.eval()
     if tuned:
         kept = lens_out if lens_out is not None and lens_out.is_file() else None
@@ -62,10 +73,12 @@ def run_depth_use(loaded, data: str, windows: int, seq_len: int, batch_size: int
             translators, training = train_tuned_lens(model, stepper, ids[windows:], lens_settings, on_step=on_step)
             if lens_out is not None:
                 translators.save(lens_out, training)
-    use = measure_depth_use(model, ids[:windows], batch_size, influence=influence, on_step=on_step, tuned=translators, world=world)
+    use = measure_depth_use(model, ids[:windows], batch_size, influence=influence, on_step=on_step, tuned=translators, world=world,
+                            definitions=definitions)
     record = {"run": {**{k: v for k, v in loaded.describe().items() if k != "device"}, "architecture": architecture(loaded.model), "data": label,
                       "windows": windows, "seq_len": seq_len},
-              "use": use.summary(), "layers": per_layer_rows(use), "phase_transition": phase_transition(use)}
+              "definitions": definitions.summary(), "memory_estimate_bytes": need, "use": use.summary(), "layers": per_layer_rows(use),
+              "phase_transition": phase_transition(use)}
     if translators is not None:
         record["tuned_lens"] = {**training, "source": str(lens) if lens is not None else "trained here",
                                 "held_out_kl": [row["tuned_kl"] for row in record["layers"]],
@@ -82,32 +95,42 @@ def _cell(value: float, interval) -> str:
 
 
 def depth_table(record: dict) -> Table:
-    run = record["run"]
-    table = Table(title=f"{run['model']}: how each layer is used, {run['windows']} windows x {run['seq_len']} tokens of {run['data']}",
-                  caption="attention / MLP: the sublayer's output norm over the residual stream it is added to, and their cosine (Csordás et al. 2025, "
-                          "Fig. 2); lens: the model's final norm and head on the stream after the layer, against its output (KL, top-1, the output's "
-                          "top-1 in the lens's top-5); settles here: tokens whose lens top-1 is the output's from this layer on; influence: the "
-                          "layer skipped, the mean relative change of every later layer's contribution, and the output's KL. Means over windows, "
-                          "in brackets the 95% interval (Student's t over windows)", caption_justify="left")
+    run, d = record["run"], definitions_of(record)
     use = _use(record)
+    over = "windows (Student's t)" if d.reduce == "mean" else "windows"
+    skipped = "the largest over tokens and windows (no interval)" if d.reduce == "max" else "means over tokens and windows"
+    table = Table(title=f"{run['model']}: how each layer is used, {run['windows']} windows x {run['seq_len']} tokens of {run['data']} "
+                        f"({d.name} definitions)",
+                  caption="attention / MLP: the sublayer's output norm over the residual stream it is added to, and their cosine (Csordás et al. 2025, "
+                          f"Fig. 2); lens: the model's final norm and head on the stream {'entering' if d.lens_reads == 'entering' else 'after'} the "
+                          f"layer, against its output ({d.kl_label}, top-1, {d.top5_label}); settles here: tokens whose lens top-1 is the output's "
+                          "from this row on; influence: the layer skipped"
+                          + (f" from token {d.skip_from} on" if d.skip_from else "") + f", the relative change of every later layer's contribution "
+                          f"(its row's mean over the later layers), and the output's {d.change_label}: {skipped}. Other figures: means over windows, "
+                          f"in brackets the 95% interval over {over}. Definitions: {d.source}", caption_justify="left")
     tuned = use.tuned_kl is not None
     if tuned:
         lens = record["tuned_lens"]
-        table.caption += (f"; tuned lens: one affine translator per layer (Belrose et al. 2023), trained on {lens['train_windows']} other windows of "
+        table.caption += (f"; tuned lens: one affine translator per stream (Belrose et al. 2023), trained on {lens['train_windows']} other windows of "
                           f"the text ({lens['settings']['steps']} steps), read on these (held out)")
+    influence = _influence_means(use)
     for column in ("layer", "attention ||a||/||h||", "MLP ||m||/||h||", "cos(a, h)", "cos(m, h)", "lens KL", "lens top-1", "lens top-5",
                    "settles here", *(("tuned lens KL", "tuned top-1", "tuned settles here") if tuned else ()), "influence on later layers",
-                   "output KL when skipped"):
+                   f"output {'KL' if d.output_change == 'kl' else 'change'} when skipped"):
         table.add_column(column, justify="right")
     for row in record["layers"]:
         i = row["layer"]
-        later = [v for v in (use.influence[i] if use.influence else []) if v is not None and v == v]  # NaN here, null read back
         table.add_row(str(i), *(_cell(row[n], row[f"{n}_interval"]) for n in ("attn_norm", "mlp_norm", "attn_cos", "mlp_cos", "lens_kl", "lens_top1", "lens_top5")),
                       f"{row['settled_share']:.1%}",
                       *((_cell(row["tuned_kl"], row["tuned_kl_interval"]), _cell(row["tuned_top1"], row["tuned_top1_interval"]),
                          f"{row['tuned_settled_share']:.1%}") if tuned else ()),
-                      f"{sum(later) / len(later):.3f}" if later else "-", f"{use.output_change[i]:.3f}" if use.output_change else "-")
+                      f"{influence[i]:.3f}" if influence[i] is not None else "-", f"{use.output_change[i]:.3f}" if use.output_change else "-")
     return table
+
+
+def _influence_means(use: DepthUse) -> list[float | None]:
+    """Each layer's influence row's mean over the later layers (None for the last, and without the matrix)."""
+    return [*influence_row_means(use), None] if use.influence else [None] * use.n_layers
 
 
 def depth_overview(records: list[dict], names: list[str]) -> Table:
@@ -115,9 +138,11 @@ def depth_overview(records: list[dict], names: list[str]) -> Table:
     predictions have settled by each lens, and the layer whose skip changes the output most."""
     table = Table(title="depth-use runs side by side", caption="phase transition: the change point of the influence rows (docs/depth-use.md); "
                   "half settled: the layer by which half of the tokens' lens top-1 stays the output's; most changing skip: the layer whose "
-                  "removal moves the output most (KL)", caption_justify="left")
+                  "removal moves the output most (by the definitions' output change)", caption_justify="left")
+    same_definitions(records, names, what="depth-use runs")
     for column in ("run", "model", "text", "layers", "phase transition", "half settled (logit lens)", "half settled (tuned lens)", "most changing skip"):
         table.add_column(column, justify="left" if column in ("run", "model", "text") else "right")
+    table.caption += f" ({definitions_of(records[0]).name} definitions)" if records else ""
     for name, record in zip(names, records):
         use, run = _use(record), record["run"]
         phase = record.get("phase_transition")
@@ -128,19 +153,49 @@ def depth_overview(records: list[dict], names: list[str]) -> Table:
     return table
 
 
+def lens_comparison(record: dict) -> dict | None:
+    """The tuned lens against the logit lens, row by row on the same windows: the difference of their
+    KLs to the output (tuned - logit) with its paired 95% interval (Student's t over the windows), the
+    word it gives ("closer" below 0, "further" above, "cannot tell"), and the ratio of the means
+    (logit / tuned); the rows where both read the output itself are left out. None without a tuned lens."""
+    use = _use(record)
+    if use.tuned_kl is None:
+        return None
+    rows = []
+    for layer, (plain, lensed) in enumerate(zip(use.lens_kl, use.tuned_kl)):
+        if plain == lensed:  # the output's own stream: both read it as it is
+            continue
+        differences = [t - p for t, p in zip(lensed, plain)]
+        interval = mean_interval(differences)
+        rows.append({"row": layer, "difference": sum(differences) / len(differences), "interval": interval,
+                     "verdict": difference_word(interval, "further", "closer"),
+                     "ratio": (sum(plain) / sum(lensed)) if sum(lensed) > 0 else None})
+    words = [r["verdict"] for r in rows]
+    ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
+    return {"rows": rows, "closer": words.count("closer"), "further": words.count("further"), "cannot_tell": words.count("cannot tell"),
+            "ratio_range": [min(ratios), max(ratios)] if ratios else None}
+
+
 def depth_verdicts(record: dict) -> list[str]:
-    use, rows = _use(record), record["layers"]
+    use, rows, d = _use(record), record["layers"], definitions_of(record)
     lines = []
     settled = use.settled
     total = sum(settled) or 1
-    lines.append(f"half of the tokens' predictions have settled by layer {half_settled(settled)} of {use.n_layers} (logit lens; "
-                 f"{settled[-1] / total:.0%} settle only at the last layer)")
-    if use.tuned_settled is not None:
+
+    def where(row: int) -> str:
+        return d.row_label(row, use.n_layers)
+
+    lines.append(f"half of the tokens' predictions have settled by the stream {where(half_settled(settled))} of {use.n_layers} layers (logit lens; "
+                 f"{settled[-1] / total:.0%} settle only at the output)")
+    compared = lens_comparison(record)
+    if compared is not None:
         lens = record["tuned_lens"]
-        closer = sum(1 for r in rows[:-1] if r["tuned_kl"] < r["lens_kl"])
-        lines.append(f"tuned lens: half settled by layer {half_settled(use.tuned_settled)}; on the held-out windows its KL to the output is below "
-                     f"the logit lens's at {closer} of {len(rows) - 1} layers (trained on {lens['train_windows']} windows, {lens['settings']['steps']} "
-                     f"steps, {lens['seconds']:.0f} s)")
+        ratio = compared["ratio_range"]
+        lines.append(f"tuned lens: half settled by the stream {where(half_settled(use.tuned_settled))}; on the held-out windows its {d.kl_label} against the "
+                     f"logit lens's, paired over {use.windows} windows: closer at {compared['closer']} of {len(compared['rows'])} rows, further at "
+                     f"{compared['further']}, cannot tell at {compared['cannot_tell']}"
+                     + (f"; the logit lens's KL is {ratio[0]:.1f}-{ratio[1]:.1f}x the tuned lens's" if ratio else "")
+                     + f" (trained on {lens['train_windows']} windows, {lens['settings']['steps']} steps, {lens['seconds']:.0f} s)")
     phase = record.get("phase_transition")
     if phase is not None:
         means = influence_row_means(use)
@@ -149,7 +204,7 @@ def depth_verdicts(record: dict) -> list[str]:
                      f"{sum(means[:phase]) / phase:.3f} before it, {sum(means[phase:]) / len(means[phase:]):.3f} from it on")
     if use.output_change:
         worst = max(range(use.n_layers), key=lambda i: use.output_change[i])
-        lines.append(f"skipping layer {worst} changes the output most (KL {use.output_change[worst]:.3f})")
+        lines.append(f"skipping layer {worst} changes the output most ({d.change_label} {use.output_change[worst]:.3f})")
     return lines
 
 
@@ -164,7 +219,8 @@ def write_depth(record: dict, out: Path) -> list[Path]:
             tuned = use.tuned_kl is not None
             names = ("attn_norm", "mlp_norm", "attn_cos", "mlp_cos", "lens_kl", "lens_top1", "lens_top5", *(TUNED if tuned else ()))
             writer.writerow(["layer", *names, *(f"{n}_low" for n in names), *(f"{n}_high" for n in names), "settled_share",
-                             *(("tuned_settled_share",) if tuned else ()), "output_kl_when_skipped"])
+                             *(("tuned_settled_share",) if tuned else ()), "output_kl_when_skipped" if definitions_of(record).output_change == "kl"
+                             else "output_l2_change_when_skipped"])
             for row in record["layers"]:
                 iv = [row[f"{n}_interval"] or [None, None] for n in names]
                 writer.writerow([row["layer"], *(row[n] for n in names), *(i[0] for i in iv), *(i[1] for i in iv), row["settled_share"],
@@ -193,7 +249,8 @@ def plot_influence(record: dict, path: Path) -> Path | None:
     im = ax.imshow(grid, cmap="magma", origin="upper")
     ax.set_xlabel("later layer j")
     ax.set_ylabel("layer i skipped")
-    fig.colorbar(im, ax=ax, label="mean ||c_j(skip i) - c_j|| / ||c_j||")
+    d = definitions_of(record)
+    fig.colorbar(im, ax=ax, label=f"{'largest' if d.reduce == 'max' else 'mean'} ||c_j(skip i) - c_j|| / ||c_j|| ({d.name} definitions)")
     ax.set_title(f"{record['run']['model']}: whose later work each layer changes\n({record['run']['windows']} x {record['run']['seq_len']} "
                  f"tokens of {record['run']['data']})", fontsize=9)
     fig.tight_layout()
@@ -208,24 +265,25 @@ def plot_settling(record: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    use, rows = _use(record), record["layers"]
+    use, rows, d = _use(record), record["layers"], definitions_of(record)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
     total = sum(use.settled) or 1
-    axes[0].bar(range(use.n_layers), [s / total for s in use.settled], color="C0")
-    axes[0].set_xlabel("layer after which the lens's top-1 stays the output's")
+    axes[0].bar(range(len(use.settled)), [s / total for s in use.settled], color="C0")
+    axes[0].set_xlabel(f"the stream {'entering' if d.lens_reads == 'entering' else 'after'} layer ... from which the lens's top-1 stays the output's"
+                       + (f" ({use.n_layers}: the output)" if d.lens_reads == "entering" else ""))
     axes[0].set_ylabel("share of tokens")
     axes[0].set_title("settling depth (bars: logit lens)", fontsize=9)
     layers = [r["layer"] for r in rows]
     axes[1].plot(layers, [r["lens_top1"] for r in rows], "o-", label="top-1 agreement with the output")
-    axes[1].plot(layers, [r["lens_top5"] for r in rows], "s-", label="output's top-1 in the lens's top-5")
+    axes[1].plot(layers, [r["lens_top5"] for r in rows], "s-", label=d.top5_label)
     if use.tuned_kl is not None:
-        axes[0].step(range(use.n_layers), [s / (sum(use.tuned_settled) or 1) for s in use.tuned_settled], "C3", where="mid", label="tuned lens")
+        axes[0].step(range(len(use.tuned_settled)), [s / (sum(use.tuned_settled) or 1) for s in use.tuned_settled], "C3", where="mid", label="tuned lens")
         axes[0].legend(fontsize=7)
         axes[1].plot(layers, [r["tuned_top1"] for r in rows], "^-", color="C3", label="tuned lens top-1 (held out)")
-    axes[1].set_xlabel("layer")
+    axes[1].set_xlabel(f"layer (the stream {'entering' if d.lens_reads == 'entering' else 'after'} it)")
     axes[1].set_ylabel("share of tokens")
     twin = axes[1].twinx()
-    twin.plot(layers, [r["lens_kl"] for r in rows], "k:", label="KL(output || lens)")
+    twin.plot(layers, [r["lens_kl"] for r in rows], "k:", label=d.kl_label)
     twin.set_ylabel("KL (nats)")
     axes[1].legend(fontsize=7, loc="center left")
     axes[1].set_title("the logit lens per layer" + (" (and the tuned lens)" if use.tuned_kl is not None else ""), fontsize=9)
@@ -256,6 +314,8 @@ def agreement_table(record: dict) -> Table:
     for row in rows:
         iv = row["interval"]
         rho = "-" if row["rho"] is None else f"{row['rho']:+.2f}" + (f" [{iv[0]:+.2f}, {iv[1]:+.2f}]" if iv else "")
-        verdict = {True: "agrees", False: "opposite", None: "cannot tell"}[row["agrees"]]
-        table.add_row(row["measure"], row["target"], rho, str(row["layers"]), "+" if row["expected_sign"] > 0 else "-", verdict)
+        verdict = row.get("verdict") or {True: "agrees", False: "opposite", None: "cannot tell"}[row["agrees"]]  # a record from before the word was kept
+        distinct = row.get("distinct")
+        table.add_row(row["measure"], row["target"], rho, str(row["layers"]), "-" if distinct is None else str(distinct),
+                      "+" if row["expected_sign"] > 0 else "-", verdict)
     return table

@@ -1,17 +1,21 @@
 """The tuned lens (Belrose et al., "Eliciting Latent Predictions from Transformers with the Tuned
 Lens", 2023; AlignmentResearch/tuned-lens @ 8db471b, `nn/lenses.py` and `scripts/train_loop.py`):
-one affine translator per layer, h + A_l h + b_l, read by the model's own final norm and head, and
-trained so that its distribution after layer l matches the model's output (KL(output || lens)).
+one affine translator per stream, h + A h + b, read by the model's own final norm and head, and
+trained so that its distribution matches the model's output (KL(output || lens)).
 
-As their code does it: every translator starts at zero (the lens starts as the logit lens, and
-weight decay pulls it back there, not to zero); no translator for the last layer (its stream is the
-model's output); the loss is each layer's KL at the same position (their default `--loss kl`,
-shift 0), each layer's backward in turn; SGD with Nesterov momentum 0.9 at lr `lr_scale * (1 -
-0.9)` (they undo PyTorch's 1 / (1 - momentum) gain), weight decay 1e-3, the learning rate falling
-linearly to 0 over the steps with no warm-up (theirs for SGD), the gradient clipped to norm 1 over
-the whole lens before each step, 250 steps of 2^18 tokens (fewer where the text has fewer: the
-steps then go round the same windows, in a seeded shuffled order as their loader shuffles). Their
-steps run in bf16 autocast on a GPU; here in the model's dtype (float32 on the CPU).
+As their code does it: a translator for each stream their loop reads, `hidden_states[:-1]`: the
+embedding's output (their index 0) and the stream after every layer but the last (index l + 1
+after layer l; the last layer's stream is the model's output and has none), so index i is the
+stream entering layer i; every translator starts at zero (the lens starts as the logit lens, and
+weight decay pulls it back there, not to zero); the loss is each stream's KL at the same position
+(their default `--loss kl`, shift 0), each translator's backward in turn; SGD with Nesterov momentum
+0.9 at lr `lr_scale * (1 - 0.9)` (they undo PyTorch's 1 / (1 - momentum) gain), weight decay 1e-3,
+the learning rate falling linearly to 0 over the steps with no warm-up (theirs for SGD), the
+gradient clipped to norm 1 over every translator, the embedding's included, before each step; 250
+steps of 2^18 tokens (fewer where the text has fewer: the steps then go round the same windows, in
+a seeded shuffled order as their loader shuffles). Their steps run in bf16 autocast on a GPU; here
+in the model's dtype (float32 on the CPU). `LensSettings(embedding=False)` leaves the embedding's
+translator out (the form this project trained before: its clip then sees the other translators only).
 
 A lens is a file (`save`, `load_lens`): the translators (safetensors) and a fingerprint of the
 model it read (its width, depth and a hash of its final norm and head), so that a lens trained on
@@ -46,6 +50,7 @@ class LensSettings:
     weight_decay: float = 1e-3
     micro_batch: int = 4  # windows per backward (a step accumulates tokens_per_step's worth)
     seed: int = 42  # the order the steps take the windows in (their --seed)
+    embedding: bool = True  # their translator of the embedding's output (index 0), trained and clipped with the others
 
     def check(self) -> None:
         if self.steps < 1 or self.tokens_per_step < 1 or self.micro_batch < 1:
@@ -56,26 +61,32 @@ class LensSettings:
 
 
 class TunedLens(torch.nn.Module):
-    """One translator per layer but the last; `forward(h, l)` is the stream after layer l made ready
-    for the model's final norm and head."""
+    """A translator for each stream entering a layer (their indexing: 0 the embedding's output, l + 1
+    the stream after layer l), none for the output; `forward(h, i)` is stream i made ready for the
+    model's final norm and head (stream `layers`, the output, as it is)."""
 
-    def __init__(self, width: int, layers: int, fingerprint: dict):
+    def __init__(self, width: int, layers: int, fingerprint: dict, embedding: bool = True):
         super().__init__()
-        self.fingerprint = fingerprint
-        self.translators = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers - 1))
-        for t in self.translators:  # the logit lens to start, and what weight decay pulls toward
+        self.fingerprint, self.layers = fingerprint, layers
+        self.translators = torch.nn.ModuleDict({str(i): torch.nn.Linear(width, width) for i in range(0 if embedding else 1, layers)})
+        for t in self.translators.values():  # the logit lens to start, and what weight decay pulls toward
             torch.nn.init.zeros_(t.weight)
             torch.nn.init.zeros_(t.bias)
 
-    def forward(self, h: torch.Tensor, layer: int) -> torch.Tensor:
-        if layer == len(self.translators):  # the last layer's stream is the model's output
+    @property
+    def embedding(self) -> bool:
+        return "0" in self.translators
+
+    def forward(self, h: torch.Tensor, stream: int) -> torch.Tensor:
+        translator = self.translators[str(stream)] if str(stream) in self.translators else None
+        if translator is None:  # the output's stream, or the embedding's in the form without its translator
             return h
-        return h + self.translators[layer](h)  # residual, as theirs: decay regularises toward the identity
+        return h + translator(h)  # residual, as theirs: decay regularises toward the identity
 
     def save(self, path: Path, record: dict | None = None) -> Path:
         from safetensors.torch import save_file
 
-        meta = {"fingerprint": json.dumps(self.fingerprint), "training": json.dumps(record or {})}
+        meta = {"fingerprint": json.dumps(self.fingerprint), "training": json.dumps(record or {}), "indexing": "entering"}
         save_file({k: v.detach().contiguous() for k, v in self.translators.state_dict().items()}, str(path), metadata=meta)
         return Path(path)
 
@@ -103,12 +114,14 @@ def load_lens(path: Path, stepper: Stepper) -> tuple[TunedLens, dict]:
         theirs = json.loads(meta["fingerprint"])
     except (SafetensorError, KeyError, ValueError, OSError) as exc:
         raise DepthcurseError(f"--lens {path} is not a tuned lens written by depth-use ({exc})") from None
+    if meta.get("indexing") != "entering":
+        raise DepthcurseError(f"--lens {path} was written by an older depth-use, whose translators are numbered by another rule: train one again with --tuned-lens")
     ours = fingerprint(stepper)
     if theirs != ours:
         raise DepthcurseError(f"--lens {path} was trained on another model (width {theirs.get('width')}, {theirs.get('layers')} layers, head "
                               f"{theirs.get('head_sha256')}; this one: width {ours['width']}, {ours['layers']} layers, head {ours['head_sha256']}): "
                               "train one for it with --tuned-lens")
-    lens = TunedLens(ours["width"], ours["layers"], ours)
+    lens = TunedLens(ours["width"], ours["layers"], ours, embedding=any(k.startswith("0.") for k in state))
     lens.translators.load_state_dict(state)
     return lens.to(stepper.device), json.loads(meta.get("training", "{}"))
 
@@ -132,19 +145,22 @@ def _kl(final: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def _streams(stepper: Stepper, ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The stream after every layer but the last, and the output's log-probabilities."""
+    """The stream entering every layer (their `hidden_states[:-1]`: the embedding's output first),
+    and the output's log-probabilities."""
+    ids = ids.to(stepper.device)
     after = stepper.streams(ids)
-    return after[:-1], torch.log_softmax(stepper.logits(after[-1]), -1)
+    return [stepper.embed(ids), *after[:-1]], torch.log_softmax(stepper.logits(after[-1]), -1)
 
 
 def train_tuned_lens(model, stepper: Stepper, windows: torch.Tensor, settings: LensSettings = LensSettings(),
                      on_step=lambda text, done, total: None, clock=time.perf_counter) -> tuple[TunedLens, dict]:
     """A tuned lens for `model`, trained on `windows` (token ids, windows x tokens): the lens and what
-    its training did (each layer's mean KL over the last step, the tokens it saw, the seconds)."""
+    its training did (each translated stream's mean KL over the last step, the tokens it saw, the seconds)."""
     settings.check()
     started = clock()
     n, width = stepper.n_layers, int(stepper.head.weight.shape[1])
-    lens = TunedLens(width, n, fingerprint(stepper)).to(stepper.device)
+    lens = TunedLens(width, n, fingerprint(stepper), embedding=settings.embedding).to(stepper.device)
+    trained = [int(i) for i in lens.translators]  # the streams with a translator, in order
     per_window = windows.shape[1]
     step_windows = max(1, min(len(windows), settings.tokens_per_step // per_window))
     momentum = settings.momentum
@@ -154,7 +170,7 @@ def train_tuned_lens(model, stepper: Stepper, windows: torch.Tensor, settings: L
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: max(0.0, (settings.steps - step) / settings.steps))
     order: list[int] = []
     rng = random.Random(settings.seed)
-    last = [0.0] * (n - 1)
+    last = [0.0] * len(trained)
     with _frozen(model):
         for step in range(settings.steps):
             on_step("training the tuned lens", step, settings.steps)
@@ -163,20 +179,20 @@ def train_tuned_lens(model, stepper: Stepper, windows: torch.Tensor, settings: L
                 rng.shuffle(round_)
                 order += round_
             taken, order = order[:step_windows], order[step_windows:]
-            sums = [0.0] * (n - 1)
+            sums = [0.0] * len(trained)
             for start in range(0, step_windows, settings.micro_batch):
                 ids = windows[taken[start : start + settings.micro_batch]]
-                after, final = _streams(stepper, ids)
+                entering, final = _streams(stepper, ids)
                 share = len(ids) / step_windows  # each micro-batch's part of the step's mean
-                for layer, h in enumerate(after):  # one layer's backward at a time, as theirs (memory)
-                    loss = _kl(final, stepper.logits(lens(h, layer))).mean()
+                for k, stream in enumerate(trained):  # one translator's backward at a time, as theirs (memory)
+                    loss = _kl(final, stepper.logits(lens(entering[stream], stream))).mean()
                     (loss * share).backward()
-                    sums[layer] += loss.item() * share
-            torch.nn.utils.clip_grad_norm_(lens.parameters(), 1.0)
+                    sums[k] += loss.item() * share
+            torch.nn.utils.clip_grad_norm_(lens.parameters(), 1.0)  # over every translator, the embedding's included
             opt.step()
             opt.zero_grad(set_to_none=False)
             schedule.step()
             last = sums
     record = {"settings": asdict(settings), "train_windows": len(windows), "tokens_per_step": step_windows * per_window,
-              "train_kl_last_step": last, "seconds": round(clock() - started, 3)}
+              "translated_streams": trained, "train_kl_last_step": last, "seconds": round(clock() - started, 3)}
     return lens.eval(), record
