@@ -13,6 +13,7 @@ searches of the self-speculative decoding papers, each against its authors' loop
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -166,6 +167,38 @@ def test_swift_stops_where_its_matchness_passes_max_score_and_says_which_bound_i
 
 
 @pytest.mark.searching
+def test_swift_with_its_run_scripts_settings_is_their_loop_at_their_k_stop_and_start():
+    """`swift.skip_ratio=0.45,swift.max_score=0.93,swift.start=odd` (eval_llama.sh): on 12 blocks their
+    k is int(2 x 10 x 0.45) = 9 branches whatever --k says, the loop stops at matchness 0.93, and where
+    no candidate matches once their starting draft (both branches of blocks 1, 3, 5, 7, 9) stays."""
+    from depthcurse.select.searches.swift import starting_set
+
+    n = 12
+    score = lambda a, m: 0.85 + 0.5 * _made_up(a, m)  # noqa: E731 (some sets pass 0.93)
+    tried, kept = port_of_swift(n, 9, score, seed=4, bayes=False, max_opt_iter=300, max_score=0.93)
+    search = Swift(SwiftSettings(bayes=False, max_opt_iter=300, seed=4, skip_ratio=0.45, max_score=0.93, start="odd"))
+    space = Space(n, 2, "branch")  # --k 2: theirs sets its own
+    search.check(space)
+    assert search.chooses_k and search.k_of(space) == 9
+    ctx = _context(space, "acceptance", lambda r: 1.0 - score(*_split(r)))
+    chosen = search.run(ctx)
+    assert [_split(r) for r in search.trace] == [(list(a), list(m)) for a, m in tried] and _split(chosen) == (list(kept[0]), list(kept[1]))
+    assert len(chosen) == 9 and "passed max_score 0.93" in ctx.notes[0] and "k = 9 (skip_ratio 0.45)" in ctx.notes[0]
+    assert starting_set(n) == ("a1", "a3", "a5", "a7", "a9", "m1", "m3", "m5", "m7", "m9")
+    tried, kept = port_of_swift(n, 9, lambda a, m: 0.0, seed=4, bayes=False, max_opt_iter=3)
+    nothing = Swift(SwiftSettings(bayes=False, max_opt_iter=3, seed=4, skip_ratio=0.45, start="odd"))
+    ctx = _context(space, "acceptance", lambda r: 1.0)
+    assert nothing.run(ctx) == starting_set(n) and _split(starting_set(n)) == (list(kept[0]), list(kept[1]))
+    assert "no candidate matched once: their starting draft kept" in ctx.notes[0]
+    for settings, said in ((SwiftSettings(skip_ratio=1.5), "--search-args swift.skip_ratio must lie between 0 and 1 (theirs: 0.45), got 1.5"),
+                           (SwiftSettings(skip_ratio=0.01), "--search-args swift.skip_ratio=0.01: int(2 x 10 x 0.01) = 0 branches, none to skip"),
+                           (SwiftSettings(start="even"), "--search-args swift.start=even: use none or odd (their starting draft)"),
+                           (SwiftSettings(start="odd"), "--search-args swift.start=odd starts from 10 branches, not k = 2: give swift.skip_ratio too")):
+        with pytest.raises(DepthcurseError, match="^" + re.escape(said)):
+            Swift(settings).check(space)
+
+
+@pytest.mark.searching
 def test_draft_verify_scores_the_points_its_authors_loop_scores_and_chooses_the_same():
     n, probes = 4, (([1, 3], [2]), ([0], []))  # two probes first, then two suggestions (seconds each)
     tried, (attn, mlp) = port_of_draft_verify(n, lambda a, m: 1.0 + _made_up(a, m) * (len(a) + len(m)), n_iter=2, probes=probes)
@@ -215,8 +248,8 @@ def test_acceptance_and_speedup_scores_are_the_model_built_without_those_layers_
             agreement = (mine == unpruned).float().mean(1).mean().item()
             scores = known[",".join(map(str, removal))]
             assert scores[2] == pytest.approx(1 - agreement, abs=1e-6)
-            assert scores[3] == pytest.approx(costs.time_per_token(1 - scores[2], 2), rel=1e-12)
-            assert scores[3] == pytest.approx(costs.time_per_token(agreement, 2), rel=1e-6)
+            assert scores[3] == pytest.approx(costs.time_per_token(1 - scores[2], removal), rel=1e-12)
+            assert scores[3] == pytest.approx(costs.time_per_token(agreement, removal), rel=1e-6)
     exact = record["cells"][f"{text_file.stem}/exact/acceptance"]["layers"]
     assert known[",".join(map(str, exact))][2] == min(v[2] for name, v in known.items() if name.count(",") == 1)
     fastest = record["cells"][f"{text_file.stem}/exact/speedup"]["layers"]
@@ -229,15 +262,50 @@ def test_acceptance_and_speedup_scores_are_the_model_built_without_those_layers_
     assert code == 0, err
     run = json.loads((spec / "speculate.json").read_text())["run"]
     assert run["skip"] == exact and f"{text_file.stem}/exact/acceptance" in run["skip_from"]
+    other = [i for i in range(6) if i not in exact][:2]  # another draft on the same prompts, the select run's pick beside it
+    code, stdout, err = run_cli("speculate", six_dir, "--skip", ",".join(map(str, other)), "--also-skip-from", out, "--prompts", prompts, "--max-new-tokens", "6",
+                                "--baselines", "none", "--out", tmp_path / "spec2")
+    assert code == 0 and json.loads((tmp_path / "spec2" / "speculate.json").read_text())["run"]["also"] == [exact], err
+    assert "self-draft #2 against self-draft:" in " ".join(stdout.split())
 
 
 @pytest.mark.statistics
 def test_draft_costs_price_a_draft_by_hand():
     costs = DraftCosts(gamma=4, block_share=0.03, verify=1.5)
-    assert costs.c(10) == pytest.approx(0.7) and costs.c(40) == 0.0
+    assert costs.c(tuple(range(10))) == pytest.approx(0.7) and costs.c(tuple(range(40))) == 0.0
     e = (1 - 0.8**5) / 0.2
-    assert costs.speedup(0.8, 10) == pytest.approx(e / (4 * 0.7 + 1.5))
-    assert costs.time_per_token(0.8, 10) == pytest.approx((4 * 0.7 + 1.5) / e)
+    assert costs.speedup(0.8, tuple(range(10))) == pytest.approx(e / (4 * 0.7 + 1.5))
+    assert costs.time_per_token(0.8, tuple(range(10))) == pytest.approx((4 * 0.7 + 1.5) / e)
+    assert costs.c(("a1", "m1", "a2")) == pytest.approx(1 - 3 * 0.015)  # a record from before branches were priced: half a block each
+    apart = DraftCosts(gamma=4, block_share=0.03, verify=1.5, attention_share=0.004, mlp_share=0.026)
+    assert apart.c(("a1", "a2", "a3", "m7")) == pytest.approx(1 - 3 * 0.004 - 0.026)  # an MLP branch 6.5 attention branches' worth
+    assert apart.c(("m1", "m2", "m3", "a7")) == pytest.approx(1 - 3 * 0.026 - 0.004) and apart.c((3, 4)) == pytest.approx(0.94)
+
+
+@pytest.mark.searching
+def test_draft_costs_measure_each_kind_of_branch_apart_by_a_clock_the_test_controls():
+    """A clock that advances by what runs: each attention branch 1 unit, each MLP branch 6, the head 10
+    (hooks on a projection of each, which a skipped branch does not run). A step of the 6-block model is 6 x 7 + 10 = 52 units; the
+    later half's 3 blocks are 21 of them, its attentions 3, its MLPs 18; so a block's share is 7 / 52,
+    an attention's 1 / 52 and an MLP's 6 / 52, and a check of gamma + 1 tokens 52 too (the clock counts
+    calls, not tokens)."""
+    from helpers import tiny_llama
+
+    from depthcurse.speculate.costs import measure_costs
+
+    model = tiny_llama(60, layers=6, seed=2).eval()
+    units = [0]
+    hooks = [model.lm_head.register_forward_hook(lambda *a: units.__setitem__(0, units[0] + 10))]
+    for block in model.model.layers:  # on a projection each branch runs only when it is not skipped
+        hooks.append(block.self_attn.q_proj.register_forward_hook(lambda *a: units.__setitem__(0, units[0] + 1)))
+        hooks.append(block.mlp.down_proj.register_forward_hook(lambda *a: units.__setitem__(0, units[0] + 6)))
+    try:
+        costs = measure_costs(model, gamma=3, steps=3, prompt_tokens=8, now=lambda: float(units[0]))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert costs.step_s == 52 and costs.verify == pytest.approx(1.0)
+    assert costs.block_share == pytest.approx(7 / 52) and costs.attention_share == pytest.approx(1 / 52) and costs.mlp_share == pytest.approx(6 / 52)
 
 
 # --------------------------------------------------------------------------- a draft that skips branches

@@ -665,17 +665,22 @@ def test_a_stage_of_three_windows_scores_every_objective_as_the_plain_forward_do
     assert scorer.score_on_many([(2,)], [3, 0, 1], 7, "ppl") == [pytest.approx(pick(loss), rel=1e-5)]
     assert scorer.score_on_many([(2,)], [3, 0, 1], 7, "kl") == [pytest.approx(pick(kl), rel=1e-5, abs=1e-7)]
     assert scorer.score_on_many([(2,)], [3, 0, 1], 7, "acceptance") == [pytest.approx(1.0 - pick(agree), abs=1e-7)]
-    assert scorer.score_on_many([(2,), (1, 2)], [3, 0, 1], 7, "speedup") == [pytest.approx(costs.time_per_token(pick(agree), 1), rel=1e-6),
+    assert scorer.score_on_many([(2,), (1, 2)], [3, 0, 1], 7, "speedup") == [pytest.approx(costs.time_per_token(pick(agree), (2,)), rel=1e-6),
                                                                               pytest.approx(scorer.score_on_many([(1, 2)], [3, 0, 1], 7, "speedup")[0])]
     assert scorer.cost.subset_scores == 6 and scorer.cost.tokens == 6 * (16 + 16 + 7)
     whole = -ref.gather(-1, windows[:, 1:, None])[..., 0].mean(-1)  # nothing removed: the unpruned model, per window
     losses, kls, agreements = scorer.unpruned_windows()
     assert losses == pytest.approx(whole.tolist(), rel=1e-5) and kls == [0.0] * 4 and agreements == [1.0] * 4
     assert scorer.score_many([()]) == [{"ppl": pytest.approx(whole.mean().item(), rel=1e-5), "kl": 0.0, "acceptance": 0.0,
-                                        "speedup": pytest.approx(costs.time_per_token(1.0, 0))}]
+                                        "speedup": pytest.approx(costs.time_per_token(1.0, ()))}]
     # both branches of block 2 skipped: the same predictions as block 2 removed, and a draft one block shorter (two branches, half a block each)
     branches = CalibrationScorer(six.model, windows, 2, {}, lambda: None, "sub-block", costs=costs)
-    assert branches.score_on_many([("a2", "m2")], [3, 0, 1], 7, "speedup") == [pytest.approx(costs.time_per_token(pick(agree), 1), rel=1e-6)]
+    assert branches.score_on_many([("a2", "m2")], [3, 0, 1], 7, "speedup") == [pytest.approx(costs.time_per_token(pick(agree), (2,)), rel=1e-6)]
+    # priced apart (made up: an attention branch 0.02 of a step, an MLP branch 0.08): the same agreement, a cheaper draft
+    apart = DraftCosts(gamma=3, block_share=0.1, verify=1.2, attention_share=0.02, mlp_share=0.08)
+    priced = CalibrationScorer(six.model, windows, 2, {}, lambda: None, "sub-block", costs=apart)
+    e = (1 - pick(agree) ** 4) / (1 - pick(agree))
+    assert priced.score_on_many([("a2", "m2")], [3, 0, 1], 7, "speedup") == [pytest.approx((3 * (1 - 0.1) + 1.2) / e, rel=1e-6)]
 
 
 @pytest.mark.searching
@@ -815,3 +820,35 @@ def test_each_procedures_bound_says_its_name_and_where_it_stood(monkeypatch, tin
         swm_procedure(model, windows, SwmSearchSettings(threshold=-0.99))
     with pytest.raises(DepthcurseError, match=re.escape("laco's procedure did not end within its bound of 2 steps (layer 1)")):
         laco_procedure(model, windows, LacoSearchSettings(merge_layers=2, threshold=0.9999, highest=5))
+
+
+@pytest.mark.searching
+def test_a_resamples_stage_windows_are_the_windows_it_drew():
+    """EvoPress's stages on a resample: stage window 0 and 2 of the draws [5, 2, 2, 7] are calibration
+    windows 5 and 2, not 0 and 2 (issue 80)."""
+    from depthcurse.select.stability import Resampled
+
+    asked = []
+
+    class Scorer:
+        def score_on_many(self, removals, windows, last, objective):
+            asked.append((list(removals), list(windows), last, objective))
+            return [0.25] * len(removals)
+
+    assert Resampled(Scorer(), [5, 2, 2, 7]).score_on_many([(1, 2)], [0, 2, 3], 9, "kl") == [0.25]
+    assert asked == [([(1, 2)], [5, 2, 7], 9, "kl")]
+
+
+@pytest.mark.searching
+def test_the_pass_timing_of_a_model_the_stepper_cannot_run_shares_its_forward_with_the_head():
+    """GPT-2 (no stepper): one forward's seconds shared over its blocks and its head by parameters, by a
+    clock the test controls: 12 s over 3 blocks and head_blocks(model) blocks' worth of head (issue 80)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from depthcurse.select.estimate import head_blocks, pass_timing
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=900, n_embd=32, n_layer=3, n_head=4, n_positions=64)).eval()
+    ticks = iter([0.0, 12.0])
+    timing = pass_timing(model, torch.randint(0, 900, (2, 8)), 2, clock=lambda: next(ticks))
+    per_block = 12.0 / (3 + head_blocks(model))
+    assert timing.block == pytest.approx(per_block) and timing.head == pytest.approx(per_block * head_blocks(model)) and head_blocks(model) > 1

@@ -86,6 +86,7 @@ def test_break_even_is_the_root_of_one_plus_alpha_up_to_alpha_gamma_equal_to_gam
     assert best_gamma(0.99, 0.01, most=3)[0] == 3 and best_gamma(0.999, 0.001)[0] == 64  # the longest considered: 64 by default
     assert best_gamma(0.8, 0.1, 3.0)[0] == 9  # a dearer check wants longer drafts: 1.1393, 1.1444, 1.1426 at 8, 9, 10 (6 at v = 1)
     assert best_gamma(0.5, 0.5, most=1) == (1, pytest.approx(1.5 / 1.5))
+    assert best_gamma(0.0, 0.0, 1.25, most=8) == (1, pytest.approx(0.8))  # a free draft never accepted: every length ties; the shortest
     with pytest.raises(ValueError, match="the longest draft considered is at least 1, got 0"):
         best_gamma(0.5, 0.5, most=0)
 
@@ -170,6 +171,108 @@ def test_the_draft_shares_every_weight_and_keeps_a_cache_of_the_kept_blocks_cut_
     assert agreed and all(cached <= length for _, cached, length in agreed)
     cached = [e for e in seen if e[0] == "cached"]
     assert all(c <= length - 1 for _, c, length in cached)
+
+
+def test_the_draft_feeds_exactly_what_it_lacks_after_each_check():
+    """After a round with a rejection the draft's cache holds the sequence it saw and the accepted part
+    of its proposal, so the next round feeds one token (the correction); after a full acceptance its
+    last proposed token was never fed, so two (it and the bonus). Each round then feeds its proposal
+    but the last: the tokens fed are 1 + (m_1 - 1) + sum over later rounds of (1 or 2) + (m_r - 1).
+    A cache cut one position short feeds one more after every rejection (issue 80)."""
+    model = tiny_llama(50, layers=6, seed=3)
+    seen = []
+
+    class Recording(LayerSkipDraft):
+        def agree(self, length):
+            before = self.lm.length
+            super().agree(length)
+            seen.append((before, length, self.lm.length))
+
+    g = speculative(model, Recording(model, (1, 3)), PROMPT, DecodeSettings(max_new_tokens=40), build_length("fixed", 4), WATCH)
+    assert any(a < d for d, a in g.rounds) and any(a == d for d, a in g.rounds)  # both kinds of round
+    pending = [1] + [1 if a < d else 2 for d, a in g.rounds[:-1]]
+    assert g.draft_tokens_fed == sum(p + d - 1 for p, (d, _) in zip(pending, g.rounds))
+    assert g.draft_calls == sum(d for d, _ in g.rounds)
+    for (before, length, after), (d, a) in zip(seen, g.rounds):  # the cache after each check: no shorter than what stands and it had
+        assert after == min(before, length)
+
+
+def test_an_end_of_sequence_accepted_mid_round_ends_the_generation_and_counts_only_what_stands():
+    """The draft changes nothing (its skipped block is silent): every proposal is accepted. The model's
+    own token at position 1 or 2 made its end-of-sequence token: the check accepts the proposal past it,
+    but the generation ends there, equal to `model.generate`'s, and the round counts the tokens through
+    it, all accepted, not the proposal after it (issue 80)."""
+    model = _model_with_a_silent_block()
+    tokens = plain(model, PROMPT, DecodeSettings(max_new_tokens=6), WATCH).tokens
+    i = next(i for i in (1, 2) if tokens[i] not in tokens[:i])
+    eos = (tokens[i],)
+    g = speculative(model, LayerSkipDraft(model, (4,)), PROMPT, DecodeSettings(max_new_tokens=20, eos=eos), build_length("fixed", 3), WATCH)
+    assert g.tokens == tokens[: i + 1] == _generate(model, 20, eos)
+    assert g.rounds == [[i, i]]  # drafted through the end, every one accepted: not [[3, 3]]
+
+
+def test_prompt_lookup_tries_the_longest_ngram_first():
+    """The last 2-gram (5, 6) first matches at 3, followed by 3; the last 1-gram (6) first matches at 1,
+    followed by 2: the longest match decides."""
+    ids = torch.tensor([[1, 6, 2, 5, 6, 3, 5, 6]])
+    assert PromptLookupDraft(2).propose(ids, 2, None, None).tokens == [3, 5]
+    assert PromptLookupDraft(1).propose(ids, 2, None, None).tokens == [2, 5]
+
+
+def test_the_confidence_stop_reads_the_drafted_tokens_probability_and_the_policy_hears_what_was_drafted():
+    """Under sampling the draft's confidence is its probability of the token it drew, not its largest
+    probability; and the policy is told how many tokens a round proposed, not how many it might have."""
+    model = tiny_llama(50, layers=6, seed=3)
+    draft = LayerSkipDraft(model, (1, 3))
+    draft.start(PROMPT)
+    confidences = []
+    sampler = DecodeSettings(temperature=1.5, seed=4).sampler()
+    seen = torch.cat([PROMPT, torch.tensor([[7]])], dim=1)  # the prompt and the whole model's first token
+    proposal = draft.propose(seen, 5, lambda c: confidences.append(c) or False, sampler)
+    sequence = torch.cat([seen, torch.tensor([proposal.tokens])], dim=1)
+    from depthcurse.surgery import removed_layers
+
+    with torch.no_grad(), removed_layers(model, (1, 3)):
+        probs = torch.softmax(model(input_ids=sequence).logits[0, seen.shape[1] - 1 :].float(), -1)
+    mine = [float(probs[k, t]) for k, t in enumerate(proposal.tokens[:-1])]
+    assert confidences == pytest.approx(mine, rel=1e-5)
+    assert any(abs(c - float(probs[k].max())) > 1e-3 for k, c in enumerate(confidences))  # some drawn token was not the likeliest
+
+    told = []
+
+    class Told(Confidence):
+        def update(self, accepted, drafted):
+            told.append((drafted, accepted))
+            super().update(accepted, drafted)
+
+    g = speculative(model, LayerSkipDraft(model, (1, 3)), PROMPT, DecodeSettings(max_new_tokens=30), Told(max_draft=6, threshold=0.3), WATCH)
+    assert told == [tuple(r) for r in g.rounds] and any(d < 6 for d, _ in g.rounds)  # rounds that stopped early: their own count
+
+
+def test_the_confidence_policy_updates_every_nth_check_with_its_smoothing_by_hand():
+    """every 2: the first check leaves everything; the second smooths its own rate 3/4 in at weight 1 - 0.3
+    (matchness 0.3 x 0 + 0.7 x 0.75 = 0.525 < 0.9: the threshold towards 0.8 + 0.02, momentum 0.6)."""
+    c = Confidence(max_draft=4, threshold=0.8, every=2, smoothing=0.3, target=0.9, step=0.02, momentum=0.6)
+    c.update(1, 4)
+    assert c.matchness == 0.0 and c.threshold == 0.8
+    c.update(3, 4)
+    assert c.matchness == pytest.approx(0.7 * 0.75) and c.threshold == pytest.approx(0.6 * 0.8 + 0.4 * 0.82)
+    c.update(4, 4)
+    assert c.matchness == pytest.approx(0.7 * 0.75)  # the third: no update again
+
+
+def test_transformers_assistant_follows_the_schedule_it_was_given():
+    """With a draft accepted whole, transformers' heuristic schedule asks 2, then 4, 6, 8 tokens; the
+    constant one 2 every round."""
+    model = _model_with_a_silent_block()
+    asked = {}
+    for schedule in ("constant", "heuristic"):
+        assistant = SelfDraftAssistant(model, (4,), num_assistant_tokens=2, schedule=schedule)
+        calls = asked.setdefault(schedule, [])
+        inner = assistant.generate
+        assistant.generate = lambda *a, inner=inner, calls=calls, **k: calls.append(k.get("max_new_tokens")) or inner(*a, **k)
+        model.generate(PROMPT, do_sample=False, max_new_tokens=24, assistant_model=assistant, pad_token_id=2)
+    assert set(asked["constant"]) == {2} and asked["heuristic"][:4] == [2, 4, 6, 8]
 
 
 def test_accept_greedy_keeps_the_proposal_up_to_its_first_miss_then_the_model_s_choice():
@@ -333,6 +436,29 @@ def test_summary_figures_against_a_record_worked_by_hand():
     assert by_kind["code"]["self-draft"]["speedup"]["median"] == pytest.approx(1 / 0.5) and by_kind["math"]["self-draft"]["prompts"] == 3
 
 
+@pytest.mark.statistics
+def test_each_draft_against_the_first_self_draft_paired_over_prompts_by_hand():
+    """Three prompts; the self-draft accepts 8/9, 7/8, 6/7, another 4/5, 4/5, 3/4 (each prompt's
+    rate): their differences' mean and Student's t interval at 2 df, and the word it gives; a draft
+    decoded on one prompt only has no interval and cannot tell."""
+    plain = {"decode_s": 0.25, "step_s": 0.2, "steps": 20, "generated": 21, "prefill_s": 0.1}
+    first = [[[4, 4], [4, 4], [4, 0]], [[4, 4], [4, 3]], [[4, 4], [4, 2]]]
+    other = [[[4, 4], [4, 0]], [[4, 4], [4, 0]], [[4, 3]]]
+    prompts = {str(i): {"kind": "code", "source": "s", "prompt_tokens": 5, "plain": plain,
+                        "self-draft": _draft(first[i], 0.2, 0.01, 4, 2, 0.03, 21),
+                        "self-draft #2": _draft(other[i], 0.2, 0.01, 4, 2, 0.03, 21),
+                        "early-exit": _draft([[4, 1]], 0.2, 0.01, 4, 2, 0.03, 21 if i == 0 else 1)} for i in range(3)}
+    versus = summarise({"prompts": prompts, "methods": {"self-draft": {}, "self-draft #2": {}, "early-exit": {}}})["versus"]
+    mine, theirs = [8 / 9, 7 / 8, 6 / 7], [4 / 5, 4 / 5, 3 / 4]
+    d = np.array(theirs) - np.array(mine)
+    half = scipy_stats.t.ppf(0.975, 2) * d.std(ddof=1) / math.sqrt(3)
+    assert versus["self-draft #2"]["difference"] == pytest.approx(d.mean()) and versus["self-draft #2"]["prompts"] == 3
+    assert versus["self-draft #2"]["interval"] == pytest.approx([d.mean() - half, d.mean() + half])
+    assert versus["self-draft #2"]["verdict"] == ("less" if d.mean() + half < 0 else "cannot tell") == "less"
+    assert versus["early-exit"] == {"against": "self-draft", "difference": pytest.approx(1 / 2 - 8 / 9), "interval": None, "prompts": 1,
+                                    "verdict": "cannot tell"}
+
+
 # --------------------------------------------------------------------------- the command
 @pytest.fixture()
 def prompts_file(tmp_path):
@@ -352,6 +478,7 @@ def test_speculate_prints_the_table_says_lossless_and_resumes_a_cut_run(run_cli,
     assert record["complete"] and set(record["prompts"]) == {"0", "1", "2", "3"}
     assert record["methods"]["early-exit"]["skipped"] == [2, 3] and record["methods"]["self-draft"]["shares_weights"]
     assert (out / "speculate.csv").exists() and (out / "speculate.png").exists()
+    assert "early-exit against self-draft: " in " ".join(stdout.split()) and "acceptance, paired over 4 prompts, Student's t)" in " ".join(stdout.split())
     code, _, err = run_cli("report", out, "--out", tmp_path / "page.md")
     assert code == 0, err
     page = (tmp_path / "page.md").read_text()
@@ -367,6 +494,23 @@ def test_speculate_prints_the_table_says_lossless_and_resumes_a_cut_run(run_cli,
     assert code == 0, err
     again = json.loads((out / "speculate.json").read_text())
     assert again["complete"] and again["prompts"]["1"] == kept and "2" in again["prompts"]
+
+
+def test_other_self_drafts_run_on_the_same_prompts_and_are_set_against_the_first(run_cli, tiny_model_dir, prompts_file, tmp_path):
+    out = tmp_path / "spec"
+    args = ["speculate", tiny_model_dir, "--skip", "1", "--also-skip", "2", "--also-skip", "a1,m3", "--prompts", prompts_file, "--max-new-tokens", "8",
+            "--baselines", "none", "--out", out]
+    code, stdout, err = run_cli(*args)
+    assert code == 0, err
+    record = json.loads((out / "speculate.json").read_text())
+    assert record["methods"]["self-draft #2"]["skipped"] == [2] and record["methods"]["self-draft #3"]["skipped"] == ["a1", "m3"]
+    assert record["run"]["also"] == [[2], ["a1", "m3"]]
+    said = " ".join(stdout.split())
+    assert "self-draft #2 against self-draft:" in said and "self-draft #3 against self-draft:" in said and "(4 of 4)" in said
+    for p in record["prompts"].values():
+        assert p["self-draft #2"]["tokens"] == p["self-draft #3"]["tokens"] == p["generate"]["tokens"]
+    assert_one_line_error(*run_cli(*args[:4], "--also-skip", "1", "--prompts", prompts_file, "--out", tmp_path / "b"),
+                          "--also-skip layer 1 is a self-draft named twice")
 
 
 @pytest.mark.parametrize("extra, match", [
@@ -527,7 +671,8 @@ def test_summary_keeps_every_figure_by_name_on_prompts_with_every_edge():
                             "speedup": {"median": pytest.approx(1.0), "interval": None, "pairs": 3}, "lossless": {"equal": 3, "compared": 3, "differ": []}}
     assert got["transformers-assistant"] == {"speedup": {"median": pytest.approx(1 / 0.8), "interval": None, "pairs": 3}, "prompts": 3,
                                              "lossless": {"equal": 3, "compared": 3, "differ": []}}
-    assert set(got) == {"drafts", "plain", "transformers-assistant", "by_kind"} and list(got["drafts"]) == ["self-draft", "prompt-lookup"]
+    assert set(got) == {"drafts", "versus", "plain", "timing", "transformers-assistant", "by_kind"} and list(got["drafts"]) == ["self-draft", "prompt-lookup"]
+    assert got["timing"] == {"status": "unstable", "reason": "3 pairs give no 95% interval (at least 6 do)", "prompts": 3}
     kept = ("alpha", "pooled_alpha", "tokens_per_check", "speedup", "expected_v", "prompts", "lossless")
     assert got["by_kind"]["code"]["self-draft"] == {k: self_draft[k] for k in ("pooled_alpha",)} | {
         "alpha": _est([2 / 3]), "tokens_per_check": _est([2.0]), "speedup": {"median": pytest.approx(1.6), "interval": None, "pairs": 1},
@@ -552,3 +697,89 @@ def test_a_prompt_that_decodes_one_token_is_timed():
     got = summarise(record)
     assert got["drafts"]["self-draft"]["prompts"] == 1 and got["drafts"]["self-draft"]["speedup"]["median"] == pytest.approx(0.5)
     assert got["plain"]["tokens_per_s"]["mean"] == pytest.approx(10.0) and got["plain"]["overhead"]["mean"] == pytest.approx(0.1)
+
+
+@pytest.mark.statistics
+def test_the_verdict_lines_say_lossless_only_of_every_draft_and_pays_only_above_the_lower_end():
+    """Two drafts, one whose output differs on a prompt: no "lossless: every draft's" line, and a line
+    naming the other. A speedup of 1.20x (0.95-1.40) cannot be told from decoding alone, (1.05-1.40)
+    pays, (0.70-0.98) does not pay: the interval's lower end decides that it pays, its upper end that it
+    does not (issue 80)."""
+    from depthcurse.speculate.report import speculate_verdicts
+
+    def draft(equal, interval):
+        return {"lossless": {"equal": equal, "compared": 2, "differ": [] if equal == 2 else [{"prompt": 1, "at": 4}]},
+                "speedup": {"median": 1.2, "interval": interval, "pairs": 6}, "alpha": {"mean": 0.7}}
+
+    def lines(a, b):
+        return speculate_verdicts({"run": {"temperature": 0}, "summary": {"drafts": {"self-draft": a, "early-exit": b}, "plain": {}}})
+
+    said = lines(draft(2, [0.95, 1.4]), draft(1, [1.05, 1.4]))
+    assert not any(line.startswith("lossless: every draft's") for line in said)
+    assert "early-exit: greedy output differs from model.generate's on 1 of 2 prompts (prompt 1 at token 4)" in said
+    assert "self-draft cannot be told from decoding alone (1.20x (0.95-1.40) measured)" in said
+    assert "early-exit pays (1.20x (1.05-1.40) measured)" in said
+    said = lines(draft(2, [0.7, 0.98]), draft(2, [0.9, 1.1]))
+    assert "lossless: every draft's greedy output equals model.generate's, token for token, on every prompt (2 of 2)" in said
+    assert "self-draft does not pay (1.20x (0.70-0.98) measured)" in said and "early-exit cannot be told from decoding alone (1.20x (0.90-1.10) measured)" in said
+
+
+def test_a_prompts_file_keeps_its_text_exactly_where_its_format_can(tmp_path):
+    """A .jsonl prompt ending in "assistant\\n" keeps its newline (and a leading one); a .txt's prompts,
+    parted by blank lines, are trimmed of theirs, as its help says (issue 80)."""
+    from depthcurse.speculate.prompts import from_file
+
+    chat = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text(json.dumps({"text": chat}) + "\n" + json.dumps({"text": "\nleading"}) + "\n")
+    assert [p.text for p in from_file(str(jsonl))] == [chat, "\nleading"]
+    txt = tmp_path / "p.txt"
+    txt.write_text(chat + "\n\nsecond prompt\n")
+    assert [p.text for p in from_file(str(txt))] == [chat.rstrip("\n"), "second prompt"]
+
+
+@pytest.mark.statistics
+def test_one_prompts_figure_prints_as_one_number_with_no_interval():
+    """One prompt: a mean with no interval is said to have none, not printed bare; a range of one draft's
+    check cost is one number, not "2.77-2.77" (issue 80)."""
+    from depthcurse.speculate.report import _est, _span
+
+    assert _est({"mean": 2.77, "interval": None, "n": 1}) == "2.77 (no interval)"
+    assert _est({"mean": 2.77, "interval": [2.5, 3.0], "n": 4}) == "2.77 (2.50-3.00)"
+    assert _span([2.77]) == "2.77" and _span([2.771, 2.774]) == "2.77" and _span([1.5, 2.77]) == "1.50-2.77"
+
+
+@pytest.mark.statistics
+def test_timings_on_an_unsteady_machine_are_said_untrusted_and_the_verdicts_speak_of_acceptance_alone():
+    """Six prompts, the self-draft at 1.67x (0.48 s against 0.8). The control (this loop's whole-model decoding over
+    model.generate's, the same tokens) at 1.00-1.02 on every prompt: ok, and the usual lines. The same
+    with model.generate's time swinging 0.5-2x from prompt to prompt (a busy machine): speed's rule says
+    unstable; the table says so in its title, the first line says why, and no line says what pays or
+    what a check costs (issue 80)."""
+    from depthcurse.speculate.report import speculate_table, speculate_verdicts
+
+    def record(generate_seconds):
+        prompts = {}
+        for i, g in enumerate(generate_seconds):
+            plain = _figures(decode_s=0.8, step_s=0.6, steps=8, generated=9)
+            prompts[str(i)] = {"kind": "code", "source": "s", "prompt_tokens": 5, "generate": {"seconds": g, "generated": 9}, "plain": plain,
+                               "self-draft": _figures(rounds=[[4, 3], [4, 4]], decode_s=0.48, draft_s=0.2, draft_calls=8, steps=2, step_s=0.3, generated=9)}
+        out = {"prompts": prompts, "methods": {"self-draft": {"what": "the model without layer 1"}}, "asked": len(prompts), "complete": True,
+               "run": {"temperature": 0, "model": "m", "max_new_tokens": 9, "draft_length": "fixed", "draft_tokens": 4}}
+        out["summary"] = summarise(out)
+        return out
+
+    steady = record([1.0, 1.01, 0.99, 1.0, 1.02, 0.995])
+    assert steady["summary"]["timing"]["status"] == "ok" and steady["summary"]["timing"]["prompts"] == 6
+    lines = speculate_verdicts(steady)
+    assert any(line.startswith("self-draft pays (1.67x") for line in lines) and any("decoding steps (v;" in line for line in lines)
+    busy = record([0.5, 2.0, 1.0, 0.6, 1.8, 1.3])
+    timing = busy["summary"]["timing"]
+    assert timing["status"] == "unstable" and timing["reason"].endswith("(more than +-5%) over 6 pairs")
+    lines = speculate_verdicts(busy)
+    assert lines[1].startswith("the timings cannot be trusted here: the whole model's decoding, timed twice a prompt (this loop and model.generate, "
+                               "the same tokens in turns), gave ")
+    assert "self-draft: acceptance 0.88 (0.88-0.88) over 6 prompts (what pays: not said, the timings are not trusted)" in lines
+    assert not any("pay (" in line or "pays (" in line or "decoding steps (v;" in line for line in lines)
+    assert speculate_table(busy).title.endswith(": TIMINGS NOT TRUSTED, see the verdicts")
+    assert record([1.0, 1.0])["summary"]["timing"]["reason"] == "2 pairs give no 95% interval (at least 6 do)"

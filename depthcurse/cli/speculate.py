@@ -22,10 +22,12 @@ def speculate(
     model: str = ModelArg,
     skip: Optional[str] = typer.Option(None, "--skip", help="What the draft skips: blocks, e.g. 12-15 or 3,7,20-25 (the draft is the model without them), or attention and MLP branches, e.g. a3,m7,a10-12 (Draft & Verify's and SWIFT's drafts)."),
     skip_from: Optional[Path] = typer.Option(None, "--skip-from", help="Or: a select run's folder, whose pick the draft skips (the best by acceptance, else speedup, KL, loss)."),
+    also_skip: Optional[list[str]] = typer.Option(None, "--also-skip", help="Another self-draft on the same prompts (repeatable), its acceptance set against the first's, paired over the prompts."),
+    also_skip_from: Optional[list[Path]] = typer.Option(None, "--also-skip-from", help="Another self-draft from a select run's pick (repeatable), as --also-skip."),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help="Tokens the draft proposes a round (gamma): every round with --draft-length fixed, at most with confidence, the first round with heuristic."),
     draft_length: str = typer.Option("fixed", "--draft-length", help="fixed; confidence (Draft & Verify's: stop after a token the draft is less sure of than a threshold that adapts); heuristic (transformers': 2 more after a fully accepted round, 1 fewer otherwise)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens generated per prompt at most (an end-of-sequence token stops it sooner)."),
-    prompts: str = typer.Option("suite", "--prompts", help="suite (offline prompts of four kinds: dialogue, code, math, summary) or a file: .txt (prompts between blank lines) or .jsonl ('text')."),
+    prompts: str = typer.Option("suite", "--prompts", help="suite (offline prompts of four kinds: dialogue, code, math, summary) or a file: .jsonl ('text', each prompt exactly as written) or .txt (prompts between blank lines, each trimmed of its leading and trailing newlines: give .jsonl to keep a chat prompt's closing newline)."),
     per_kind: int = typer.Option(4, "--per-kind", help="Prompts of each kind of the suite."),
     kinds: str = typer.Option("dialogue,code,math,summary", "--kinds", help="Kinds of the suite, comma-separated."),
     baselines: str = typer.Option("early-exit,prompt-lookup", "--baselines", help="Other drafts on the same prompts: early-exit (as many blocks skipped, the last ones), prompt-lookup (n-grams of the sequence), or none."),
@@ -62,19 +64,23 @@ def speculate(
 
         load_prompts(prompts, per_kind)  # an unreadable file is the one line said, before a model loads
     picked = None
-    if skip_from is not None:
+    if skip_from is not None or also_skip_from:
         from depthcurse.select.picks import draft_pick
 
-        picked = draft_pick(skip_from)
+        picked = draft_pick(skip_from) if skip_from is not None else None
+        others = [draft_pick(folder) for folder in also_skip_from or []]
+    else:
+        others = []
     out = claim_out_dir(out or Path("runs/speculate") / slug(model))
     world = join_ranks(device)
     try:
-        _speculate(model, cfg, skip, picked, out, world, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
+        _speculate(model, cfg, skip, picked, out, world, also=(list(also_skip or []), others), dtype=dtype, device=device,
+                   trust_remote_code=trust_remote_code, revision=revision)
     finally:
         world.close()
 
 
-def _speculate(model, cfg, skip, picked, out: Path, world, **options) -> None:
+def _speculate(model, cfg, skip, picked, out: Path, world, also=([], []), **options) -> None:
     import dataclasses
 
     import torch
@@ -95,6 +101,12 @@ def _speculate(model, cfg, skip, picked, out: Path, world, **options) -> None:
         cfg = dataclasses.replace(cfg, skip=tuple(removal), skip_from=where)
     else:
         cfg = dataclasses.replace(cfg, skip=parse_skip(skip, n))
+    typed, read = also
+    for removal, where in read:
+        bad = [u for u in removal if not 0 <= (int(u[1:]) if isinstance(u, str) else u) < n]
+        if bad:
+            raise DepthcurseError(f"--also-skip-from {where}: layer {bad[0]} is not one of {loaded.name}'s {n} (the select run was made on another model)")
+    cfg = dataclasses.replace(cfg, also=tuple(parse_skip(t, n) for t in typed) + tuple(tuple(r) for r, _ in read))  # checked with the model by run_speculate
     helper = load(cfg.assistant, **options, gpus=gpus) if cfg.assistant else None
     header = once(lambda: console.print(model_line(loaded) + f" · drafting without {', '.join(map(str, cfg.skip))} · results in {out}"))
     progress = progress_bar()

@@ -83,7 +83,10 @@ class SelectConfig:
         if bad or not objectives:
             raise DepthcurseError(f"--objective {','.join(objectives) or '(none)'}: use {', '.join(OBJECTIVES)}")
         if not self.calibration:
-            raise DepthcurseError("--calibration: give at least one text (wiki, c4, code, math, dialogue, or a file)")
+            raise DepthcurseError("--calibration: give at least one text (wiki, c4, code, math, dialogue, continuations, or a file)")
+        for source in self.calibration:  # the model's own continuations of a prompts file: the file, before a model loads
+            if source.startswith("continuations:") and not Path(source.split(":", 1)[1]).expanduser().is_file():
+                raise DepthcurseError(f"--calibration {source}: no such prompts file")
         if "auto" in self.calibration:  # what `auto` is here, kept in the record, and caught where the same text is named twice
             return replace(self, calibration=tuple(text_source(c) for c in self.calibration)).checked(n_layers, space)
         for name, given in (("--calibration", [str(Path(c).expanduser().resolve()) if Path(c).suffix else c for c in self.calibration]),

@@ -41,6 +41,11 @@ class PassTiming:
     def summary(self) -> dict:
         return {"seconds_per_block_pass": self.block, "seconds_per_head_pass": self.head}
 
+    def scaled(self, factor: float) -> "PassTiming":
+        """The same over windows of `factor` times the tokens (another text's: the model's own
+        continuations are longer than a window of text), a pass's time taken as its tokens'."""
+        return PassTiming(self.block * factor, self.head * factor)
+
     def estimate(self, block_passes: float, head_passes: float) -> dict:
         """What a search expects, as a cell keeps it (the timing itself is the record's `pass_timing`)."""
         return {"block_passes": round(block_passes, 1), "head_passes": round(head_passes, 1), "seconds": round(self.seconds(block_passes, head_passes), 1)}

@@ -37,6 +37,7 @@ from depthcurse.loading import check_sequence_length
 from depthcurse.prune.engine import evaluate_variants, why_unsupported
 from depthcurse.runtime import World
 from depthcurse.select.config import SelectConfig, cell_name, source_labels
+from depthcurse.select.continuations import continuation_texts, is_continuations
 from depthcurse.select.estimate import PassTiming, duration, pass_timing
 from depthcurse.select.recipe import OBJECTIVE as RECIPE_OBJECTIVE
 from depthcurse.select.recipe import RESAMPLES as RECIPE_RESAMPLES
@@ -92,8 +93,16 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
     note = on_note or (lambda text: None)
     texts: dict[str, Texts] = {}
     for source in cfg.calibration:  # before the first phase: a text that cannot be read is the one line said
-        texts[source] = text_windows(tokenizer, source, cfg)
+        if not is_continuations(source):
+            texts[source] = text_windows(tokenizer, source, cfg)
     model.eval()
+    for source in filter(is_continuations, cfg.calibration):  # the model's own, generated once (rank 0's on every rank) and kept: a resumed run scores the same
+        kept = record.setdefault("continuations", {})
+        if source not in kept:
+            phase(f"the model's greedy continuations of the {source} prompts")
+            kept[source] = world.broadcast(continuation_texts(model, tokenizer, source, cfg)[1] if world.main else None)
+            save()
+        texts[source] = continuation_texts(model, tokenizer, source, cfg, kept[source])[0]
     if "pass_timing" not in record:  # this machine's speed, measured once (rank 0's on every rank), kept: a resumed run estimates alike
         record["pass_timing"] = world.broadcast(pass_timing(model, texts[cfg.calibration[0]].calibration, cfg.batch_size).summary() if world.main else None)
     timing = PassTiming(record["pass_timing"]["seconds_per_block_pass"], record["pass_timing"]["seconds_per_head_pass"])
@@ -130,8 +139,8 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
             continue
         phase(f"choosing on {labels[source]}")
         known = record["calibration_scores"].setdefault(source, {})
-        calibration = texts[source].calibration
-        scorer = CalibrationScorer(model, calibration, cfg.batch_size, known, save, cfg.granularity, world, costs) \
+        calibration, mask = texts[source].calibration, texts[source].calibration_mask
+        scorer = CalibrationScorer(model, calibration, cfg.batch_size, known, save, cfg.granularity, world, costs, mask) \
             if any(searches[c[1]].reads == "objective" for c in todo + unstable) else None
 
         steps = len(todo) + len(unstable)
@@ -153,7 +162,8 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
             return SearchContext(space=space, objective=objective, windows=len(windows), window_tokens=windows.shape[1],
                                  score=lambda r: score_many([r])[0], score_many=score_many,
                                  score_on=lambda r, w, t: score_on_many([r], w, t)[0], score_on_many=score_on_many,
-                                 streams=_streams(model, windows, cfg), seed=seed, model=model, calibration=windows,
+                                 streams=_streams(model, windows, cfg, mask if mask is None or drawn is None else mask[drawn]), seed=seed,
+                                 model=model, calibration=windows,
                                  phase=lambda text: on_step(f"{name}: {text}", step, steps) if on_step else None)
 
         for cell in todo:
@@ -166,9 +176,10 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
             before = replace(scorer.cost) if scorer is not None else None
             expected = search.passes(space, tokens)
             if expected is not None:
-                estimate = timing.estimate(*expected)
+                here = timing.scaled(calibration.numel() / texts[cfg.calibration[0]].calibration.numel())  # timed on the first text's windows
+                estimate = here.estimate(*expected)
                 note(f"{name}: expect {estimate['block_passes']:,.0f} block passes and {estimate['head_passes']:,.0f} head passes, "
-                     f"about {duration(estimate['seconds'])} ({timing.block * 1e3:.1f} ms a block pass, {timing.head * 1e3:.1f} ms a head pass here)")
+                     f"about {duration(estimate['seconds'])} ({here.block * 1e3:.1f} ms a block pass, {here.head * 1e3:.1f} ms a head pass here)")
             cell_started = time.perf_counter()
             chosen = search.run(ctx)
             entry = {"calibration": source, "calibration_label": labels[source], "search": cell[1], "objective": cell[2],
@@ -205,7 +216,8 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
         if not todo:
             continue
         phase(f"judging on {labels[source]} (held out)")
-        base_losses, _, _, reference = per_window(model, texts[source].held_out, cfg.batch_size)
+        held_mask = texts[source].held_out_mask
+        base_losses, _, _, reference = per_window(model, texts[source].held_out, cfg.batch_size, mask=held_mask)
         held.setdefault("", {"loss": base_losses, "kl": [0.0] * len(base_losses), "rejection": [0.0] * len(base_losses)})
         start, end = contiguous_shares([1] * len(todo), world.size)[world.rank]  # under torchrun: this rank's share
         mine = {}
@@ -213,7 +225,7 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
             if on_step:
                 on_step(f"{labels[source]}: without {key(removal)}", i, end - start)
             with removal_context(model, removal, cfg.granularity):
-                losses, kls, rejections, _ = per_window(model, texts[source].held_out, cfg.batch_size, reference)
+                losses, kls, rejections, _ = per_window(model, texts[source].held_out, cfg.batch_size, reference, held_mask)
             mine[key(removal)] = {"loss": losses, "kl": kls, "rejection": rejections}
             if world.size == 1:  # alone, each set kept as it finishes: an interrupted run resumes there
                 held[key(removal)] = mine[key(removal)]
@@ -228,7 +240,7 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
         save()
     record["labels"] = labels
     record["held_out_from"] = HELD_OUT[cfg.held_out]
-    record["kinds"] = {source: text_kind(source) for source in cfg.calibration}
+    record["kinds"] = {source: "the model's own greedy continuations of prompts" if is_continuations(source) else text_kind(source) for source in cfg.calibration}
     record["overlap"] = overlap(record["cells"])
     record["decomposition"] = decomposition(record, cfg.seed)
     record["distances"] = distances(record)
@@ -245,9 +257,10 @@ def _variations(search: Search, cfg: SelectConfig, resamples: int, windows: int)
     return out + ([(None, s) for s in cfg.seeds] if search.seeded else [])
 
 
-def _streams(model, windows: torch.Tensor, cfg: SelectConfig) -> Callable:
-    """The angular pass over these windows, made once when a stream search asks."""
-    return functools.cache(lambda: stream_pass(model, windows, cfg.batch_size, cfg.k))
+def _streams(model, windows: torch.Tensor, cfg: SelectConfig, mask: torch.Tensor | None = None) -> Callable:
+    """The angular pass over these windows (their tokens up to the last scored prediction's target,
+    where `mask` scores only some), made once when a stream search asks."""
+    return functools.cache(lambda: stream_pass(model, windows, cfg.batch_size, cfg.k, mask))
 
 
 @contextlib.contextmanager

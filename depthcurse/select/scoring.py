@@ -75,6 +75,16 @@ def window_scores(logp: torch.Tensor, ids: torch.Tensor, reference: torch.Tensor
     return losses, (ref.exp() * (ref - logp)).sum(-1), (logp.argmax(-1) == ref.argmax(-1)).float()
 
 
+def masked_means(values: torch.Tensor, mask: torch.Tensor | None) -> list[float]:
+    """Each window's mean of a per-prediction figure ([windows, tokens - 1]) over the predictions its
+    mask scores (1 where scored: the model's own continuations, `select.continuations`); every
+    prediction where there is no mask."""
+    if mask is None:
+        return values.mean(1).tolist()
+    mask = mask.to(values.device, values.dtype)
+    return ((values * mask).sum(1) / mask.sum(1)).tolist()
+
+
 def removal_context(model, removal: Removal, granularity: str):
     """The model with `removal` out, as a context: whole blocks, or each kind of branch zeroed."""
     if granularity == "layer":
@@ -90,6 +100,7 @@ def removal_context(model, removal: Removal, granularity: str):
 @dataclass
 class _Batch:
     ids: torch.Tensor
+    mask: torch.Tensor | None = None  # the predictions scored (None: every one)
     ctx: object = None
     entering: list[torch.Tensor] = field(default_factory=list)  # the unpruned stream entering each block
     reference: torch.Tensor | None = None  # the unpruned model's log-probs
@@ -99,11 +110,13 @@ class _Batch:
 class CalibrationScorer:
     """The calibration windows' scores of any removal; `known` maps a removal's key to its scores in
     the order of `KEPT` (kept by the caller: `on_new` is called after each new one). `costs`: what
-    drafting costs here, for the speedup objective (None: it is not asked, its score None)."""
+    drafting costs here, for the speedup objective (None: it is not asked, its score None). `mask`:
+    which predictions of each window are scored ([windows, tokens - 1]; None: every one)."""
 
     def __init__(self, model, windows: torch.Tensor, batch_size: int, known: dict[str, list[float]], on_new: Callable[[], None],
-                 granularity: str = "layer", world: World = World(), costs: DraftCosts | None = None):
+                 granularity: str = "layer", world: World = World(), costs: DraftCosts | None = None, mask: torch.Tensor | None = None):
         self.model, self.windows, self.batch_size, self.known, self.on_new = model, windows, batch_size, known, on_new
+        self.mask = mask
         self.costs = costs
         self.world = world  # under torchrun: the removals scored are shared over the ranks, every rank given every score
         self.granularity, self.n = granularity, num_layers(model)
@@ -131,10 +144,11 @@ class CalibrationScorer:
         batches = []
         for start in range(0, len(self.windows), self.batch_size):
             ids = self.windows[start : start + self.batch_size]
+            mask = None if self.mask is None else self.mask[start : start + self.batch_size]
             if self.stepper is None:
                 logits = self.model(input_ids=ids.to(self.model.get_input_embeddings().weight.device), use_cache=False).logits
                 reference = torch.log_softmax(logits[:, :-1].float(), -1).cpu()
-                batches.append(_Batch(ids, reference=reference, losses=window_scores(reference, ids, None)[0].mean(1).tolist()))
+                batches.append(_Batch(ids, mask, reference=reference, losses=masked_means(window_scores(reference, ids, None)[0], mask)))
                 continue
             ids = ids.to(self.stepper.device)
             ctx = self.stepper.context(ids.shape[1], 0)
@@ -143,7 +157,7 @@ class CalibrationScorer:
                 entering.append(h)
                 h = self.stepper.block(i, h, ctx)
             reference = torch.log_softmax(self.stepper.logits(h)[:, :-1], dim=-1).cpu()
-            batches.append(_Batch(ids, ctx, entering, reference, window_scores(reference, ids.cpu(), None)[0].mean(1).tolist()))
+            batches.append(_Batch(ids, mask, ctx, entering, reference, masked_means(window_scores(reference, ids.cpu(), None)[0], mask)))
         return batches
 
     # --------------------------------------------------------------------------- one removal, every window
@@ -151,12 +165,8 @@ class CalibrationScorer:
         """Every objective of `removal` on every calibration window (`KEPT`), measured once."""
         return self.score_many([removal])[0]
 
-    def _blocks(self, removal: Removal) -> float:
-        """The blocks a removal takes out: its units, or half its branches (an attention and an MLP branch a block)."""
-        return len(removal) if self.granularity == "layer" else len(removal) / 2
-
     def _scores(self, removal: Removal, loss: float, kl: float, agreement: float) -> list[float | None]:
-        speedup = self.costs.time_per_token(agreement, self._blocks(removal)) if self.costs is not None else None
+        speedup = self.costs.time_per_token(agreement, removal) if self.costs is not None else None  # blocks, or each branch at its kind's measured cost
         return [loss, kl, 1.0 - agreement, speedup]
 
     def _unknown(self, removal: Removal) -> bool:
@@ -219,7 +229,7 @@ class CalibrationScorer:
                 self.cost.window_heads += width
                 losses, kls, agreements = window_scores(torch.log_softmax(self.stepper.logits(h)[:, :-1], dim=-1), batch.ids, batch.reference)
                 for kept, values in zip(out[removal], (losses, kls, agreements)):
-                    kept.extend(values.mean(1).tolist())
+                    kept.extend(masked_means(values, batch.mask))
 
             def visit(node: dict, h: torch.Tensor | None, at: int):
                 """`h`: the stream entering block `at` with this node's blocks removed (None at the
@@ -239,10 +249,23 @@ class CalibrationScorer:
             visit(trie, None, 0)
         return [out[r] for r in removals]
 
+    def _weights(self, pieces) -> list[torch.Tensor | None]:
+        """Each (window, tokens) piece's scored predictions (None: every one)."""
+        return [None if self.mask is None else self.mask[w, : t - 1] for w, t in pieces]
+
+    @staticmethod
+    def _mean(values: list[torch.Tensor], weights: list[torch.Tensor | None]) -> float:
+        """The mean over the scored predictions of several pieces together."""
+        weight = None if weights[0] is None else torch.cat(weights)
+        if weight is None or not weight.sum() > 0:  # no mask; or an EvoPress stage's window cut before its first scored prediction: every one counts
+            return float(torch.cat(values).mean())
+        return float((torch.cat(values) * weight.to(values[0].dtype)).sum() / weight.sum())
+
     @torch.no_grad()
     def _one_by_one(self, removals: list[Removal]) -> list[tuple[list[float], list[float], list[float]]]:
         every = [(w, self.windows.shape[1]) for w in range(len(self.windows))]
-        return [tuple([float(v.mean()) for v in values] for values in self._measured(removal, every)) for removal in removals]
+        weights = self._weights(every)
+        return [tuple([self._mean([v], [m]) for v, m in zip(values, weights)] for values in self._measured(removal, every)) for removal in removals]
 
     # --------------------------------------------------------------------------- some windows
     def score_on(self, removal: Removal, windows: list[int], last_tokens: int, objective: str) -> float:
@@ -258,15 +281,16 @@ class CalibrationScorer:
         over the ranks (consecutive runs, even in blocks) and the scores gathered."""
         started = time.perf_counter()
         pieces = [(w, self.windows.shape[1]) for w in windows[:-1]] + [(windows[-1], min(last_tokens, self.windows.shape[1]))]
+        weights = self._weights(pieces)
 
         def mine(share):
             out = []
             for removal in share:
                 measured = dict(zip(("ppl", "kl", "agreement"), self._measured(removal, pieces)))
                 if objective in ("ppl", "kl"):
-                    out.append(float(torch.cat(measured[objective]).mean()))
+                    out.append(self._mean(measured[objective], weights))
                 else:
-                    loss, kl, agreement = (float(torch.cat(measured[m]).mean()) for m in ("ppl", "kl", "agreement"))
+                    loss, kl, agreement = (self._mean(measured[m], weights) for m in ("ppl", "kl", "agreement"))
                     out.append(self._scores(removal, loss, kl, agreement)[KEPT.index(objective)])
             return out
 

@@ -9,18 +9,22 @@ import torch
 
 from depthcurse.angular.measurement import measure
 from depthcurse.errors import DepthcurseError
-from depthcurse.select.scoring import window_scores
+from depthcurse.select.scoring import masked_means, window_scores
 from depthcurse.tasks import PerplexityTask
 from depthcurse.text import load_texts
 
 
 @dataclass
 class Texts:
-    """One source's windows: those the choice is made on and those it is judged on, apart."""
+    """One source's windows: those the choice is made on and those it is judged on, apart; and, where
+    only some positions are scored (the model's own continuations of prompts), which predictions count
+    ([windows, tokens - 1], 1 where scored; None: every one)."""
 
     label: str
     calibration: torch.Tensor
     held_out: torch.Tensor
+    calibration_mask: torch.Tensor | None = None
+    held_out_mask: torch.Tensor | None = None
 
 
 HELD_OUT = {"windows": "other windows of the same documents (a seeded shuffle of the windows)",
@@ -69,28 +73,38 @@ def _document_windows(tokenizer, texts: list[str], label: str, cfg) -> Texts:
 
 
 @torch.no_grad()
-def per_window(model, windows: torch.Tensor, batch_size: int, reference: list[torch.Tensor] | None = None
+def per_window(model, windows: torch.Tensor, batch_size: int, reference: list[torch.Tensor] | None = None, mask: torch.Tensor | None = None
                ) -> tuple[list[float], list[float] | None, list[float] | None, list[torch.Tensor]]:
     """Each window's mean next-token loss and, against `reference` (the unpruned model's log-probs,
-    batch by batch), its mean KL(unpruned || model) and rejection (1 - top-1 agreement); and this
-    model's log-probs batch by batch."""
+    batch by batch), its mean KL(unpruned || model) and rejection (1 - top-1 agreement), over the
+    predictions `mask` scores (all where None); and this model's log-probs batch by batch."""
     device = model.get_input_embeddings().weight.device
     losses, kls, rejections, logprobs = [], [] if reference is not None else None, [] if reference is not None else None, []
     for b, start in enumerate(range(0, len(windows), batch_size)):
         ids = windows[start : start + batch_size].to(device)
         logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].float(), dim=-1)
         loss, kl, agreement = window_scores(logp, ids, reference[b] if reference is not None else None)
-        losses += loss.mean(1).tolist()
+        rows = None if mask is None else mask[start : start + batch_size]
+        losses += masked_means(loss, rows)
         if reference is not None:
-            kls += kl.mean(1).tolist()
-            rejections += (1.0 - agreement.mean(1)).tolist()
+            kls += masked_means(kl, rows)
+            rejections += [1.0 - a for a in masked_means(agreement, rows)]
         logprobs.append(logp.cpu())
     return losses, kls, rejections, logprobs
 
 
-def stream_pass(model, windows: torch.Tensor, batch_size: int, k: int):
+def tokens_read(scored: torch.Tensor) -> torch.Tensor:
+    """Each window's tokens up to its last scored prediction's target ([windows, tokens], 1 where read),
+    from which predictions are scored ([windows, tokens - 1]): the padding after them left out."""
+    last = scored.shape[1] - 1 - torch.flip(scored, [1]).argmax(1)  # each window's last scored prediction
+    return (torch.arange(scored.shape[1] + 1)[None] <= last[:, None] + 1).long()
+
+
+def stream_pass(model, windows: torch.Tensor, batch_size: int, k: int, scored: torch.Tensor | None = None):
     """The angular-distance pass the stream searches read, over every token of the calibration
-    windows (`angular.measure`: a few windows have too few last tokens)."""
-    masks = torch.ones_like(windows)
+    windows (`angular.measure`: a few windows have too few last tokens); where only some predictions
+    are scored (`scored`, [windows, tokens - 1]), over each window's tokens up to its last scored
+    prediction's target (the padding after it left out)."""
+    masks = torch.ones_like(windows) if scored is None else tokens_read(scored).to(windows.dtype)
     batches = [(windows[i : i + batch_size], masks[i : i + batch_size]) for i in range(0, len(masks), batch_size)]
     return measure(model, batches, position="all", max_n=k, identity_tokens=0)

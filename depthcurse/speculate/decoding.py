@@ -156,11 +156,15 @@ def speculative(model: torch.nn.Module, draft: Draft, prompt: torch.Tensor, sett
         else:
             q = None if proposal.distributions is None else proposal.distributions[: len(proposed)]
             new, accepted = accept_sampled(sampler.distribution(logits), q, proposed, sampler)
-        if proposed:
-            rounds.append([len(proposed), accepted])
-            length.update(accepted, len(proposed))
         agreed = sequence.shape[1] + accepted  # the draft saw the sequence and its proposal; this much of it stands
-        new = _cut(new, room, settings.eos)
+        kept = _cut(new, room, settings.eos)
+        if proposed:
+            # an end-of-sequence token among the accepted ends the generation there: the proposal after it
+            # never stands, so the round counts the tokens through it, all accepted
+            drafted, accepted = (len(proposed), accepted) if len(kept) == len(new) else (len(kept), len(kept))
+            rounds.append([drafted, accepted])
+            length.update(accepted, drafted)
+        new = kept
         tokens += new
         sequence = torch.cat([sequence, torch.tensor([new], device=prompt.device)], dim=1)
         lm.keep(sequence.shape[1] - 1)

@@ -12,8 +12,9 @@ model is asked to go on with:
 - `summary`: the opening of an offline Wikipedia article as "Article: ...", ending "Summary:"
   (Spec-Bench's summarisation, Draft & Verify's CNN/DM and XSum prompt).
 Documents are taken evenly spaced through each source, the same ones on every machine. A file
-(`--prompts FILE`: .txt, prompts separated by blank lines, or .jsonl with a "text" field) gives
-its own prompts, of kind "file".
+(`--prompts FILE`: .jsonl with a "text" field, each prompt exactly as written; or .txt, prompts
+separated by blank lines, each trimmed of its leading and trailing newlines, which that format
+cannot hold) gives its own prompts, of kind "file".
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from depthcurse.errors import DepthcurseError
 from depthcurse.text import load_texts
 
 KINDS = ("dialogue", "code", "math", "summary")
+TRIMS = (".txt",)  # prompt files whose format trims each prompt's leading and trailing newlines (blank lines part them)
 SUMMARY_WORDS = 160  # of the article's opening: a prompt of about 200-250 tokens
 
 
@@ -87,8 +89,13 @@ def suite(per_kind: int, kinds: tuple[str, ...] = KINDS) -> list[Prompt]:
 
 
 def from_file(path: str) -> list[Prompt]:
-    texts, label = load_texts(str(Path(path).expanduser()), option="--prompts")
-    return [Prompt("file", text.strip("\n"), f"{label}#{i}") for i, text in enumerate(texts)]
+    """A file's prompts: a .jsonl's (or .json's, .parquet's) exactly as written, a chat prompt's closing
+    newline kept; a .txt's between blank lines, whose format cannot hold a prompt's leading or trailing
+    newlines, so they are trimmed (`TRIMS`)."""
+    found = Path(path).expanduser()
+    texts, label = load_texts(str(found), option="--prompts")
+    trimmed = found.suffix in TRIMS
+    return [Prompt("file", text.strip("\n") if trimmed else text, f"{label}#{i}") for i, text in enumerate(texts)]
 
 
 def load_prompts(prompts: str, per_kind: int, kinds: tuple[str, ...] = KINDS) -> list[Prompt]:

@@ -23,10 +23,17 @@ def _num(value, digits: int = 2, suffix: str = "") -> str:
 
 
 def _est(estimate: dict | None, digits: int = 2) -> str:
+    """A mean and its interval; one number alone (one prompt) says it has none."""
     if not estimate:
         return "-"
     interval = estimate.get("interval")
-    return f"{estimate['mean']:.{digits}f}" + (f" ({interval[0]:.{digits}f}-{interval[1]:.{digits}f})" if interval else "")
+    return f"{estimate['mean']:.{digits}f}" + (f" ({interval[0]:.{digits}f}-{interval[1]:.{digits}f})" if interval else " (no interval)")
+
+
+def _span(values: list[float]) -> str:
+    """Several drafts' figures as their range; one, or all equal, as one number."""
+    low, high = f"{min(values):.2f}", f"{max(values):.2f}"
+    return low if low == high else f"{low}-{high}"
 
 
 def _speedup(ratio: dict | None) -> str:
@@ -46,7 +53,8 @@ def speculate_table(record: dict) -> Table:
     done = len(record["prompts"])
     what = "greedy" if run["temperature"] == 0 else f"sampling at temperature {run['temperature']:g}"
     table = Table(title=f"{run['model']}: drafts checked by the whole model ({what}), {done} of {record['asked']} prompts"
-                        f"{'' if record.get('complete') else ' (incomplete)'}, {run['max_new_tokens']} new tokens at most; draft length {_length(run)}",
+                        f"{'' if record.get('complete') else ' (incomplete)'}, {run['max_new_tokens']} new tokens at most; draft length {_length(run)}"
+                        + ("" if (summary.get("timing") or {"status": "ok"})["status"] == "ok" else ": TIMINGS NOT TRUSTED, see the verdicts"),
                   caption="95% intervals over prompts (Student's t; speedups: the median of per-prompt time ratios, distribution-free). c: a draft "
                           "step's seconds, v: a check's, in decoding steps of the whole model alone. Expected: Leviathan et al.'s "
                           "E[tokens] / (gamma c + v) at v = 1 and at the measured v. Ceiling: every token accepted. Break-even: the acceptance "
@@ -98,7 +106,15 @@ def speculate_verdicts(record: dict) -> list[str]:
     else:
         lines.append(f"sampling at temperature {run['temperature']:g}: each draft's tokens follow the whole model's distribution by Leviathan "
                      "et al.'s rule (tests/test_speculate.py checks the rule exactly and by a chi-square test); no token-for-token check")
-    for name, s in summary["drafts"].items():
+    timing = summary.get("timing") or {"status": "ok"}
+    if timing["status"] != "ok":  # speed's rule: the timings are no finding here, the acceptance is
+        lines.append(f"the timings cannot be trusted here: the whole model's decoding, timed twice a prompt (this loop and model.generate, the "
+                     f"same tokens in turns), gave {timing['reason']}; no speedup, c or v below is a finding, so the drafts are said by their "
+                     "acceptance alone")
+        for name, s in summary["drafts"].items():
+            if s.get("alpha"):
+                lines.append(f"{name}: acceptance {_est(s['alpha'])} over {s['alpha']['n']} prompts (what pays: not said, the timings are not trusted)")
+    for name, s in summary["drafts"].items() if timing["status"] == "ok" else ():
         speed, alpha = s["speedup"], (s["alpha"] or {}).get("mean")
         if not speed:
             continue
@@ -113,9 +129,16 @@ def speculate_verdicts(record: dict) -> list[str]:
                    + (_largest(s) if "largest_c" in s and not pays else ""))
         fidelity = f"; measured / expected at the measured v: {s['measured_over_expected']:.2f}" if "measured_over_expected" in s else ""
         lines.append(f"{name} {verdict} ({_speedup(speed)} measured){why}{fidelity}")
+    for name, d in (summary.get("versus") or {}).items():
+        if d is None:
+            continue
+        iv = d["interval"]
+        said = f"{d['difference']:+.3f}" + (f" [{iv[0]:+.3f}, {iv[1]:+.3f}]" if iv else " (one prompt: no interval)")
+        word = "cannot tell" if d["verdict"] == "cannot tell" else f"accepted {d['verdict']}"
+        lines.append(f"{name} against {d['against']}: {word} ({said} acceptance, paired over {d['prompts']} prompts, Student's t)")
     v = [s["v"]["mean"] for s in summary["drafts"].values() if s.get("v")]
-    if v:
-        lines.append(f"the check of a draft's tokens costs {min(v):.2f}-{max(v):.2f} decoding steps (v; Leviathan et al. assume 1)")
+    if v and timing["status"] == "ok":
+        lines.append(f"the check of a draft's tokens costs {_span(v)} decoding steps (v; Leviathan et al. assume 1)")
     overheads = {name: s["overhead"]["mean"] for name, s in summary["drafts"].items() if s.get("overhead")}
     if overheads and summary["plain"].get("overhead"):
         lines.append("the loop's own time, outside forward passes: " + ", ".join(f"{n} {o:.1%}" for n, o in overheads.items())

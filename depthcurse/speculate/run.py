@@ -61,6 +61,7 @@ class SpeculateConfig:
     stop_at_eos: bool = True
     seed: int = 1234  # each prompt's sampling seed is seed + its index
     skip_from: str | None = None  # the select run the skip set was read from
+    also: tuple = ()  # other skip sets, each another self-draft ("self-draft #2", ...) set against the first on the same prompts
 
     def checked(self, n_layers: int | None = None) -> "SpeculateConfig":
         """The config, or one line on what is wrong with it; given the model's layers, the skip set too."""
@@ -72,6 +73,9 @@ class SpeculateConfig:
                 raise DepthcurseError(f"--skip: {outside[0]} is not a block of the model's {n_layers} (0-{n_layers - 1})")
             if not isinstance(self.skip[0], str) and len(set(self.skip)) == n_layers:
                 raise DepthcurseError(f"--skip {run_text_of(self.skip)} skips every one of the {n_layers} blocks: the draft would run none")
+            for other in self.also:
+                if tuple(other) == tuple(self.skip) or list(self.also).count(other) > 1:
+                    raise DepthcurseError(f"--also-skip {run_text_of(other)} is a self-draft named twice: each would be measured twice, as if two")
         unknown = [k for k in self.kinds if k not in KINDS]
         if self.prompts == "suite" and (unknown or not self.kinds):
             raise DepthcurseError(f"--kinds {','.join(self.kinds) or '(none)'}: use {', '.join(KINDS)}")
@@ -97,8 +101,12 @@ class SpeculateConfig:
         return self.temperature == 0.0
 
     def identity(self) -> dict:
-        out = asdict(self)
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items()}
+        out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
+        if out["also"]:
+            out["also"] = [list(a) for a in out["also"]]
+        else:  # a run made before other self-drafts existed is the same run
+            del out["also"]
+        return out
 
 
 def run_text_of(units) -> str:
@@ -167,6 +175,9 @@ def build_methods(model, cfg: SpeculateConfig, eos: tuple[int, ...], assistant=N
     n = num_layers(model)
     k = len(cfg.skip) if not isinstance(cfg.skip[0], str) else -(-len(cfg.skip) // 2)  # branches: as many blocks' worth
     methods = [Method("self-draft", f"the model without {run_text_of(cfg.skip)}", LayerSkipDraft(model, cfg.skip, "self-draft", watch=watch), cfg.skip)]
+    for i, other in enumerate(cfg.also, start=2):  # other self-drafts, set against the first on the same prompts
+        name = f"self-draft #{i}"
+        methods.append(Method(name, f"the model without {run_text_of(other)}", LayerSkipDraft(model, tuple(other), name, watch=watch), tuple(other)))
     last = tuple(range(n - k, n))
     if "early-exit" in cfg.baselines and last != tuple(cfg.skip):
         methods.append(Method("early-exit", f"the model without its last {k} blocks ({run_text_of(last)})", LayerSkipDraft(model, last, "early-exit", watch=watch), last))

@@ -28,6 +28,16 @@ Per draft, over the prompts that decoded at least one token after the first:
 - `overhead`: the share of the decoding time outside the forward passes (the loop's own);
 - `lossless`: prompts whose greedy output equals `model.generate`'s, of those compared;
 - `draft_cache_bytes`: the draft's KV cache at the end (its extra memory), beside the whole model's.
+
+`timing`: whether the timings can be trusted, by `speed`'s rule (`speed.paired.judge`): the whole
+model's decoding is timed twice on every prompt, in this loop (`plain`) and in `model.generate`, the
+same tokens in turns, so their ratio holds still on a steady machine; where its interval is wider
+than `speed`'s tolerance (or too few prompts give one), no speedup, c or v is a finding, and the
+verdicts speak of acceptance alone.
+
+`versus`: every other draft against the first self-draft on the same prompts: the difference of their
+acceptances, paired over the prompts both decoded, with Student's t interval and its word (`stats.verdicts`:
+"more" or "less" accepted, or "cannot tell").
 """
 
 from __future__ import annotations
@@ -35,8 +45,8 @@ from __future__ import annotations
 import statistics
 
 from depthcurse.speculate.expected import acceptance_rate, best_gamma, break_even, ceiling, expected_speedup, largest_cost
-from depthcurse.speed.paired import PairedRatio
-from depthcurse.stats import mean_interval
+from depthcurse.speed.paired import PairedRatio, judge
+from depthcurse.stats import difference_word, mean_interval
 
 REFERENCES = ("generate", "plain")
 
@@ -121,6 +131,22 @@ def _draft_summary(prompts: list[dict], name: str) -> dict:
     return out
 
 
+def _versus(prompts: list[dict], name: str, first: str) -> dict | None:
+    """`name`'s acceptance against `first`'s, prompt by prompt (those both decoded past their first
+    token with a rate): the mean difference, its t interval and its word."""
+    differences = []
+    for p in prompts:
+        if name in p and first in p and _decoded(p["plain"]) > 0 and _decoded(p[name]) > 0 and _decoded(p[first]) > 0:
+            a, b = (_prompt_figures(p["plain"], p[m])["alpha"] for m in (name, first))
+            if a is not None and b is not None:
+                differences.append(a - b)
+    if not differences:
+        return None
+    interval = mean_interval(differences) if len(differences) > 1 else None
+    return {"against": first, "difference": statistics.fmean(differences), "interval": interval, "prompts": len(differences),
+            "verdict": difference_word(interval)}
+
+
 def _against(prompts: list[dict], name: str, reference: str, time_of) -> dict:
     """A method timed whole against a reference timed whole (transformers' loops; ours against theirs)."""
     usable = [p for p in prompts if name in p and reference in p and time_of(p[reference]) > 0]
@@ -132,15 +158,26 @@ def _whole(record: dict) -> float:
     return record["seconds"] if "seconds" in record else record["prefill_s"] + record["decode_s"]
 
 
+def timing_check(prompts: list[dict]) -> dict:
+    """`speed`'s verdict on the control: this loop's whole-model decoding over `model.generate`'s, prompt by prompt."""
+    ratios = [_whole(p["plain"]) / _whole(p["generate"]) for p in prompts if "generate" in p and _whole(p["generate"]) > 0]
+    if not ratios:
+        return {"status": "unstable", "reason": "no prompt has model.generate's time beside this loop's, nothing to judge the timings by", "prompts": 0}
+    verdict = judge(PairedRatio(ratios))
+    return {"status": verdict.status, "reason": verdict.reason, "prompts": len(ratios)}
+
+
 def summarise(record: dict) -> dict:
     """Every draft's figures over every prompt, then by the prompts' kind."""
     prompts = [{**p, "index": int(i)} for i, p in sorted(record["prompts"].items(), key=lambda kv: int(kv[0]))]
     drafts = [m for m in record.get("methods", {}) if m != "transformers-assistant"]
     decoding = [p for p in prompts if _decoded(p["plain"]) > 0]  # a prompt that ended at its first token timed no decoding
     out = {"drafts": {name: _draft_summary(prompts, name) for name in drafts},
+           "versus": {name: _versus(prompts, name, drafts[0]) for name in drafts[1:]} if drafts else {},
            "plain": {"tokens_per_s": _estimate([_decoded(p["plain"]) / p["plain"]["decode_s"] for p in decoding]),
                      "overhead": _estimate([1.0 - p["plain"]["step_s"] / p["plain"]["decode_s"] for p in decoding]),
-                     **_against(prompts, "plain", "generate", _whole)}}
+                     **_against(prompts, "plain", "generate", _whole)},
+           "timing": timing_check(prompts)}
     if "transformers-assistant" in record.get("methods", {}):
         out["transformers-assistant"] = _against(prompts, "transformers-assistant", "generate", _whole)
     kinds = sorted({p["kind"] for p in prompts})
