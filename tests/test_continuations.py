@@ -31,6 +31,7 @@ def prompts_file(tmp_path):
     return path
 
 
+@pytest.mark.searching
 def test_windows_are_right_padded_and_score_the_draft_predictions_only():
     """Prompt [5, 6, 7] and continuation [8, 9, 10]: predictions at positions 3 and 4 (of tokens 9 and
     10); the first continuation token (8) is the whole model's prefill's, never drafted."""
@@ -39,6 +40,7 @@ def test_windows_are_right_padded_and_score_the_draft_predictions_only():
     assert mask.tolist() == [[0, 0, 0, 1, 1], [0, 0, 1, 0, 0]]
 
 
+@pytest.mark.searching
 def test_the_stream_searches_read_each_windows_tokens_up_to_its_last_scored_target():
     from depthcurse.select.windows import tokens_read
 
@@ -46,6 +48,7 @@ def test_the_stream_searches_read_each_windows_tokens_up_to_its_last_scored_targ
     assert tokens_read(mask).tolist() == [[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]]
 
 
+@pytest.mark.searching
 def test_select_on_continuations_scores_where_a_draft_predicts_by_hand(run_cli, tiny_model_dir, prompts_file, tmp_path):
     out = tmp_path / "sel"
     source = f"continuations:{prompts_file}"
@@ -93,6 +96,7 @@ def test_select_on_continuations_scores_where_a_draft_predicts_by_hand(run_cli, 
                           "--calibration continuations:nowhere.txt: no such prompts file")
 
 
+@pytest.mark.searching
 def test_a_prompt_the_model_ends_at_once_is_passed_over_and_said(tiny_model_dir, prompts_file):
     """The model's end-of-sequence set to its own first greedy token after prompt 3: that prompt gives
     one token, no draft position, and is passed over for the next of the shuffle; too few left is one line."""
@@ -117,6 +121,7 @@ def test_a_prompt_the_model_ends_at_once_is_passed_over_and_said(tiny_model_dir,
         continuation_texts(model, tokenizer, f"continuations:{prompts_file}", SimpleNamespace(calib_windows=4, eval_windows=4, seq_len=5, seed=7))
 
 
+@pytest.mark.searching
 def test_each_texts_cost_is_said_for_its_own_windows(tiny_model_dir, prompts_file, tmp_path, monkeypatch):
     """The pass is timed once, on the first text's windows (here made up: 1 s a block pass, 2 s a head
     pass); a text of longer windows (the prompts and their continuations) is estimated at its own

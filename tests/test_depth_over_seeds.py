@@ -121,6 +121,7 @@ def test_the_tables_and_verdicts_say_what_they_measured():
     (line,) = seeds_verdicts(summary)
     assert line.startswith(f"lns, 5 layers against pre, 5 layers: attention ||a||/||h||, first half more +0.19 [{iv[0]:+.3g}, {iv[1]:+.3g}]; ")
     assert line.count("; ") == 3  # the attention's and the influence's halves, all shifted alike
+    assert "; the same in every run of each, and different" not in line and "constant" not in line  # the phase's 2, 2 against 3, 4: an interval, and 0 in it
     assert line.endswith("(1 of 13 cannot tell at these seeds, 8 equal in every run)")  # the phase cannot tell; the rest tie
 
 
@@ -315,3 +316,52 @@ def test_a_maps_bounded_figures_keep_their_intervals_inside_their_range():
     caption = seeds_table(summary, "depth-map").caption
     assert caption.endswith("relative depth: (layer + 1) / layers (stream / layers by their definitions); the score: the map's deciding one; "
                             "a correlation's, a relative depth's and an R^2's interval cut at the ends of its range")
+
+
+@pytest.mark.statistics
+def test_maps_of_two_definitions_or_two_scores_are_not_set_side_by_side():
+    from depthcurse.errors import DepthcurseError
+
+    def record(source, **extra):
+        return {"run": {"shallow": {"source": source, "architecture": {"num_hidden_layers": 2}}, "deep": {"source": source + "d", "architecture": {"num_hidden_layers": 4}},
+                        "data": "wiki", "seq_len": 16}, "fit_windows": 4, "held_out_windows": 2, "deep_layers": 4, "r2": [[0.5, 0.2, 0.1, 0.0], [0.1, 0.2, 0.3, 0.9]],
+                "relative_depth": {"mean_abs_difference": 0.1, "spearman": 0.5}, **extra}
+
+    dims = {"scores": {"r2_dims": {"mean": [[0.4, 0.2, 0.1, 0.0], [0.1, 0.2, 0.3, 0.8]], "interval": [[None] * 4] * 2}}, "score": "r2_dims"}
+    with pytest.raises(DepthcurseError, match=r"^maps of two scores: a decided by r2, b by r2_dims; not set side by side \(rerun one with --score\)$"):
+        map_over_seeds([record("a"), record("b", **dims)], ["a", "b"])
+    with pytest.raises(DepthcurseError, match=r"^maps of two definitions: a by the depthcurse definitions, b by the csordas ones"):
+        map_over_seeds([record("a"), record("b", definitions={"name": "csordas"})], ["a", "b"])
+    got = map_over_seeds([record("a", **dims), record("b", **dims)], ["a", "b"])["groups"][0]["summary"]
+    assert got["last_r2"]["values"] == [0.8, 0.8] and [f["label"] for f in map_over_seeds([record("a", **dims)], ["a"])["figures"]][3] == "shallow last layer's best per-dimension R^2"
+
+
+@pytest.mark.statistics
+def test_summarise_runs_is_report_s_summary_from_per_run_figures_alone():
+    """Two groups' per-run figures as a finding stores them: the same summary `use_over_seeds` makes
+    of the records, group labels and run counts included; a map's by its score's figures."""
+    records = [_record("pre", "p1"), _record("pre", "p2", shift=0.03, phase=4), _record("lns", "l1", shift=0.2, phase=2), _record("lns", "l2", shift=0.21, phase=2)]
+    from depthcurse.depth.over_seeds import summarise_runs, use_figures
+
+    made = use_over_seeds(records, ["p1", "p2", "l1", "l2"])
+    stored = summarise_runs({"pre, 5 layers": [use_figures(r) for r in records[:2]], "lns, 5 layers": [use_figures(r) for r in records[2:]]})
+    assert stored["differences"] == made["differences"] and [g["summary"] for g in stored["groups"]] == [g["summary"] for g in made["groups"]]
+    assert [g["runs"] for g in stored["groups"]] == [["pre, 5 layers #1", "pre, 5 layers #2"], ["lns, 5 layers #1", "lns, 5 layers #2"]]
+    assert stored["note"] == made["note"] == "the halves split the layers at n // 2"
+    maps = summarise_runs({"a": [{"depth_gap": 0.1, "order": 0.5, "last_reach": 0.2, "last_r2": 0.9, "deep_last_r2": 0.8}] * 2}, kind="map", score="relative_error")
+    assert [f["label"] for f in maps["figures"]][3:] == ["shallow last layer's lowest relative error", "deep last layer's relative error from the best shallow layer"]
+    assert maps["note"].startswith("relative depth: (layer + 1) / layers (stream / layers by their definitions)")
+
+
+@pytest.mark.statistics
+def test_a_relative_error_maps_figures_take_its_lowest_and_streams_from_the_embedding():
+    """Their map (`--as csordas`): streams entering each layer, 0 the embedding, lower is better. A 3 x 4
+    grid: the last shallow stream's lowest error is at deep stream 1 (relative depth 1 / 3, not 2 / 3),
+    and the deep last stream's lowest over the shallow ones."""
+    from depthcurse.depth.over_seeds import map_figures
+
+    record = {"streams": "entering", "deep_layers": 3, "score": "relative_error", "relative_depth": {"mean_abs_difference": 0.25, "spearman": 0.5},
+              "scores": {"relative_error": {"mean": [[0.2, 0.5, 0.6, 0.9], [0.4, 0.3, 0.5, 0.7], [0.6, 0.35, 0.4, 0.45]], "interval": None}}}
+    assert map_figures(record) == {"depth_gap": 0.25, "order": 0.5, "last_reach": pytest.approx(1 / 3), "last_r2": 0.35, "deep_last_r2": 0.45}
+    record["streams"] = "after"
+    assert map_figures(record)["last_reach"] == pytest.approx(2 / 3)

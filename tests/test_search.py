@@ -852,3 +852,36 @@ def test_the_pass_timing_of_a_model_the_stepper_cannot_run_shares_its_forward_wi
     timing = pass_timing(model, torch.randint(0, 900, (2, 8)), 2, clock=lambda: next(ticks))
     per_block = 12.0 / (3 + head_blocks(model))
     assert timing.block == pytest.approx(per_block) and timing.head == pytest.approx(per_block * head_blocks(model)) and head_blocks(model) > 1
+
+
+@pytest.mark.searching
+def test_masked_scores_count_only_the_scored_predictions_by_hand(six, tiny_tokenizer, text):
+    """A mask (the model's own continuations: only a draft's predictions): each window's mean over its
+    scored predictions, by hand on 2 x 4; the scorer's per-window scores and an EvoPress stage's (a
+    window cut to 7 tokens) the masked means of the plain forward's per-prediction figures; a stage
+    whose only window is cut before its first scored prediction counts every prediction."""
+    from depthcurse.select.scoring import masked_means
+    from depthcurse.select.windows import text_windows
+
+    values = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
+    assert masked_means(values, torch.tensor([[0.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])) == [2.5, 5.0]
+    assert masked_means(values, None) == [2.5, 6.5]
+    windows = text_windows(tiny_tokenizer, text, SelectConfig(k=2, calibration=(text,), calib_windows=4, eval_windows=2, seq_len=16)).calibration
+    mask = torch.zeros(4, 15)
+    mask[:, 8:] = 1.0
+    mask[1, 3] = 1.0
+    scorer = CalibrationScorer(six.model, windows, 2, {}, lambda: None, mask=mask)
+    with torch.no_grad():
+        ref = torch.log_softmax(six.model(input_ids=windows).logits[:, :-1].float(), -1)
+        with removed_layers(six.model, (2,)):
+            logp = torch.log_softmax(six.model(input_ids=windows).logits[:, :-1].float(), -1)
+    loss = -logp.gather(-1, windows[:, 1:, None])[..., 0]
+    agree = (logp.argmax(-1) == ref.argmax(-1)).float()
+    losses, kls, agreements = scorer.per_window([(2,)])[0]
+    assert losses == pytest.approx(((loss * mask).sum(1) / mask.sum(1)).tolist(), rel=1e-5)
+    assert agreements == pytest.approx(((agree * mask).sum(1) / mask.sum(1)).tolist(), abs=1e-6)
+    assert scorer.unpruned_windows()[0] == pytest.approx(((-ref.gather(-1, windows[:, 1:, None])[..., 0] * mask).sum(1) / mask.sum(1)).tolist(), rel=1e-5)
+    pieces = torch.cat([loss[3] * mask[3], loss[1, :6] * mask[1, :6]]).sum() / torch.cat([mask[3], mask[1, :6]]).sum()
+    assert scorer.score_on_many([(2,)], [3, 1], 7, "ppl") == [pytest.approx(pieces.item(), rel=1e-5)]
+    assert scorer.score_on_many([(2,)], [1], 7, "acceptance") == [pytest.approx(1 - agree[1, 3].item(), abs=1e-6)]  # one scored prediction before the cut
+    assert scorer.score_on_many([(2,)], [0], 7, "acceptance") == [pytest.approx(1 - agree[0, :6].mean().item(), abs=1e-6)]  # none: every one

@@ -77,15 +77,20 @@ def find_definitions(name: str) -> Definitions:
         raise DepthcurseError(f"--as {name}: no such definitions (known: {', '.join(DEFINITIONS)})") from None
 
 
+def definitions_name(record: dict) -> str:
+    """The name of the definitions a depth-use or depth-map record was measured by (a record from before they were kept: ours)."""
+    return (record.get("definitions") or {}).get("name", "depthcurse")
+
+
 def definitions_of(record: dict) -> Definitions:
-    """The definitions a depth-use record was measured by (a record from before they were kept: ours)."""
-    return find_definitions((record.get("definitions") or {}).get("name", "depthcurse"))
+    """The definitions a depth-use record was measured by."""
+    return find_definitions(definitions_name(record))
 
 
 def same_definitions(records: list[dict], names: list[str], what: str = "runs") -> str:
     """The one definitions' name several records (depth-use runs, or depth maps) were measured by, or
     one line naming two that differ: figures of two definitions are other quantities, never set side by side."""
-    found = [(r.get("definitions") or {}).get("name", "depthcurse") for r in records]
+    found = [definitions_name(r) for r in records]
     for name, d in zip(names, found):
         if d != found[0]:
             raise DepthcurseError(f"{what} of two definitions: {names[0]} by the {found[0]} definitions, {name} by the {d} ones; their figures are "

@@ -125,16 +125,13 @@ def _use_key(record: dict) -> tuple[str, str]:
     run = record["run"]
     arch = run.get("architecture") or {"source": run.get("source")}  # a record from before architectures were kept: alone
     tuned = (record.get("tuned_lens") or {}).get("settings")
-    definitions = (record.get("definitions") or {}).get("name", "depthcurse")
-    return json.dumps([arch, run["data"], run["windows"], run["seq_len"], tuned, definitions], sort_keys=True, default=str), _label(arch)
+    return json.dumps([arch, run["data"], run["windows"], run["seq_len"], tuned], sort_keys=True, default=str), _label(arch)
 
 
 def _map_key(record: dict) -> tuple[str, str]:
     run = record["run"]
     archs = [run[side].get("architecture") or {"source": run[side].get("source")} for side in ("shallow", "deep")]
-    definitions = (record.get("definitions") or {}).get("name", "depthcurse")
-    key = json.dumps([archs, run["data"], run["seq_len"], record["fit_windows"], record["held_out_windows"], definitions, deciding(record)[0]],
-                     sort_keys=True, default=str)
+    key = json.dumps([archs, run["data"], run["seq_len"], record["fit_windows"], record["held_out_windows"]], sort_keys=True, default=str)
     return key, f"{_label(archs[0])} -> {_label(archs[1])}"
 
 
@@ -283,12 +280,12 @@ def differences_table(summary: dict) -> Table:
 def _verdict(difference: dict) -> str:
     """equal: every run of both groups gave one value (a layer index, say), the same: a tie;
     constant: every run of each gave one value, and they differ (Welch's interval has no width
-    there, and no coverage to claim); else the interval's word (`stats.verdicts`): more / less
+    there, and no coverage to claim); else the interval's word (`stats.verdicts`, kept by `_summarise`): more / less
     (later / earlier), or cannot tell where it holds 0 or there is none."""
     iv = difference["interval"]
     if iv is not None and iv[0] == iv[1]:
         return "equal" if difference["difference"] == 0.0 else "constant"
-    return difference.get("verdict") or difference_word(iv)
+    return difference["verdict"]
 
 
 def seeds_verdicts(summary: dict) -> list[str]:
