@@ -63,9 +63,7 @@ def streams_of(stepper: Stepper, windows: torch.Tensor, batch_size: int, enterin
     layer reads, then the last block's output), [windows, tokens, width] each, batch by batch."""
     batches = []
     for start in range(0, len(windows), batch_size):
-        ids = windows[start : start + batch_size].to(stepper.device)
-        after = stepper.streams(ids)
-        batches.append([h.to(dtype).cpu() for h in ([stepper.embed(ids), *after] if entering else after)])
+        batches.append([h.to(dtype).cpu() for h in stepper.streams(windows[start : start + batch_size], embedding=entering)])
     return [torch.cat([batch[i] for batch in batches]) for i in range(len(batches[0]))]
 
 

@@ -147,9 +147,8 @@ def _kl(final: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 def _streams(stepper: Stepper, ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The stream entering every layer (their `hidden_states[:-1]`: the embedding's output first),
     and the output's log-probabilities."""
-    ids = ids.to(stepper.device)
-    after = stepper.streams(ids)
-    return [stepper.embed(ids), *after[:-1]], torch.log_softmax(stepper.logits(after[-1]), -1)
+    every = stepper.streams(ids, embedding=True)
+    return every[:-1], torch.log_softmax(stepper.logits(every[-1]), -1)
 
 
 def train_tuned_lens(model, stepper: Stepper, windows: torch.Tensor, settings: LensSettings = LensSettings(),

@@ -249,11 +249,13 @@ class Stepper:
                     use_cache=False, **{self.cache_arg: cache.layer(i) if cache is not None else None}, **self.extra)
         return out[0] if isinstance(out, tuple) else out
 
-    def streams(self, ids: torch.Tensor) -> list[torch.Tensor]:
-        """The stream after every block on `ids`, from their first token (no cache): what the lenses
-        and the depth map read."""
+    def streams(self, ids: torch.Tensor, embedding: bool = False) -> list[torch.Tensor]:
+        """The stream after every block on `ids`, from their first token (no cache), with `embedding`
+        the embedding's output first (every stream a block reads, then the last's output): what the
+        lenses and the depth map read."""
         ctx = self.context(ids.shape[1], 0)
-        h, out = self.embed(ids.to(self.device)), []
+        h = self.embed(ids.to(self.device))
+        out = [h] if embedding else []
         for i in range(self.n_layers):
             h = self.block(i, h, ctx)
             out.append(h)
