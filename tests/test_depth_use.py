@@ -982,3 +982,13 @@ def test_the_tuned_lens_against_the_logit_lens_paired_over_windows_by_hand():
     assert line == ("tuned lens: half settled by the stream after layer 2; on the held-out windows its KL(output || lens) against the logit lens's, "
                     "paired over 3 windows: closer at 1 of 3 rows, further at 1, cannot tell at 1; the logit lens's KL is 0.5-1.5x the tuned lens's "
                     "(trained on 8 windows, 5 steps, 3 s)")
+
+
+def test_a_norm_that_divides_is_floored_by_the_definitions():
+    """Theirs floor a vanishing norm at 1e-6, ours at 1e-12: a contribution of 0 against a change of norm 5."""
+    from depthcurse.depth.definitions import DEFINITIONS
+    from depthcurse.depth.measure import _relative
+
+    x, zero = torch.tensor([[3.0, 4.0]]), torch.zeros(1, 2)
+    assert _relative(x, zero, DEFINITIONS["csordas"].norm_floor).item() == pytest.approx(5e6)
+    assert _relative(x, zero, DEFINITIONS["depthcurse"].norm_floor).item() == pytest.approx(5e12)

@@ -70,7 +70,7 @@ def map_table(record: dict) -> Table:
     for column in ("shallow layer", "relative depth", "best deep layer", "its relative depth", scores[name]["label"],
                    *(scores[n]["label"] for n in others), "at the same relative depth"):
         table.add_column(column, justify="right")
-    ns, nd = len(matrix), len(matrix[0])
+    nd = len(matrix[0])
     for i, j in enumerate(record["best"]):
         same = min(nd - 1, max(0, round(record["relative_depth"]["shallow"][i] * record["deep_layers"]) - (0 if entering else 1)))
         table.add_row(_stream(record, i), f"{record['relative_depth']['shallow'][i]:.2f}", _stream(record, j), f"{record['relative_depth']['best_deep'][i]:.2f}",

@@ -24,7 +24,8 @@ the windows; theirs takes the skips' maxima, which have none.
 
 Memory: the streams entering every block are kept for a batch (layers x tokens x width), never a
 layer's full-vocabulary distribution: each lens row is reduced to its figures and its top-1 as it is
-read, so the peak is one batch's streams and two vocabulary-wide tensors, whatever the depth.
+read, a window at a time, so the vocabulary-wide tensors are the output's log-probabilities for the
+batch and one window's temporaries, whatever the depth (`depth.memory` estimates the peak).
 Where the stepper cannot run the model (or a block has no branch to read), one line says so before
 any work.
 """

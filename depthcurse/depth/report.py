@@ -177,7 +177,7 @@ def lens_comparison(record: dict) -> dict | None:
 
 
 def depth_verdicts(record: dict) -> list[str]:
-    use, rows, d = _use(record), record["layers"], definitions_of(record)
+    use, d = _use(record), definitions_of(record)
     lines = []
     settled = use.settled
     total = sum(settled) or 1

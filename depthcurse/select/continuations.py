@@ -48,13 +48,19 @@ def _prompts(source: str, wanted: int) -> list[Prompt]:
     return found
 
 
+def pad_of(tokenizer) -> int:
+    """The token padding goes in (never scored, never attended to by what precedes it)."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompt: Prompt, new_tokens: int) -> tuple[list[int], list[int]]:
     """A prompt's token ids and the whole model's greedy continuation of at most `new_tokens` tokens."""
     device = model.get_input_embeddings().weight.device
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids = tokenizer(prompt.text, return_tensors="pt").input_ids.to(device)
-    made = model.generate(ids, do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad)
+    made = model.generate(ids, do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad_of(tokenizer))
     return ids[0].tolist(), made[0, ids.shape[1]:].tolist()
 
 
@@ -92,8 +98,6 @@ def continuation_texts(model, tokenizer, source: str, cfg, kept: dict | None = N
         if len(kept["ids"]) < wanted:
             raise DepthcurseError(f"--calibration {source}: {len(kept['ids'])} of {len(prompts)} prompts give the model a continuation of 2 tokens or "
                                   f"more (the rest end at once), fewer than --calib-windows + --eval-windows ({wanted})")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    pairs = [(p, c) for p, c in kept["ids"]]
-    calibration, calibration_mask = windows_of(pairs[: cfg.calib_windows], pad)
-    held_out, held_out_mask = windows_of(pairs[cfg.calib_windows :], pad)
+    calibration, calibration_mask = windows_of(kept["ids"][: cfg.calib_windows], pad_of(tokenizer))
+    held_out, held_out_mask = windows_of(kept["ids"][cfg.calib_windows :], pad_of(tokenizer))
     return Texts(label_of(source), calibration, held_out, calibration_mask, held_out_mask), kept
