@@ -49,7 +49,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "prune")]  # peak_memory; sweep_shapes' published shapes
 from depthcurse.io import atomic_write  # noqa: E402 (stdlib only: the parent runs before anything is installed)
 
 RESULT = "gpu_pass.json"
@@ -73,7 +73,7 @@ class Sizes:
     speed_layers: tuple[int, ...]
     speed: dict
     train_args: tuple[str, ...]
-    norms: dict  # benchmarks/norm_throughput.py's settings: every normalisation's step against Pre-LN's
+    norms: dict  # benchmarks/train/norm_throughput.py's settings: every normalisation's step against Pre-LN's
     heal: dict
     tests: tuple[str, ...]
     select: dict  # the windows `select` scores on, k, and evo's settings (a few generations)
@@ -535,7 +535,7 @@ def step_speed(sizes: Sizes, out: Path, events: Events, deadline: float) -> None
 
 def step_train(sizes: Sizes, out: Path, events: Events, deadline: float) -> None:
     target = out / "steps" / "train.json"
-    command = [sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), *sizes.train_args, "--variants", "trainer", "--out", str(target)]
+    command = [sys.executable, str(ROOT / "benchmarks" / "train" / "train_throughput.py"), *sizes.train_args, "--variants", "trainer", "--out", str(target)]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     (out / "steps" / "train.stdout.txt").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not target.is_file():
@@ -554,7 +554,7 @@ def step_train(sizes: Sizes, out: Path, events: Events, deadline: float) -> None
 
 def step_norms(sizes: Sizes, out: Path, events: Events, deadline: float) -> None:
     """Every normalisation's training step against Pre-LN's, in turns in one process, until the
-    box's last seconds (benchmarks/norm_throughput.py)."""
+    box's last seconds (benchmarks/train/norm_throughput.py)."""
     from norm_throughput import line, measure
 
     result = measure(deadline=deadline - 2.0, **sizes.norms)
