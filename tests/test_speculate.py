@@ -30,13 +30,14 @@ from helpers import CORPUS, assert_one_line_error, tiny_llama, torchrun
 from depthcurse.speculate import (DecodeSettings, LayerSkipDraft, PromptLookupDraft, SelfDraftAssistant, Stopwatch, build_length, plain,
                                   speculative)
 from depthcurse.speculate import decoding
-from depthcurse.speculate.decoding import accept_greedy, acceptance_probability, residual
+from depthcurse.speculate.decoding import accept_greedy, accept_sampled, acceptance_probability, residual
 from depthcurse.speculate.expected import (acceptance_rate, best_gamma, break_even, ceiling, expected_speedup, expected_tokens,
                                            largest_cost)
-from depthcurse.speculate.lengths import Confidence, Heuristic
+from depthcurse.speculate.lengths import Confidence, Heuristic, build_length
 from depthcurse.speculate.summary import summarise
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# fast on tiny models: `make mutate` runs these against each mutant, but those through the command line (conftest marks them `cli`)
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.instruments]
 WATCH = Stopwatch("cpu")
 
 
@@ -783,3 +784,302 @@ def test_timings_on_an_unsteady_machine_are_said_untrusted_and_the_verdicts_spea
     assert not any("pay (" in line or "pays (" in line or "decoding steps (v;" in line for line in lines)
     assert speculate_table(busy).title.endswith(": TIMINGS NOT TRUSTED, see the verdicts")
     assert record([1.0, 1.0])["summary"]["timing"]["reason"] == "2 pairs give no 95% interval (at least 6 do)"
+
+
+def _reported_record(status: str | None = None) -> dict:
+    """`_three_prompts` as a finished run: what each draft is, the run's settings, its summary."""
+    record = _three_prompts()
+    for p in record["prompts"].values():
+        p.update(source="s", prompt_tokens=5)
+    record["methods"] = {"self-draft": {"what": "without layers 2-3"}, "prompt-lookup": {"what": "3-grams"},
+                         "transformers-assistant": {"what": "the self-draft"}}
+    record.update(asked=4, complete=False, run={"temperature": 0, "model": "tiny", "max_new_tokens": 8, "draft_length": "confidence", "draft_tokens": 2})
+    record["summary"] = summarise(record)
+    if status:
+        record["summary"]["timing"] = {"status": status}
+    return record
+
+
+def _cells(table) -> list[list[str]]:
+    return [[column._cells[r] for column in table.columns] for r in range(table.row_count)]
+
+
+@pytest.mark.statistics
+def test_the_table_and_every_line_print_the_figures_worked_by_hand():
+    """`_three_prompts`' figures (worked out by hand in the test above) as the command prints them: the
+    title with the run's settings and its untrusted timings, the caption (rich once ate its
+    "E[tokens]" as markup), every cell, the kinds' table, both sets of verdict lines and the CSV's rows."""
+    from depthcurse.speculate.report import kind_table, prompt_rows, speculate_table, speculate_verdicts
+
+    table = speculate_table(_reported_record())
+    assert table.title == ("tiny: drafts checked by the whole model (greedy), 3 of 4 prompts (incomplete), 8 new tokens at most; draft length at most 2, "
+                           "confidence stop: TIMINGS NOT TRUSTED, see the verdicts")
+    assert table.caption == (
+        "95% intervals over prompts (Student's t; speedups: the median of per-prompt time ratios, distribution-free). c: a draft step's seconds, v: a "
+        "check's, in decoding steps of the whole model alone. Expected: Leviathan et al.'s E\\[tokens] / (gamma c + v) at v = 1 and at the measured v. "
+        "Ceiling: every token accepted. Break-even: the acceptance the draft pays at.")
+    assert [c.header for c in table.columns] == [
+        "draft", "tokens/s (decoding)", "speedup (decoding)", "speedup (with prefills)", "acceptance", "tokens per check", "c", "v",
+        "expected: v = 1 | measured v", "ceiling: v = 1 | v", "break-even acceptance: v = 1 | v", "same tokens as generate"]
+    assert _cells(table) == [
+        ["decoding alone: the whole model, a token a pass", "5.0 (5.0-5.0)", "1", "1", "", "1", "", "1", "", "", "", "3 of 3"],
+        ["self-draft: without layers 2-3", "8.0 (8.0-8.0)", "1.60x (no interval)", "1.25x (no interval)", "0.75 (-0.31-1.81)", "2.33 (-1.90-6.57)",
+         "0.33 (0.33-0.33)", "1.08 (-2.09-4.26)", "1.39 (-0.20-2.98) | 1.34 (0.42-2.25)", "1.80x | 1.71x", "0.46 | 0.50", "3 of 3"],
+        ["prompt-lookup: 3-grams", "5.7 (-6.8-18.1)", "1.10x (no interval)", "1.08x (no interval)", "0.50 (no interval)", "1.17 (-0.95-3.28)",
+         "0.00 (0.00-0.00)", "1.04 (0.51-1.57)", "1.88 (no interval) | 1.88 (no interval)", "4.00x | 3.84x", "0.00 | 0.04", "2 of 3"],
+        ["transformers-assistant: the self-draft (against model.generate)", "", "", "1.25x (no interval)", "", "", "", "", "", "", "", "3 of 3"]]
+    assert speculate_table(_reported_record("ok")).title.endswith("draft length at most 2, confidence stop")
+    kinds = kind_table(_reported_record())
+    assert kinds.title == "by kind of prompt: acceptance and speedup (decoding), 95% intervals over the kind's prompts"
+    assert [c.header for c in kinds.columns] == ["kind", "self-draft: acceptance | speedup", "prompt-lookup: acceptance | speedup"]
+    assert _cells(kinds) == [["code", "0.67 (no interval) | 1.60x (no interval)", "0.50 (no interval) | 1.33x (no interval)"],
+                             ["math", "0.83 (no interval) | 1.60x (no interval)", "- | 0.94x (no interval)"]]
+    differs = "prompt-lookup: greedy output differs from model.generate's on 1 of 3 prompts (prompt 0 at token 2)"
+    versus = "prompt-lookup against self-draft: cannot tell (-0.167 (one prompt: no interval) acceptance, paired over 1 prompt, Student's t)"
+    tail = ["the loop's own time, outside forward passes: self-draft 10.0%, prompt-lookup 24.3%; decoding alone 25.0%",
+            "the draft's extra memory is its KV cache: self-draft 0.00 MiB at most (0.60 of the whole model's)"]
+    assert speculate_verdicts(_reported_record()) == [
+        differs,
+        "the timings cannot be trusted here: the whole model's decoding, timed twice a prompt (this loop and model.generate, the same tokens in turns), "
+        "gave 3 pairs give no 95% interval (at least 6 do); no speedup, c or v below is a finding, so the drafts are said by their acceptance alone",
+        "self-draft: acceptance 0.75 (-0.31-1.81) over 2 prompts (what pays: not said, the timings are not trusted)",
+        "prompt-lookup: acceptance 0.50 (no interval) over 1 prompt (what pays: not said, the timings are not trusted)",
+        versus, *tail]
+    assert speculate_verdicts(_reported_record("ok")) == [
+        differs,
+        "self-draft cannot be told from decoding alone (1.60x (no interval) measured): acceptance 0.75, and at c = 0.33, v = 1.08 and 2.0 tokens a round "
+        "it pays above 0.50; at this acceptance a draft step must cost at most 0.61 of a decoding step; measured / expected at the measured v: 1.20",
+        "prompt-lookup cannot be told from decoding alone (1.10x (no interval) measured): acceptance 0.50, and at c = 0.00, v = 1.04 and 3.0 tokens a "
+        "round it pays above 0.04; at this acceptance a draft step must cost at most 0.28 of a decoding step; measured / expected at the measured v: 0.59",
+        versus, "the check of a draft's tokens costs 1.04-1.08 decoding steps (v; Leviathan et al. assume 1)", *tail]
+    rows = prompt_rows(_reported_record())
+    assert [(r["prompt"], r["draft"]) for r in rows] == [(i, d) for i in range(3) for d in ("self-draft", "prompt-lookup")]
+    assert rows[0] == {"prompt": 0, "kind": "code", "source": "s", "prompt_tokens": 5, "draft": "self-draft", "generated": 5, "rounds": 2, "drafted": 4,
+                       "accepted": 2, "checks": 2, "decode_s": 0.5, "plain_decode_s": 0.8, "draft_s": 0.2, "check_s": 0.25, "plain_step_s": 0.6,
+                       "plain_steps": 4, "same_tokens_as_generate": True}
+    assert rows[3] == {**rows[3], "rounds": 0, "drafted": 0, "accepted": 0, "checks": 8, "same_tokens_as_generate": True}
+
+
+@pytest.mark.statistics
+def test_the_speedup_figure_draws_each_drafts_measured_expected_and_ceiling_where_they_are(tmp_path):
+    """The figure's marks at the summary's values: the measured median with its interval (one prompt's,
+    none: a zero-length bar), the expected at v = 1 and at the measured v, the ceiling, the line at 1,
+    each draft's name under its marks, and the files written beside the record."""
+    from depthcurse.speculate.report import SPECULATE_CSV, SPECULATE_PNG, speedup_figure, write_speculate_files
+
+    record = _reported_record()
+    s = record["summary"]["drafts"]
+    ax = speedup_figure(record).axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    measured = [c for c in ax.containers]
+    assert [tuple(np.round(c.lines[0].get_xydata()[0], 6)) for c in measured] == [(-0.15, round(s["self-draft"]["speedup"]["median"], 6)),
+                                                                                 (0.85, round(s["prompt-lookup"]["speedup"]["median"], 6))]
+    assert measured[0].get_label() == "measured (median, 95%)"
+    marks = [(round(float(x), 6), round(float(y), 6), line.get_label()) for line in ax.get_lines() for x, y in line.get_xydata()]
+    for x, name in enumerate(s):
+        assert (round(x + 0.0, 6), round(s[name]["expected"]["mean"], 6)) in [(m[0], m[1]) for m in marks]
+        assert (round(x + 0.15, 6), round(s[name]["expected_v"]["mean"], 6)) in [(m[0], m[1]) for m in marks]
+        assert (float(x), round(s[name]["ceiling"], 6)) in [(m[0], m[1]) for m in marks]
+    assert {"expected, v = 1", "expected, measured v", "ceiling (every token accepted), v = 1"} <= set(lines)
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["expected, v = 1", "expected, measured v", "ceiling (every token accepted), v = 1",
+                                                                   "measured (median, 95%)"]  # each once: the first draft's marks name them
+    bars = [c.lines[2][0].get_segments()[0] for c in measured]  # one prompt each: no interval, a bar of no length at the median
+    assert all(seg[0][1] == seg[1][1] for seg in bars)
+    assert any(list(line.get_ydata()) == [1.0, 1.0] for line in ax.get_lines())
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["self-draft", "prompt-lookup"]
+    assert ax.get_ylabel() == "speedup of decoding over the whole model alone"
+    assert ax.get_title() == "tiny: 3 prompts, draft length at most 2, confidence stop"
+    written = write_speculate_files(record, tmp_path)
+    assert [p.name for p in written] == [SPECULATE_CSV, SPECULATE_PNG] and all(p.stat().st_size for p in written)
+    assert (tmp_path / SPECULATE_CSV).read_text().splitlines()[0].startswith("prompt,kind,source,prompt_tokens,draft,generated,rounds")
+
+
+@pytest.mark.statistics
+def test_the_sampling_rules_edges_and_the_seeded_generator_by_hand():
+    """min(1, p/q) at q(x) = 0 is 1 (not a division by zero); the residual of p against itself is p;
+    a certain proposal's residual is p without its token; sampling draws from a generator seeded by
+    the settings' seed (the same draws whatever torch's global seed), greedy from none; and a rejected
+    certain proposal is never replaced by itself."""
+    p = torch.tensor([0.5, 0.3, 0.2])
+    assert acceptance_probability(p, torch.tensor([0.0, 0.5, 0.5]), 0) == 1.0
+    assert acceptance_probability(p, torch.tensor([0.25, 0.5, 0.25]), 1) == pytest.approx(0.6)
+    assert torch.equal(residual(p, p.clone(), 1), p)
+    assert torch.allclose(residual(p, None, 0), torch.tensor([0.0, 0.6, 0.4]))
+    assert DecodeSettings(temperature=0.0, seed=3).sampler().generator is None
+
+    def draws(seed, global_seed):
+        torch.manual_seed(global_seed)
+        sampler = DecodeSettings(temperature=0.5, seed=seed).sampler()
+        return [sampler.draw(p) for _ in range(20)] + [accept_sampled(torch.stack([p, p]), None, [0], sampler)[0][0] for _ in range(20)]
+
+    assert draws(3, 0) == draws(3, 1) != draws(4, 0)
+    sampler = DecodeSettings(temperature=1.0, seed=0).sampler()
+    outcomes = [accept_sampled(torch.stack([p, p]), None, [0], sampler) for _ in range(300)]
+    rejected = [kept for kept, n in outcomes if n == 0]
+    assert 100 < len(rejected) < 200 and all(len(kept) == 1 and kept[0] != 0 for kept in rejected)
+    kept, n = accept_sampled(torch.stack([p, p, p]), torch.stack([p, p]), [2, 1], sampler)  # q = p: every token accepted, then the bonus
+    assert n == 2 and kept[:2] == [2, 1] and len(kept) == 3
+
+
+@pytest.mark.statistics
+def test_the_confidence_policy_edges_and_a_bad_length_by_hand():
+    """A round that drafted nothing is not heard; one of 1 drafted and 1 accepted is (smoothing 0.5:
+    matchness 0.5); matchness exactly at the target counts as reached (the threshold holds at a full
+    round, falls by the step otherwise); every check is counted; draft length 1 is allowed, 0 and an
+    unknown policy are one line each."""
+    policy = Confidence(max_draft=4, threshold=0.8)
+    policy.update(0, 0)
+    assert (policy.checks, policy.matchness, policy.threshold) == (0, 0.0, 0.8)
+    policy.update(1, 1)
+    assert policy.checks == 1 and policy.matchness == pytest.approx(0.5) and policy.threshold == pytest.approx(0.9 * 0.8 + 0.1 * 0.81)
+    at_target = Confidence(max_draft=4, threshold=0.8, smoothing=0.0, target=0.5)
+    at_target.update(1, 2)  # matchness 0.5 = the target, stopped early: the threshold falls
+    assert at_target.threshold == pytest.approx(0.9 * 0.8 + 0.1 * 0.79)
+    full = Confidence(max_draft=2, threshold=0.8, smoothing=0.0, target=0.5)
+    full.update(1, 2)  # at the target after a full round: it holds
+    assert full.threshold == pytest.approx(0.8)
+    every = Confidence(every=2)
+    for _ in range(3):
+        every.update(1, 2)
+    assert every.checks == 3
+    assert build_length("fixed", 1).most() == 1 and build_length("heuristic", 1).most() == 1
+    from depthcurse.errors import DepthcurseError
+
+    with pytest.raises(DepthcurseError, match=r"^unknown --draft-length 'medusa': use fixed, confidence, heuristic$"):
+        build_length("medusa", 4)
+    with pytest.raises(DepthcurseError, match=r"^--draft-tokens must be at least 1, got 0$"):
+        build_length("fixed", 0)
+
+
+@pytest.mark.statistics
+def test_a_prompts_figures_where_nothing_was_timed_are_none_and_one_pair_has_no_interval():
+    """Guards by hand: no whole-model step timed gives no c and no v; a draft with no check, no v and
+    no tokens per check; no decoding time, no overhead and no tokens/s; one value has no interval;
+    a comparison of one prompt has none; a record with no generate beside it cannot judge its timings."""
+    from depthcurse.speculate.summary import _estimate, _prompt_figures, _versus, timing_check
+
+    plain = {"step_s": 0.0, "steps": 0, "decode_s": 0.5, "prefill_s": 0.1, "generated": 2}
+    draft = {"rounds": [[2, 1]], "draft_s": 0.1, "draft_calls": 2, "steps": 0, "step_s": 0.0, "decode_s": 0.0, "prefill_s": 0.1, "draft_prefill_s": 0.0,
+             "generated": 3}
+    got = _prompt_figures(plain, draft)
+    assert got["c"] is None and got["v"] is None and got["tokens_per_check"] is None and got["overhead"] is None and got["tokens_per_s"] is None
+    timed = _prompt_figures({**plain, "step_s": 0.4, "steps": 4, "generated": 5}, {**draft, "draft_calls": 0, "steps": 0})
+    assert timed["c"] == 0.0 and timed["v"] is None
+    assert _estimate([2.0]) == {"mean": 2.0, "interval": None, "n": 1} and _estimate([1.0, 3.0])["interval"] is not None
+    one = {"kind": "k", "plain": {"step_s": 0.2, "steps": 2, "decode_s": 0.3, "prefill_s": 0.1, "generated": 2}}
+    rounds = {"rounds": [[2, 1]], "draft_s": 0.1, "draft_calls": 2, "steps": 1, "step_s": 0.1, "decode_s": 0.2, "prefill_s": 0.1, "draft_prefill_s": 0.0,
+              "generated": 2}
+    prompts = [{**one, "a": rounds, "b": {**rounds, "rounds": [[2, 2]]}}, {**one, "a": rounds, "b": {**rounds, "generated": 1}}]
+    assert _versus(prompts, "b", "a") == {"against": "a", "difference": pytest.approx(1.0 - 0.5), "interval": None, "prompts": 1, "verdict": "cannot tell"}
+    two = prompts[:1] * 2
+    assert _versus(two, "b", "a")["interval"] == [pytest.approx(0.5), pytest.approx(0.5)] and _versus(two, "b", "a")["prompts"] == 2
+    assert timing_check([one]) == {"status": "unstable", "reason": "no prompt has model.generate's time beside this loop's, nothing to judge "
+                                   "the timings by", "prompts": 0}
+    got = timing_check([{**one, "generate": {"seconds": s}} for s in (0.1, 0.2, 0.4, 0.8, 1.6, 3.2)] + [{**one, "generate": {"seconds": 0.0}}])
+    assert got["prompts"] == 6 and got["status"] == "unstable"
+    assert summarise({"prompts": {"0": one}})["drafts"] == {} and summarise({"prompts": {"0": one}})["versus"] == {}
+
+
+@pytest.mark.statistics
+def test_a_drafts_seconds_add_up_over_its_passes_on_a_clock_the_test_holds():
+    """The draft's prefill seconds add over prompts and its forward passes' seconds over calls (a watch
+    that says 0.25 s each time); prompt lookup: n from the largest down by one, a match whose next
+    tokens run to the sequence's end proposes them, one with nothing after it none, and the copy stops
+    before an end-of-sequence token."""
+    model = tiny_llama(50, layers=4, seed=3)
+    draft = LayerSkipDraft(model, (1,), watch=lambda fn: (fn(), 0.25))
+    draft.start(PROMPT)
+    draft.start(PROMPT)
+    assert draft.cost.prefill_seconds == 0.5
+    proposal = draft.propose(torch.cat([PROMPT, torch.tensor([[5]])], dim=1), 3, None, DecodeSettings().sampler())
+    assert len(proposal.tokens) == 3 and draft.cost.seconds == 0.75 and draft.cost.calls == 3
+    greedy = DecodeSettings().sampler()
+    look = PromptLookupDraft(max_ngram=3, eos=(9,))
+    assert look.propose(torch.tensor([[1, 2, 3, 4, 1, 2, 3]]), 5, None, greedy).tokens == [4, 1, 2, 3]  # the 3-gram's match, up to the end
+    assert look.propose(torch.tensor([[5, 1, 2, 7, 1, 2]]), 5, None, greedy).tokens == [7, 1, 2]  # 2-gram: the 3-gram has none
+    assert PromptLookupDraft(max_ngram=3).propose(torch.tensor([[2, 8, 1, 2, 7, 1, 2]]), 5, None, greedy).tokens == [7, 1, 2]  # the 2-gram before the 1-gram
+    assert look.propose(torch.tensor([[1, 2, 9, 4, 1, 2]]), 5, None, greedy).tokens == []  # the copy stops before the eos
+    assert look.propose(torch.tensor([[4, 3, 2, 1]]), 5, None, greedy).tokens == []  # nothing repeats
+    assert PromptLookupDraft(max_ngram=5).propose(torch.tensor([[7, 7]]), 5, None, greedy).tokens == [7]  # n-grams no longer than the sequence allows
+    with pytest.raises(ValueError, match="^prompt lookup matches n-grams of 1 token or more, got 0$"):
+        PromptLookupDraft(max_ngram=0)
+
+
+def test_a_draft_length_past_what_a_round_can_use_is_capped_and_said_and_another_models_pick_is_refused(run_cli, tiny_model_dir, six_dir,
+                                                                                                        prompts_file, tmp_path):
+    """--draft-tokens 100000 with 6 new tokens: capped at 5 (the tokens after the whole model's first),
+    said in a line, kept in the record and the title; a select run's pick made on another model (whose
+    layers exist here too) is one line naming both models, not used (issue 81)."""
+    from depthcurse.select.scoring import KEPT
+
+    out = tmp_path / "capped"
+    code, stdout, err = run_cli("speculate", tiny_model_dir, "--skip", "1", "--prompts", prompts_file, "--max-new-tokens", "6", "--draft-tokens", "100000",
+                                "--baselines", "", "--out", out)
+    assert code == 0, err
+    assert "--draft-tokens 100000: capped at 5, the most a round can ever use with --max-new-tokens 6 (the first token is the whole model's own)" \
+        in " ".join(err.split())
+    record = json.loads((out / "speculate.json").read_text())
+    assert record["run"]["draft_tokens"] == 5  # the title reads it: "draft length 5"
+    assert "note: the prompts (each decoded alone, by generate and by every draft): 4 steps to run, the first took " in " ".join(err.split())
+    assert record["forecast"]["steps"] == 4 and record["forecast"]["forecast_seconds"] > 0 and record["forecast"]["seconds"] > 0
+    select = tmp_path / "select-of-six"
+    select.mkdir()
+    scores = [0.5] * (KEPT.index("kl") + 1)
+    (select / "select.json").write_text(json.dumps({
+        "run": {"model": "six", "source": str(six_dir), "revision": None, "n_layers": 6},
+        "cells": {"t/exact/kl": {"objective": "kl", "calibration": "t", "layers": [1]}}, "calibration_scores": {"t": {"1": scores}}}))
+    assert_one_line_error(*run_cli("speculate", tiny_model_dir, "--skip-from", select, "--prompts", prompts_file, "--out", tmp_path / "b"),
+                          f"--skip-from {select} (t/exact/kl): the select run was made on {six_dir}, not on ")
+
+
+@pytest.mark.statistics
+def test_every_verdict_lines_other_branches_word_for_word():
+    """A summary made by hand for the branches `_three_prompts` does not reach: sampling, a speedup
+    whose interval touches 1 from either side (no verdict either way), one whose draft no acceptance
+    pays (and the check alone costs more than a round gives), a comparison with its interval and
+    word, five differing prompts (four named), a 3 MiB cache; and the table's other settings: a
+    heuristic length, a finished run, a sampling title, a figure that is missing ("-")."""
+    from depthcurse.speculate.report import prompt_rows, speculate_table, speculate_verdicts
+
+    est = lambda mean, iv=None: {"mean": mean, "interval": iv, "n": 6}  # noqa: E731
+    base = {"lossless": {"equal": 6, "compared": 6, "differ": []}, "alpha": est(0.5), "c": est(0.2), "v": est(1.5), "gamma": est(4.0),
+            "overhead": est(0.1), "draft_cache_bytes": 3 * 2**20, "draft_cache_share": 0.25}
+    drafts = {"touch-low": {**base, "speedup": {"median": 1.1, "interval": [1.0, 1.2], "pairs": 6}},
+              "touch-high": {**base, "speedup": {"median": 0.9, "interval": [0.8, 1.0], "pairs": 6}},
+              "hopeless": {**base, "speedup": {"median": 0.5, "interval": [0.4, 0.6], "pairs": 6}, "break_even_v": None, "ceiling_v": 0.93,
+                           "largest_c": -0.1}}
+    differ = [{"prompt": p, "at": 3} for p in range(5)]
+    summary = {"drafts": drafts, "plain": {"overhead": est(0.02)}, "timing": {"status": "ok"},
+               "versus": {"hopeless": None,  # decoded on no prompt with the first: no line, and the next still said
+                          "touch-high": {"against": "touch-low", "difference": -0.25, "interval": [-0.4, -0.1], "prompts": 6, "verdict": "less"}}}
+    lines = speculate_verdicts({"run": {"temperature": 0.7}, "summary": summary})
+    assert lines[0] == ("sampling at temperature 0.7: each draft's tokens follow the whole model's distribution by Leviathan et al.'s rule "
+                        "(tests/test_speculate.py checks the rule exactly and by a chi-square test); no token-for-token check")
+    assert lines[1] == "touch-low cannot be told from decoding alone (1.10x (1.00-1.20) measured)"
+    assert lines[2] == "touch-high cannot be told from decoding alone (0.90x (0.80-1.00) measured)"
+    assert lines[3] == ("hopeless does not pay (0.50x (0.40-0.60) measured): acceptance 0.50, and at c = 0.20, v = 1.50 and 4.0 tokens a round no "
+                        "acceptance pays (even every token accepted gives 0.93x); at this acceptance no draft pays however cheap: the check alone "
+                        "costs more than the tokens a round gives")
+    assert lines[4] == "touch-high against touch-low: accepted less (-0.250 [-0.400, -0.100] acceptance, paired over 6 prompts, Student's t)"
+    assert lines[5] == "the check of a draft's tokens costs 1.50 decoding steps (v; Leviathan et al. assume 1)"
+    assert lines[6] == "the loop's own time, outside forward passes: touch-low 10.0%, touch-high 10.0%, hopeless 10.0%; decoding alone 2.0%"
+    assert lines[7] == ("the draft's extra memory is its KV cache: touch-low 3.00 MiB at most (0.25 of the whole model's), touch-high 3.00 MiB at "
+                        "most (0.25 of the whole model's), hopeless 3.00 MiB at most (0.25 of the whole model's)") and len(lines) == 8
+    greedy = speculate_verdicts({"run": {"temperature": 0}, "summary": {**summary, "drafts": {"d": {**base, "speedup": None,
+                                                                                             "lossless": {"equal": 1, "compared": 6, "differ": differ}}}}})
+    assert greedy[0] == ("d: greedy output differs from model.generate's on 5 of 6 prompts (prompt 0 at token 3, prompt 1 at token 3, prompt 2 at "
+                         "token 3, prompt 3 at token 3)")
+    record = {"run": {"temperature": 0.7, "model": "m", "max_new_tokens": 9, "draft_length": "heuristic", "draft_tokens": 3}, "prompts": {}, "asked": 0,
+              "complete": True, "methods": {"d": {"what": "w"}},
+              "summary": {"drafts": {"d": {**base, "speedup": None, "end_to_end": None, "tokens_per_s": None, "tokens_per_check": None,
+                                           "expected": None, "expected_v": None, "lossless": {"equal": 0, "compared": 0, "differ": []}}},
+                          "plain": {"tokens_per_s": None, "lossless": {"equal": 0, "compared": 0, "differ": []}}, "timing": {"status": "ok"}}}
+    table = speculate_table(record)
+    assert table.title == ("m: drafts checked by the whole model (sampling at temperature 0.7), 0 of 0 prompts, 9 new tokens at most; draft length "
+                           "from 3, heuristic")
+    assert _cells(table)[1] == ["d: w", "-", "-", "-", "0.50 (no interval)", "-", "0.20 (no interval)", "1.50 (no interval)", "- | -", "- | -",
+                                "- | -", "sampling: -"]
+    assert _cells(table)[0][-1] == "sampling: -"
+    record["prompts"] = {str(i): {"kind": "k", "source": "s", "prompt_tokens": 1, "plain": {"decode_s": 1.0, "step_s": 1.0, "steps": 1},
+                                  "d": {"generated": 2, "rounds": [], "steps": 1, "decode_s": 1.0, "draft_s": 0.0, "step_s": 1.0}} for i in (10, 9)}
+    assert [r["prompt"] for r in prompt_rows(record)] == [9, 10]  # by number, not as text

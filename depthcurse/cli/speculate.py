@@ -20,18 +20,18 @@ def _names(text: str) -> tuple[str, ...]:
 
 def speculate(
     model: str = ModelArg,
-    skip: Optional[str] = typer.Option(None, "--skip", help="What the draft skips: blocks, e.g. 12-15 or 3,7,20-25 (the draft is the model without them), or attention and MLP branches, e.g. a3,m7,a10-12 (Draft & Verify's and SWIFT's drafts)."),
-    skip_from: Optional[Path] = typer.Option(None, "--skip-from", help="Or: a select run's folder, whose pick the draft skips (the best by acceptance, else speedup, KL, loss)."),
-    also_skip: Optional[list[str]] = typer.Option(None, "--also-skip", help="Another self-draft on the same prompts (repeatable), its acceptance set against the first's, paired over the prompts."),
-    also_skip_from: Optional[list[Path]] = typer.Option(None, "--also-skip-from", help="Another self-draft from a select run's pick (repeatable), as --also-skip."),
+    skip: Optional[str] = typer.Option(None, "--skip", help="Required, or --skip-from. What the draft skips: blocks, e.g. 12-15 or 3,7,20-25 (the draft is the model without them), or attention and MLP branches, e.g. a3,m7,a10-12 (Draft & Verify's and SWIFT's drafts).", show_default="none"),
+    skip_from: Optional[Path] = typer.Option(None, "--skip-from", help="Required, or --skip. A select run's folder, whose pick the draft skips (the best by acceptance, else speedup, KL, loss).", show_default="none"),
+    also_skip: Optional[list[str]] = typer.Option(None, "--also-skip", help="Another self-draft on the same prompts (repeatable), its acceptance set against the first's, paired over the prompts.", show_default="off"),
+    also_skip_from: Optional[list[Path]] = typer.Option(None, "--also-skip-from", help="Another self-draft from a select run's pick (repeatable), as --also-skip.", show_default="off"),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help="Tokens the draft proposes a round (gamma): every round with --draft-length fixed, at most with confidence, the first round with heuristic."),
     draft_length: str = typer.Option("fixed", "--draft-length", help="fixed; confidence (Draft & Verify's: stop after a token the draft is less sure of than a threshold that adapts); heuristic (transformers': 2 more after a fully accepted round, 1 fewer otherwise)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens generated per prompt at most (an end-of-sequence token stops it sooner)."),
-    prompts: str = typer.Option("suite", "--prompts", help="suite (offline prompts of four kinds: dialogue, code, math, summary) or a file: .jsonl ('text', each prompt exactly as written) or .txt (prompts between blank lines, each trimmed of its leading and trailing newlines: give .jsonl to keep a chat prompt's closing newline)."),
+    prompts: str = typer.Option("suite", "--prompts", help="suite (offline prompts of four kinds: dialogue, code, math, summary), a text source (wiki, c4, code, math, dialogue: each document a prompt, whole) or a file: .jsonl ('text', each prompt exactly as written) or .txt (prompts between blank lines, each trimmed of its leading and trailing newlines: give .jsonl to keep a chat prompt's closing newline)."),
     per_kind: int = typer.Option(4, "--per-kind", help="Prompts of each kind of the suite."),
     kinds: str = typer.Option("dialogue,code,math,summary", "--kinds", help="Kinds of the suite, comma-separated."),
     baselines: str = typer.Option("early-exit,prompt-lookup", "--baselines", help="Other drafts on the same prompts: early-exit (as many blocks skipped, the last ones), prompt-lookup (n-grams of the sequence), or none."),
-    assistant: Optional[str] = typer.Option(None, "--assistant", help="A smaller model of the same tokenizer as a draft too, in this loop and in transformers' own assisted decoding."),
+    assistant: Optional[str] = typer.Option(None, "--assistant", help="A smaller model of the same tokenizer as a draft too, in this loop and in transformers' own assisted decoding.", show_default="off"),
     sample: bool = typer.Option(False, "--sample", help="Sample at --temperature instead of greedy decoding (speculative sampling: the same distribution, not the same tokens)."),
     temperature: float = typer.Option(1.0, "--temperature", help="With --sample: the temperature (above 0)."),
     ngram: int = typer.Option(2, "--ngram", help="Prompt lookup's longest n-gram matched."),
@@ -59,6 +59,8 @@ def speculate(
     cfg = SpeculateConfig(skip=(), draft_tokens=draft_tokens, draft_length=draft_length, max_new_tokens=max_new_tokens, prompts=prompts, per_kind=per_kind,
                           kinds=_names(kinds), baselines=_names(baselines), assistant=assistant, temperature=temperature if sample else 0.0, ngram=ngram,
                           stop_at_eos=not ignore_eos, seed=seed).checked()
+    if cfg.capped(draft_tokens):
+        err_console.print(Text(cfg.capped(draft_tokens)), soft_wrap=True)
     if prompts != "suite":
         from depthcurse.speculate import load_prompts
 
@@ -94,7 +96,10 @@ def _speculate(model, cfg, skip, picked, out: Path, world, also=([], []), **opti
     loaded = load(model, **options, gpus=gpus)
     n = num_layers(loaded.model)
     if picked is not None:
-        removal, where = picked
+        from depthcurse.select.picks import same_model
+
+        removal, where, run = picked
+        same_model(run, loaded.describe(), "--skip-from", where)
         bad = [u for u in removal if not 0 <= (int(u[1:]) if isinstance(u, str) else u) < n]
         if bad:
             raise DepthcurseError(f"--skip-from {where}: layer {bad[0]} is not one of {loaded.name}'s {n} (the select run was made on another model)")
@@ -102,11 +107,14 @@ def _speculate(model, cfg, skip, picked, out: Path, world, also=([], []), **opti
     else:
         cfg = dataclasses.replace(cfg, skip=parse_skip(skip, n))
     typed, read = also
-    for removal, where in read:
+    for removal, where, run in read:
+        from depthcurse.select.picks import same_model
+
+        same_model(run, loaded.describe(), "--also-skip-from", where)
         bad = [u for u in removal if not 0 <= (int(u[1:]) if isinstance(u, str) else u) < n]
         if bad:
             raise DepthcurseError(f"--also-skip-from {where}: layer {bad[0]} is not one of {loaded.name}'s {n} (the select run was made on another model)")
-    cfg = dataclasses.replace(cfg, also=tuple(parse_skip(t, n) for t in typed) + tuple(tuple(r) for r, _ in read))  # checked with the model by run_speculate
+    cfg = dataclasses.replace(cfg, also=tuple(parse_skip(t, n) for t in typed) + tuple(tuple(r) for r, _, _ in read))  # checked with the model by run_speculate
     helper = load(cfg.assistant, **options, gpus=gpus) if cfg.assistant else None
     header = once(lambda: console.print(model_line(loaded) + f" · drafting without {', '.join(map(str, cfg.skip))} · results in {out}"))
     progress = progress_bar()
@@ -118,7 +126,7 @@ def _speculate(model, cfg, skip, picked, out: Path, world, also=([], []), **opti
 
     try:
         with showing(progress):
-            record = run_speculate(loaded, cfg, out, assistant=helper, on_step=on_step, world=world)
+            record = run_speculate(loaded, cfg, out, assistant=helper, on_step=on_step, world=world, on_note=lambda text: say("note", text))
     except KeyboardInterrupt:
         path = out / SPECULATE_JSON
         said = f"every finished prompt is in {path}; rerun the same command to continue" if path.exists() else "no prompt had finished"

@@ -15,13 +15,26 @@ from depthcurse.select.search import key
 DRAFT_PREFERENCE = ("acceptance", "speedup", "kl", "ppl")
 
 
-def draft_pick(folder: Path) -> tuple[tuple[int, ...], str]:
-    """(the removal, where it came from) of the select run in `folder`: among the cells of the first
-    objective of `DRAFT_PREFERENCE` that ran, the pick with the best calibration score on its own
-    text (blocks, or attention and MLP branches: the draft skips either)."""
+def same_model(run: dict, described: dict, flag: str, where: str) -> None:
+    """A pick names its own model's layers: refuse one read from a select run of another model (its
+    recorded source, the hub id or folder, and revision, against the loaded model's), even where
+    the layers it names exist here too."""
+    theirs = (run.get("source", run.get("model")), run.get("revision"))
+    ours = (described["source"] if "source" in run else described["model"], described.get("revision"))
+    if theirs != ours:
+        said = lambda s, r: f"{s}" + (f" @ {r}" if r else "")  # noqa: E731
+        raise DepthcurseError(f"{flag} {where}: the select run was made on {said(*theirs)}, not on {said(*ours)}: its pick names that model's layers "
+                              "(run select on this model, or give --skip)")
+
+
+def draft_pick(folder: Path) -> tuple[tuple[int, ...], str, dict]:
+    """(the removal, where it came from, the run's settings) of the select run in `folder`: among
+    the cells of the first objective of `DRAFT_PREFERENCE` that ran, the pick with the best
+    calibration score on its own text (blocks, or attention and MLP branches: the draft skips
+    either)."""
     try:
         record = json.loads(record_path(folder, SELECT_JSON).read_text())
-        cells, scores = record["cells"], record["calibration_scores"]
+        cells, scores, run = record["cells"], record["calibration_scores"], record["run"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise DepthcurseError(f"--skip-from {folder}: no select run there ({SELECT_JSON}): {exc}") from None
     for objective in DRAFT_PREFERENCE:
@@ -30,8 +43,8 @@ def draft_pick(folder: Path) -> tuple[tuple[int, ...], str]:
                   if len(scores.get(c["calibration"], {}).get(key(c["layers"]), ())) > KEPT.index(objective)}
         if scored:
             name = min(scored, key=lambda n: (scored[n], n))
-            return tuple(cells[name]["layers"]), f"{folder} ({name})"
+            return tuple(cells[name]["layers"]), f"{folder} ({name})", run
     if not cells:
         raise DepthcurseError(f"--skip-from {folder}: the select run has chosen nothing yet")
     name = sorted(cells)[0]  # only stream searches ran: no score to rank their picks by
-    return tuple(cells[name]["layers"]), f"{folder} ({name})"
+    return tuple(cells[name]["layers"]), f"{folder} ({name})", run

@@ -91,7 +91,8 @@ def suite(per_kind: int, kinds: tuple[str, ...] = KINDS) -> list[Prompt]:
 def from_file(path: str) -> list[Prompt]:
     """A file's prompts: a .jsonl's (or .json's, .parquet's) exactly as written, a chat prompt's closing
     newline kept; a .txt's between blank lines, whose format cannot hold a prompt's leading or trailing
-    newlines, so they are trimmed (`TRIMS`)."""
+    newlines, so they are trimmed (`TRIMS`). A text source's name (wiki, c4, ...) gives its documents,
+    each whole, as `load_texts` reads them."""
     found = Path(path).expanduser()
     texts, label = load_texts(str(found), option="--prompts")
     trimmed = found.suffix in TRIMS

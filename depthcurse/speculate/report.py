@@ -30,6 +30,10 @@ def _est(estimate: dict | None, digits: int = 2) -> str:
     return f"{estimate['mean']:.{digits}f}" + (f" ({interval[0]:.{digits}f}-{interval[1]:.{digits}f})" if interval else " (no interval)")
 
 
+def _prompts(n: int) -> str:
+    return "1 prompt" if n == 1 else f"{n} prompts"
+
+
 def _span(values: list[float]) -> str:
     """Several drafts' figures as their range; one, or all equal, as one number."""
     low, high = f"{min(values):.2f}", f"{max(values):.2f}"
@@ -57,7 +61,7 @@ def speculate_table(record: dict) -> Table:
                         + ("" if (summary.get("timing") or {"status": "ok"})["status"] == "ok" else ": TIMINGS NOT TRUSTED, see the verdicts"),
                   caption="95% intervals over prompts (Student's t; speedups: the median of per-prompt time ratios, distribution-free). c: a draft "
                           "step's seconds, v: a check's, in decoding steps of the whole model alone. Expected: Leviathan et al.'s "
-                          "E[tokens] / (gamma c + v) at v = 1 and at the measured v. Ceiling: every token accepted. Break-even: the acceptance "
+                          "E\\[tokens] / (gamma c + v) at v = 1 and at the measured v. Ceiling: every token accepted. Break-even: the acceptance "
                           "the draft pays at.")
     for header in ("draft", "tokens/s (decoding)", "speedup (decoding)", "speedup (with prefills)", "acceptance", "tokens per check", "c", "v",
                    "expected: v = 1 | measured v", "ceiling: v = 1 | v", "break-even acceptance: v = 1 | v", "same tokens as generate"):
@@ -113,7 +117,7 @@ def speculate_verdicts(record: dict) -> list[str]:
                      "acceptance alone")
         for name, s in summary["drafts"].items():
             if s.get("alpha"):
-                lines.append(f"{name}: acceptance {_est(s['alpha'])} over {s['alpha']['n']} prompts (what pays: not said, the timings are not trusted)")
+                lines.append(f"{name}: acceptance {_est(s['alpha'])} over {_prompts(s['alpha']['n'])} (what pays: not said, the timings are not trusted)")
     for name, s in summary["drafts"].items() if timing["status"] == "ok" else ():
         speed, alpha = s["speedup"], (s["alpha"] or {}).get("mean")
         if not speed:
@@ -135,7 +139,7 @@ def speculate_verdicts(record: dict) -> list[str]:
         iv = d["interval"]
         said = f"{d['difference']:+.3f}" + (f" [{iv[0]:+.3f}, {iv[1]:+.3f}]" if iv else " (one prompt: no interval)")
         word = "cannot tell" if d["verdict"] == "cannot tell" else f"accepted {d['verdict']}"
-        lines.append(f"{name} against {d['against']}: {word} ({said} acceptance, paired over {d['prompts']} prompts, Student's t)")
+        lines.append(f"{name} against {d['against']}: {word} ({said} acceptance, paired over {_prompts(d['prompts'])}, Student's t)")
     v = [s["v"]["mean"] for s in summary["drafts"].values() if s.get("v")]
     if v and timing["status"] == "ok":
         lines.append(f"the check of a draft's tokens costs {_span(v)} decoding steps (v; Leviathan et al. assume 1)")
@@ -190,30 +194,36 @@ def write_speculate_files(record: dict, out_dir: Path) -> list[Path]:
     return written
 
 
+# the figure's look (what it marks, where, and its labels are tested; not its colours and sizes)
+MEASURED = {"fmt": "o", "color": "C0"}  # pragma: no mutate
+EXPECTED = ((0.0, "expected", "C1", "expected, v = 1"), (0.15, "expected_v", "C2", "expected, measured v"))  # pragma: no mutate
+CEILING = {"color": "grey", "markersize": 18}  # pragma: no mutate
+
+
 def speedup_figure(record: dict):
     """Each draft's measured speedup (median, 95% interval) beside its expected ones and its ceiling."""
     import matplotlib  # lazy: matplotlib takes a second to import
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # pragma: no mutate (the drawing's look: what it marks is tested, not its colours and sizes)
     import matplotlib.pyplot as plt
 
     drafts = record["summary"]["drafts"]
-    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(drafts), 4.2))
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(drafts), 4.2))  # pragma: no mutate
     for x, (name, s) in enumerate(drafts.items()):
         if s["speedup"]:
             lo, hi = s["speedup"]["interval"] or (s["speedup"]["median"],) * 2
-            ax.errorbar(x - 0.15, s["speedup"]["median"], yerr=[[s["speedup"]["median"] - lo], [hi - s["speedup"]["median"]]], fmt="o", color="C0",
+            ax.errorbar(x - 0.15, s["speedup"]["median"], yerr=[[s["speedup"]["median"] - lo], [hi - s["speedup"]["median"]]], **MEASURED,
                         label="measured (median, 95%)" if x == 0 else None)
-        for offset, key, colour, label in ((0.0, "expected", "C1", "expected, v = 1"), (0.15, "expected_v", "C2", "expected, measured v")):
+        for offset, key, colour, label in EXPECTED:
             if s.get(key):
                 ax.plot(x + offset, s[key]["mean"], "s", color=colour, label=label if x == 0 else None)
         if s.get("ceiling") is not None:
-            ax.plot(x, s["ceiling"], "_", color="grey", markersize=18, label="ceiling (every token accepted), v = 1" if x == 0 else None)
-    ax.axhline(1.0, color="black", linewidth=0.8)
+            ax.plot(x, s["ceiling"], "_", **CEILING, label="ceiling (every token accepted), v = 1" if x == 0 else None)
+    ax.axhline(1.0, color="black", linewidth=0.8)  # pragma: no mutate
     ax.set_xticks(range(len(drafts)), list(drafts))
     ax.set_ylabel("speedup of decoding over the whole model alone")
     run = record["run"]
-    ax.set_title(f"{run['model']}: {len(record['prompts'])} prompts, draft length {_length(run)}", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.set_title(f"{run['model']}: {len(record['prompts'])} prompts, draft length {_length(run)}", fontsize=9)  # pragma: no mutate
+    ax.legend(fontsize=7)  # pragma: no mutate
     fig.tight_layout()
     return fig

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.forecast import Forecast
 from depthcurse.io import atomic_write, ensure_out_dir, environment, json_text, refuse_other_run
 from depthcurse.loading import max_positions
 from depthcurse.runtime import World
@@ -94,7 +95,16 @@ class SpeculateConfig:
         bad = [b for b in self.baselines if b not in BASELINES]
         if bad:
             raise DepthcurseError(f"--baselines {','.join(self.baselines)}: {bad[0]!r} is not one ({', '.join(BASELINES)}; an assistant by --assistant)")
+        if self.draft_tokens > self.max_new_tokens - 1:  # what a round can ever use: the tokens left after the whole model's first
+            return replace(self, draft_tokens=self.max_new_tokens - 1)
         return self
+
+    def capped(self, asked: int) -> str | None:
+        """The line that says --draft-tokens was capped (`asked` against what this config drafts), or None."""
+        if asked <= self.draft_tokens:
+            return None
+        return (f"--draft-tokens {asked}: capped at {self.draft_tokens}, the most a round can ever use with --max-new-tokens {self.max_new_tokens} "
+                "(the first token is the whole model's own)")
 
     @property
     def greedy(self) -> bool:
@@ -272,8 +282,9 @@ def warm_up(model, ids: torch.Tensor, methods: list[Method], cfg: SpeculateConfi
 
 
 def run_speculate(loaded, cfg: SpeculateConfig, out_dir: Path, *, assistant=None, on_step: Callable[[str, int, int], None] | None = None,
-                  world: World = World(), now: Callable[[], float] = time.perf_counter) -> dict:
-    """Every prompt of `cfg` (those `speculate.json` does not hold yet), and the summary."""
+                  world: World = World(), now: Callable[[], float] = time.perf_counter, on_note: Callable[[str], None] = lambda text: None) -> dict:
+    """Every prompt of `cfg` (those `speculate.json` does not hold yet), and the summary; after the
+    first prompt, `on_note` hears how long the rest will take (kept in the record beside the time)."""
     model, tokenizer = loaded.model.eval(), loaded.tokenizer
     cfg = cfg.checked(num_layers(model))
     if assistant is not None:
@@ -302,6 +313,8 @@ def run_speculate(loaded, cfg: SpeculateConfig, out_dir: Path, *, assistant=None
     if todo:
         warm_up(model, ids[todo[0]], methods, cfg, eos, watch, hf_assistant)
     rounds = [todo[r : r + world.size] for r in range(0, len(todo), world.size)]  # each round a prompt per rank
+    forecast = Forecast("the prompts (each decoded alone, by generate and by every draft)", len(rounds), say=on_note if world.main else (lambda t: None),
+                        clock=now).start()
     for r, batch in enumerate(rounds):
         mine = batch[world.rank] if world.rank < len(batch) else None
         if on_step:
@@ -313,12 +326,15 @@ def run_speculate(loaded, cfg: SpeculateConfig, out_dir: Path, *, assistant=None
         for i, done in zip(batch, world.all_gather(result)):
             record["prompts"][str(i)] = done
         save()
+        forecast.step_done(r)
     record["methods"] = {m.name: {"what": m.what, "skipped": list(m.skipped), "shares_weights": bool(m.draft is not None and m.draft.shares_weights)}
                          for m in methods}
     record["complete"] = len(record["prompts"]) == len(prompts)
     record["asked"] = len(prompts)
     record["environment"] = environment()
     record["wall_time_s"] = round(record.get("wall_time_s", 0.0) + now() - started, 3)
+    if todo:
+        record["forecast"] = forecast.summary()
     record["summary"] = summarise(record)
     save()
     return record
