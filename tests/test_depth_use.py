@@ -18,7 +18,8 @@ from depthcurse.depth.measure import DepthUse
 from depthcurse.depth.report import depth_verdicts
 from depthcurse.surgery import removed_layers
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# fast on tiny models: `make mutate` runs these against each mutant, but those through the command line (conftest marks them `cli`)
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.instruments]
 
 
 def _model():
@@ -529,11 +530,15 @@ def test_a_lens_file_reads_back_and_one_from_another_model_is_one_line(tmp_path)
     again, training = load_lens(path, stepper_of(model))
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), lens.state_dict().values())) and training == json.loads(json.dumps(record))
     other = tiny_llama(300, layers=5, seed=4).eval()  # same shape, another head
-    with pytest.raises(DepthcurseError, match=r"^--lens .*lens.safetensors was trained on another model \(width 32, 5 layers, head [0-9a-f]{16}; this one: "):
+    with pytest.raises(DepthcurseError, match=r"^--lens .*lens.safetensors was trained on another model \(width 32, 5 layers, head [0-9a-f]{16}; this one: "
+                                              r"width 32, 5 layers, head [0-9a-f]{16}\): train one for it with --tuned-lens$"):
         load_lens(path, stepper_of(other))
     (tmp_path / "junk.safetensors").write_bytes(b"not a lens")
-    with pytest.raises(DepthcurseError, match="is not a tuned lens written by depth-use"):
+    with pytest.raises(DepthcurseError, match=r"^--lens .*junk.safetensors is not a tuned lens written by depth-use \("):
         load_lens(tmp_path / "junk.safetensors", stepper_of(model))
+    with pytest.raises(DepthcurseError, match=r"^--lens .*missing.safetensors: no such file$"):
+        load_lens(tmp_path / "missing.safetensors", stepper_of(model))
+    assert again.fingerprint == json.loads(json.dumps(lens.fingerprint)) and again.embedding == lens.embedding
     with pytest.raises(DepthcurseError, match="must each be at least 1"):
         train_tuned_lens(model, stepper_of(model), ids, LensSettings(steps=0))
 
@@ -541,13 +546,13 @@ def test_a_lens_file_reads_back_and_one_from_another_model_is_one_line(tmp_path)
 def test_depth_use_trains_a_tuned_lens_keeps_it_and_reads_it_again(run_cli, tiny_model_dir, text_file, tmp_path):
     out = tmp_path / "du"
     base = ["depth-use", tiny_model_dir, "--data", text_file, "--windows", "2", "--seq-len", "16", "--no-influence"]
-    code, stdout, err = run_cli(*base, "--tuned-lens", "--lens-steps", "3", "--lens-windows", "3", "--out", out)
+    code, stdout, err = run_cli(*base, "--tuned-lens", "--lens-steps", "3", "--calib-windows", "3", "--out", out)
     assert code == 0, err
     record = json.loads((out / "depth_use.json").read_text())
     lens = record["tuned_lens"]
     assert lens["settings"]["steps"] == 3 and lens["train_windows"] == 3 and lens["source"] == "trained here" and len(lens["held_out_kl"]) == 4
     assert "tuned lens: half settled by the stream after layer" in " ".join(stdout.split()) and (out / "tuned_lens.safetensors").is_file()
-    code, stdout, err = run_cli(*base, "--tuned-lens", "--lens-steps", "3", "--lens-windows", "3", "--out", out)  # kept: read, not trained again
+    code, stdout, err = run_cli(*base, "--tuned-lens", "--lens-steps", "3", "--calib-windows", "3", "--out", out)  # kept: read, not trained again
     assert code == 0 and json.loads((out / "depth_use.json").read_text())["tuned_lens"]["seconds"] == lens["seconds"], err
     code, _, err = run_cli(*base, "--lens", out / "tuned_lens.safetensors", "--out", tmp_path / "read")
     assert code == 0 and json.loads((tmp_path / "read" / "depth_use.json").read_text())["layers"] == record["layers"], err
@@ -556,11 +561,11 @@ def test_depth_use_trains_a_tuned_lens_keeps_it_and_reads_it_again(run_cli, tiny
     assert code == 0 and "depth-use runs side by side" in page and page.count("| " + str(out)) == 1 and "tuned lens KL" in page, err
     assert (tmp_path / "page_figures" / "depth_settling_1.png").is_file()
     assert lens["settings"]["embedding"] is True and lens["translated_streams"] == [0, 1, 2, 3]
-    code, _, err = run_cli(*base, "--tuned-lens", "--no-lens-embedding", "--lens-steps", "3", "--lens-windows", "3", "--out", tmp_path / "old-form")
+    code, _, err = run_cli(*base, "--tuned-lens", "--no-lens-embedding", "--lens-steps", "3", "--calib-windows", "3", "--out", tmp_path / "old-form")
     old_form = json.loads((tmp_path / "old-form" / "depth_use.json").read_text())["tuned_lens"]
     assert code == 0 and old_form["settings"]["embedding"] is False and old_form["translated_streams"] == [1, 2, 3], err
     assert_one_line_error(*run_cli(*base, "--tuned-lens", "--lens", out / "tuned_lens.safetensors", "--out", tmp_path / "c"), "give one of them")
-    assert_one_line_error(*run_cli(*base, "--tuned-lens", "--lens-windows", "100000", "--out", tmp_path / "d"),
+    assert_one_line_error(*run_cli(*base, "--tuned-lens", "--calib-windows", "100000", "--out", tmp_path / "d"),
                           "fewer than --windows 2 and 100000 more to train the tuned lens on")
 
 
@@ -839,21 +844,37 @@ def test_the_maps_learning_rate_warms_up_then_follows_their_cosine_by_hand():
     assert learning_rate(MapSettings(steps=10, lr=1.0, warmup=0, min_lr_multiplier=0.5), 10) == pytest.approx(0.5)
 
 
+def test_a_model_mapped_onto_itself_says_what_that_measures(run_cli, tiny_model_dir, text_file, tmp_path):
+    """depth-map A A: the record, the title and the first verdict line say it is one model against
+    itself, whose diagonal is exact, so that no one reads its best matches as a finding of depth (issue 81)."""
+    from depthcurse.depth.map_report import SAME_MODEL
+
+    out = tmp_path / "self"
+    code, stdout, err = run_cli("depth-map", tiny_model_dir, tiny_model_dir, "--data", text_file, "--calib-windows", "3", "--eval-windows", "2", "--seq-len", "16",
+                                "--out", out)
+    assert code == 0, err
+    record = json.loads((out / "depth_map.json").read_text())
+    said = " ".join(stdout.split())
+    assert record["run"]["same_model"] is True and "(one model against itself)" in said and SAME_MODEL in said
+    assert record["best"] == [0, 1, 2, 3]  # each stream onto its own
+
+
 def test_depth_map_end_to_end_and_two_tokenizers_are_one_line(run_cli, tiny_model_dir, six_dir, bos_model_dir, text_file, tmp_path):
     out = tmp_path / "map"
-    code, stdout, err = run_cli("depth-map", tiny_model_dir, six_dir, "--data", text_file, "--windows", "3", "--held-out", "2", "--seq-len", "16", "--out", out)
+    code, stdout, err = run_cli("depth-map", tiny_model_dir, six_dir, "--data", text_file, "--calib-windows", "3", "--eval-windows", "2", "--seq-len", "16", "--out", out)
     assert code == 0, err
     said = " ".join(stdout.split())
     assert "which deep layer each shallow layer's stream maps to best" in said and "best match lies" in said
     record = json.loads((out / "depth_map.json").read_text())
     assert record["shallow_layers"] == 4 and record["deep_layers"] == 6 and len(record["r2"]) == 4 and (out / "depth_map.png").is_file()
+    assert record["run"]["same_model"] is False and "one model against itself" not in said
     assert_one_line_error(*run_cli("depth-map", tiny_model_dir, bos_model_dir, "--data", text_file, "--seq-len", "16", "--out", tmp_path / "b"),
                           "have different tokenizers")
-    assert_one_line_error(*run_cli("depth-map", tiny_model_dir, six_dir, "--data", text_file, "--held-out", "1", "--seq-len", "16", "--out", tmp_path / "c"),
-                          "--held-out at least 2")
+    assert_one_line_error(*run_cli("depth-map", tiny_model_dir, six_dir, "--data", text_file, "--eval-windows", "1", "--seq-len", "16", "--out", tmp_path / "c"),
+                          "--eval-windows at least 2")
     assert record["score"] == "r2_dims" and set(record["scores"]) == {"r2", "r2_dims"} and len(record["variance"]["deep"]) == 6
     theirs = tmp_path / "theirs"
-    code, stdout, err = run_cli("depth-map", tiny_model_dir, six_dir, "--data", text_file, "--windows", "3", "--held-out", "2", "--seq-len", "16",
+    code, stdout, err = run_cli("depth-map", tiny_model_dir, six_dir, "--data", text_file, "--calib-windows", "3", "--eval-windows", "2", "--seq-len", "16",
                                 "--as", "csordas", "--map-steps", "3", "--out", theirs)
     assert code == 0, err
     said = " ".join(stdout.split())
@@ -992,3 +1013,340 @@ def test_a_norm_that_divides_is_floored_by_the_definitions():
     x, zero = torch.tensor([[3.0, 4.0]]), torch.zeros(1, 2)
     assert _relative(x, zero, DEFINITIONS["csordas"].norm_floor).item() == pytest.approx(5e6)
     assert _relative(x, zero, DEFINITIONS["depthcurse"].norm_floor).item() == pytest.approx(5e12)
+
+
+def test_a_depth_maps_record_keeps_every_setting_and_step_and_its_bad_input_is_one_line():
+    """Every field of a map's record beside its scores, for both definitions: the definitions and their
+    settings, the windows, the ridge, each score's label and direction, each stream's largest
+    dimension's share (by hand, also for a stream whose variance is tiny), the relative depths (after
+    layer i: (i + 1) / L; entering layer i: i / L) and the Spearman interval at the streams' n; the
+    steps it reports; and three kinds of bad input, one line each."""
+    from depthcurse.depth.csordas_map import MapSettings
+    from depthcurse.depth.depth_map import MAP_DEFINITIONS, depth_map, largest_dimension_share
+    from depthcurse.errors import DepthcurseError
+    from depthcurse.stats.correlation import spearman_interval
+
+    shallow, deep = tiny_llama(300, layers=2, seed=5).eval(), tiny_llama(300, layers=3, seed=6).eval()
+    ids = _ids(windows=6, length=10)
+    steps = []
+    record = depth_map(shallow, deep, ids[:4], ids[4:], batch_size=3, ridge=0.01, on_step=lambda *a: steps.append(a))
+    assert steps == [("the shallow model's streams", 0, 2), ("the deep model's streams", 1, 2), ("maps from shallow layer 0", 0, 2),
+                     ("maps from shallow layer 1", 1, 2)]
+    assert record["definitions"] == {**MAP_DEFINITIONS["depthcurse"], "settings": {"ridge": 0.01}}
+    assert (record["fit_windows"], record["held_out_windows"], record["ridge"]) == (4, 2, 0.01)
+    assert {k: (v["label"], v["higher_is_better"]) for k, v in record["scores"].items()} == {
+        "r2_dims": ("held-out R^2 per dimension (the mean over dimensions)", True), "r2": ("held-out R^2 pooled over dimensions", True)}
+    assert record["variance"]["dominant_at"] == 0.5 and len(record["variance"]["shallow"]) == 2 and len(record["variance"]["deep"]) == 3
+    assert record["relative_depth"]["shallow"] == [0.5, 1.0]
+    assert record["relative_depth"]["best_deep"] == [(j + 1) / 3 for j in record["best"]]
+    assert record["relative_depth"]["spearman_interval"] == spearman_interval(record["relative_depth"]["spearman"], 2)
+    tiny = torch.zeros(2, 3, 4, dtype=torch.float64)
+    tiny[..., 0] = torch.tensor([[1e-4, 2e-4, 4e-4], [0.0, 1e-4, 3e-4]])  # one dimension varies, by 1e-4: all of the variance, however small
+    tiny[..., 1] = torch.tensor([[1e-4, 1e-4, 1e-4], [1e-4, 1e-4, 1e-4]]) * 0.5
+    assert largest_dimension_share(tiny) == pytest.approx(1.0)
+    g = torch.Generator().manual_seed(1)
+    stream = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
+    variance = stream.flatten(0, 1).var(0)
+    assert largest_dimension_share(stream) == pytest.approx(float(variance.max() / variance.sum()))
+    settings = MapSettings(steps=2, batch_windows=2, warmup=1)
+    steps.clear()
+    theirs = depth_map(shallow, deep, ids[:4], ids[4:], batch_size=3, definitions="csordas", settings=settings, on_step=lambda *a: steps.append(a))
+    assert steps[2:] == [(f"training the map from shallow stream {i} (their loop)", i, 3) for i in range(3)]
+    assert theirs["definitions"] == {**MAP_DEFINITIONS["csordas"], "settings": settings.summary()}
+    assert theirs["relative_depth"]["shallow"] == [0.0, 0.5, 1.0] and theirs["relative_depth"]["best_deep"] == [j / 3 for j in theirs["best"]]
+    assert len(theirs["scores"]["relative_error"]["mean"]) == 3 and len(theirs["scores"]["relative_error"]["mean"][0]) == 4
+    with pytest.raises(DepthcurseError, match=r"^--as theirs: no such definitions for the depth map \(known: depthcurse, csordas\)$"):
+        depth_map(shallow, deep, ids[:4], ids[4:], batch_size=3, definitions="theirs")
+    with pytest.raises(DepthcurseError, match=r"^--score relative_error: the depthcurse map gives r2_dims, r2$"):
+        depth_map(shallow, deep, ids[:4], ids[4:], batch_size=3, score="relative_error")
+    with pytest.raises(DepthcurseError, match=r"^the depth map needs at least 2 held-out windows \(its intervals are over them\)$"):
+        depth_map(shallow, deep, ids[:4], ids[4:5], batch_size=3)
+
+
+def _hand_record(influence: bool, entering: bool) -> dict:
+    """Three layers' rows, worked by hand below."""
+    rows = [{"attn_norm": 0.1, "mlp_norm": 0.2, "lens_kl": 3.0, "tuned_kl": 2.0}, {"attn_norm": 0.3, "mlp_norm": 0.1, "lens_kl": 1.5, "tuned_kl": 1.0},
+            {"attn_norm": 0.2, "mlp_norm": 0.6, "lens_kl": 0.5, "tuned_kl": 0.25}]
+    use = {"influence": [[float("nan"), 0.4, 0.2], [float("nan"), float("nan"), 0.6], [float("nan")] * 3], "output_change": [0.7, 0.2, 0.9]} if influence else {}
+    return {"layers": rows, "use": use, "run": {"model": "m"}, "definitions": {"name": "csordas" if entering else "depthcurse"}}
+
+
+def test_each_layers_measures_and_selects_targets_by_hand():
+    """The rows' means and intervals over windows (a figure of one window has none), settling shares;
+    each measure per layer on 3 layers (the drops after each layer, or entering it, where the last
+    ends at the output); a select record's removal costs (only where every single removal was scored)
+    and its whole-block picks with their signs; and two records of different models refused."""
+    from depthcurse.depth.agreement import agreement, layer_measures, select_targets
+    from depthcurse.depth.measure import DepthUse, per_layer_rows
+    from depthcurse.errors import DepthcurseError
+    from depthcurse.select.scoring import KEPT
+    from depthcurse.stats import mean_interval
+
+    use = DepthUse(n_layers=2, windows=2, attn_norm=[[1.0, 3.0], [2.0, 2.0]], mlp_norm=[[0.5, 0.5], [1.0, 2.0]], attn_cos=[[0.1, 0.3], [0.2, 0.2]],
+                   mlp_cos=[[0.0, 0.2], [0.4, 0.4]], lens_kl=[[4.0, 2.0], [1.0, 1.0]], lens_top1=[[0.0, 0.5], [1.0, 1.0]],
+                   lens_top5=[[0.5, 0.5], [1.0, 1.0]], settled=[1, 3], tuned_kl=[[2.0, 2.0], [0.5, 1.5]], tuned_top1=[[0.5, 0.5], [1.0, 1.0]],
+                   tuned_top5=[[1.0, 1.0], [1.0, 1.0]], tuned_settled=[2, 2])
+    rows = per_layer_rows(use)
+    assert rows[0]["attn_norm"] == 2.0 and rows[0]["attn_norm_interval"] == mean_interval([1.0, 3.0]) and rows[1]["mlp_norm"] == 1.5
+    assert rows[0]["lens_kl"] == 3.0 and rows[1]["tuned_kl"] == 1.0 and rows[0]["tuned_top1"] == 0.5 and rows[1]["attn_cos"] == pytest.approx(0.2)
+    assert [r["settled_share"] for r in rows] == [0.25, 0.75] and [r["tuned_settled_share"] for r in rows] == [0.5, 0.5]
+    assert set(rows[0]) == {"layer", "settled_share", "tuned_settled_share"} | {f"{n}{s}" for n in ("attn_norm", "mlp_norm", "attn_cos", "mlp_cos",
+                            "lens_kl", "lens_top1", "lens_top5", "tuned_kl", "tuned_top1", "tuned_top5") for s in ("", "_interval")}
+    one = per_layer_rows(DepthUse(n_layers=1, windows=1, attn_norm=[[2.0]], mlp_norm=[[1.0]], attn_cos=[[0.0]], mlp_cos=[[0.0]], lens_kl=[[1.0]],
+                                  lens_top1=[[1.0]], lens_top5=[[1.0]], settled=[0]))
+    assert one[0]["attn_norm_interval"] is None and one[0]["settled_share"] == 0.0 and "tuned_kl" not in one[0] and "tuned_settled_share" not in one[0]
+
+    after = layer_measures(_hand_record(influence=False, entering=False))
+    assert after == {"contribution ||a||/||h|| + ||m||/||h||": [pytest.approx(0.3), pytest.approx(0.4), pytest.approx(0.8)],
+                     "logit lens KL drop": [None, 1.5, 1.0], "tuned lens KL drop": [None, 1.0, 0.75]}
+    theirs = layer_measures(_hand_record(influence=True, entering=True))
+    assert theirs["logit lens KL drop"] == [1.5, 1.0, 0.5] and theirs["tuned lens KL drop"] == [1.0, 0.75, 0.25]
+    assert theirs["influence on later layers"] == [pytest.approx(0.3), pytest.approx(0.6), None]
+    assert theirs["output probability change (L2) when skipped"] == [0.7, 0.2, 0.9]
+    assert list(layer_measures(_hand_record(influence=True, entering=False)))[2] == "output KL when skipped"
+
+    at = KEPT.index("kl")
+    cost = lambda v: [None] * at + [v]  # noqa: E731 -- a removal's scores in select.json's order
+    select = {"run": {"n_layers": 3, "model": "m"}, "labels": {"wiki": "Wikipedia"},
+              "calibration_scores": {"wiki": {"0": cost(0.5), "1": cost(0.1), "2": cost(0.9)}, "c4": {"0": cost(0.5), "1": cost(0.2)}},
+              "cells": {"greedy": {"layers": [1, 2]}, "exact": {"layers": [1]}, "branches": {"layers": ["a1"]}}}
+    targets = select_targets(select)
+    assert targets == {"removal cost alone (kl, Wikipedia)": ([0.5, 0.1, 0.9], 1), "picked by exact at k = 1": ([0.0, 1.0, 0.0], -1),
+                       "picked by greedy at k = 2": ([0.0, 1.0, 1.0], -1)}
+    assert list(targets) == ["removal cost alone (kl, Wikipedia)", "picked by exact at k = 1", "picked by greedy at k = 2"]
+    rows = agreement(_hand_record(influence=False, entering=False), [select])
+    first = rows[0]
+    assert (first["measure"], first["target"], first["layers"], first["expected_sign"], first["distinct"]) == (
+        "contribution ||a||/||h|| + ||m||/||h||", "removal cost alone (kl, Wikipedia)", 3, 1, 3)
+    assert first["rho"] == pytest.approx(0.5) and first["interval"] is None and (first["verdict"], first["agrees"]) == ("cannot tell", None)  # 3 layers: no interval
+    drop = next(r for r in rows if r["measure"] == "logit lens KL drop" and r["target"] == "picked by greedy at k = 2")
+    assert drop["layers"] == 2 and drop["distinct"] == 1
+    with pytest.raises(DepthcurseError, match=r"^--agree-with: a select run of other against depth-use's m$"):
+        agreement(_hand_record(influence=False, entering=False), [{**select, "run": {"n_layers": 3, "model": "other"}}])
+    with pytest.raises(DepthcurseError, match=r"^--agree-with: a select run of 4 layers against depth-use's 3: not the same model$"):
+        agreement(_hand_record(influence=False, entering=False), [{**select, "run": {"n_layers": 4, "model": "m"}}])
+
+
+def test_the_lens_settings_edges_and_the_phase_transition_by_hand():
+    """Each bound of the tuned lens's settings: 1 step, 1 token, a micro-batch of 1, momentum 0 and lr
+    and decay at their edges pass; one past each is one line. The change point of the influence rows'
+    means by least squares on 3 and 4 rows worked out by hand, where a split at 1 (not at 2) is the
+    least, ties go to the earlier split, and a rise is no transition."""
+    from depthcurse.depth.measure import DepthUse, phase_transition
+    from depthcurse.depth.tuned_lens import LensSettings
+    from depthcurse.errors import DepthcurseError
+
+    LensSettings(steps=1, tokens_per_step=1, micro_batch=1, momentum=0.0, lr_scale=1e-9, weight_decay=0.0).check()
+    sizes = r"^--lens-steps, the lens's tokens per step and its micro-batch must each be at least 1 \(got {}\)$"
+    for bad, got in (({"steps": 0}, "0, 262144, 4"), ({"tokens_per_step": 0}, "250, 0, 4"), ({"micro_batch": 0}, "250, 262144, 0")):
+        with pytest.raises(DepthcurseError, match=sizes.format(got)):
+            LensSettings(**bad).check()
+    for bad in ({"momentum": 1.0}, {"momentum": -0.1}, {"lr_scale": 0.0}, {"weight_decay": -1e-9}):
+        with pytest.raises(DepthcurseError, match=r"^the tuned lens needs 0 <= momentum < 1, lr_scale > 0 and weight_decay >= 0$"):
+            LensSettings(**bad).check()
+
+    def rows(means):  # an influence matrix whose row i's later entries are all means[i]
+        n = len(means) + 1
+        return DepthUse(n_layers=n, windows=1, influence=[[float("nan")] * (i + 1) + [m] * (n - i - 1) for i, m in enumerate(means)] + [[float("nan")] * n])
+
+    assert phase_transition(rows([0.9, 0.1, 0.1])) == 1  # sse: split 1 -> 0, split 2 -> 0.32
+    assert phase_transition(rows([0.9, 0.8, 0.1, 0.1])) == 2
+    assert phase_transition(rows([0.5, 0.3, 0.1])) == 1  # splits 1 and 2 tie at 0.02: the earlier
+    assert phase_transition(rows([0.1, 0.1, 0.9])) is None  # the later segment is the higher
+    assert phase_transition(rows([0.9, 0.1])) is None and phase_transition(DepthUse(n_layers=3, windows=1)) is None
+
+
+def _stop_at(label: str, at: int):
+    """An on_step that interrupts (as Ctrl-C does) when `label`'s step `at` begins."""
+    def on_step(text, done, total):
+        if text.startswith(label) and done == at:
+            raise KeyboardInterrupt
+    return on_step
+
+
+def _same(a, b) -> bool:
+    """Equal to the last bit, NaN equal to NaN (the influence matrix's unmeasured cells)."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def test_an_interrupted_lens_measurement_and_map_resume_to_an_uninterrupted_runs_figures(tmp_path):
+    """Ctrl-C at the tuned lens's step 2 of 5, at the measurement's batch 1 of 3 and at the map's row 2
+    of 4 (both definitions): each kept what finished, and the rerun's lens, figures and rows equal an
+    uninterrupted run's to the last bit (issue 81)."""
+    from depthcurse.depth.depth_map import depth_map
+    from depthcurse.depth.csordas_map import MapSettings
+    from depthcurse.depth.measure import measure_depth_use, stepper_of
+    from depthcurse.depth.tuned_lens import LensSettings, partial_step, train_tuned_lens
+
+    model, ids = tiny_llama(300, layers=3, seed=5).eval(), _ids(windows=6, length=10)
+    stepper = stepper_of(model)
+    settings = LensSettings(steps=5, tokens_per_step=30, micro_batch=2)
+    whole, whole_record = train_tuned_lens(model, stepper, ids, settings, clock=lambda: 0.0)
+    state = tmp_path / "lens.partial.safetensors"
+    with pytest.raises(KeyboardInterrupt):
+        train_tuned_lens(model, stepper, ids, settings, on_step=_stop_at("training", 2), state=state, clock=lambda: 0.0)
+    assert partial_step(state) == (2, 5)
+    heard = []
+    resumed, record = train_tuned_lens(model, stepper, ids, settings, state=state, clock=lambda: 0.0, on_step=lambda t, d, n: heard.append(d))
+    assert heard == [2, 3, 4]  # the kept steps are not run again
+    assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), resumed.state_dict().values()))
+    assert record == {**whole_record, "resumed_at_step": 2}
+    other = tmp_path / "other.partial.safetensors"  # another training's state is not taken up
+    state.rename(other)
+    fresh, _ = train_tuned_lens(model, stepper, ids, LensSettings(steps=4, tokens_per_step=30, micro_batch=2), state=other, clock=lambda: 0.0)
+    assert partial_step(other) == (4, 4)
+
+    whole_use = measure_depth_use(model, ids, batch_size=2, tuned=whole)
+    kept = tmp_path / "use.partial.json"
+    with pytest.raises(KeyboardInterrupt):
+        measure_depth_use(model, ids, batch_size=2, tuned=whole, kept=kept, on_step=_stop_at("the whole model's pass", 1))
+    assert json.loads(kept.read_text())["batches"] == 1 and json.loads(kept.read_text())["of"] == 3
+    heard = []
+    again = measure_depth_use(model, ids, batch_size=2, tuned=whole, kept=kept, on_step=lambda t, d, n: heard.append(d))
+    assert _same(again.summary(), whole_use.summary()) and sorted(set(heard)) == [1, 2]  # batch 0 was kept
+    other_batches = measure_depth_use(model, ids, batch_size=3, tuned=whole, kept=kept, influence=False, on_step=lambda t, d, n: heard.append((t, d)))
+    assert ("the whole model's pass and the lens", 0) in heard and other_batches.windows == 6  # another measurement's batches: all run
+
+    deep = tiny_llama(300, layers=4, seed=6).eval()
+    for definitions, label, settings_, ns in (("depthcurse", "maps from shallow layer", MapSettings(), 3),
+                                              ("csordas", "training the map", MapSettings(steps=3, warmup=1), 4)):  # after each layer; entering each and the output
+        whole_map = depth_map(model, deep, ids[:4], ids[4:], batch_size=2, definitions=definitions, settings=settings_, clock=lambda: 0.0)
+        rows = tmp_path / f"{definitions}.partial.json"
+        with pytest.raises(KeyboardInterrupt):
+            depth_map(model, deep, ids[:4], ids[4:], batch_size=2, definitions=definitions, settings=settings_, kept=rows, on_step=_stop_at(label, 2))
+        assert json.loads(rows.read_text())["rows"] == 2 and json.loads(rows.read_text())["of"] == ns
+        heard = []
+        again = depth_map(model, deep, ids[:4], ids[4:], batch_size=2, definitions=definitions, settings=settings_, kept=rows, clock=lambda: 0.0,
+                          on_step=lambda t, d, n: heard.append(d) if t.startswith(label) else None)
+        assert _same(again, whole_map) and heard == list(range(2, ns))  # rows 0 and 1 were kept
+        heard.clear()
+        depth_map(model, deep, ids[:4], ids[4:], batch_size=2, definitions=definitions, settings=settings_, ridge=0.5, kept=rows,
+                  on_step=lambda t, d, n: heard.append(d) if t.startswith(label) else None)
+        assert heard == list(range(ns))  # another ridge's rows: not taken up
+
+
+def test_depth_use_and_depth_map_interrupted_say_what_they_kept_and_the_rerun_finishes_as_one_run(run_cli, tiny_model_dir, six_dir, text_file,
+                                                                                                   tmp_path, monkeypatch):
+    """Through the command line: Ctrl-C after the tuned lens's second step keeps the folder and the
+    lens's state and says so in the line every command prints; the rerun trains on from step 2 and its
+    figures equal an uninterrupted run's; depth-map stopped after its first row likewise (issue 81)."""
+    from depthcurse.depth import depth_map as map_module
+    from depthcurse.depth import tuned_lens
+
+    base = ["depth-use", tiny_model_dir, "--data", text_file, "--windows", "2", "--seq-len", "16", "--no-influence", "--tuned-lens", "--lens-steps", "4",
+            "--calib-windows", "3"]
+    code, _, err = run_cli(*base, "--out", tmp_path / "whole")
+    assert code == 0, err
+    save = tuned_lens._save_state
+
+    def stopping(path, lens, opt, step, *rest):
+        save(path, lens, opt, step, *rest)
+        if step == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(tuned_lens, "_save_state", stopping)
+    out = tmp_path / "cut"
+    code, _, err = run_cli(*base, "--out", out)
+    assert code == 130 and f"interrupted: the tuned lens's first 2 of 4 steps kept in {out}; rerun the same command to continue" in " ".join(err.split())
+    monkeypatch.setattr(tuned_lens, "_save_state", save)
+    code, _, err = run_cli(*base, "--out", out)
+    assert code == 0, err
+    whole, resumed = (json.loads((tmp_path / name / "depth_use.json").read_text()) for name in ("whole", "cut"))
+    assert resumed["tuned_lens"]["resumed_at_step"] == 2 and _same(resumed["layers"], whole["layers"]) and _same(resumed["use"], whole["use"])
+    assert not (out / tuned_lens.PARTIAL_FILE).exists() and not (out / "depth_use.partial.json").exists()
+
+    from depthcurse.forecast import Forecast  # Ctrl-C after the measurement's first batch of two: kept, said, taken up
+
+    heard = Forecast.step_done
+
+    def stop_measuring(self, index):
+        heard(self, index)
+        if self.what.startswith("the measurement") and index == 0:
+            raise KeyboardInterrupt
+
+    measured = ["depth-use", tiny_model_dir, "--data", text_file, "--windows", "4", "--batch-size", "2", "--seq-len", "16"]
+    monkeypatch.setattr(Forecast, "step_done", stop_measuring)
+    code, _, err = run_cli(*measured, "--out", tmp_path / "m")
+    assert code == 130 and f"interrupted: 1 of 2 batches of windows measured kept in {tmp_path / 'm'}" in " ".join(err.split()), err
+    monkeypatch.setattr(Forecast, "step_done", heard)
+    assert run_cli(*measured, "--out", tmp_path / "m")[0] == 0 and run_cli(*measured, "--out", tmp_path / "m-whole")[0] == 0
+    cut, whole = (json.loads((tmp_path / name / "depth_use.json").read_text()) for name in ("m", "m-whole"))
+    assert _same(cut["use"], whole["use"]) and not (tmp_path / "m" / "depth_use.partial.json").exists()
+
+    held = map_module.held_out_r2
+    calls = []
+
+    def stopping_map(*args):
+        calls.append(1)
+        if len(calls) == 6 * 2 + 1:  # two rows of six maps done: the thirteenth stops it
+            raise KeyboardInterrupt
+        return held(*args)
+
+    monkeypatch.setattr(map_module, "held_out_r2", stopping_map)
+    args = ["depth-map", tiny_model_dir, six_dir, "--data", text_file, "--calib-windows", "3", "--eval-windows", "2", "--seq-len", "16"]
+    code, _, err = run_cli(*args, "--out", tmp_path / "map")
+    said = " ".join(err.split())
+    assert code == 130 and "interrupted: 2 of 4 shallow streams' rows kept in" in said and "rerun the same command to continue" in said
+    monkeypatch.setattr(map_module, "held_out_r2", held)
+    code, _, err = run_cli(*args, "--out", tmp_path / "map")
+    assert code == 0, err
+    code, _, err = run_cli(*args, "--out", tmp_path / "map-whole")
+    assert code == 0, err
+    cut, whole_map = (json.loads((tmp_path / name / "depth_map.json").read_text()) for name in ("map", "map-whole"))
+    assert _same(cut["scores"], whole_map["scores"]) and cut["best"] == whole_map["best"]
+
+
+def test_a_lens_rows_figures_by_each_definitions_rule_by_hand():
+    """One window of 2 tokens over a 7-token vocabulary: the KL in each direction (ours KL(output ||
+    lens), theirs KL(lens || output)), top-1 agreement, the output's top-1 among the lens's top 5 (ours)
+    and the top-5 overlap / 5 (theirs), worked out with numpy; and where each token settles, with and
+    without the output as the last row."""
+    import numpy as np
+
+    from depthcurse.depth.definitions import DEFINITIONS
+    from depthcurse.depth.measure import _LensFigures
+
+    final_p = np.array([[0.40, 0.20, 0.15, 0.10, 0.08, 0.05, 0.02], [0.04, 0.50, 0.15, 0.11, 0.10, 0.06, 0.04]])
+    lens_p = np.array([[0.01, 0.40, 0.20, 0.14, 0.10, 0.08, 0.07], [0.02, 0.40, 0.03, 0.05, 0.21, 0.10, 0.19]])
+    final, lens = torch.tensor(np.log(final_p))[None], torch.tensor(np.log(lens_p))
+    ours_kl = (final_p * (np.log(final_p) - np.log(lens_p))).sum(-1).mean()
+    theirs_kl = (lens_p * (np.log(lens_p) - np.log(final_p))).sum(-1).mean()
+    top5 = lambda p: set(np.argsort(-p)[:5])  # noqa: E731
+    overlap = np.mean([len(top5(final_p[t]) & top5(lens_p[t])) / 5 for t in range(2)])
+    assert overlap == pytest.approx(0.8)  # token 0: {0,1,2,3,4} and {1,2,3,4,5} share 4; token 1: {1,2,3,4,5} and {1,4,6,5,3} share 4
+    for name, kl, top5_figure in (("depthcurse", ours_kl, 0.5), ("csordas", theirs_kl, overlap)):
+        kl_rows, top1_rows, top5_rows = [[]], [[]], [[]]
+        figures = _LensFigures(final, DEFINITIONS[name], kl_rows, top1_rows, top5_rows)
+        figures.read(0, lambda w: lens)
+        assert kl_rows[0][0] == pytest.approx(kl) and top1_rows[0][0] == pytest.approx(0.5)  # token 1 agrees (1), token 0 not (1 against 0)
+        assert top5_rows[0][0] == pytest.approx(top5_figure), name  # ours: token 0's output top-1 (0) is not in the lens's top 5, token 1's (1) is
+        settled, plus_output = [0, 0], [0, 0]
+        figures.settle(settled, with_output=False)
+        figures.settle(plus_output, with_output=True)
+        assert settled == [1, 1] and plus_output == [1, 1]  # token 1 settles at the lens row; token 0 only at the output (row 1)
+
+
+class _Clock:
+    """A clock the test holds: each reading `tick` seconds after the last."""
+
+    def __init__(self, tick: float):
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def test_depth_use_says_each_parts_forecast_and_keeps_it(tiny_model_dir, text_file):
+    from depthcurse.depth import LensSettings, run_depth_use
+    from depthcurse.loading import load_model
+
+    loaded = load_model(str(tiny_model_dir))
+    notes = []
+    record = run_depth_use(loaded, str(text_file), windows=4, seq_len=16, batch_size=2, influence=False, tuned=True, lens_windows=2,
+                           lens_settings=LensSettings(steps=3, micro_batch=1), on_note=notes.append, clock=_Clock(0.5), free=None)
+    forecasts = [n for n in notes if "steps to run" in n]
+    assert forecasts[0].startswith("the tuned lens's steps: 3 steps to run, the first took ") and forecasts[1].startswith(
+        "the measurement's batches of windows: 2 steps to run, the first took ")
+    assert set(record["forecasts"]) == {"the tuned lens's steps", "the measurement's batches of windows"}
+    assert all(f["forecast_seconds"] > 0 and f["seconds"] > 0 for f in record["forecasts"].values())

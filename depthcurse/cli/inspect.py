@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from depthcurse.cli.shared import (
-    DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, load, measure_angular, slug,
+    DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, interrupted, load, measure_angular, renamed, slug,
 )
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import claim_out_dir
@@ -62,16 +62,18 @@ def depth_use(
     influence: bool = typer.Option(True, "--influence/--no-influence", help="Also skip each layer in turn (about n / 2 passes more) for the influence matrix."),
     tuned_lens: bool = typer.Option(False, "--tuned-lens", help="Also train a tuned lens (one affine translator per layer) on other windows of the text, "
                                     "read beside the logit lens on the measured ones; saved as tuned_lens.safetensors in --out."),
-    lens: Optional[Path] = typer.Option(None, "--lens", help="Read a tuned lens saved by an earlier run on this model instead of training one."),
+    lens: Optional[Path] = typer.Option(None, "--lens", help="Read a tuned lens saved by an earlier run on this model instead of training one.", show_default="trained here"),
     lens_steps: int = typer.Option(250, "--lens-steps", help="The tuned lens's SGD steps (Belrose et al.'s 250)."),
-    lens_windows: Optional[int] = typer.Option(None, "--lens-windows", help="Windows the tuned lens trains on (default: as many as --windows)."),
+    calib_windows: Optional[int] = typer.Option(None, "--calib-windows", help="Windows the tuned lens is fitted on (default: as many as --windows)."),
+    lens_windows: Optional[int] = typer.Option(None, "--lens-windows", hidden=True, help="Now --calib-windows."),
+    seed: int = typer.Option(42, "--seed", help="Seed of the order the tuned lens takes its windows in (Belrose et al.'s --seed)."),
     lens_embedding: bool = typer.Option(True, "--lens-embedding/--no-lens-embedding", help="The tuned lens's translator of the embedding's output, "
                                         "trained and clipped with the others, as Belrose et al.'s code does (--no-lens-embedding: without it)."),
     definitions: str = typer.Option("depthcurse", "--as", help="Whose definitions: depthcurse (ours: the stream after each layer, KL(output || lens), "
                                     "means with intervals) or csordas (Csordás et al.'s code: the stream entering each layer, KL(lens || output), "
                                     "top-5 overlap, the first token never skipped, maxima, the output's probability change). docs/depth-use.md has the table."),
     agree_with: Optional[list[Path]] = typer.Option(None, "--agree-with", help="A select run of this model (repeatable): each measure's rank "
-                                                    "correlation with its layers' removal costs and picks."),
+                                                    "correlation with its layers' removal costs and picks.", show_default="off"),
     out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default runs/depth-use/<model>)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
@@ -87,6 +89,7 @@ def depth_use(
     from depthcurse.depth.definitions import find_definitions
 
     chosen = find_definitions(definitions)  # before any work: an unknown name is one line
+    lens_windows = renamed("depth-use", "--lens-windows", lens_windows, calib_windows, None)
     selects = depth.read_selects(agree_with or [])  # before any work: a folder that holds no select run is one line
     out_dir = claim_out_dir(out or Path("runs") / "depth-use" / slug(model))
     world = join_ranks(device)  # under torchrun the influence matrix's skips are shared over the ranks; rank 0 talks and writes
@@ -94,12 +97,17 @@ def depth_use(
         loaded = load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
         progress = progress_bar()
         bar = progress.add_task("starting", total=None)
-        with showing(progress):
-            record = depth.run_depth_use(loaded, data, windows, seq_len, batch_size, influence=influence, tuned=tuned_lens, lens=lens,
-                                         lens_windows=lens_windows, lens_settings=depth.LensSettings(steps=lens_steps, embedding=lens_embedding),
-                                         lens_out=out_dir / depth.LENS_FILE if world.main else None, world=world, definitions=chosen,
-                                         on_note=lambda text: say("note", text) if world.main else None,
-                                         on_step=lambda text, done, total: progress.update(bar, description=text, completed=done, total=total))
+        kept = out_dir / depth.KEPT_FILE
+        try:
+            with showing(progress):
+                record = depth.run_depth_use(loaded, data, windows, seq_len, batch_size, influence=influence, tuned=tuned_lens, lens=lens,
+                                             lens_windows=lens_windows, lens_settings=depth.LensSettings(steps=lens_steps, embedding=lens_embedding, seed=seed),
+                                             lens_out=out_dir / depth.LENS_FILE if world.main else None, world=world, definitions=chosen,
+                                             on_note=lambda text: say("note", text) if world.main else None, kept=kept,
+                                             on_step=lambda text, done, total: progress.update(bar, description=text, completed=done, total=total))
+        except KeyboardInterrupt:
+            interrupted(depth.kept_summary(out_dir))
+            raise typer.Exit(130)
     finally:
         world.close()
     if not world.main:
@@ -122,8 +130,11 @@ def depth_map(
     shallow: str = typer.Argument(..., help="The shallower model (a hub name, an alias such as smollm2-135m, or a folder)."),
     deep: str = typer.Argument(..., help="The deeper model, of the same tokenizer."),
     data: str = typer.Option("wiki", "--data", help="auto (C4, or wiki offline), c4, wiki, code, math, dialogue, or a .txt/.jsonl/.parquet file."),
-    windows: int = typer.Option(16, "--windows", help="Windows the maps are fitted on."),
-    held_out: int = typer.Option(8, "--held-out", help="Other windows they are scored on (the intervals are over them)."),
+    calib_windows: int = typer.Option(16, "--calib-windows", help="Windows the maps are fitted on."),
+    eval_windows: int = typer.Option(8, "--eval-windows", help="Other windows they are scored on (the intervals are over them)."),
+    windows: Optional[int] = typer.Option(None, "--windows", hidden=True, help="Now --calib-windows."),
+    held_out: Optional[int] = typer.Option(None, "--held-out", hidden=True, help="Now --eval-windows."),
+    seed: int = typer.Option(0, "--seed", help="--as csordas: the seed of the map's initial weights and the order of its windows."),
     seq_len: int = typer.Option(128, "--seq-len", help="Tokens per window."),
     batch_size: int = typer.Option(4, "--batch-size", help="Windows per forward pass."),
     definitions: str = typer.Option("depthcurse", "--as", help="Whose map: depthcurse (ours: ridge least squares per pair of layers, held-out R^2 "
@@ -136,25 +147,35 @@ def depth_map(
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     trust_remote_code: bool = TrustOpt,
+    revision: Optional[str] = RevisionOpt,
+    deep_revision: Optional[str] = typer.Option(None, "--deep-revision", help="The deeper model's hub revision (branch, tag or commit).",
+                                                show_default="the default branch"),
 ) -> None:
     """Which layers of a deeper model each layer of a shallower one maps to (Csordás et al. 2025,
     Section 5): a linear map between every pair of layers' streams, scored on held-out windows.
 
     Example: depthcurse depth-map runs/train/tiny-6/hf runs/train/tiny-12/hf --data wiki"""
-    from depthcurse.cli.shared import progress_bar, showing, verdicts
+    from depthcurse.cli.shared import progress_bar, say, showing, verdicts
     from depthcurse.depth import map_report
     from depthcurse.depth.csordas_map import MapSettings
 
-    settings = MapSettings(steps=map_steps)
+    windows = renamed("depth-map", "--windows", windows, calib_windows, 16)
+    held_out = renamed("depth-map", "--held-out", held_out, eval_windows, 8)
+    settings = MapSettings(steps=map_steps, seed=seed)
     settings.check()
     out_dir = claim_out_dir(out or Path("runs") / "depth-map" / f"{slug(shallow)}-to-{slug(deep)}")
-    small = load(shallow, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-    large = load(deep, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    small = load(shallow, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
+    large = load(deep, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=deep_revision)
     progress = progress_bar()
     bar = progress.add_task("starting", total=None)
-    with showing(progress):
-        record = map_report.run_depth_map(small, large, data, windows, held_out, seq_len, batch_size, definitions=definitions, score=score,
-                                          settings=settings, on_step=lambda text, done, total: progress.update(bar, description=text, completed=done, total=total))
+    try:
+        with showing(progress):
+            record = map_report.run_depth_map(small, large, data, windows, held_out, seq_len, batch_size, definitions=definitions, score=score,
+                                              settings=settings, kept=out_dir / map_report.KEPT_FILE, on_note=lambda text: say("note", text),
+                                              on_step=lambda text, done, total: progress.update(bar, description=text, completed=done, total=total))
+    except KeyboardInterrupt:
+        interrupted(map_report.kept_summary(out_dir))
+        raise typer.Exit(130)
     console.print(map_report.map_table(record))
     verdicts(map_report.map_verdicts(record))
     paths = map_report.write_map(record, out_dir)

@@ -29,11 +29,17 @@ their best match's).
 
 from __future__ import annotations
 
+import hashlib
+import json
+import time
+from pathlib import Path
+
 import torch
 
 from depthcurse.depth.csordas_map import MapSettings, relative_errors, train_map
 from depthcurse.depth.measure import stepper_of
 from depthcurse.errors import DepthcurseError
+from depthcurse.forecast import Forecast
 from depthcurse.prune.stepping import Stepper
 from depthcurse.stats.correlation import spearman, spearman_interval
 from depthcurse.stats.intervals import mean_interval
@@ -112,12 +118,15 @@ def deciding(record: dict) -> tuple[str, list[list[float]], bool]:
 
 def depth_map(shallow, deep, fit_windows: torch.Tensor, held_windows: torch.Tensor, batch_size: int, ridge: float = RIDGE,
               definitions: str = "depthcurse", score: str | None = None, settings: MapSettings = MapSettings(),
-              on_step=lambda text, done, total: None) -> dict:
+              on_step=lambda text, done, total: None, kept: Path | None = None, on_note=lambda text: None, clock=time.perf_counter) -> dict:
     """Every shallow stream's map to every deep stream, by `definitions` ("depthcurse": ridge per pair,
     R^2 pooled and per dimension; "csordas": their trained map and its relative error): each score per
     held-out window, its mean and interval, each shallow stream's best match by `score` (default: the
     per-dimension R^2, or their relative error), how much of each stream's variance its largest
-    dimension holds, and the agreement of the two relative-depth orders."""
+    dimension holds, and the agreement of the two relative-depth orders. With `kept` (a file), each
+    finished shallow stream's row of scores is written there and an interrupted map takes the rows
+    up: the rerun's record is an uninterrupted run's. After the first row, `on_note` hears how long the
+    rest will take (`forecast`), kept in the record beside the time taken."""
     if definitions not in MAP_DEFINITIONS:
         raise DepthcurseError(f"--as {definitions}: no such definitions for the depth map (known: {', '.join(MAP_DEFINITIONS)})")
     known = MAP_DEFINITIONS[definitions]
@@ -137,20 +146,46 @@ def depth_map(shallow, deep, fit_windows: torch.Tensor, held_windows: torch.Tens
     ys_fit, ys_held = (streams_of(large, w, batch_size, entering, dtype) for w in (fit_windows, held_windows))
     ns, nd = len(xs_fit), len(ys_fit)
     per_window = {name: [[[] for _ in range(nd)] for _ in range(ns)] for name in known["scores"]}
+    digest = hashlib.sha256()
+    for t in (fit_windows, held_windows, *(x[:1] for x in xs_fit), *(y[:1] for y in ys_fit)):  # the windows and both models' first streams
+        digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+    identity = {"definitions": definitions, "ridge": ridge, "settings": settings.summary() if definitions == "csordas" else None, "streams": [ns, nd],
+                "sha256": digest.hexdigest()[:16]}
+    rows_done = 0
+    if kept is not None and kept.is_file():
+        try:
+            restored = json.loads(kept.read_text())
+            if restored["identity"] == identity:
+                rows_done = restored["rows"]
+                for name in known["scores"]:
+                    per_window[name][:rows_done] = restored["per_window"][name]
+        except (OSError, ValueError, KeyError):
+            rows_done = 0
+
+    def keep(rows: int) -> None:
+        forecast.step_done(rows - 1)
+        if kept is not None:  # whole or not at all
+            temporary = kept.with_suffix(".tmp")
+            temporary.write_text(json.dumps({"identity": identity, "rows": rows, "of": ns,
+                                             "per_window": {name: per_window[name][:rows] for name in known["scores"]}}))
+            temporary.replace(kept)
+    forecast = Forecast("the map's rows (one per shallow stream)", ns, say=on_note, clock=clock).start()
     if definitions == "csordas":
         y_fit, y_held = torch.stack(ys_fit, dim=-2), torch.stack(ys_held, dim=-2)  # [windows, tokens, streams, width]: every deep stream at once
-        for i in range(ns):
+        for i in range(rows_done, ns):
             on_step(f"training the map from shallow stream {i} (their loop)", i, ns)
             errors = relative_errors(train_map(xs_fit[i], y_fit, settings), xs_held[i], y_held)
             for j in range(nd):
                 per_window["relative_error"][i][j] = errors[:, j].tolist()
+            keep(i + 1)
     else:
-        for i in range(ns):
+        for i in range(rows_done, ns):
             on_step(f"maps from shallow layer {i}", i, ns)
             x = xs_fit[i].flatten(0, 1)
             for j in range(nd):
                 w, b, baseline = fit_map(x, ys_fit[j].flatten(0, 1), ridge)
                 per_window["r2"][i][j], per_window["r2_dims"][i][j] = held_out_r2(xs_held[i], ys_held[j], w, b, baseline)
+            keep(i + 1)
     scores = {name: {**_summary(values), "label": SCORES[name][0], "higher_is_better": SCORES[name][1]} for name, values in per_window.items()}
     matrix, higher = scores[score]["mean"], SCORES[score][1]
     best = [max(range(nd), key=lambda j: (matrix[i][j] if higher else -matrix[i][j], -j)) for i in range(ns)]
@@ -169,6 +204,7 @@ def depth_map(shallow, deep, fit_windows: torch.Tensor, held_windows: torch.Tens
               "relative_depth": {"shallow": shallow_depth, "best_deep": best_depth,
                                  "mean_abs_difference": sum(abs(a - b) for a, b in zip(shallow_depth, best_depth)) / ns,
                                  "spearman": rho, "spearman_interval": spearman_interval(rho, ns)}}
+    record["forecast"] = forecast.summary()
     if "r2" in scores:  # what readers from before the scores were named read
         record["r2"], record["r2_interval"] = scores["r2"]["mean"], scores["r2"]["interval"]
     return record

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 from rich.table import Table
@@ -21,23 +23,44 @@ MAP_JSON = "depth_map.json"
 
 def run_depth_map(shallow, deep, data: str, windows: int, held_out: int, seq_len: int, batch_size: int, ridge: float = RIDGE,
                   on_step=lambda text, done, total: None, definitions: str = "depthcurse", score: str | None = None,
-                  settings: MapSettings = MapSettings()) -> dict:
+                  settings: MapSettings = MapSettings(), kept: Path | None = None, on_note=lambda text: None, clock=time.perf_counter) -> dict:
     """Both models on `windows` fitting and `held_out` held-out windows of `data` (ppl's packing, the
     shallow model's tokenizer, which must be the deep one's)."""
     if not same_tokenizer(shallow.tokenizer, deep.tokenizer):
         raise DepthcurseError(f"the depth map compares streams token by token: {shallow.source} and {deep.source} have different tokenizers")
     if windows < 1 or held_out < 2 or seq_len < 2 or batch_size < 1:
-        raise DepthcurseError("--windows must be at least 1, --held-out at least 2 (the intervals are over them), --seq-len at least 2, --batch-size at least 1")
+        raise DepthcurseError("--calib-windows must be at least 1, --eval-windows at least 2 (the intervals are over them), --seq-len at least 2, "
+                              "--batch-size at least 1")
     for loaded in (shallow, deep):
         check_sequence_length(loaded.model, seq_len)
     texts, label = load_texts(data, option="--data")
     ids = PerplexityTask(shallow.tokenizer, texts, source=label, seq_len=seq_len, limit=windows + held_out, warn_short=False).windows
     if len(ids) < windows + held_out:
-        raise DepthcurseError(f"--data {data} holds {len(ids)} windows of {seq_len} tokens, fewer than --windows {windows} and --held-out {held_out}")
+        raise DepthcurseError(f"--data {data} holds {len(ids)} windows of {seq_len} tokens, fewer than --calib-windows {windows} and --eval-windows {held_out}")
     result = depth_map(shallow.model.eval(), deep.model.eval(), ids[:windows], ids[windows:], batch_size, ridge, definitions=definitions, score=score,
-                       settings=settings, on_step=on_step)
+                       settings=settings, on_step=on_step, kept=kept, on_note=on_note, clock=clock)
+    if kept is not None:  # mapped whole: the record holds it now
+        kept.unlink(missing_ok=True)
     describe = lambda loaded: {**{k: v for k, v in loaded.describe().items() if k != "device"}, "architecture": architecture(loaded.model)}  # noqa: E731
-    return {"run": {"shallow": describe(shallow), "deep": describe(deep), "data": label, "seq_len": seq_len}, **result}
+    run = {"shallow": describe(shallow), "deep": describe(deep), "data": label, "seq_len": seq_len}
+    run["same_model"] = all(run["shallow"][k] == run["deep"][k] for k in ("source", "revision"))
+    return {"run": run, **result}
+
+
+SAME_MODEL = ("one model against itself: each stream maps onto its own exactly (the diagonal is R^2 1, error 0), so the best matches say nothing "
+              "of depth; the rest says how well one layer's stream predicts another's within the model")
+
+
+KEPT_FILE = "depth_map.partial.json"
+
+
+def kept_summary(folder: Path) -> str:
+    """What an interrupted depth-map left in `folder` to resume from, in words."""
+    try:
+        kept = json.loads((folder / KEPT_FILE).read_text())
+        return f"{kept['rows']} of {kept['of']} shallow streams' rows kept in {folder / KEPT_FILE}"
+    except (OSError, ValueError, KeyError):
+        return "no row had finished"
 
 
 def _stream(record: dict, index: int) -> str:
@@ -59,7 +82,8 @@ def map_table(record: dict) -> Table:
            f"every deep stream at once" if entering else
            f"a linear map (least squares, ridge {record['ridge']:g}) from the stream after the shallow layer to the stream after each deep layer")
     table = Table(title=f"{run['shallow']['model']} ({record['shallow_layers']} layers) -> {run['deep']['model']} ({record['deep_layers']} layers): "
-                        f"which deep layer each shallow layer's stream maps to best, by the {scores[name]['label']}",
+                        f"which deep layer each shallow layer's stream maps to best, by the {scores[name]['label']}"
+                        + (" (one model against itself)" if run.get("same_model") else ""),
                   caption=f"{how}, fitted on {record['fit_windows']} windows of {run['data']} x {run['seq_len']} tokens, scored on "
                           f"{record['held_out_windows']} held-out windows (mean, in brackets the 95% interval, Student's t over windows; "
                           f"{'higher' if higher else 'lower'} is better); relative depth: "
@@ -84,8 +108,9 @@ def map_verdicts(record: dict) -> list[str]:
     name, matrix, higher = deciding(record)
     rho, iv = depth["spearman"], depth["spearman_interval"]
     said = "-" if rho is None else f"{rho:+.2f}" + (f" [{iv[0]:+.2f}, {iv[1]:+.2f}]" if iv else "")
-    lines = [f"each shallow layer's best match lies {depth['mean_abs_difference']:.2f} of the depth away from its own relative depth on average; "
-             f"the two orders agree by Spearman's rho {said}"]
+    lines = [SAME_MODEL] if record["run"].get("same_model") else []
+    lines += [f"each shallow layer's best match lies {depth['mean_abs_difference']:.2f} of the depth away from its own relative depth on average; "
+              f"the two orders agree by Spearman's rho {said}"]
     pick = max if higher else min
     last = matrix[-1]
     reach = pick(range(len(last)), key=lambda j: last[j])

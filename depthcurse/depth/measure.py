@@ -32,12 +32,16 @@ any work.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
 from depthcurse.depth.definitions import DEFINITIONS, Definitions
 from depthcurse.errors import DepthcurseError
+from depthcurse.forecast import Forecast
 from depthcurse.prune.stepping import Stepper, Unsupported, checked_stepper
 from depthcurse.runtime import World
 from depthcurse.select.scoring import contiguous_shares
@@ -224,14 +228,31 @@ def _output_change(final: torch.Tensor, logp: torch.Tensor, definitions: Definit
     return (logp.exp() - final.exp()).norm(dim=-1)
 
 
+FIGURES = ("attn_norm", "mlp_norm", "attn_cos", "mlp_cos", "lens_kl", "lens_top1", "lens_top5", *TUNED, "settled", "tuned_settled")
+
+
+def _kept_batches(path: Path | None, identity: dict) -> dict | None:
+    """The figures of the batches an interrupted measurement finished, where they are this one's."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return kept if kept.get("identity") == identity else None
+
+
 @torch.no_grad()
 def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: bool = True, on_step=lambda text, done, total: None,
-                      tuned=None, world: World = World(), definitions: Definitions = DEFINITIONS["depthcurse"]) -> DepthUse:
+                      tuned=None, world: World = World(), definitions: Definitions = DEFINITIONS["depthcurse"], kept: Path | None = None,
+                      forecast: Forecast | None = None) -> DepthUse:
     """Every figure of `DepthUse` on `windows` (token ids, windows x tokens), by `definitions`; the
     tuned lens's too where `tuned` (a `TunedLens` for this model) is given. Under torchrun (`world`)
     every rank runs the whole model's pass and the lenses, and the influence matrix's skips are
     shared over the ranks, each a consecutive run of skipped layers of even cost (the blocks after
-    each), every row gathered on every rank: N ranks give one process's matrix."""
+    each), every row gathered on every rank: N ranks give one process's matrix. With `kept`, every
+    finished batch's figures are written there (a rank's own file under torchrun) and an interrupted
+    measurement takes them up: the rerun's figures are an uninterrupted run's, to the last bit."""
     d = definitions
     stepper = stepper_of(model)
     n = stepper.n_layers
@@ -249,8 +270,25 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
         out_totals = [nan] * n
     branches = _Branches(model)
     batches = [windows[i : i + batch_size] for i in range(0, len(windows), batch_size)]
+    if kept is not None and world.size > 1:
+        kept = kept.with_name(f"{kept.stem}.rank{world.rank}{kept.suffix}")
+    identity = {"windows": list(windows.shape), "windows_sha256": hashlib.sha256(windows.cpu().numpy().tobytes()).hexdigest()[:16],
+                "batch_size": batch_size, "influence": influence, "tuned": None if tuned is None else tuned.fingerprint, "definitions": d.name,
+                "ranks": [world.rank, world.size]}
+    done = 0
+    restored = _kept_batches(kept, identity)
+    if restored is not None:
+        done = restored["batches"]
+        for name in FIGURES:
+            setattr(use, name, restored["use"][name])
+        if influence:
+            totals, out_totals = restored["totals"], restored["out_totals"]
+    if forecast is not None:
+        forecast.start()
     try:
         for b, batch in enumerate(batches):
+            if b < done:
+                continue
             on_step("the whole model's pass and the lens", b, len(batches))
             ids = batch.to(stepper.device)
             ctx = stepper.context(ids.shape[1], 0)
@@ -297,6 +335,15 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
                         totals[i][j] = _folded(totals[i][j], change, d.reduce)
                     moved = torch.stack([_output_change(final[w], torch.log_softmax(stepper.logits(h[w]), -1), d) for w in range(len(h))])  # a window at a time
                     out_totals[i] = _folded(out_totals[i], moved, d.reduce)
+            if kept is not None:  # this batch's figures, kept whole or not at all (NaN as JSON's NaN: read back by this code alone)
+                state = {"identity": identity, "batches": b + 1, "of": len(batches), "use": {name: getattr(use, name) for name in FIGURES}}
+                if influence:
+                    state.update(totals=totals, out_totals=out_totals)
+                temporary = kept.with_suffix(".tmp")
+                temporary.write_text(json.dumps(state))
+                temporary.replace(kept)
+            if forecast is not None:
+                forecast.step_done(b)
     finally:
         branches.close()
     if influence and world.size > 1:  # every rank's rows, on every rank

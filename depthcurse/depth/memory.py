@@ -11,7 +11,7 @@ A batch of b windows of t tokens, a model of n layers, width d and a vocabulary 
   for a micro-batch of m (the streams d-wide, the rest v-wide).
 
 None of it grows with depth x vocabulary: `tests/test_depth_use.py` measures the peak flat in the
-layers, and `benchmarks/depth_use_memory.py` measures it against this estimate.
+layers, and `benchmarks/depth_use/depth_use_memory.py` measures it against this estimate.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import contextlib
 import csv
 import json
 import math
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,8 +17,9 @@ from depthcurse.depth.definitions import DEFINITIONS, Definitions, definitions_o
 from depthcurse.depth.measure import TUNED, DepthUse, half_settled, influence_row_means, measure_depth_use, per_layer_rows, phase_transition, stepper_of
 from depthcurse.depth.memory import Shape, check_fits, free_bytes, gib
 from depthcurse.depth.over_seeds import architecture
-from depthcurse.depth.tuned_lens import LensSettings, load_lens, train_tuned_lens
+from depthcurse.depth.tuned_lens import PARTIAL_FILE, LensSettings, load_lens, partial_step, train_tuned_lens
 from depthcurse.errors import DepthcurseError
+from depthcurse.forecast import Forecast
 from depthcurse.io import atomic_write, csv_text, json_text, read_record, save_figure
 from depthcurse.loading import check_sequence_length
 from depthcurse.runtime import World
@@ -32,7 +34,7 @@ DEPTH_JSON = "depth_use.json"
 def run_depth_use(loaded, data: str, windows: int, seq_len: int, batch_size: int, influence: bool = True, on_step=lambda text, done, total: None,
                   tuned: bool = False, lens: Path | None = None, lens_windows: int | None = None, lens_settings: LensSettings = LensSettings(),
                   lens_out: Path | None = None, world: World = World(), definitions: Definitions = DEFINITIONS["depthcurse"],
-                  on_note=lambda text: None, free: int | None = -1) -> dict:
+                  on_note=lambda text: None, free: int | None = -1, kept: Path | None = None, clock=time.perf_counter) -> dict:
     """`windows` windows of `seq_len` tokens of `data` (ppl's packing), measured; the record. With
     `tuned`, a tuned lens is trained on the next `lens_windows` windows of the same text (held out
     from the measured ones; default as many) and read beside the logit lens, and saved to `lens_out`
@@ -40,7 +42,8 @@ def run_depth_use(loaded, data: str, windows: int, seq_len: int, batch_size: int
     with `lens`, a saved one is read. `definitions`: ours, or an anchor's own (`depth.definitions`).
     Before any work the peak memory beyond the weights is estimated (`depth.memory`) and said
     (`on_note`), and a run that would not fit in `free` bytes (-1: what is free now; None: unknown) is
-    one line naming the batch size that fits."""
+    one line naming the batch size that fits. With `kept` (a file), the measurement's finished batches
+    are kept there, as the lens's training is beside `lens_out`: an interrupted run resumes."""
     if windows < 2:
         raise DepthcurseError(f"--windows must be at least 2 (the intervals are over windows), got {windows}")
     if seq_len < 2 or batch_size < 1:
@@ -62,28 +65,54 @@ def run_depth_use(loaded, data: str, windows: int, seq_len: int, batch_size: int
     need = check_fits(Shape.of(loaded.model), batch_size, seq_len, free, lens_settings.micro_batch if tuned else 0)
     on_note(f"memory: about {gib(need)} beyond the model's weights at its peak" + (f" ({gib(free)} free)" if free is not None else ""))
     model = loaded.model.eval()
+    forecasts: dict[str, dict] = {}  # each long part's forecast, said after its first step, beside the time it took
     if tuned:
-        kept = lens_out if lens_out is not None and lens_out.is_file() else None
-        if kept is not None:
+        saved = lens_out if lens_out is not None and lens_out.is_file() else None
+        if saved is not None:
             with contextlib.suppress(DepthcurseError):
-                translators, training = load_lens(kept, stepper)
+                translators, training = load_lens(saved, stepper)
                 if training.get("settings") != asdict(lens_settings) or training.get("train_windows") != lens_windows:
                     translators = None  # another training's lens: trained again
-        if translators is None:
-            translators, training = train_tuned_lens(model, stepper, ids[windows:], lens_settings, on_step=on_step)
+        if translators is None:  # its state kept beside the lens after every step: an interrupted training resumes
+            partial = lens_out.parent / PARTIAL_FILE if lens_out is not None else None
+            lens_forecast = Forecast("the tuned lens's steps", lens_settings.steps, say=on_note, clock=clock)
+            translators, training = train_tuned_lens(model, stepper, ids[windows:], lens_settings, on_step=on_step, state=partial,
+                                                     forecast=lens_forecast)
+            forecasts["the tuned lens's steps"] = lens_forecast.summary()
             if lens_out is not None:
                 translators.save(lens_out, training)
+                partial.unlink(missing_ok=True)
+    batches = -(-windows // batch_size)
+    measuring = Forecast("the measurement's batches of windows", batches, say=on_note, clock=clock)
     use = measure_depth_use(model, ids[:windows], batch_size, influence=influence, on_step=on_step, tuned=translators, world=world,
-                            definitions=definitions)
+                            definitions=definitions, kept=kept, forecast=measuring)
+    forecasts["the measurement's batches of windows"] = measuring.summary()
+    if kept is not None:  # measured whole: what a rerun would take up is the record now
+        kept.unlink(missing_ok=True)
     record = {"run": {**{k: v for k, v in loaded.describe().items() if k != "device"}, "architecture": architecture(loaded.model), "data": label,
                       "windows": windows, "seq_len": seq_len},
               "definitions": definitions.summary(), "memory_estimate_bytes": need, "use": use.summary(), "layers": per_layer_rows(use),
-              "phase_transition": phase_transition(use)}
+              "phase_transition": phase_transition(use), "forecasts": forecasts}
     if translators is not None:
         record["tuned_lens"] = {**training, "source": str(lens) if lens is not None else "trained here",
                                 "held_out_kl": [row["tuned_kl"] for row in record["layers"]],
                                 "logit_lens_kl": [row["lens_kl"] for row in record["layers"]]}
     return record
+
+
+KEPT_FILE = "depth_use.partial.json"
+
+
+def kept_summary(folder: Path) -> str:
+    """What an interrupted depth-use left in `folder` to resume from, in words."""
+    parts = []
+    lens = partial_step(folder / PARTIAL_FILE)
+    if lens is not None:
+        parts.append(f"the tuned lens's first {lens[0]} of {lens[1]} steps")
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        kept = json.loads((folder / KEPT_FILE).read_text())
+        parts.append(f"{kept['batches']} of {kept['of']} batches of windows measured")
+    return (" and ".join(parts) + f" kept in {folder}") if parts else "nothing had finished"
 
 
 def _use(record: dict) -> DepthUse:

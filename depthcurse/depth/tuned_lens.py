@@ -36,6 +36,7 @@ import torch
 
 from depthcurse.depth.measure import output_kl
 from depthcurse.errors import DepthcurseError
+from depthcurse.forecast import Forecast
 from depthcurse.prune.stepping import Stepper
 
 LENS_FILE = "tuned_lens.safetensors"
@@ -151,10 +152,64 @@ def _streams(stepper: Stepper, ids: torch.Tensor) -> tuple[list[torch.Tensor], t
     return every[:-1], torch.log_softmax(stepper.logits(every[-1]), -1)
 
 
+PARTIAL_FILE = "tuned_lens.partial.safetensors"
+
+
+def _save_state(path: Path, lens: TunedLens, opt: torch.optim.Optimizer, step: int, order: list[int], rng: random.Random, last: list[float],
+                identity: dict, seconds: float) -> None:
+    """Training so far, after `step` steps: the translators, SGD's momentum, the windows' order and its
+    generator, written whole or not at all (safetensors and JSON: nothing is unpickled on resume)."""
+    from safetensors.torch import save_file
+
+    tensors = {f"lens.{k}": v.detach().contiguous() for k, v in lens.translators.state_dict().items()}
+    for i, p in enumerate(lens.parameters()):
+        if "momentum_buffer" in opt.state.get(p, {}):
+            tensors[f"momentum.{i}"] = opt.state[p]["momentum_buffer"].detach().contiguous()
+    version, state, gauss = rng.getstate()
+    meta = {"identity": json.dumps(identity), "step": str(step), "order": json.dumps(order), "rng": json.dumps([version, list(state), gauss]),
+            "last": json.dumps(last), "seconds": str(seconds)}
+    temporary = Path(path).with_suffix(".tmp")
+    save_file(tensors, str(temporary), metadata=meta)
+    temporary.replace(path)
+
+
+def _load_state(path: Path, identity: dict) -> dict | None:
+    """What `_save_state` wrote, where it is this training's (the same model, settings and windows)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta, tensors = f.metadata() or {}, {name: f.get_tensor(name) for name in f.keys()}
+        if json.loads(meta["identity"]) != identity:
+            return None
+        version, state, gauss = json.loads(meta["rng"])
+        return {"tensors": tensors, "step": int(meta["step"]), "order": json.loads(meta["order"]), "rng": (version, tuple(state), gauss),
+                "last": json.loads(meta["last"]), "seconds": float(meta["seconds"])}
+    except (SafetensorError, KeyError, ValueError, OSError):
+        return None
+
+
+def partial_step(path: Path) -> tuple[int, int] | None:
+    """(steps kept, steps in all) of an interrupted training kept in `path` (None: nothing kept)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        return int(meta["step"]), int(json.loads(meta["identity"])["settings"]["steps"])
+    except (SafetensorError, KeyError, ValueError, OSError):
+        return None
+
+
 def train_tuned_lens(model, stepper: Stepper, windows: torch.Tensor, settings: LensSettings = LensSettings(),
-                     on_step=lambda text, done, total: None, clock=time.perf_counter) -> tuple[TunedLens, dict]:
+                     on_step=lambda text, done, total: None, clock=time.perf_counter, state: Path | None = None,
+                     forecast: Forecast | None = None) -> tuple[TunedLens, dict]:
     """A tuned lens for `model`, trained on `windows` (token ids, windows x tokens): the lens and what
-    its training did (each translated stream's mean KL over the last step, the tokens it saw, the seconds)."""
+    its training did (each translated stream's mean KL over the last step, the tokens it saw, the seconds).
+    With `state`, training so far is kept there after every step and taken up from it: an interrupted
+    training resumes where it stopped and ends as one that never stopped (the file is left for the
+    caller to remove once the lens is saved). `forecast` hears each finished step (it says, after the
+    first, how long the rest will take)."""
     settings.check()
     started = clock()
     n, width = stepper.n_layers, int(stepper.head.weight.shape[1])
@@ -166,12 +221,29 @@ def train_tuned_lens(model, stepper: Stepper, windows: torch.Tensor, settings: L
     opt = torch.optim.SGD(lens.parameters(), lr=settings.lr_scale * (1 - momentum), momentum=momentum, nesterov=momentum > 0,
                           weight_decay=settings.weight_decay)
     # transformers' get_linear_schedule_with_warmup(opt, 0, steps): 1 - step / steps
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: max(0.0, (settings.steps - step) / settings.steps))
+    factor = lambda step: max(0.0, (settings.steps - step) / settings.steps)  # noqa: E731
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     order: list[int] = []
     rng = random.Random(settings.seed)
     last = [0.0] * len(trained)
+    identity = {"settings": asdict(settings), "fingerprint": lens.fingerprint, "windows": [int(len(windows)), int(per_window)],
+                "windows_sha256": hashlib.sha256(windows.cpu().numpy().tobytes()).hexdigest()[:16]}
+    first, before = 0, 0.0
+    kept = _load_state(state, identity) if state is not None and Path(state).is_file() else None
+    if kept is not None:  # the translators, the momentum, the learning rate, the order and its generator, as they stood
+        lens.translators.load_state_dict({k.removeprefix("lens."): v for k, v in kept["tensors"].items() if k.startswith("lens.")})
+        for i, p in enumerate(lens.parameters()):
+            if f"momentum.{i}" in kept["tensors"]:
+                opt.state[p]["momentum_buffer"] = kept["tensors"][f"momentum.{i}"].to(p.device)
+        first, order, last, before = kept["step"], kept["order"], kept["last"], kept["seconds"]
+        rng.setstate(kept["rng"])
+        schedule.last_epoch = first
+        for group, base in zip(opt.param_groups, schedule.base_lrs):
+            group["lr"] = base * factor(first)
+    if forecast is not None:
+        forecast.start()
     with _frozen(model):
-        for step in range(settings.steps):
+        for step in range(first, settings.steps):
             on_step("training the tuned lens", step, settings.steps)
             while len(order) < step_windows:  # go round the windows, each round in a fresh shuffled order
                 round_ = list(range(len(windows)))
@@ -192,6 +264,12 @@ def train_tuned_lens(model, stepper: Stepper, windows: torch.Tensor, settings: L
             opt.zero_grad(set_to_none=False)
             schedule.step()
             last = sums
+            if state is not None:
+                _save_state(state, lens, opt, step + 1, order, rng, last, identity, before + clock() - started)
+            if forecast is not None:
+                forecast.step_done(step)
     record = {"settings": asdict(settings), "train_windows": len(windows), "tokens_per_step": step_windows * per_window,
-              "translated_streams": trained, "train_kl_last_step": last, "seconds": round(clock() - started, 3)}
+              "translated_streams": trained, "train_kl_last_step": last, "seconds": round(before + clock() - started, 3)}
+    if first:
+        record["resumed_at_step"] = first
     return lens.eval(), record
