@@ -25,7 +25,8 @@ from depthcurse.select.search import Space, build_searches, key
 from depthcurse.select.searches.exact import walk_passes
 from depthcurse.select.stability import draws, summary, verdict
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# fast on tiny models: `make mutate` runs these against each mutant, but those through the command line (conftest marks them `cli`)
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.instruments]
 
 
 def _windows(tokenizer, text, windows=5):
@@ -185,7 +186,8 @@ def test_select_with_k_alone_prints_the_answer_first_then_the_next_commands(run_
     assert "text/exact/kl: expect 30 block passes and 15 head passes" in said
     record = json.loads((tmp_path / "r" / "select.json").read_text())
     layers = record["cells"]["text/exact/kl"]["layers"]
-    assert f"next: depthcurse drop {six_dir} --layers {key(layers)} --out" in said and f"next: depthcurse speculate {six_dir} --skip-from" in said
+    assert f"next: depthcurse drop {six_dir} --layers {key(layers)} --out pruned/{six_dir.name}-without-{key(layers).replace(',', '-')} " in said
+    assert f"next: depthcurse speculate {six_dir} --skip-from" in said and "pruned//" not in said  # the path's name under pruned/, not the path (issue 81)
     assert record["cells"]["text/exact/kl"]["estimate"]["block_passes"] == 30 and (tmp_path / "r" / "stability.png").exists()
     assert record["run"]["searches"] is None and record["recipe"]["objectives"] == ["kl"]
 
@@ -195,6 +197,7 @@ def test_the_new_settings_bad_input_is_one_line(run_cli, six_dir, text):
     for args, said in (
         (["--k", "1", "--resamples", "1"], "--resamples 1: one resample says nothing"),
         (["--k", "1", "--resamples", "-2"], "--resamples must be 0 or more, got -2"),
+        (["--k", "1", "--search", "greedy", "--resamples", "100000", "--budget", "0.001"], "--resamples 100,000: the reruns of greedy may take up to "),
         (["--k", "1", "--seeds", "1,x"], "--seeds 1,x: give whole numbers"),
         (["--k", "1", "--seeds", "1234"], "--seeds 1234: each must be given once, and differ from --seed 1234"),
         (["--k", "1", "--budget", "0"], "--budget must be more than 0 minutes"),
@@ -452,3 +455,27 @@ def test_a_resample_reweighs_each_windows_scores_by_how_often_it_was_drawn():
     assert view.score_many([(3,)], "acceptance") == [pytest.approx(1 - 2.0 / 3)]
     view.score_on_many([(3,)], [2, 0], 5, "kl")
     assert Scorer.asked == [([2, 0], 5, "kl")]
+
+
+@pytest.mark.searching
+def test_the_recipe_and_the_estimates_edges_by_hand():
+    """exact runs at its estimate exactly on the budget and at exactly exact.max_sets, not a second
+    or a removal past either (and says which it was over); the estimate's rounding; the durations at
+    each unit's edge; the prefix walk's count with the empty removal at the root (6 block passes on 4
+    blocks: 4, then 2 after removing block 1)."""
+    from depthcurse.select.estimate import PassTiming, duration, trie_passes
+    from depthcurse.select.searches.exact import walk_passes
+
+    blocks, _ = walk_passes(6, 2)
+    on_budget = Space(6, 2, timing=PassTiming(block=1.0, head=0.0))
+    fits = recipe(on_budget, 64, blocks / 60)
+    assert fits.searches == ("greedy", "exact") and fits.summary() == {"searches": ["greedy", "exact"], "why": fits.why}
+    assert fits.why == f"exact fits: 15 removals, about {duration(blocks)} here (--budget {blocks / 60:g} minutes)"
+    over = recipe(Space(6, 2, timing=PassTiming(block=1.0 + 1e-9, head=0.0)), 64, blocks / 60)
+    assert over.searches == ("greedy", "evo") and over.why == (f"exact does not fit (15 removals, about {duration(blocks)} here, over --budget "
+                                                               f"{blocks / 60:g} minutes): evo instead")
+    assert recipe(on_budget, 64, 60.0, {"exact.max_sets": "15"}).searches == ("greedy", "exact")
+    assert recipe(on_budget, 64, 60.0, {"exact.max_sets": "14"}).why == "exact does not fit (15 removals, more than exact.max_sets=14): evo instead"
+    assert PassTiming(block=0.5, head=2.0).estimate(3.26, 1.04) == {"block_passes": 3.3, "head_passes": 1.0, "seconds": 3.7}
+    assert [duration(s) for s in (89, 90, 5399, 5400, 7200)] == ["89 seconds", "2 minutes", "90 minutes", "1.5 hours", "2.0 hours"]
+    assert trie_passes([(), (1,)], 4) == 6.0 and trie_passes([(1,), (1, 3)], 4) == (4 - 2) + (3 - 2) + (4 - 4)

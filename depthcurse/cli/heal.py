@@ -11,7 +11,7 @@ from rich.text import Text
 
 from depthcurse.cli.shared import (
     SUITES_HELP, DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, err_console, join_ranks, load,
-    model_line, once, progress_bar, push, showing, slug, time_checkpoint, verdicts,
+    model_line, once, progress_bar, push, renamed, say, showing, slug, time_checkpoint, verdicts,
 )
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import claim_out_dir
@@ -19,14 +19,14 @@ from depthcurse.io import claim_out_dir
 
 def heal(
     model: str = ModelArg,
-    layers: Optional[str] = typer.Option(None, "--layers", help="Layers to remove, e.g. 20-23 or 3,7 (whole layers)."),
-    order: Optional[Path] = typer.Option(None, "--order", help="Instead of --layers: a healed depth curve along an earlier result's order (a prune --greedy, --block, angular-distance or prune folder), one heal per --ks."),
-    ks: Optional[str] = typer.Option(None, "--ks", help="With --order: numbers of layers removed, e.g. 2,4,8, or shares of the depth, e.g. 25%,50% (the first k of the order)."),
-    max_drop: Optional[str] = typer.Option(None, "--max-drop", help="With --order: find the largest k whose healed held-out loss stays within this share of the unpruned model's, e.g. 5% (a bisection over the order's prefixes, or over --ks)."),
-    strategy: Optional[str] = typer.Option(None, "--strategy", help="With --order: which of its orders (greedy, one-shot, block-influence, angular, last; angular or deepest for an angular result)."),
+    layers: Optional[str] = typer.Option(None, "--layers", help="Layers to remove, e.g. 20-23 or 3,7 (whole layers).", show_default="none: give --layers or --order"),
+    order: Optional[Path] = typer.Option(None, "--order", help="Instead of --layers: a healed depth curve along an earlier result's order (a prune --greedy, --block, angular-distance or prune folder), one heal per --ks.", show_default="off"),
+    ks: Optional[str] = typer.Option(None, "--ks", help="With --order: numbers of layers removed, e.g. 2,4,8, or shares of the depth, e.g. 25%,50% (the first k of the order).", show_default="none: with --order, give --ks or --max-drop"),
+    max_drop: Optional[str] = typer.Option(None, "--max-drop", help="With --order: find the largest k whose healed held-out loss stays within this share of the unpruned model's, e.g. 5% (a bisection over the order's prefixes, or over --ks).", show_default="off"),
+    strategy: Optional[str] = typer.Option(None, "--strategy", help="With --order: which of its orders (greedy, one-shot, block-influence, angular, last; angular or deepest for an angular result).", show_default="the order's own"),
     method: Optional[str] = typer.Option(None, "--method", help="How the removal is won back (docs/methods.md; default lora): lora (adapters trained on text, Gromov et al.), linear (ReplaceMe's least-squares map, folded in), linear-cosine (ReplaceMe's cosine map), layer (a trained layer per removed run: LLM-Streamline), ffn (a trained FFN per run: LLM-Streamline), tune-last (the last kept layers and the head trained), prune-comp (Prune&Comp's magnitude compensation), linearpatch (LinearPatch), laco (merged into the layer before: LaCo's RDSC, as=paper or as=code), swm (merged: Sliding-Window Merging), a+b (one after the other, e.g. linear+lora), or your own: module:Class or file.py:Class."),
     methods: Optional[str] = typer.Option(None, "--methods", help="Instead of --method: several, side by side on the same removal, data and measurements, e.g. lora,linear,layer,linear+lora (each in <out>/<method>/; one this model cannot take is left out, with why)."),
-    method_args: Optional[str] = typer.Option(None, "--method-args", help="The methods' own settings, key=value,... (lm-eval's --model_args form), e.g. ridge=0.1 or lora.lora_rank=16 for one method of several; docs/methods.md lists each method's."),
+    method_args: Optional[str] = typer.Option(None, "--method-args", help="The methods' own settings, key=value,... (lm-eval's --model_args form), e.g. ridge=0.1 or lora.lora_rank=16 for one method of several; docs/methods.md lists each method's.", show_default="each method's own (depthcurse settings)"),
     adapt: Optional[str] = typer.Option(None, "--adapt", help="lora: where the adapters go: all (every kept block, the default) or after (only the blocks after the first removed layer: those before run once per batch, without a backward pass)."),
     calib_tokens: Optional[int] = typer.Option(None, "--calib-tokens", help="linear, linear-cosine, prune-comp, linearpatch: tokens of the training text they estimate on (default 16384)."),
     ridge: Optional[float] = typer.Option(None, "--ridge", help="linear: pulls each map toward the identity (the plain removal); relative to the mean eigenvalue of its Gram matrix (default 0)."),
@@ -35,7 +35,8 @@ def heal(
     lora_rank: Optional[int] = typer.Option(None, "--lora-rank", help="lora: its rank (default 8)."),
     lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="lora: its alpha, the update scaled by alpha / rank (default 16)."),
     lora_dropout: Optional[float] = typer.Option(None, "--lora-dropout", help="lora: dropout on the adapters' input (default 0.05)."),
-    data: str = typer.Option("auto", "--data", help="Text to heal on and to hold windows out of: auto (C4 where the hub is reachable, else wiki), c4, wiki, or a .txt/.jsonl/.parquet file."),
+    calibration: str = typer.Option("auto", "--calibration", help="Text to heal on and to hold windows out of: auto (C4 where the hub is reachable, else wiki), c4, wiki, or a .txt/.jsonl/.parquet file."),
+    data: Optional[str] = typer.Option(None, "--data", hidden=True, help="Now --calibration."),
     steps: int = typer.Option(100, "--steps", help="Optimizer steps."),
     batch_size: int = typer.Option(8, "--batch-size", help="Sequences per step."),
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Sequences per forward and backward (default: the whole batch)."),
@@ -43,8 +44,8 @@ def heal(
     lr: float = typer.Option(2e-4, "--lr", help="Peak learning rate (AdamW, linear warm-up, cosine decay to a tenth)."),
     warmup: Optional[int] = typer.Option(None, "--warmup", help="Warm-up steps (default: a tenth of --steps)."),
     eval_windows: int = typer.Option(32, "--eval-windows", help="Held-out windows (of --seq-len tokens, from documents never trained on) the models are measured on."),
-    eval_data: Optional[str] = typer.Option(None, "--eval-data", help="Also measure on --eval-windows windows of text of another source (wiki, c4, a file): what a method won back beyond the text it healed on."),
-    task: Optional[str] = typer.Option(None, "--task", "-t", help="Also measure on this task: any lm-eval task prune takes (arc_easy, mmlu, ...), or " + SUITES_HELP + "."),
+    eval_data: Optional[str] = typer.Option(None, "--eval-data", help="Also measure on --eval-windows windows of text of another source (wiki, c4, a file): what a method won back beyond the text it healed on.", show_default="off"),
+    task: Optional[str] = typer.Option(None, "--task", "-t", help="Also measure on this task: any lm-eval task prune takes (arc_easy, mmlu, ...), or " + SUITES_HELP + ".", show_default="off"),
     limit: Optional[int] = typer.Option(None, "--limit", help="--task: examples per subtask (default all)."),
     num_fewshot: int = typer.Option(0, "--num-fewshot", help="--task: few-shot examples in each prompt."),
     granularity: str = typer.Option("layer", "--granularity", help="What is removed: layer (only whole layers are healed for now)."),
@@ -53,7 +54,7 @@ def heal(
     report_to: str = typer.Option("none", "--report-to", help="Also send the training's metrics.jsonl rows, as they happen, to: none, tensorboard, wandb, or both (comma separated; W&B offline unless an API key is set up): one run per method's folder."),
     out: Optional[Path] = typer.Option(None, "--out", help="Run folder (default runs/heal/<model>/<layers or order>-<loss>)."),
     speed: bool = typer.Option(False, "--speed", help="Also measure what the removal buys (depthcurse speed): the healed checkpoint against its source, in speed.json and the model card."),
-    push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="Also upload the healed checkpoint (hf/, with its card and adapters) to this hub repository."),
+    push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="Also upload the healed checkpoint (hf/, with its card and adapters) to this hub repository.", show_default="off"),
     private: bool = typer.Option(False, "--private", help="With --push-to-hub: make the repository private."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
@@ -67,6 +68,7 @@ def heal(
     from depthcurse.runtime import rank_gpus
     from depthcurse.surgery import num_layers, parse_layers
 
+    data = renamed("heal", "--data", data, calibration, "auto")
     if granularity != "layer":
         raise DepthcurseError(f"heal removes whole layers for now: --granularity {granularity} is not supported")
     if (layers is None) == (order is None):
@@ -126,7 +128,7 @@ def heal(
             header()
             progress.update(bar, total=info["steps"], completed=info["start_step"])
 
-        callbacks = dict(on_start=on_start, on_phase=lambda text: progress.update(bar, description=text),
+        callbacks = dict(on_start=on_start, on_phase=lambda text: progress.update(bar, description=text), on_note=lambda text: say("note", text),
                          on_progress=lambda p: progress.update(bar, completed=p.step, stats=f"loss {p.loss:.4f} · lr {p.lr:.2e} · {p.tokens_per_s:,.0f} tok/s"))
         if several:
             def on_method(m: str, i: int, total: int) -> None:

@@ -32,14 +32,14 @@ def prune(
     max_memory: str = typer.Option("auto", "--max-memory", help="reuse engine: memory for the kept residual streams and prefix keys/values of one batch: auto (2GB on a CPU, 80% of the GPU memory free after loading) or a size, e.g. 24GB."),
     compile: bool = typer.Option(False, "--compile", help="reuse engine: torch.compile each block (inductor fuses norms, rotary, SwiGLU, residual adds). Measured on a CPU: 0.89x the scoring time of a SmolLM2 MMLU sweep, after about a minute of compiling (cached on disk for later runs)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default runs/prune/<model>/<task>)."),
-    block: Optional[int] = typer.Option(None, "--block", help="Instead of one layer at a time: remove the N contiguous layers angular distance picks, and for comparison the N deepest layers before the final one."),
-    angular: Optional[Path] = typer.Option(None, "--angular", help="With --block: an angular-distance result (folder or angular.json) to pick the block from, instead of measuring."),
+    block: Optional[int] = typer.Option(None, "--block", help="Instead of one layer at a time: remove the N contiguous layers angular distance picks, and for comparison the N deepest layers before the final one.", show_default="off: one layer at a time"),
+    angular: Optional[Path] = typer.Option(None, "--angular", help="With --block: an angular-distance result (folder or angular.json) to pick the block from, instead of measuring.", show_default="measured here"),
     angular_data: str = typer.Option("auto", "--angular-data", help="With --block: text the angular distance is measured on (auto, c4, wiki or a file)."),
     angular_tokens: int = typer.Option(65536, "--angular-tokens", help="With --block: token budget of the angular-distance pass."),
     granularity: str = typer.Option("layer", "--granularity", help="What a removal takes out: layer (the whole block), attn or mlp (only that branch of the block; the residual stream passes it by)."),
-    greedy: Optional[int] = typer.Option(None, "--greedy", help="Instead of one at a time: remove K units greedily, each step the one whose removal costs least (measured exactly), and compare with the orders one-shot ranking, Block Influence, angular distance and the last layers give."),
-    max_drop: Optional[float] = typer.Option(None, "--max-drop", help="With --greedy: stop after the step whose relative drop exceeds this (e.g. 0.05)."),
-    orders: Optional[Path] = typer.Option(None, "--orders", help="Instead of choosing: measure every strategy's order from an earlier --greedy result (its folder) on this task and data, e.g. held-out text."),
+    greedy: Optional[int] = typer.Option(None, "--greedy", help="Instead of one at a time: remove K units greedily, each step the one whose removal costs least (measured exactly), and compare with the orders one-shot ranking, Block Influence, angular distance and the last layers give.", show_default="off: one layer at a time"),
+    max_drop: Optional[float] = typer.Option(None, "--max-drop", help="With --greedy: stop after the step whose relative drop exceeds this (e.g. 0.05).", show_default="off: every step"),
+    orders: Optional[Path] = typer.Option(None, "--orders", help="Instead of choosing: measure every strategy's order from an earlier --greedy result (its folder) on this task and data, e.g. held-out text.", show_default="off"),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     trust_remote_code: bool = TrustOpt,
@@ -140,7 +140,8 @@ def prune(
 
         try:
             with showing(progress):
-                sweep = sweeps.run_sweep(loaded, the_task, variants, out_dir, run_extra=run_extra, on_variant=on_variant, granularity=granularity, world=world, **engine_options)
+                sweep = sweeps.run_sweep(loaded, the_task, variants, out_dir, run_extra=run_extra, on_variant=on_variant, granularity=granularity, world=world,
+                                         on_note=lambda text: say("note", text), **engine_options)
         except KeyboardInterrupt:
             if world.main:
                 _finish_interrupted(out_dir)

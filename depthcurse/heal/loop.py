@@ -30,6 +30,7 @@ import torch
 
 from depthcurse.card import provenance, write_card
 from depthcurse.errors import DepthcurseError
+from depthcurse.forecast import Forecast
 from depthcurse.heal.adapters import trainable
 from depthcurse.heal.config import CONFIG, RESUMABLE_CHANGES, HealConfig
 from depthcurse.heal.healed import MODELS, Healed
@@ -102,7 +103,8 @@ PER_METHOD = ("method", "method_settings", "method_title", "method_how")  # what
 
 def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = World(), unpruned: dict | None = None, pruned: dict | None = None,
          why: str | None = None, stop_after: int | None = None, on_start: Callable[[dict], None] | None = None,
-         on_progress: Callable[[Progress], None] | None = None, on_phase: Callable[[str], None] | None = None) -> dict | None:
+         on_progress: Callable[[Progress], None] | None = None, on_phase: Callable[[str], None] | None = None,
+         on_note: Callable[[str], None] = lambda text: None) -> dict | None:
     """Heal `loaded` with `cfg`'s layers removed, by `cfg.method`, in `out_dir` (continued if it
     holds this run); returns the record `heal.json` holds, on rank 0 (None elsewhere, or when
     `stop_after` ended the call after that many steps, as a preemption would).
@@ -112,7 +114,8 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
     it was made (`why` these layers, if not by hand), and that checkpoint is what is measured as
     the healed model. `unpruned` and `pruned` are those models' measurements if they were made
     already (a healed curve measures the unpruned model once for every k, a comparison of methods
-    both models once for every method).
+    both models once for every method). After the first training step `on_note` hears how long the
+    steps will take (`forecast`), kept in the record beside the time they took.
     """
     cfg = check(loaded, cfg)
     method = cfg.build()
@@ -161,7 +164,8 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
                   "held_out_tokens": held_out["held_out"].windows[:, 1:].numel(), "device": str(device), "world_size": world.size})
     progress = None
     if objective is not None:
-        progress = _train(objective, method, cfg, data, out_dir, run, state, world, device, len(tokenizer), stop_after, on_progress, phase)
+        forecast = Forecast("the training steps", cfg.steps, say=on_note if world.main else (lambda text: None))
+        progress = _train(objective, method, cfg, data, out_dir, run, state, world, device, len(tokenizer), stop_after, on_progress, phase, forecast)
         if progress.step < cfg.steps:
             return None
     del state
@@ -203,7 +207,8 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
     record["unchanged"] = unchanged(results)
     if progress is not None:
         record["training"] = {"steps": progress.step, "tokens": progress.tokens, "train_seconds": round(progress.seconds, 3),
-                              "tokens_per_s": progress.tokens / max(progress.seconds, 1e-9), "trained_params": trained, "loss": method.loss_name}
+                              "tokens_per_s": progress.tokens / max(progress.seconds, 1e-9), "trained_params": trained, "loss": method.loss_name,
+                              "forecast": forecast.summary()}
     record["cost"] = _cost(method, progress, model, cfg.layers)
     record["held_out"] = {part: t.describe() for part, t in held_out.items()}["held_out"]
     record["measured_on"] = {part: t.describe() for part, t in held_out.items()}
@@ -312,7 +317,7 @@ def measured_note(record: dict) -> str:
 
 
 def _train(objective, method: Method, cfg: HealConfig, data, out_dir: Path, run: dict, state: dict | None, world: World, device, vocab: int,
-           stop_after: int | None, on_progress, phase) -> TrainState:
+           stop_after: int | None, on_progress, phase, forecast: Forecast | None = None) -> TrainState:
     """The trained methods' loop: `train.loop.train_step` on `objective`, resumable from `state`."""
     wrapped = objective
     if world.parallel:
@@ -345,6 +350,8 @@ def _train(objective, method: Method, cfg: HealConfig, data, out_dir: Path, run:
         tick, tick_tokens = time.perf_counter(), 0
         if progress.step < end:
             phase("training")
+            if forecast is not None:
+                forecast.start()
         while progress.step < end:
             batch = data.train.next_batch(cfg.batch_size)
             lr = optimizer.param_groups[0]["lr"]
@@ -372,6 +379,8 @@ def _train(objective, method: Method, cfg: HealConfig, data, out_dir: Path, run:
                         on_progress(Progress(step, cfg.steps, loss_value, lr, progress.tokens, rate, None, cfg.micro_batch))
             if step % cfg.save_every == 0 or step == end:
                 checkpoints.save()
+            if forecast is not None:
+                forecast.step_done(step - 1)
     return progress
 
 

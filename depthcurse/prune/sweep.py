@@ -16,6 +16,7 @@ from typing import Callable, Iterable
 
 from depthcurse import assets
 from depthcurse.errors import DepthcurseError
+from depthcurse.forecast import following
 from depthcurse.io import atomic_write, ensure_out_dir, environment, json_text, refuse_other_run
 from depthcurse.loading import LoadedModel
 from depthcurse.prune import engine
@@ -41,6 +42,7 @@ def run_sweep(
     granularity: str = "layer",
     compile: bool = False,
     world: World = World(),
+    on_note: Callable[[str], None] = lambda text: None,
 ) -> Sweep | None:
     """Evaluate the baseline and each variant, saving after each one.
 
@@ -49,7 +51,9 @@ def run_sweep(
     removed (the stream passes it by). The unpruned baseline always runs first.
 
     `on_variant(label, done, total)` is called before each variant is evaluated (for progress
-    display). KeyboardInterrupt propagates, with every finished variant already on disk.
+    display). KeyboardInterrupt propagates, with every finished variant already on disk. After the
+    first batch (or variant), `on_note` hears how long the rest will take (`forecast.following`),
+    kept in prune.json's "engine" beside the time taken.
 
     `engine="reuse"` (see `depthcurse.prune.engine`) scores all variants together, batch by batch,
     reusing what they share (with `compile`, through compiled blocks); its finished batches are
@@ -65,6 +69,17 @@ def run_sweep(
     if engine not in ENGINES:
         raise DepthcurseError(f"unknown --engine {engine!r}: use {' or '.join(ENGINES)}")
     started = time.perf_counter()
+    heard = {"batches": following("the sweep's batches (every variant at once)", on_note if world.main else (lambda text: None)),
+             "variants": following("the sweep's variants", on_note if world.main else (lambda text: None))}
+    forecasts: dict = {}
+    told = on_variant
+
+    def on_variant(label: str, done: int, total: int) -> None:  # noqa: F811 -- the caller's, and the forecast of what it reports
+        if label != "done":
+            forecasts[label if label == "batches" else "variants"] = heard[label if label == "batches" else "variants"](done, total)
+        if told:
+            told(label, done, total)
+
     model = loaded.model
     check_granularity(model, granularity)
     # Which layers were asked for is not part of the identity: a rerun with more layers extends the sweep.
@@ -103,8 +118,9 @@ def run_sweep(
                          save=lambda: _save(sweep, out_dir, previous_wall + time.perf_counter() - started, engine_info))
     if not world.main:
         return None
-    if on_variant:
-        on_variant("done", total, total)
+    on_variant("done", total, total)
+    for what, forecast in forecasts.items():
+        engine_info.setdefault("forecasts", {})[what] = forecast.summary()
     _save(sweep, out_dir, previous_wall + time.perf_counter() - started, engine_info)
     shutil.rmtree(out_dir / VARIANTS_DIR, ignore_errors=True)  # all it held is in prune.json (or, resumed by the reuse engine, was redone)
     return sweep

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from depthcurse.forecast import duration  # noqa: F401  (select's modules read it from here)
 from depthcurse.prune.stepping import Unsupported, checked_stepper
 from depthcurse.select.scoring import window_scores
 from depthcurse.surgery import find_blocks, num_layers
@@ -137,5 +138,3 @@ def trie_passes(removals, n: int) -> float:
     return float(visit(trie, 0, True))
 
 
-def duration(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} hours" if seconds >= 5400 else (f"{seconds / 60:.0f} minutes" if seconds >= 90 else f"{seconds:.0f} seconds")

@@ -122,6 +122,8 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
     # the recipe's own resamples rerun its deterministic searches alone (theirs reuse the scores measured); --resamples reruns every one
     resamples_of = {name: resamples if cfg.resamples is not None or not s.seeded else 0 for name, s in searches.items()}
     resampled = {name for name, s in searches.items() if s.reads != "nothing" and (resamples_of[name] or (s.seeded and cfg.seeds))}
+    if cfg.resamples:  # before any search runs: the resamples asked for held to --budget (the recipe's own rerun on scores it has)
+        rerun_cost(searches, resamples_of, space, tokens, cfg.budget, note)
     costs = None
     if "speedup" in cfg.objectives:  # measured once, kept: a resumed run prices its drafts as it began
         if "draft_costs" not in record:
@@ -249,6 +251,25 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
     record["wall_time_s"] = round(record.get("wall_time_s", 0.0) + time.perf_counter() - started, 3)
     save()
     return record
+
+
+def rerun_cost(searches: dict[str, Search], resamples_of: dict[str, int], space: Space, tokens: int, budget_minutes: float, note) -> float:
+    """The most the resamples can cost: each rerun of a search at most its own estimate again (a
+    removal already scored on every window costs nothing again, so often far less), said, and
+    refused in one line, with the resamples that fit, where it passes `--budget`."""
+    per_run = {name: space.timing.seconds(*searches[name].passes(space, tokens)) for name, n in resamples_of.items()
+               if n and searches[name].reads == "objective" and searches[name].passes(space, tokens) is not None}
+    if not per_run:
+        return 0.0
+    most = sum(resamples_of[name] * seconds for name, seconds in per_run.items())
+    reruns = max(resamples_of[name] for name in per_run)
+    if most > budget_minutes * 60:
+        fits = int(budget_minutes * 60 // max(sum(per_run.values()), 1e-9))
+        raise DepthcurseError(f"--resamples {reruns:,}: the reruns of {', '.join(per_run)} may take up to {duration(most)} here, over --budget "
+                              f"{budget_minutes:g} minutes; give --resamples {fits} or fewer" + (", or a larger --budget" if fits >= 2 else
+                                                                                                   " (0: no resamples), or a larger --budget"))
+    note(f"the resamples: {reruns:,} reruns of {', '.join(per_run)}, at most about {duration(most)} here (within --budget {budget_minutes:g} minutes)")
+    return most
 
 
 def _variations(search: Search, cfg: SelectConfig, resamples: int, windows: int) -> list[tuple[list[int] | None, int]]:

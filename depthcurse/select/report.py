@@ -321,7 +321,8 @@ def next_commands(record: dict, model: str, out: Path) -> list[str]:
     layers = record["distances"][picks[0][0]]["picks"][picks[0][1]]["layers"]
     lines = []
     if record["run"].get("granularity", "layer") == "layer":
-        lines += [f"depthcurse drop {model} --layers {layers} --out pruned/{record['run']['model']}-without-{layers.replace(',', '-')}   (save it)",
+        name = Path(str(record["run"]["model"]).rstrip("/")).name or "model"  # a path's last part, a hub id's name: not the whole path under pruned/
+        lines += [f"depthcurse drop {model} --layers {layers} --out pruned/{name}-without-{layers.replace(',', '-')}   (save it)",
                   f"depthcurse speed {model} --layers {layers}   (what it buys)",
                   f"depthcurse heal {model} --layers {layers} --methods linear,lora   (win the loss back)"]
     lines.append(f"depthcurse speculate {model} --skip-from {out}   (draft with it: the output stays the whole model's)")
