@@ -38,5 +38,7 @@ def settings_rows(names: list[str]) -> list[dict]:
         listed = settings_listing(cls, cls.name)
         rows.append({"for": f"{kind} {cls.name}", "setting": "" if listed else "(no settings)", "type": "", "default": "",
                      "about": getattr(cls, "source", "") or ""})
+        if kind == "method":  # heal takes a method's setting as key=value alone, or name.key=value among several methods: both forms
+            listed = [{**row, "setting": f"{row['setting'].split('.', 1)[-1]} | {row['setting']}"} for row in listed]
         rows += [{"for": "", **row} for row in listed]
     return rows

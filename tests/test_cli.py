@@ -7,7 +7,7 @@ import pytest
 
 import torch
 
-from helpers import assert_one_line_error, built_without, needs
+from helpers import ROOT, assert_one_line_error, built_without, needs
 
 
 def test_prune_on_a_local_model_writes_table_and_files(run_cli, tiny_model_dir, text_file, tmp_path, tiny_tokenizer):
@@ -22,6 +22,11 @@ def test_prune_on_a_local_model_writes_table_and_files(run_cli, tiny_model_dir, 
     data = json.loads((out / "prune.json").read_text())
     assert [v["removed"] for v in data["variants"]] == [[], [0], [1], [2], [3]]
     assert "removed" in stdout and "rel. drop" in stdout and "s: seconds spent scoring" in stdout
+    code, _, err = run_cli("prune", tiny_model_dir, "--task", "ppl", "--data", text_file, "--limit", "3", "--seq-len", "16", "--engine", "lm-eval",
+                           "--out", tmp_path / "each")
+    assert code == 0 and "note: the sweep's variants: 5 steps to run, the first took " in " ".join(err.split()), err  # its cost, after its first
+    kept = json.loads((tmp_path / "each" / "prune.json").read_text())["engine"]["forecasts"]["variants"]
+    assert kept["steps"] == 5 and kept["forecast_seconds"] > 0 and kept["seconds"] > 0  # beside the time taken
     # the numbers: each variant's loss is that of a model built without the layer, on the same windows
     task = PerplexityTask(tiny_tokenizer, text_file.read_text().split("\n\n"), source="t", seq_len=16, limit=3)
     full = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
@@ -97,7 +102,7 @@ def test_assets_on_a_cache_that_cannot_be_written_says_why(run_cli, tmp_path, mo
         (["angular-distance", "{tmp}/missing-layer", "--data", "{text}"], "{tmp}/missing-layer lacks weights the model needs: layers.1.* (9 tensors) are missing"),
         (["prune", "{tmp}/extra-layer", "--data", "{text}"], "{tmp}/extra-layer holds weights the model has no place for: model.layers.4.* (9 tensors)"),
         (["prune", "{tmp}/missing-tensor", "--data", "{text}"], "{tmp}/missing-tensor lacks weights the model needs: model.layers.1.mlp.down_proj.weight is missing"),
-        (["heal", "{tmp}/missing-norm", "--layers", "2", "--data", "{text}"], "{tmp}/missing-norm lacks weights the model needs: model.layers.1.post_attention_layernorm.weight is missing"),
+        (["heal", "{tmp}/missing-norm", "--layers", "2", "--calibration", "{text}"], "{tmp}/missing-norm lacks weights the model needs: model.layers.1.post_attention_layernorm.weight is missing"),
         (["prune", "{model}", "--task", "ppl", "--data", "{tmp}/broken.jsonl"], "broken.jsonl: line 2 is not JSON"),
         (["prune", "{model}", "--task", "repr", "--no-bos"], "--no-bos does not apply to --task repr: it is for ppl"),
     ],
@@ -279,3 +284,70 @@ def test_long_work_off_a_terminal_says_a_line_per_finished_step(run_cli, tiny_mo
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines[-1].startswith("finished: 5/5 ("), err  # the unpruned model and 4 variants
     assert "5/5" not in out
+
+
+def test_help_says_what_is_required_shows_every_default_and_reflows_its_paragraphs():
+    """Every command's help is its docstring's paragraphs, each one line for the terminal to wrap (the
+    docstrings' breaks fell mid-sentence); every option that takes a value shows a default or says
+    what leaving it out does; speculate marks its one required choice; settings gives heal's two
+    forms (issue 81)."""
+    import typer
+
+    from depthcurse.cli import COMMANDS, app, unwrapped
+
+    cmd = typer.main.get_command(app)
+    for name, command in COMMANDS:
+        help_text = cmd.commands[name].help
+        assert help_text == unwrapped(command.__doc__) and all("\n" not in p for p in help_text.split("\n\n")), name
+    assert unwrapped("One line\n    broken here.\n\n    Second paragraph\n    too.") == "One line broken here.\n\nSecond paragraph too."
+    silent = [f"{name} {p.opts[0]}" for name, sub in cmd.commands.items() for p in sub.params
+              if p.param_type_name == "option" and not p.is_flag and not p.required and not p.hidden and p.name != "help" and p.default is None and not isinstance(p.show_default, str)
+              and not any(w in (p.help or "").lower() for w in ("default", "left out", "none:"))]
+    assert silent == []
+    assert sum(p.param_type_name == "option" for p in cmd.commands["select"].params) > 20  # the walk sees the options (typer carries its own click)
+    options = {p.opts[0]: p for p in cmd.commands["speculate"].params if p.param_type_name == "option"}
+    assert options["--skip"].help.startswith("Required, or --skip-from.") and options["--skip-from"].help.startswith("Required, or --skip.")
+    assert {p.opts[0]: p for p in cmd.commands["select"].params if p.param_type_name == "option"}["--objective"].show_default.startswith("kl with the recipe")
+
+
+def test_settings_lists_a_methods_setting_in_both_forms_heal_takes():
+    from depthcurse.listing import settings_rows
+
+    rows = settings_rows(["lora", "evo"])
+    lora = [r for r in rows if r["setting"].startswith("lora_rank")]
+    evo = [r for r in rows if r["setting"].startswith("evo.")]
+    assert lora and lora[0]["setting"] == "lora_rank | lora.lora_rank" and evo and " | " not in evo[0]["setting"]
+
+
+def test_one_name_per_idea_in_every_command_and_the_old_names_say_the_new():
+    """Every command's options against `cli.vocabulary`: a name the table gives an idea is taken by
+    exactly the commands it lists (no command gives it another meaning); the older names are hidden
+    and listed in RENAMED (no idea keeps a second name in sight); docs/commands.md gives the table."""
+    import typer
+
+    from depthcurse.cli import app
+    from depthcurse.cli.vocabulary import RENAMED, VOCABULARY
+
+    cmd = typer.main.get_command(app)
+    visible = {(name, p.opts[0]) for name, sub in cmd.commands.items() for p in sub.params if p.param_type_name == "option" and not p.hidden}
+    hidden = {(name, p.opts[0]) for name, sub in cmd.commands.items() for p in sub.params if p.param_type_name == "option" and p.hidden}
+    for option, (_, commands) in VOCABULARY.items():
+        taking = sorted(name for name, o in visible if o == option)
+        assert taking == sorted(commands), f"{option}: taken by {taking}, the vocabulary says {sorted(commands)}"
+    assert hidden == set(RENAMED), f"hidden options not in RENAMED, or renamed ones in sight: {hidden ^ set(RENAMED)}"
+    assert all((command, new) in visible for (command, _), new in RENAMED.items())
+    table = (ROOT / "docs" / "commands.md").read_text()
+    assert all(f"`{option}`" in table and idea in table for option, (idea, _) in VOCABULARY.items())
+    assert all(f"`{command} {old}`" in table for command, old in RENAMED)
+
+
+def test_an_old_option_name_still_works_and_says_the_new_one(run_cli, tiny_model_dir, six_dir, text_file, tmp_path):
+    from depthcurse.cli.vocabulary import renamed_note
+
+    code, _, err = run_cli("depth-map", tiny_model_dir, six_dir, "--data", text_file, "--windows", "3", "--held-out", "2", "--seq-len", "16",
+                           "--out", tmp_path / "old")
+    said = " ".join(err.split())
+    assert code == 0 and renamed_note("--windows", "--calib-windows") in said and renamed_note("--held-out", "--eval-windows") in said, err
+    assert json.loads((tmp_path / "old" / "depth_map.json").read_text())["fit_windows"] == 3
+    assert_one_line_error(*run_cli("depth-map", tiny_model_dir, six_dir, "--data", text_file, "--held-out", "2", "--eval-windows", "3",
+                                   "--out", tmp_path / "both"), "--held-out and --eval-windows are one setting: give --eval-windows alone")

@@ -270,7 +270,7 @@ def test_a_healed_curves_kth_point_is_a_single_heal_of_those_layers(bos_model_di
 def test_two_gloo_ranks_heal_as_one_process(bos_model_dir, docs_file, tmp_path):
     """Each rank trains on its half of every batch. Without dropout (whose masks each rank draws
     for its own half) the adapters and losses are one process's."""
-    two = torchrun("-m", "depthcurse", "heal", bos_model_dir, "--layers", "1,3", "--data", docs_file, "--steps", "4", "--batch-size", "4", "--seq-len", "24",
+    two = torchrun("-m", "depthcurse", "heal", bos_model_dir, "--layers", "1,3", "--calibration", docs_file, "--steps", "4", "--batch-size", "4", "--seq-len", "24",
                    "--lr", "5e-3", "--eval-windows", "2", "--lora-rank", "4", "--lora-dropout", "0", "--device", "cpu", "--out", tmp_path / "two", nproc=2)
     assert two.returncode == 0, two.stderr[-3000:]
     heal(load_model(str(bos_model_dir)), _cfg(docs_file, steps=4, eval_windows=2, lora_dropout=0.0), tmp_path / "one")
@@ -282,7 +282,7 @@ def test_two_gloo_ranks_heal_as_one_process(bos_model_dir, docs_file, tmp_path):
 
 
 def test_heal_on_the_command_line_and_its_bad_input(run_cli, bos_model_dir, docs_file, tmp_path):
-    base = ["heal", bos_model_dir, "--data", docs_file, "--steps", "2", "--batch-size", "2", "--seq-len", "24", "--eval-windows", "2", "--lora-rank", "2"]
+    base = ["heal", bos_model_dir, "--calibration", docs_file, "--steps", "2", "--batch-size", "2", "--seq-len", "24", "--eval-windows", "2", "--lora-rank", "2"]
     out = tmp_path / "cli"
     code, stdout, err = run_cli(*base, "--layers", "2", "--out", out)
     assert code == 0, err

@@ -344,7 +344,7 @@ def test_a_healed_curve_by_one_method_names_that_method(bos_model_dir, docs_file
 
 
 def test_heal_methods_on_the_command_line_and_their_bad_input(run_cli, bos_model_dir, docs_file, tmp_path):
-    base = ["heal", bos_model_dir, "--data", docs_file, "--steps", "2", "--batch-size", "2", "--seq-len", "24", "--eval-windows", "2"]
+    base = ["heal", bos_model_dir, "--calibration", docs_file, "--steps", "2", "--batch-size", "2", "--seq-len", "24", "--eval-windows", "2"]
     assert_one_line_error(*run_cli(*base, "--layers", "2", "--methods", "linear,layer", "--lora-rank", "2"), "--lora-rank does not apply to any of --methods linear,layer")
     base += ["--calib-tokens", "96"]
     code, stdout, err = run_cli(*base, "--layers", "2", "--methods", "linear,layer", "--out", tmp_path / "cli")
@@ -399,7 +399,7 @@ def test_two_gloo_ranks_estimate_and_train_as_one_process(bos_model_dir, docs_fi
     its new layers under DDP on each rank's half of every batch: both as one process does."""
     from helpers import torchrun
 
-    two = torchrun("-m", "depthcurse", "heal", bos_model_dir, "--layers", "2,3", "--methods", "linear,layer", "--data", docs_file, "--steps", "4",
+    two = torchrun("-m", "depthcurse", "heal", bos_model_dir, "--layers", "2,3", "--methods", "linear,layer", "--calibration", docs_file, "--steps", "4",
                    "--batch-size", "4", "--seq-len", "24", "--lr", "5e-3", "--eval-windows", "2", "--calib-tokens", "240", "--device", "cpu",
                    "--out", tmp_path / "two", nproc=2)
     assert two.returncode == 0, two.stderr[-3000:]

@@ -264,7 +264,7 @@ def test_heal_compares_merges_with_a_removal_repair_from_the_command_line(run_cl
 
     record = json.loads((tmp_path / "h" / "heal.json").read_text()) if (tmp_path / "h" / "heal.json").exists() else None
     assert record is None or set(record["methods"]) >= {"laco", "swm", "linear"}
-    code, out, err = run_cli("heal", bos_model_dir, "--layers", "0-1", "--methods", "laco", "--data", docs_file, "--out", tmp_path / "bad")
+    code, out, err = run_cli("heal", bos_model_dir, "--layers", "0-1", "--methods", "laco", "--calibration", docs_file, "--out", tmp_path / "bad")
     assert_one_line_error(code, out, err, "--method laco: it merges each removed run into the layer before it")
 
 

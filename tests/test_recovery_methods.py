@@ -188,7 +188,7 @@ def test_tune_last_trains_the_last_kept_layers_and_the_head_and_nothing_else(bos
 
 
 def test_tune_last_refuses_more_layers_than_the_removal_keeps(run_cli, bos_model_dir, docs_file):
-    base = ["heal", bos_model_dir, "--data", docs_file, "--steps", "2", "--batch-size", "2", "--seq-len", "24", "--eval-windows", "2"]
+    base = ["heal", bos_model_dir, "--calibration", docs_file, "--steps", "2", "--batch-size", "2", "--seq-len", "24", "--eval-windows", "2"]
     assert_one_line_error(*run_cli(*base, "--layers", "1,2", "--method", "tune-last", "--method-args", "layers=4"),
                           "--method tune-last cannot heal LlamaForCausalLM without layers 1,2: it tunes the last 4 kept layers, and the removal keeps 3")
     assert_one_line_error(*run_cli(*base, "--layers", "1", "--method", "tune-last", "--method-args", "layers=0,head=false"), "tunes nothing")
@@ -388,7 +388,7 @@ def test_linear_plus_lora_trains_and_saves_the_map_after_the_adapted_projection(
 
 
 def test_linear_plus_lora_runs_from_the_command_line_with_its_adapters_on_every_kept_block(run_cli, bos_model_dir, docs_file, tmp_path):
-    code, stdout, err = run_cli("heal", bos_model_dir, "--data", docs_file, "--steps", "2", "--batch-size", "2", "--seq-len", "24", "--eval-windows", "2",
+    code, stdout, err = run_cli("heal", bos_model_dir, "--calibration", docs_file, "--steps", "2", "--batch-size", "2", "--seq-len", "24", "--eval-windows", "2",
                                 "--calib-tokens", "96", "--layers", "2,3", "--methods", "linear,linear+lora", "--out", tmp_path / "cli")
     assert code == 0, stdout + err
     record = json.loads((tmp_path / "cli" / "heal.json").read_text())

@@ -52,6 +52,10 @@ def test_every_verdict_of_a_bounded_ratio_word_for_word():
     crosses = judge(PairedRatio([0.65, 0.7, 0.72, 0.75, 0.78, 0.8]), SHARES, ceiling=1.0)
     assert crosses == Verdict("unstable", "0.735x, but its interval 0.650-0.800 crosses 0.700x, the share of the layers kept, over 6 pairs: "
                                           "the machine changed while it ran")
+    under = judge(PairedRatio([0.6, 0.62, 0.64, 0.68, 0.7, 0.75]), SHARES, ceiling=1.0)  # the median under the floor, the interval not (issue 81)
+    assert under == Verdict("unstable", "0.660x lies below 0.700x, the share of the layers kept, which no ratio of the times can beat, but its "
+                                        "interval 0.600-0.750 reaches above it over 6 pairs: unstable, not impossible (that takes the whole interval "
+                                        "below): the machine changed while it ran")
     ok = judge(PairedRatio([0.75, 0.78, 0.80, 0.80, 0.82, 0.85]), SHARES, ceiling=1.0)  # half-width (0.85 - 0.75) / 2 / 0.8 = 6.25%
     assert ok == Verdict("ok", "0.800x (0.750-0.850, +-6.2%): 15% to 25% less", "arithmetic")
     at_floor = judge(PairedRatio([0.7, 0.72, 0.74, 0.76, 0.78, 0.8]), SHARES, ceiling=1.0)
@@ -488,7 +492,7 @@ def test_capabilities_without_probes_or_examples():
 
 def test_a_verdict_at_the_floor_or_the_ceiling_exactly_is_no_impossibility():
     floor = judge(PairedRatio([0.5, 0.55, 0.6, 0.6, 0.65, 0.7]), SHARES, ceiling=1.0)  # its upper end at the floor 0.7 itself
-    assert floor.status == "unstable" and "crosses 0.700x" in floor.reason
+    assert floor.status == "unstable" and "lies below 0.700x" in floor.reason and "reaches above it" in floor.reason  # its median under the floor
     ceiling = judge(PairedRatio([1.0, 1.02, 1.04, 1.06, 1.08, 1.1]), SHARES, ceiling=1.0)  # its lower end at the ceiling itself
     assert ceiling.status == "unstable" and "reaches 1.000x" in ceiling.reason
     assert PairedRatio([0.75, 1.0, 1.0, 1.0, 1.0, 1.25]).tight(0.25)  # half-width 0.25 exactly: steady at 0.25

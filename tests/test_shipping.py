@@ -301,7 +301,7 @@ def test_the_folder_handed_to_the_hub_is_complete_and_no_hub_is_one_line(run_cli
     monkeypatch.setattr(HfApi, "create_repo", lambda self, repo, **kw: handed.setdefault("created", (repo, kw)))
     monkeypatch.setattr(HfApi, "upload_folder", lambda self, folder_path, repo_id, **kw: handed.update(
         {repo_id: sorted(str(p.relative_to(folder_path)) for p in Path(folder_path).rglob("*") if p.is_file())}))
-    base = ["heal", bos_model_dir, "--layers", "2", "--data", docs_file, "--steps", "2", "--batch-size", "2", "--seq-len", "24", "--eval-windows", "2",
+    base = ["heal", bos_model_dir, "--layers", "2", "--calibration", docs_file, "--steps", "2", "--batch-size", "2", "--seq-len", "24", "--eval-windows", "2",
             "--lora-rank", "2"]
     code, _, err = run_cli(*base, "--out", tmp_path / "run", "--push-to-hub", "me/healed", "--private")
     assert code == 0, err
@@ -413,7 +413,7 @@ def test_shares_of_the_depth_and_the_budget_bad_inputs(run_cli, bos_model_dir, d
 
     assert parse_ks("25%,2", 30) == [2, 8] and parse_ks("100%", 5) == [5] and parse_ks("1%", 30) == [1]
     assert parse_share("5%") == pytest.approx(0.05) and parse_share("0.05") == pytest.approx(0.05)
-    base = ["heal", bos_model_dir, "--data", docs_file, "--steps", "1", "--batch-size", "2", "--seq-len", "24", "--eval-windows", "2"]
+    base = ["heal", bos_model_dir, "--calibration", docs_file, "--steps", "1", "--batch-size", "2", "--seq-len", "24", "--eval-windows", "2"]
     assert_one_line_error(*run_cli(*base, "--layers", "1", "--max-drop", "5%"), "--max-drop searches an order for the largest k within the budget: give --order DIR")
     assert_one_line_error(*run_cli(*base, "--order", tmp_path, "--max-drop", "150%"), "--max-drop 150%: a share is more than 0% and at most 100%")
     assert_one_line_error(*run_cli(*base, "--order", tmp_path, "--ks", "150%"), "--ks 150%: a share of the depth is more than 0% and at most 100%")

@@ -9,6 +9,7 @@ seconds), which `depthcurse --help` and a mistyped option should not wait for.
 
 from __future__ import annotations
 
+import inspect as _inspect
 import os
 import signal
 import sys
@@ -24,8 +25,17 @@ COMMANDS = (("prune", prune.prune), ("heal", heal.heal), ("drop", models.drop), 
             ("report", prune.report), ("plot", prune.plot), ("lns-train", train.lns_train), ("lns-report", train.lns_report),
             ("finetune-qa", models.finetune_qa), ("assets", models.assets), ("select", select.select), ("speculate", speculate.speculate),
             ("settings", settings.settings))
+
+def unwrapped(doc: str | None) -> str | None:
+    """A docstring as help: each paragraph one line, for the terminal to wrap at its own width (the
+    docstring's own line breaks fell mid-sentence in `--help`)."""
+    if not doc:
+        return doc
+    return "\n\n".join(" ".join(p.split()) for p in _inspect.cleandoc(doc).split("\n\n"))
+
+
 for name, command in COMMANDS:
-    app.command(name)(command)
+    app.command(name, help=unwrapped(command.__doc__))(command)
 
 
 def command_names() -> set[str]:

@@ -18,7 +18,7 @@ from depthcurse.errors import DepthcurseError
 from depthcurse.io import claim_out_dir, ensure_out_dir
 
 
-PushOpt = typer.Option(None, "--push-to-hub", help="Also upload the saved folder to this hub repository (namespace/name), with the token huggingface_hub finds (HF_TOKEN, `hf auth login`).")
+PushOpt = typer.Option(None, "--push-to-hub", help="Also upload the saved folder to this hub repository (namespace/name), with the token huggingface_hub finds (HF_TOKEN, `hf auth login`).", show_default="off")
 PrivateOpt = typer.Option(False, "--private", help="With --push-to-hub: make the repository private.")
 SpeedFlag = typer.Option(False, "--speed", help="Also measure what the removal buys (depthcurse speed): this checkpoint against its source, written to speed.json and the model card.")
 
@@ -67,7 +67,7 @@ def drop(
 
 def speed(
     model: str = typer.Argument(..., help="A model (hub id, folder, alias) with --layers; or a checkpoint drop or heal made (its folder, or a heal run's), measured against the model it came from."),
-    layers: Optional[str] = typer.Option(None, "--layers", help="Layers to remove in memory, e.g. 20-23 (not with a checkpoint made here)."),
+    layers: Optional[str] = typer.Option(None, "--layers", help="Layers to remove in memory, e.g. 20-23 (not with a checkpoint made here).", show_default="required"),
     out: Optional[Path] = typer.Option(None, "--out", help="Folder for speed.json (default runs/speed/<model>)."),
     prefill_batch: int = typer.Option(1, "--prefill-batch", help="Prompts per prefill."),
     prefill_len: int = typer.Option(512, "--prefill-len", help="Tokens per prefill prompt."),

@@ -21,7 +21,8 @@ def settings(
 
     from depthcurse.listing import settings_rows
 
-    table = Table(title="settings: select --search-args name.key=value, heal --method-args key=value", title_justify="left")
+    table = Table(title="settings: select --search-args name.key=value; heal --method-args key=value (one method) | name.key=value (several)",
+                  title_justify="left")
     for column in ("for", "setting", "type", "default", "what it is (and where its default comes from)"):
         table.add_column(column, overflow="fold")
     for row in settings_rows(names or []):

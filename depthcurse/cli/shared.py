@@ -49,7 +49,7 @@ ModelArg = typer.Argument(..., help="Hub id (meta-llama/Llama-2-7b-hf), local fo
 DtypeOpt = typer.Option("auto", "--dtype", help="auto (checkpoint dtype on GPU, fp32 on CPU), bf16, fp16 or fp32.")
 DeviceOpt = typer.Option("auto", "--device", help="auto, cpu or cuda (cuda spreads a large model over all GPUs).")
 TrustOpt = typer.Option(False, "--trust-remote-code", help="Run the model repository's own Python code. Off unless you ask.")
-RevisionOpt = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit).")
+RevisionOpt = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit).", show_default="the default branch")
 
 
 @app.callback()
@@ -79,6 +79,26 @@ def verdicts(lines: list[str]) -> None:
     table on stdout, where a reader looks for the result: not folded into the table's caption."""
     for line in lines:
         console.print(Text(f"- {line}"), soft_wrap=True, highlight=False)
+
+
+def renamed(command: str, old: str, old_value, new_value, default):
+    """The value of an option given by its older name (`cli.vocabulary.RENAMED`), said in a note; both
+    names at once is one line."""
+    from depthcurse.cli.vocabulary import RENAMED, renamed_note
+    from depthcurse.errors import DepthcurseError
+
+    if old_value is None:
+        return new_value
+    new = RENAMED[command, old]
+    if new_value != default:
+        raise DepthcurseError(f"{old} and {new} are one setting: give {new} alone")
+    say("note", renamed_note(old, new))
+    return old_value
+
+
+def interrupted(kept: str) -> None:
+    """The line every command prints when stopped: what it kept, and how to go on."""
+    err_console.print(Text(f"interrupted: {kept}; rerun the same command to continue"), soft_wrap=True)
 
 
 def slug(text: str) -> str:

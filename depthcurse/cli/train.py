@@ -26,7 +26,7 @@ def _train_options(command):
     before its own parameters: the options and the config are one list of fields."""
     hints = typing.get_type_hints(TrainConfig)
     params = [
-        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=typer.Option(f.default, flag, help=help),
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=typer.Option(f.default, flag, help=help, show_default="the preset's" if f.default is None else True),
                           annotation=Optional[_bare(hints[f.name])] if f.default is None else hints[f.name])
         for f, flag, help in train_options()
     ]

@@ -120,6 +120,10 @@ def judge(ratio: PairedRatio, shares: Shares | None = None, ceiling: float | Non
         if hi >= ceiling:
             return Verdict("unstable", f"{median:.3f}x, but its interval {lo:.3f}-{hi:.3f} reaches {ceiling:.3f}x over {len(ratio.ratios)} pairs: "
                                        "no change told apart")
+        if lo < shares.lowest and median < shares.lowest:  # said apart: the caption calls only a wholly lower interval impossible
+            return Verdict("unstable", f"{median:.3f}x lies below {shares.lowest:.3f}x, the share of the {shares.regime(shares.lowest)} kept, which "
+                                       f"no ratio of the times can beat, but its interval {lo:.3f}-{hi:.3f} reaches above it over {len(ratio.ratios)} "
+                                       "pairs: unstable, not impossible (that takes the whole interval below): the machine changed while it ran")
         if lo < shares.lowest:
             return Verdict("unstable", f"{median:.3f}x, but its interval {lo:.3f}-{hi:.3f} crosses {shares.lowest:.3f}x, the share of the "
                                        f"{shares.regime(shares.lowest)} kept, over {len(ratio.ratios)} pairs: the machine changed while it ran")

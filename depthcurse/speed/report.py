@@ -80,8 +80,8 @@ def speed_table(record: dict) -> Table:
     table = Table(title=f"what the removal buys: {run.get('pruned', 'pruned')} against {run.get('unpruned', 'unpruned')} ({record['device']}, "
                         f"{run.get('dtype', '')}), {pairs} pairs in turns" + ("" if record["trusted"] else ": NOT TRUSTED, see the verdicts"),
                   caption=f"each time ratio is the median of the pairs' ratios, with a 95% interval for it; steady within +-{cfg['tolerance']:.0%}, "
-                          "else UNSTABLE; below the share of the layers kept (the floor: every block's cost goes with it) or above 1, "
-                          f"IMPOSSIBLE. The share of the arithmetic or bytes a ratio is near says what bounds it. {record['includes']}",
+                          "else UNSTABLE (so is one whose interval crosses the floor or 1); an interval wholly below the share of the layers kept (the floor: "
+                          f"every block's cost goes with it) or wholly above 1, IMPOSSIBLE. The share of the arithmetic or bytes a ratio is near says what bounds it. {record['includes']}",
                   header_style="bold")
     for header in HEADER:
         table.add_column(header, justify="left" if header in ("figure", "verdict") else "right")
