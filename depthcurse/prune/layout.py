@@ -4,7 +4,7 @@
 fit the memory budget (rows packed into shared sequences, a prefix too large for the budget
 shared by a few variants at a time) and counts each batch's token-block passes; `Layout` holds
 the result, with its cost, each torchrun rank's share and its identity. Nothing here runs the
-model, so a layout can be judged on the meta device (benchmarks/sweep_layout.py); `scoring`
+model, so a layout can be judged on the meta device (benchmarks/prune/sweep_layout.py); `scoring`
 runs it.
 """
 
@@ -32,7 +32,7 @@ MAX_BATCH_TOKENS = {"cuda": 16384, "cpu": 2048}
 # batch, which grows with the block as its FLOPs per token do, so a count of tokens: SmolLM2's block
 # took 1.6 ms for 4 tokens against 0.044 ms per token in large batches, and a prefix group's calls
 # (after a cached prefix) more; sharing every prefix made 0-shot ARC-Easy and MMLU sweeps 19-28%
-# slower than sharing none (benchmarks/prefix_sharing.py, docs/benchmarks.md).
+# slower than sharing none (benchmarks/prune/prefix_sharing.py, docs/benchmarks.md).
 CALL_FLOPS_GPU = 8e10
 CALL_TOKENS_CPU = 100
 
@@ -343,7 +343,7 @@ class Batcher:
 class Layout:
     """The batches a sweep runs, in order, and the prefix groups they come from: all decided
     before anything runs, so that their cost and each rank's share can be judged without running
-    them (on the meta device, before a GPU is booked: benchmarks/sweep_layout.py)."""
+    them (on the meta device, before a GPU is booked: benchmarks/prune/sweep_layout.py)."""
 
     batcher: Batcher
     groups: list[Group]

@@ -220,7 +220,7 @@ class _TritonNormEager(torch.autograd.Function):
 
 
 #: Fewest rows per chunk. On an H100, bf16, 16k tokens x 768 x 32k vocabulary
-#: (benchmarks/kernels.py): 512-row chunks took 1.35x the naive loss's time, 2048-row chunks
+#: (benchmarks/train/kernels.py): 512-row chunks took 1.35x the naive loss's time, 2048-row chunks
 #: 1.05x at 0.11x its memory. A CPU core is saturated by far smaller matmuls.
 MIN_CHUNK_ROWS = {"cuda": 2048, "cpu": 256}
 

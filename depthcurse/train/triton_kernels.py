@@ -36,7 +36,7 @@ def _num_warps(block: int) -> int:
 
 
 # The norm's backward runs this many programs per SM, each looping over a slice of rows and
-# keeping one partial sum of the weight's gradient (benchmarks/norm_kernels.py weighs it).
+# keeping one partial sum of the weight's gradient (benchmarks/train/norm_kernels.py weighs it).
 BACKWARD_PROGRAMS_PER_SM = 1
 
 
