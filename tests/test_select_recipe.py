@@ -463,7 +463,8 @@ def test_the_recipe_and_the_estimates_edges_by_hand():
     or a removal past either (and says which it was over); the estimate's rounding; the durations at
     each unit's edge; the prefix walk's count with the empty removal at the root (6 block passes on 4
     blocks: 4, then 2 after removing block 1)."""
-    from depthcurse.select.estimate import PassTiming, duration, trie_passes
+    from depthcurse.forecast import duration
+    from depthcurse.select.estimate import PassTiming, trie_passes
     from depthcurse.select.searches.exact import walk_passes
 
     blocks, _ = walk_passes(6, 2)

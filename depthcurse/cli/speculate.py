@@ -59,8 +59,9 @@ def speculate(
     cfg = SpeculateConfig(skip=(), draft_tokens=draft_tokens, draft_length=draft_length, max_new_tokens=max_new_tokens, prompts=prompts, per_kind=per_kind,
                           kinds=_names(kinds), baselines=_names(baselines), assistant=assistant, temperature=temperature if sample else 0.0, ngram=ngram,
                           stop_at_eos=not ignore_eos, seed=seed).checked()
-    if cfg.capped(draft_tokens):
-        err_console.print(Text(cfg.capped(draft_tokens)), soft_wrap=True)
+    capped = cfg.capped(draft_tokens)
+    if capped:
+        err_console.print(Text(capped), soft_wrap=True)
     if prompts != "suite":
         from depthcurse.speculate import load_prompts
 
@@ -88,6 +89,7 @@ def _speculate(model, cfg, skip, picked, out: Path, world, also=([], []), **opti
     import torch
 
     from depthcurse.runtime import rank_gpus
+    from depthcurse.select.picks import checked_pick
     from depthcurse.speculate import SPECULATE_JSON, kind_table, run_speculate, speculate_table, speculate_verdicts, write_speculate_files
     from depthcurse.speculate.run import parse_skip
     from depthcurse.surgery import num_layers
@@ -96,25 +98,12 @@ def _speculate(model, cfg, skip, picked, out: Path, world, also=([], []), **opti
     loaded = load(model, **options, gpus=gpus)
     n = num_layers(loaded.model)
     if picked is not None:
-        from depthcurse.select.picks import same_model
-
-        removal, where, run = picked
-        same_model(run, loaded.describe(), "--skip-from", where)
-        bad = [u for u in removal if not 0 <= (int(u[1:]) if isinstance(u, str) else u) < n]
-        if bad:
-            raise DepthcurseError(f"--skip-from {where}: layer {bad[0]} is not one of {loaded.name}'s {n} (the select run was made on another model)")
-        cfg = dataclasses.replace(cfg, skip=tuple(removal), skip_from=where)
+        cfg = dataclasses.replace(cfg, skip=checked_pick(picked, loaded.describe(), n, "--skip-from"), skip_from=picked[1])
     else:
         cfg = dataclasses.replace(cfg, skip=parse_skip(skip, n))
     typed, read = also
-    for removal, where, run in read:
-        from depthcurse.select.picks import same_model
-
-        same_model(run, loaded.describe(), "--also-skip-from", where)
-        bad = [u for u in removal if not 0 <= (int(u[1:]) if isinstance(u, str) else u) < n]
-        if bad:
-            raise DepthcurseError(f"--also-skip-from {where}: layer {bad[0]} is not one of {loaded.name}'s {n} (the select run was made on another model)")
-    cfg = dataclasses.replace(cfg, also=tuple(parse_skip(t, n) for t in typed) + tuple(tuple(r) for r, _, _ in read))  # checked with the model by run_speculate
+    read = [checked_pick(pick, loaded.describe(), n, "--also-skip-from") for pick in read]
+    cfg = dataclasses.replace(cfg, also=tuple(parse_skip(t, n) for t in typed) + tuple(read))  # checked with the model by run_speculate
     helper = load(cfg.assistant, **options, gpus=gpus) if cfg.assistant else None
     header = once(lambda: console.print(model_line(loaded) + f" · drafting without {', '.join(map(str, cfg.skip))} · results in {out}"))
     progress = progress_bar()

@@ -29,7 +29,6 @@ their best match's).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -37,9 +36,10 @@ from pathlib import Path
 import torch
 
 from depthcurse.depth.csordas_map import MapSettings, relative_errors, train_map
-from depthcurse.depth.measure import stepper_of
+from depthcurse.depth.measure import stepper_of, tensors_digest
 from depthcurse.errors import DepthcurseError
 from depthcurse.forecast import Forecast
+from depthcurse.io import atomic_write
 from depthcurse.prune.stepping import Stepper
 from depthcurse.stats.correlation import spearman, spearman_interval
 from depthcurse.stats.intervals import mean_interval
@@ -146,11 +146,8 @@ def depth_map(shallow, deep, fit_windows: torch.Tensor, held_windows: torch.Tens
     ys_fit, ys_held = (streams_of(large, w, batch_size, entering, dtype) for w in (fit_windows, held_windows))
     ns, nd = len(xs_fit), len(ys_fit)
     per_window = {name: [[[] for _ in range(nd)] for _ in range(ns)] for name in known["scores"]}
-    digest = hashlib.sha256()
-    for t in (fit_windows, held_windows, *(x[:1] for x in xs_fit), *(y[:1] for y in ys_fit)):  # the windows and both models' first streams
-        digest.update(t.detach().cpu().contiguous().numpy().tobytes())
     identity = {"definitions": definitions, "ridge": ridge, "settings": settings.summary() if definitions == "csordas" else None, "streams": [ns, nd],
-                "sha256": digest.hexdigest()[:16]}
+                "sha256": tensors_digest(fit_windows, held_windows, *(x[:1] for x in xs_fit), *(y[:1] for y in ys_fit))}  # the windows, both models' first streams
     rows_done = 0
     if kept is not None and kept.is_file():
         try:
@@ -165,10 +162,8 @@ def depth_map(shallow, deep, fit_windows: torch.Tensor, held_windows: torch.Tens
     def keep(rows: int) -> None:
         forecast.step_done(rows - 1)
         if kept is not None:  # whole or not at all
-            temporary = kept.with_suffix(".tmp")
-            temporary.write_text(json.dumps({"identity": identity, "rows": rows, "of": ns,
-                                             "per_window": {name: per_window[name][:rows] for name in known["scores"]}}))
-            temporary.replace(kept)
+            atomic_write(kept, json.dumps({"identity": identity, "rows": rows, "of": ns,
+                                           "per_window": {name: per_window[name][:rows] for name in known["scores"]}}))
     forecast = Forecast("the map's rows (one per shallow stream)", ns, say=on_note, clock=clock).start()
     if definitions == "csordas":
         y_fit, y_held = torch.stack(ys_fit, dim=-2), torch.stack(ys_held, dim=-2)  # [windows, tokens, streams, width]: every deep stream at once

@@ -42,6 +42,7 @@ import torch
 from depthcurse.depth.definitions import DEFINITIONS, Definitions
 from depthcurse.errors import DepthcurseError
 from depthcurse.forecast import Forecast
+from depthcurse.io import atomic_write
 from depthcurse.prune.stepping import Stepper, Unsupported, checked_stepper
 from depthcurse.runtime import World
 from depthcurse.select.scoring import contiguous_shares
@@ -228,6 +229,15 @@ def _output_change(final: torch.Tensor, logp: torch.Tensor, definitions: Definit
     return (logp.exp() - final.exp()).norm(dim=-1)
 
 
+def tensors_digest(*tensors: torch.Tensor) -> str:
+    """A short fingerprint of tensors' bytes: a saved state of other windows or other streams never
+    passes for these (the kept files of depth-use, the tuned lens and depth-map)."""
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 FIGURES = ("attn_norm", "mlp_norm", "attn_cos", "mlp_cos", "lens_kl", "lens_top1", "lens_top5", *TUNED, "settled", "tuned_settled")
 
 
@@ -272,7 +282,7 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
     batches = [windows[i : i + batch_size] for i in range(0, len(windows), batch_size)]
     if kept is not None and world.size > 1:
         kept = kept.with_name(f"{kept.stem}.rank{world.rank}{kept.suffix}")
-    identity = {"windows": list(windows.shape), "windows_sha256": hashlib.sha256(windows.cpu().numpy().tobytes()).hexdigest()[:16],
+    identity = {"windows": list(windows.shape), "windows_sha256": tensors_digest(windows),
                 "batch_size": batch_size, "influence": influence, "tuned": None if tuned is None else tuned.fingerprint, "definitions": d.name,
                 "ranks": [world.rank, world.size]}
     done = 0
@@ -339,9 +349,7 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
                 state = {"identity": identity, "batches": b + 1, "of": len(batches), "use": {name: getattr(use, name) for name in FIGURES}}
                 if influence:
                     state.update(totals=totals, out_totals=out_totals)
-                temporary = kept.with_suffix(".tmp")
-                temporary.write_text(json.dumps(state))
-                temporary.replace(kept)
+                atomic_write(kept, json.dumps(state))
             if forecast is not None:
                 forecast.step_done(b)
     finally:

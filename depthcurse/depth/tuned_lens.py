@@ -34,9 +34,10 @@ from pathlib import Path
 
 import torch
 
-from depthcurse.depth.measure import output_kl
+from depthcurse.depth.measure import output_kl, tensors_digest
 from depthcurse.errors import DepthcurseError
 from depthcurse.forecast import Forecast
+from depthcurse.io import atomic_write
 from depthcurse.prune.stepping import Stepper
 
 LENS_FILE = "tuned_lens.safetensors"
@@ -168,9 +169,7 @@ def _save_state(path: Path, lens: TunedLens, opt: torch.optim.Optimizer, step: i
     version, state, gauss = rng.getstate()
     meta = {"identity": json.dumps(identity), "step": str(step), "order": json.dumps(order), "rng": json.dumps([version, list(state), gauss]),
             "last": json.dumps(last), "seconds": str(seconds)}
-    temporary = Path(path).with_suffix(".tmp")
-    save_file(tensors, str(temporary), metadata=meta)
-    temporary.replace(path)
+    atomic_write(Path(path), lambda temporary: save_file(tensors, str(temporary), metadata=meta))
 
 
 def _load_state(path: Path, identity: dict) -> dict | None:
@@ -227,7 +226,7 @@ def train_tuned_lens(model, stepper: Stepper, windows: torch.Tensor, settings: L
     rng = random.Random(settings.seed)
     last = [0.0] * len(trained)
     identity = {"settings": asdict(settings), "fingerprint": lens.fingerprint, "windows": [int(len(windows)), int(per_window)],
-                "windows_sha256": hashlib.sha256(windows.cpu().numpy().tobytes()).hexdigest()[:16]}
+                "windows_sha256": tensors_digest(windows)}
     first, before = 0, 0.0
     kept = _load_state(state, identity) if state is not None and Path(state).is_file() else None
     if kept is not None:  # the translators, the momentum, the learning rate, the order and its generator, as they stood

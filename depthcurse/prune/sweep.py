@@ -72,13 +72,13 @@ def run_sweep(
     heard = {"batches": following("the sweep's batches (every variant at once)", on_note if world.main else (lambda text: None)),
              "variants": following("the sweep's variants", on_note if world.main else (lambda text: None))}
     forecasts: dict = {}
-    told = on_variant
-
-    def on_variant(label: str, done: int, total: int) -> None:  # noqa: F811 -- the caller's, and the forecast of what it reports
+    def report(label: str, done: int, total: int) -> None:
+        """The caller's `on_variant`, and the forecast of what it reports."""
         if label != "done":
-            forecasts[label if label == "batches" else "variants"] = heard[label if label == "batches" else "variants"](done, total)
-        if told:
-            told(label, done, total)
+            kind = "batches" if label == "batches" else "variants"
+            forecasts[kind] = heard[kind](done, total)
+        if on_variant:
+            on_variant(label, done, total)
 
     model = loaded.model
     check_granularity(model, granularity)
@@ -106,19 +106,19 @@ def run_sweep(
     total = len(asked)
     engine_info = {"name": "lm-eval" if todo else engine}
     if engine == "reuse" and todo:
-        engine_info = _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, on_variant, started, previous_wall, world, granularity, compile)
+        engine_info = _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, report, started, previous_wall, world, granularity, compile)
         if engine_info["name"] == "reuse":
             todo = []
     if todo:
         by_rank = [0] * world.size
         if world.size > 1:
             engine_info["variants_by_rank"] = by_rank  # this run's, not a resumed one's
-        _each_on_its_own(model, task, todo, sweep, out_dir, granularity, world, on_variant, by_rank,
+        _each_on_its_own(model, task, todo, sweep, out_dir, granularity, world, report, by_rank,
                          fingerprint=json.dumps(run, sort_keys=True, default=str), total=total,
                          save=lambda: _save(sweep, out_dir, previous_wall + time.perf_counter() - started, engine_info))
     if not world.main:
         return None
-    on_variant("done", total, total)
+    report("done", total, total)
     for what, forecast in forecasts.items():
         engine_info.setdefault("forecasts", {})[what] = forecast.summary()
     _save(sweep, out_dir, previous_wall + time.perf_counter() - started, engine_info)

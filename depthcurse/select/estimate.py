@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-from depthcurse.forecast import duration  # noqa: F401  (select's modules read it from here)
 from depthcurse.prune.stepping import Unsupported, checked_stepper
 from depthcurse.select.scoring import window_scores
 from depthcurse.surgery import find_blocks, num_layers

@@ -32,13 +32,14 @@ from typing import Callable
 import torch
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.forecast import duration
 from depthcurse.io import atomic_write, ensure_out_dir, json_text, refuse_other_run
 from depthcurse.loading import check_sequence_length
 from depthcurse.prune.engine import evaluate_variants, why_unsupported
 from depthcurse.runtime import World
 from depthcurse.select.config import SelectConfig, cell_name, source_labels
 from depthcurse.select.continuations import continuation_texts, is_continuations
-from depthcurse.select.estimate import PassTiming, duration, pass_timing
+from depthcurse.select.estimate import PassTiming, pass_timing
 from depthcurse.select.recipe import OBJECTIVE as RECIPE_OBJECTIVE
 from depthcurse.select.recipe import RESAMPLES as RECIPE_RESAMPLES
 from depthcurse.select.recipe import recipe

@@ -27,6 +27,17 @@ def same_model(run: dict, described: dict, flag: str, where: str) -> None:
                               "(run select on this model, or give --skip)")
 
 
+def checked_pick(pick: tuple, described: dict, n_layers: int, flag: str) -> tuple:
+    """`draft_pick`'s removal, where it names this model's units: made on this model (`same_model`)
+    and every unit one of its `n_layers` blocks; else one line."""
+    removal, where, run = pick
+    same_model(run, described, flag, where)
+    bad = [u for u in removal if not 0 <= (int(u[1:]) if isinstance(u, str) else u) < n_layers]
+    if bad:
+        raise DepthcurseError(f"{flag} {where}: layer {bad[0]} is not one of {described['model']}'s {n_layers} (the select run was made on another model)")
+    return tuple(removal)
+
+
 def draft_pick(folder: Path) -> tuple[tuple[int, ...], str, dict]:
     """(the removal, where it came from, the run's settings) of the select run in `folder`: among
     the cells of the first objective of `DRAFT_PREFERENCE` that ran, the pick with the best

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from depthcurse.select.estimate import duration
+from depthcurse.forecast import duration
 from depthcurse.select.search import Space, build_searches
 
 OBJECTIVE = "kl"

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from itertools import islice
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.select.estimate import duration, mean_run
+from depthcurse.forecast import duration
+from depthcurse.select.estimate import mean_run
 from depthcurse.select.search import Search, Space
 
 CHUNK = 512  # removals a chunk scores before it is saved
