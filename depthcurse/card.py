@@ -92,7 +92,7 @@ def provenance(loaded, removed: list[int], n_layers: int, *, why: str, made_by: 
               "base_model": base_model_id(loaded.name, loaded.source), "weights": weights_note(loaded.name, loaded.source),
               "license": licence_of(loaded.name, loaded.source), "n_layers": n_layers, "removed_layers": list(removed),
               "layers_left": n_layers - len(removed) if layers_left is None else layers_left, "layers_from": layers_from, "why": why, "healing": healing,
-              "command": command}
+              "command": command, "computed_in": f"{loaded.describe()['dtype']} ({loaded.dtype_why})" if loaded.dtype_why else loaded.describe()["dtype"]}
     parent = _made_here(loaded.source)
     if parent is not None:
         record["root"] = _root(parent, layers_from)
@@ -170,6 +170,8 @@ def card_text(record: dict) -> str:
              *([f"Made from `{record['model']}` (itself made by depthcurse) without its layers {_ranges(record['removed_layers'])}, in its own "
                 "numbering; the layers above are the first model's.", ""] if root else []),
              f"**Why these layers:** {record['why']}", ""]
+    if record.get("computed_in"):  # a card written before the dtype was recorded has none
+        lines += [f"**Computed in:** {record['computed_in']}: the measurements below, and the choice where this tool made it.", ""]
     if record.get("weights"):
         lines += [f"**The weights:** {record['weights']}", ""]
     if healing:

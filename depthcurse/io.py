@@ -264,9 +264,14 @@ def save_figure(fig, path: Path) -> Path:
     return atomic_write(Path(path), buf.getvalue())
 
 
+# What a record says about a run without being what it computed: why its dtype is what it is (the
+# dtype itself is compared), so that a run of --dtype fp32 recorded before the reason was resumes.
+NOT_SETTINGS = frozenset({"dtype_why"})
+
+
 def changed_settings(saved: dict, current: dict, *, ignore=frozenset()) -> list[str]:
     """`name: old -> new` for every setting that differs between two runs' records."""
-    keys = sorted((set(saved) | set(current)) - set(ignore))
+    keys = sorted((set(saved) | set(current)) - set(ignore) - NOT_SETTINGS)
     return [f"{k}: {_short(saved.get(k))} -> {_short(current.get(k))}" for k in keys if saved.get(k) != current.get(k)]
 
 

@@ -20,7 +20,7 @@ from depthcurse import assets
 from depthcurse.assets import meta_llama
 from depthcurse.errors import DepthcurseError, first_line, one_line
 from depthcurse.patches import apply_saved_patches
-from depthcurse.runtime import pick_device, pick_dtype
+from depthcurse.runtime import DTYPES, pick_device, pick_dtype
 from depthcurse.train.export import register_with_transformers
 
 Head = Literal["causal-lm", "qa", "base"]
@@ -43,6 +43,7 @@ class LoadedModel:
     # The dtype the checkpoint stores its weights in (None: not one dtype, as a quantised GGUF):
     # what a copy saved from this model keeps, whatever dtype it was loaded in to compute.
     checkpoint_dtype: torch.dtype | None = None
+    dtype_why: str = ""  # why this dtype (`runtime.Precision.why`): asked for, or what auto chose here
 
     @property
     def save_dtype(self) -> torch.dtype:
@@ -56,6 +57,7 @@ class LoadedModel:
             "revision": self.revision,
             "model_class": type(self.model).__name__,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype_why": self.dtype_why,
             "device": str(self.device),
         }
 
@@ -139,6 +141,7 @@ def load_model(
     gpus: list[int] | None = None,
     keep_dtype: bool = False,
     not_encoder: str | None = None,
+    fp32_on_cpu: str | None = None,
 ) -> LoadedModel:
     """Load `name` (hub id, local folder, .gguf file or offline alias) in eval mode.
 
@@ -150,7 +153,9 @@ def load_model(
     measurement meaningless: that is refused unless `new_head` (for fine-tuning one). So is a
     checkpoint missing any other weight, or holding weights the model has no place for.
 
-    `keep_dtype` makes `dtype="auto"` the checkpoint's dtype on a CPU too (`drop` saves what it loaded).
+    `dtype="auto"` is `runtime.pick_dtype`'s choice (on a CPU: a bf16 checkpoint in bf16 where the
+    CPU computes it natively, fp32 otherwise); `keep_dtype` makes it the checkpoint's dtype on a CPU
+    too (`drop` saves what it loaded); `fp32_on_cpu` (why, "as ...") keeps fp32 on a CPU.
     `not_encoder` is what to advise when a decoder is needed and `name` is an encoder (a command
     that takes no encoder task says what it does take).
     """
@@ -158,7 +163,8 @@ def load_model(
     # class: registering it is what lets them load without trust_remote_code.
     register_with_transformers()
     dev = pick_device(device)
-    torch_dtype = pick_dtype(dtype, dev, keep_checkpoint=keep_dtype)
+    if dtype not in ("auto", *DTYPES):
+        pick_dtype(dtype, dev)  # an unknown --dtype is one line before anything loads
     source, kwargs = resolve_source(name)
     local = Path(source).exists()
     if revision is not None and local:
@@ -179,8 +185,9 @@ def load_model(
         config = transformers.AutoConfig.from_pretrained(source, **common)
 
     stored = _stored_dtype(config)
+    precision = pick_dtype(dtype, dev, keep_checkpoint=keep_dtype, stored=stored, fp32_on_cpu=fp32_on_cpu)
     auto_cls = _auto_class(head, config, new_head, not_encoder)
-    load_kwargs = dict(common, dtype=torch_dtype)
+    load_kwargs = dict(common, dtype=precision.dtype)
     if dev == "cuda":
         load_kwargs["device_map"] = "auto"
         if gpus is not None:
@@ -225,6 +232,7 @@ def load_model(
         device=input_device,
         revision=revision_seen,
         checkpoint_dtype=stored,
+        dtype_why=precision.why,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -24,15 +25,49 @@ def pick_device(device: str) -> str:
     return device
 
 
-def pick_dtype(dtype: str, device: str, keep_checkpoint: bool = False) -> torch.dtype | str:
-    """`auto` keeps the checkpoint's dtype on a GPU (and, with `keep_checkpoint`, on a CPU); on a
-    CPU it means fp32, since bf16 matmuls there are slow and a sweep's small differences should not
-    drown in rounding."""
-    if dtype == "auto":
-        return "auto" if device == "cuda" or keep_checkpoint else torch.float32
-    if dtype not in DTYPES:
+def cpu_computes_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX tiles). There a block's bf16
+    matmuls run at about 4x fp32's rate (benchmarks/machine/gemm_peak.py); elsewhere bf16 is
+    emulated, slower than fp32. `DEPTHCURSE_CPU_BF16=0` (or `1`) overrides the detection: a machine
+    told 0 computes in fp32 by default, as one without native bf16 does."""
+    told = os.environ.get("DEPTHCURSE_CPU_BF16")
+    if told in ("0", "1"):
+        return told == "1"
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(probe() for probe in probes if probe is not None)
+
+
+class Precision(NamedTuple):
+    """The dtype a model is loaded in, and why: what every header and record says about it."""
+
+    dtype: torch.dtype | str  # "auto": the checkpoint's own (transformers' `dtype="auto"`)
+    why: str
+
+
+def pick_dtype(dtype: str, device: str, keep_checkpoint: bool = False, stored: torch.dtype | None = torch.bfloat16,
+               fp32_on_cpu: str | None = None) -> Precision:
+    """`auto` keeps the checkpoint's dtype on a GPU (and, with `keep_checkpoint`, anywhere). On a
+    CPU it keeps a bf16 checkpoint in bf16 where the CPU computes bf16 natively (about half fp32's
+    time on a sweep; the same ranking of layers, docs/benchmarks.md), and is fp32 otherwise: on a
+    CPU without it, for an fp32 or fp16 checkpoint, and for work that says why it needs fp32
+    (`fp32_on_cpu`: speculate's token-for-token equality with `model.generate`, which bf16's
+    rounding breaks on near-ties; training, whose trajectory bf16 moves). Figures computed in bf16
+    differ from fp32's in their later decimals, so `why` says which machine gives which."""
+    if dtype not in {"auto", *DTYPES}:
         raise DepthcurseError(f"unknown --dtype {dtype!r}: use auto, bf16, fp16 or fp32")
-    return DTYPES[dtype]
+    if dtype != "auto":
+        return Precision(DTYPES[dtype], f"--dtype {dtype}")
+    if device == "cuda" or keep_checkpoint:
+        return Precision("auto", "auto: the checkpoint's own dtype")
+    if stored != torch.bfloat16:
+        return Precision(torch.float32, "auto: fp32 on a CPU for a checkpoint not stored in bf16")
+    if fp32_on_cpu:
+        return Precision(torch.float32, f"auto: fp32 on a CPU {fp32_on_cpu}")
+    if cpu_computes_bf16():
+        return Precision(torch.bfloat16, "auto: the checkpoint's bf16, which this CPU computes natively; "
+                                         "a CPU without computes fp32, whose figures differ in the later decimals")
+    return Precision(torch.float32, "auto: fp32, as this CPU has no native bf16; "
+                                    "a CPU with it computes bf16, whose figures differ in the later decimals")
 
 
 # Dense bf16 peaks (TFLOP/s) by device name, for the MFU a run reports; the SXM parts (a PCIe

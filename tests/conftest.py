@@ -17,6 +17,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
+# `--dtype auto` computes a bf16 checkpoint in bf16 on a CPU that has native bf16 and in fp32 on one
+# that has not (runtime.pick_dtype): told "none", every machine computes what the tests pin, in fp32.
+# The tests of that choice set the variable themselves.
+os.environ["DEPTHCURSE_CPU_BF16"] = "0"
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Workers share the cores (`make test` runs two on two): one thread each, and in the processes
     # they start, or the thread pools spin against each other.

@@ -207,6 +207,7 @@ def test_speed_on_the_command_line_measures_a_checkpoint_against_its_source(run_
     assert "not a finding, prefill time: unstable: 1 pair gives no 95% interval" in " ".join(err.split()) and "model card was left" in err
     card = (tmp_path / "dropped" / "README.md").read_text()
     assert "## What the removal buys" not in card
+    assert "**Computed in:** float32 (auto: the checkpoint's own dtype): the measurements below" in card  # drop keeps what it loaded
     cfg = SpeedConfig(prefill_len=16, prompt_len=4, new_tokens=3, decode_batches=(1, 2), max_repeats=6)
     with AnyBlockClock() as clock:
         steady = speed_checkpoint(tmp_path / "dropped", tmp_path / "speed", cfg, device="cpu", clock=clock)

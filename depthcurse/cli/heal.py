@@ -114,7 +114,9 @@ def heal(
         import torch  # lazy: start-up
 
         gpus = rank_gpus()[:1] if world.parallel and device != "cpu" and torch.cuda.is_available() else None  # DDP: one GPU per rank
-        options = dict(head="causal-lm", dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision, gpus=gpus,
+        from depthcurse.heal.loop import FP32_ON_CPU
+
+        options = dict(head="causal-lm", dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision, gpus=gpus, fp32_on_cpu=FP32_ON_CPU,
                        not_encoder="heal trains a decoder's next-token predictions: give a decoder (Llama, Qwen, Mistral, SmolLM2...)")
         loaded = load(model, **options)
         n = num_layers(loaded.model)

@@ -94,7 +94,10 @@ def depth_use(
     out_dir = claim_out_dir(out or Path("runs") / "depth-use" / slug(model))
     world = join_ranks(device)  # under torchrun the influence matrix's skips are shared over the ranks; rank 0 talks and writes
     try:
-        loaded = load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
+        from depthcurse.depth.tuned_lens import FP32_ON_CPU
+
+        loaded = load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision,
+                      fp32_on_cpu=FP32_ON_CPU if tuned_lens or lens is not None else None)
         progress = progress_bar()
         bar = progress.add_task("starting", total=None)
         kept = out_dir / depth.KEPT_FILE

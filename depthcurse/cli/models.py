@@ -78,7 +78,7 @@ def speed(
     max_repeats: int = typer.Option(40, "--max-repeats", help="Pairs at most: more are taken until every time ratio's interval is within --tolerance."),
     max_seconds: float = typer.Option(300.0, "--max-seconds", help="Seconds of measuring: after each pair, one that would end past them is not begun, steady or not, before --repeats pairs too."),
     tolerance: float = typer.Option(0.05, "--tolerance", help="A time ratio is steady when its 95% interval is within +- this share of it (0.05: +-5%)."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (the checkpoint's dtype on a GPU, fp32 on a CPU), bf16, fp16 or fp32."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (the checkpoint's dtype on a GPU; on a CPU a bf16 checkpoint in bf16 where the CPU computes it natively, else fp32), bf16, fp16 or fp32."),
     device: str = DeviceOpt,
     trust_remote_code: bool = TrustOpt,
     revision: Optional[str] = RevisionOpt,

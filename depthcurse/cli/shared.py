@@ -46,7 +46,7 @@ console = TableConsole()
 err_console = TableConsole(stderr=True)
 
 ModelArg = typer.Argument(..., help="Hub id (meta-llama/Llama-2-7b-hf), local folder, .gguf file, or offline alias (smollm2-135m).")
-DtypeOpt = typer.Option("auto", "--dtype", help="auto (checkpoint dtype on GPU, fp32 on CPU), bf16, fp16 or fp32.")
+DtypeOpt = typer.Option("auto", "--dtype", help="auto (the checkpoint's dtype on a GPU; on a CPU a bf16 checkpoint in bf16 where the CPU computes it natively, else fp32: the header and the record say which), bf16, fp16 or fp32.")
 DeviceOpt = typer.Option("auto", "--device", help="auto, cpu or cuda (cuda spreads a large model over all GPUs).")
 TrustOpt = typer.Option(False, "--trust-remote-code", help="Run the model repository's own Python code. Off unless you ask.")
 RevisionOpt = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit).", show_default="the default branch")
@@ -189,7 +189,10 @@ def load(model: str, **options):
 def model_line(loaded) -> str:
     from depthcurse.surgery import num_layers  # lazy: start-up
 
-    return f"[bold]{loaded.name}[/] ({type(loaded.model).__name__}, {num_layers(loaded.model)} layers, {str(loaded.dtype).removeprefix('torch.')}, {loaded.device})"
+    line = f"[bold]{loaded.name}[/] ({type(loaded.model).__name__}, {num_layers(loaded.model)} layers, {str(loaded.dtype).removeprefix('torch.')}, {loaded.device})"
+    why = getattr(loaded, "dtype_why", "")
+    # on a CPU, auto's dtype depends on the processor: the header says so, as the record does
+    return f"{line} · {why}" if why.startswith("auto:") and loaded.device.type == "cpu" else line
 
 
 def join_ranks(device: str, parallel: str = "requests"):

@@ -91,10 +91,11 @@ def _speculate(model, cfg, skip, picked, out: Path, world, also=([], []), **opti
     from depthcurse.runtime import rank_gpus
     from depthcurse.select.picks import checked_pick
     from depthcurse.speculate import SPECULATE_JSON, kind_table, run_speculate, speculate_table, speculate_verdicts, write_speculate_files
-    from depthcurse.speculate.run import parse_skip
+    from depthcurse.speculate.run import FP32_ON_CPU, parse_skip
     from depthcurse.surgery import num_layers
 
     gpus = rank_gpus() if world.parallel and options["device"] != "cpu" and torch.cuda.is_available() else None
+    options["fp32_on_cpu"] = FP32_ON_CPU
     loaded = load(model, **options, gpus=gpus)
     n = num_layers(loaded.model)
     if picked is not None:

@@ -42,6 +42,10 @@ from depthcurse.prune.stepping import Stepper
 
 LENS_FILE = "tuned_lens.safetensors"
 
+# Why `--dtype auto` is fp32 on a CPU with a tuned lens (runtime.pick_dtype): the lens trains in the
+# model's dtype, as its authors' does in bf16 autocast only on a GPU.
+FP32_ON_CPU = "as a tuned lens trains or reads in the model's dtype"
+
 
 @dataclass(frozen=True)
 class LensSettings:

@@ -39,7 +39,7 @@ from depthcurse.heal.model_index import evaluation_results
 from depthcurse.heal.report import cost_text, heal_rows, sites_text
 from depthcurse.heal.shares import recovered, with_retained
 from depthcurse.heal.sites import massive_at_sites
-from depthcurse.io import atomic_write, ensure_out_dir, environment, json_text, read_record, refuse_other_run
+from depthcurse.io import atomic_write, changed_settings, ensure_out_dir, environment, json_text, read_record, refuse_other_run
 from depthcurse.loading import LoadedModel, load_model, window_length
 from depthcurse.prune.engine import evaluate_variants, why_unsupported
 from depthcurse.runtime import DTYPES, World
@@ -55,6 +55,10 @@ from depthcurse.train.report import plot_loss
 
 HEAL_JSON = "heal.json"
 HF_DIR = "hf"
+
+# Why `--dtype auto` is fp32 on a CPU here (runtime.pick_dtype): heal trains, and under bf16 autocast
+# the losses drift from fp32's step by step (docs/benchmarks.md, "bf16 against fp32 on every command").
+FP32_ON_CPU = "as heal trains, and bf16 moves a training run's losses"
 
 
 def check(loaded: LoadedModel, cfg: HealConfig) -> HealConfig:
@@ -442,7 +446,7 @@ def finished(out_dir: Path, run: dict) -> dict | None:
     if not (out_dir / HEAL_JSON).is_file():
         return None
     record = read_heal(out_dir)
-    same = not [k for k in set(record["run"]) | set(run) if k not in RESUMABLE_CHANGES and record["run"].get(k) != run.get(k)]
+    same = not changed_settings(record["run"], run, ignore=RESUMABLE_CHANGES)
     return record if same and "recovered" in record and (out_dir / HF_DIR / "config.json").is_file() else None
 
 

@@ -41,6 +41,12 @@ from depthcurse.speculate.prompts import KINDS, Prompt, load_prompts
 from depthcurse.speculate.summary import summarise
 from depthcurse.surgery import num_layers, parse_removal, run_text, runs_of
 
+# Why `--dtype auto` is fp32 on a CPU here (runtime.pick_dtype): bf16's check of several tokens and
+# its one-token step round a near-tie differently, so the greedy output is not model.generate's
+# token for token (docs/benchmarks.md, "bf16 against fp32 on every command").
+FP32_ON_CPU = "as speculate checks its output against model.generate token for token, which bf16's rounding breaks on near-ties"
+
+
 SPECULATE_JSON = "speculate.json"
 BASELINES = ("early-exit", "prompt-lookup")  # and "assistant" where --assistant names one
 WARMUP_TOKENS = 8
