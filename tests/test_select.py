@@ -46,6 +46,29 @@ def _loss(model, windows):
 
 
 @pytest.mark.searching
+def test_the_reference_scores_kl_agreement_and_loss_by_hand():
+    """Unpruned p = (1/2, 1/4, 1/4), model q = (1/4, 1/2, 1/4) at one position; p = q = (0.1, 0.2, 0.7)
+    at another: KL(p || q) = ln 2 / 2 - ln 2 / 4 = ln 2 / 4 = 0.1733 and 0; the top-1 tokens 0 and 1
+    differ, then agree (2); the next tokens 2 and 0 cost -ln q: ln 4 and -ln 0.1. Worked out once
+    (`Reference.of`), p log p is -1.0397 and -0.8018 (the other formula's per-removal exp, kept
+    before, gives the same to 1e-6)."""
+    import math
+
+    from depthcurse.select.scoring import Reference, window_scores
+
+    p = torch.tensor([[[0.5, 0.25, 0.25], [0.1, 0.2, 0.7]]]).log()
+    q = torch.tensor([[[0.25, 0.5, 0.25], [0.1, 0.2, 0.7]]]).log()
+    reference = Reference.of(p)
+    assert reference.top1.tolist() == [[0, 2]]
+    assert reference.self_term[0].tolist() == pytest.approx([-1.5 * math.log(2), 0.1 * math.log(0.1) + 0.2 * math.log(0.2) + 0.7 * math.log(0.7)], abs=1e-6)
+    losses, kl, agreement = window_scores(q, torch.tensor([[5, 2, 0]]), reference)
+    assert kl[0].tolist() == pytest.approx([math.log(2) / 4, 0.0], abs=1e-6) and kl.min() >= 0  # the second is clamped at 0, not a rounding below it
+    assert agreement.tolist() == [[0.0, 1.0]] and losses[0].tolist() == pytest.approx([math.log(4), -math.log(0.1)], abs=1e-6)
+    assert kl[0].tolist() == pytest.approx((p.exp() * (p - q)).sum(-1)[0].tolist(), abs=1e-6)
+    assert reference[0, :1].top1.tolist() == [0] and reference[0, 1:].self_term.tolist() == pytest.approx([reference.self_term[0, 1].item()])
+
+
+@pytest.mark.searching
 def test_each_cell_is_its_search_by_hand_and_the_grid_resumes(tiny_model_dir, two_texts, tmp_path):
     loaded = load_model(str(tiny_model_dir))
     model = loaded.model

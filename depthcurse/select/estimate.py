@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from depthcurse.prune.stepping import Unsupported, checked_stepper
-from depthcurse.select.scoring import window_scores
+from depthcurse.select.scoring import Reference, window_scores
 from depthcurse.surgery import find_blocks, num_layers
 
 
@@ -78,13 +78,17 @@ def pass_timing(model, windows: torch.Tensor, batch_size: int, clock=time.perf_c
         per_block = (clock() - started) / (n + head_blocks(model))
         return PassTiming(per_block, per_block * head_blocks(model))
 
-    def head(h, ids):
+    def head(h, ids, reference):
         logp = torch.log_softmax(stepper.logits(h)[:, :-1], dim=-1)
-        window_scores(logp, ids, logp)
+        window_scores(logp, ids, reference)
+
+    def reference_of(h):  # the unpruned model's, worked out once a batch: not a removal's cost
+        return Reference.of(torch.log_softmax(stepper.logits(h)[:, :-1], dim=-1))
 
     first = batches[0]
     ctx = stepper.context(first.shape[1], 0)
-    head(stepper.block(0, stepper.embed(first), ctx), first)  # warm-up
+    h = stepper.block(0, stepper.embed(first), ctx)
+    head(h, first, reference_of(h))  # warm-up
     blocks = [0.0] * n
     heads = 0.0
     for ids in batches:
@@ -94,8 +98,9 @@ def pass_timing(model, windows: torch.Tensor, batch_size: int, clock=time.perf_c
             started = clock()
             h = stepper.block(i, h, ctx)
             blocks[i] += clock() - started
+        reference = reference_of(h)
         started = clock()
-        head(h, ids)
+        head(h, ids, reference)
         heads += clock() - started
     return PassTiming(statistics.median(blocks), heads)
 

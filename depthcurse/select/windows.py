@@ -9,7 +9,7 @@ import torch
 
 from depthcurse.angular.measurement import measure
 from depthcurse.errors import DepthcurseError
-from depthcurse.select.scoring import masked_means, window_scores
+from depthcurse.select.scoring import Reference, masked_means, window_scores
 from depthcurse.tasks import PerplexityTask
 from depthcurse.text import load_texts
 
@@ -73,11 +73,12 @@ def _document_windows(tokenizer, texts: list[str], label: str, cfg) -> Texts:
 
 
 @torch.no_grad()
-def per_window(model, windows: torch.Tensor, batch_size: int, reference: list[torch.Tensor] | None = None, mask: torch.Tensor | None = None
-               ) -> tuple[list[float], list[float] | None, list[float] | None, list[torch.Tensor]]:
-    """Each window's mean next-token loss and, against `reference` (the unpruned model's log-probs,
+def per_window(model, windows: torch.Tensor, batch_size: int, reference: list[Reference] | None = None, mask: torch.Tensor | None = None
+               ) -> tuple[list[float], list[float] | None, list[float] | None, list[Reference]]:
+    """Each window's mean next-token loss and, against `reference` (the unpruned model's predictions,
     batch by batch), its mean KL(unpruned || model) and rejection (1 - top-1 agreement), over the
-    predictions `mask` scores (all where None); and this model's log-probs batch by batch."""
+    predictions `mask` scores (all where None); and this model's predictions batch by batch, as the
+    reference of another's."""
     device = model.get_input_embeddings().weight.device
     losses, kls, rejections, logprobs = [], [] if reference is not None else None, [] if reference is not None else None, []
     for b, start in enumerate(range(0, len(windows), batch_size)):
@@ -89,7 +90,7 @@ def per_window(model, windows: torch.Tensor, batch_size: int, reference: list[to
         if reference is not None:
             kls += masked_means(kl, rows)
             rejections += [1.0 - a for a in masked_means(agreement, rows)]
-        logprobs.append(logp.cpu())
+        logprobs.append(Reference.of(logp.cpu()) if reference is None else None)  # only the unpruned model's are read
     return losses, kls, rejections, logprobs
 
 
