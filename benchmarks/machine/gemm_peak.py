@@ -28,6 +28,45 @@ def timed(fn, repeats: int) -> float:
     return (time.perf_counter() - started) / repeats
 
 
+SMOLLM2_BLOCK = {"q, o": (576, 576), "k, v": (576, 192), "gate, up": (576, 1536), "down": (1536, 576)}
+
+
+def rates(rows: int, k: int, n: int, pairs: int = 7, repeats: int = 5) -> tuple[list[float], list[float]]:
+    """Seconds of one [rows, k] x [k, n] matmul in fp32 and in bf16, `pairs` of each in turns."""
+    g = torch.Generator().manual_seed(0)
+    x32, w32 = torch.randn(rows, k, generator=g), torch.randn(k, n, generator=g)
+    x16, w16 = x32.bfloat16(), w32.bfloat16()
+    fp32, bf16 = [], []
+    for _ in range(pairs):  # A B A B: a machine that changes speed changes both
+        fp32.append(timed(lambda: torch.matmul(x32, w32), repeats))
+        bf16.append(timed(lambda: torch.matmul(x16, w16), repeats))
+    return fp32, bf16
+
+
+def peak_rates(rows: int = 512, shapes: dict = SMOLLM2_BLOCK) -> dict[str, float]:
+    """The fastest of a block's matmuls at `rows` rows, GFLOP/s in fp32 and in bf16: the rate a
+    job's arithmetic cannot beat here (its floor is its FLOPs at this rate)."""
+    best = {"fp32": 0.0, "bf16": 0.0}
+    for k, n in shapes.values():
+        fp32, bf16 = rates(rows, k, n)
+        flops = 2 * rows * k * n
+        best = {"fp32": max(best["fp32"], flops / statistics.median(fp32) / 1e9), "bf16": max(best["bf16"], flops / statistics.median(bf16) / 1e9)}
+    return best
+
+
+def bandwidth(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes a second this machine reads from memory: the median of `repeats` sums over a buffer far
+    larger than any cache (a decoding step's floor is its weights' bytes at this rate)."""
+    buffer = torch.ones(size_bytes // 4)
+    buffer.sum()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - started)
+    return size_bytes / statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=512)
@@ -47,17 +86,12 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for rows in (args.tokens, 1):
         for name, (k, n) in shapes.items():
-            g = torch.Generator().manual_seed(0)
-            x32, w32 = torch.randn(rows, k, generator=g), torch.randn(k, n, generator=g)
-            x16, w16 = x32.bfloat16(), w32.bfloat16()
+            fp32, bf16 = rates(rows, k, n, args.pairs, args.repeats)
             flops = 2 * rows * k * n
-            fp32, bf16 = [], []
-            for _ in range(args.pairs):  # A B A B: a machine that changes speed changes both
-                fp32.append(timed(lambda: torch.matmul(x32, w32), args.repeats))
-                bf16.append(timed(lambda: torch.matmul(x16, w16), args.repeats))
             ratios = [a / b for a, b in zip(fp32, bf16)]
             print(f"| {name} ({k} x {n}) | {rows} | {flops / statistics.median(fp32) / 1e9:.1f} | {flops / statistics.median(bf16) / 1e9:.1f} | "
                   f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |")
+    print(f"memory bandwidth (sums over 1 GiB): {bandwidth() / 1e9:.1f} GB/s")
 
 
 if __name__ == "__main__":
