@@ -68,7 +68,7 @@ def _section(doc: str, heading: str) -> str:
 def test_the_smollm2_tuned_lens_finding_says_the_ratio_range_its_table_gives():
     """docs/depth-use.md's SmolLM2 tuned-lens finding: each shown row's logit-lens KL over its tuned-lens
     KL; the headline must say their range (1.5-3.5x), not another (it once said 2-3x)."""
-    heading = "## Finding: on SmolLM2-135M (Wikipedia, a tuned lens of 20 steps"
+    heading = "## Finding: on SmolLM2-135M in fp32 (Wikipedia, a tuned lens of 20 steps"
     section = _section("depth-use.md", heading)
     rows = re.findall(rf"^\| (\d+) \| ({NUMBER}) \[[^]]+\] \| ({NUMBER}) \[[^]]+\] \|", section, flags=re.M)
     ratios = [float(logit) / float(tuned) for _, logit, tuned in rows]
