@@ -88,11 +88,12 @@ def provenance(loaded, removed: list[int], n_layers: int, *, why: str, made_by: 
     typed = Path(loaded.name).expanduser()
     load_as = loaded.name if loaded.name.lower() in assets.MODEL_ALIASES or not typed.exists() else str(typed.resolve())
     layers_from = [None if i in new_at else i for i in range(n_layers) if i not in removed or i in new_at]
-    record = {"made_by": made_by, "model": loaded.name, "load_as": load_as, "source": loaded.describe()["source"],
+    described = loaded.describe()
+    record = {"made_by": made_by, "model": loaded.name, "load_as": load_as, "source": described["source"],
               "base_model": base_model_id(loaded.name, loaded.source), "weights": weights_note(loaded.name, loaded.source),
               "license": licence_of(loaded.name, loaded.source), "n_layers": n_layers, "removed_layers": list(removed),
               "layers_left": n_layers - len(removed) if layers_left is None else layers_left, "layers_from": layers_from, "why": why, "healing": healing,
-              "command": command, "computed_in": f"{loaded.describe()['dtype']} ({loaded.dtype_why})" if loaded.dtype_why else loaded.describe()["dtype"]}
+              "command": command, "computed_in": f"{described['dtype']} ({loaded.dtype_why})" if loaded.dtype_why else described["dtype"]}
     parent = _made_here(loaded.source)
     if parent is not None:
         record["root"] = _root(parent, layers_from)

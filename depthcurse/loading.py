@@ -20,7 +20,7 @@ from depthcurse import assets
 from depthcurse.assets import meta_llama
 from depthcurse.errors import DepthcurseError, first_line, one_line
 from depthcurse.patches import apply_saved_patches
-from depthcurse.runtime import DTYPES, pick_device, pick_dtype
+from depthcurse.runtime import check_dtype, pick_device, pick_dtype
 from depthcurse.train.export import register_with_transformers
 
 Head = Literal["causal-lm", "qa", "base"]
@@ -163,8 +163,7 @@ def load_model(
     # class: registering it is what lets them load without trust_remote_code.
     register_with_transformers()
     dev = pick_device(device)
-    if dtype not in ("auto", *DTYPES):
-        pick_dtype(dtype, dev)  # an unknown --dtype is one line before anything loads
+    check_dtype(dtype)  # before anything loads; what auto means waits for the checkpoint's stored dtype
     source, kwargs = resolve_source(name)
     local = Path(source).exists()
     if revision is not None and local:

@@ -37,6 +37,11 @@ def cpu_computes_bf16() -> bool:
     return any(probe() for probe in probes if probe is not None)
 
 
+def check_dtype(dtype: str) -> None:
+    if dtype not in {"auto", *DTYPES}:
+        raise DepthcurseError(f"unknown --dtype {dtype!r}: use auto, bf16, fp16 or fp32")
+
+
 class Precision(NamedTuple):
     """The dtype a model is loaded in, and why: what every header and record says about it."""
 
@@ -53,8 +58,7 @@ def pick_dtype(dtype: str, device: str, keep_checkpoint: bool = False, stored: t
     (`fp32_on_cpu`: speculate's token-for-token equality with `model.generate`, which bf16's
     rounding breaks on near-ties; training, whose trajectory bf16 moves). Figures computed in bf16
     differ from fp32's in their later decimals, so `why` says which machine gives which."""
-    if dtype not in {"auto", *DTYPES}:
-        raise DepthcurseError(f"unknown --dtype {dtype!r}: use auto, bf16, fp16 or fp32")
+    check_dtype(dtype)
     if dtype != "auto":
         return Precision(DTYPES[dtype], f"--dtype {dtype}")
     if device == "cuda" or keep_checkpoint:

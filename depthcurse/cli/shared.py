@@ -190,9 +190,8 @@ def model_line(loaded) -> str:
     from depthcurse.surgery import num_layers  # lazy: start-up
 
     line = f"[bold]{loaded.name}[/] ({type(loaded.model).__name__}, {num_layers(loaded.model)} layers, {str(loaded.dtype).removeprefix('torch.')}, {loaded.device})"
-    why = getattr(loaded, "dtype_why", "")
     # on a CPU, auto's dtype depends on the processor: the header says so, as the record does
-    return f"{line} · {why}" if why.startswith("auto:") and loaded.device.type == "cpu" else line
+    return f"{line} · {loaded.dtype_why}" if loaded.dtype_why.startswith("auto:") and loaded.device.type == "cpu" else line
 
 
 def join_ranks(device: str, parallel: str = "requests"):

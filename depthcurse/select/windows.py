@@ -77,10 +77,10 @@ def per_window(model, windows: torch.Tensor, batch_size: int, reference: list[Re
                ) -> tuple[list[float], list[float] | None, list[float] | None, list[Reference]]:
     """Each window's mean next-token loss and, against `reference` (the unpruned model's predictions,
     batch by batch), its mean KL(unpruned || model) and rejection (1 - top-1 agreement), over the
-    predictions `mask` scores (all where None); and this model's predictions batch by batch, as the
-    reference of another's."""
+    predictions `mask` scores (all where None); and, without `reference`, this model's predictions
+    batch by batch, as the reference of another's (None each where a reference was given)."""
     device = model.get_input_embeddings().weight.device
-    losses, kls, rejections, logprobs = [], [] if reference is not None else None, [] if reference is not None else None, []
+    losses, kls, rejections, references = [], [] if reference is not None else None, [] if reference is not None else None, []
     for b, start in enumerate(range(0, len(windows), batch_size)):
         ids = windows[start : start + batch_size].to(device)
         logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].float(), dim=-1)
@@ -90,8 +90,8 @@ def per_window(model, windows: torch.Tensor, batch_size: int, reference: list[Re
         if reference is not None:
             kls += masked_means(kl, rows)
             rejections += [1.0 - a for a in masked_means(agreement, rows)]
-        logprobs.append(Reference.of(logp.cpu()) if reference is None else None)  # only the unpruned model's are read
-    return losses, kls, rejections, logprobs
+        references.append(Reference.of(logp.cpu()) if reference is None else None)  # only the unpruned model's are read
+    return losses, kls, rejections, references
 
 
 def tokens_read(scored: torch.Tensor) -> torch.Tensor:
