@@ -44,7 +44,7 @@ def main() -> None:
     from depthcurse.tasks import PerplexityTask
     from depthcurse.text import load_texts
 
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, fp32_on_cpu="as this benchmark's figures in docs/benchmarks.md were measured")
     model = loaded.model.eval()
     texts, label = load_texts(args.data)
     ids = PerplexityTask(loaded.tokenizer, texts, source=label, seq_len=args.seq_len, limit=args.windows, warn_short=False).windows

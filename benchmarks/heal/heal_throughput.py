@@ -58,7 +58,7 @@ def ours(args, loss: str) -> dict:
     from depthcurse.heal import heal
     from depthcurse.loading import load_model
 
-    loaded = load_model(args.model, device=args.device)
+    loaded = load_model(args.model, device=args.device, fp32_on_cpu="as this benchmark's figures in docs/benchmarks.md were measured")
     peak = PeakMemory(loaded.device)
     with tempfile.TemporaryDirectory() as out:
         record = heal(loaded, _cfg(args, loss), Path(out), on_start=lambda info: peak.start())
@@ -82,7 +82,7 @@ def trainer(args) -> dict:
 
     cfg = _cfg(args, "lm")
     lora = cfg.build().settings
-    loaded = load_model(args.model, device=args.device)
+    loaded = load_model(args.model, device=args.device, fp32_on_cpu="as this benchmark's figures in docs/benchmarks.md were measured")
     seq_len = window_length(loaded.model, cfg.seq_len)
     data = build_data(cfg.data, loaded.tokenizer, seq_len=seq_len, pack=True, seed=cfg.seed, val_tokens=seq_len, start=start_tokens(loaded.tokenizer))
     rows = [data.train.next_batch(cfg.batch_size).input_ids for _ in range(cfg.steps)]  # heal's rows, in heal's order
@@ -131,7 +131,7 @@ def _our_step(args, loss: str, adapt: str, rows):
     from depthcurse.train.loop import autocast_for, lr_factor, train_step
 
     cfg = _cfg(args, loss, adapt)
-    loaded = load_model(args.model, device=args.device)
+    loaded = load_model(args.model, device=args.device, fp32_on_cpu="as this benchmark's figures in docs/benchmarks.md were measured")
     method = cfg.build()  # heal's LoRA: its adapters, seeded as a heal seeds them, and its objective
     ctx = HealContext(model=loaded.model, layers=cfg.layers, calibration=None, seed=cfg.seed)
     method.prepare(ctx)
@@ -164,7 +164,7 @@ def interleaved(args) -> dict:
 
     cfg = _cfg(args, "lm")
     lora = cfg.build().settings
-    loaded = load_model(args.model, device=args.device)
+    loaded = load_model(args.model, device=args.device, fp32_on_cpu="as this benchmark's figures in docs/benchmarks.md were measured")
     seq_len = window_length(loaded.model, cfg.seq_len)
     data = build_data(cfg.data, loaded.tokenizer, seq_len=seq_len, pack=True, seed=cfg.seed, val_tokens=seq_len, start=start_tokens(loaded.tokenizer))
     rows = [data.train.next_batch(cfg.batch_size) for _ in range(cfg.steps)]  # heal's rows, in heal's order

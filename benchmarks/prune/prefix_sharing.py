@@ -69,7 +69,7 @@ def main() -> None:
     from depthcurse.tasks.harness import quiet_lm_eval
 
     quiet_lm_eval()
-    loaded = load_model("smollm2-135m", device=args.device)
+    loaded = load_model("smollm2-135m", device=args.device, fp32_on_cpu="as this benchmark's figures in docs/benchmarks.md were measured")
     task = build_task(args.task, loaded.tokenizer, limit=args.limit, num_fewshot=args.shots)
     requests = LmEvalRequests(task, loaded.model).requests
     n = len(loaded.model.model.layers)

@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--layers", default="8,16,24", help="single removals measured beside the unpruned model")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, fp32_on_cpu="as this benchmark's figures in docs/benchmarks.md were measured")
     names = tuple(args.probes.split(","))
     variants = [(), *((int(i),) for i in args.layers.split(","))]
     task = build_task(",".join(names), loaded.tokenizer, limit=args.limit, model=loaded.model)
