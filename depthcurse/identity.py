@@ -100,7 +100,7 @@ def block_probes(block: torch.nn.Module, args: tuple, kwargs: dict, mask: torch.
     def keep(part, scale):
         def hook(module, args, output):
             t = fwAD.unpack_dual(_first_tensor(output)).tangent
-            tangents[part] = t if t is None or scale is None else t * scale.detach()
+            tangents[part] = t if t is None or scale is None else t * (scale.detach() if isinstance(scale, torch.Tensor) else scale)
         return hook
 
     handles = [m.register_forward_hook(keep(part, scale)) for part, (m, scale) in branches.items()]

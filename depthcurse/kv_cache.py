@@ -28,11 +28,27 @@ def cache_length(cache) -> int:
     return 0 if cache is None else int(cache.get_seq_length())
 
 
+def record_past(cache) -> None:
+    """Let a cache be cut back past a sliding window: its sliding-window layers (Mistral, Qwen 2/3 with
+    a window, Cohere 2, GPT-OSS, Llama 4) keep what they would drop until the next `crop`, as
+    transformers' own assisted decoding asks of them after the prefill. A cache without such
+    layers (or from before transformers had them) is left as it is."""
+    if hasattr(cache, "activate_past_recording"):
+        cache.activate_past_recording()
+
+
+def _records_past(cache) -> bool:
+    return any(getattr(layer, "record_past", False) for layer in getattr(cache, "layers", ()))
+
+
 def crop(cache, keep: int) -> None:
-    """Keep the first `keep` positions of `cache`."""
+    """Keep the first `keep` positions of `cache` (a sliding-window layer that records its past is
+    then put back to its window, which `crop(0)` does in the versions that have such layers)."""
     remove = cache_length(cache) - keep
     if remove > 0:
         cache.crop(-remove)
+    elif _records_past(cache):
+        cache.crop(0)
 
 
 def cache_bytes(cache) -> int:

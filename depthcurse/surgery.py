@@ -446,14 +446,16 @@ def find_branch(block: nn.Module, part: str) -> nn.Module | None:
 # Llama's `post_attention_layernorm` is its MLP's input norm, Gemma's the attention's post-norm.
 BRANCH_POST_NORMS = (
     ("post_feedforward_layernorm", {"attn": "post_attention_layernorm", "mlp": "post_feedforward_layernorm"}),  # Gemma 2/3, OLMo-2
+    ("post_mlp_layernorm", {"attn": "post_self_attn_layernorm", "mlp": "post_mlp_layernorm"}),  # GLM-4 (its post_attention_layernorm is the MLP's input norm)
     ("mlp_out_norm", {"attn": "attn_out_norm", "mlp": "mlp_out_norm"}),  # lns-train's sandwich blocks
 )
 
 
-def branch_output(block: nn.Module, part: str) -> tuple[nn.Module, torch.Tensor | None] | None:
+def branch_output(block: nn.Module, part: str) -> tuple[nn.Module, torch.Tensor | float | None] | None:
     """Where a pre-norm block's `part` branch meets its stream: (the module whose output the block
-    adds, after the branch's own post-norm where it has one; a learned scale the block multiplies
-    it by first, as lns-train's LayerScale and SkipInit blocks do, or None). None for Post-LN blocks."""
+    adds, after the branch's own post-norm where it has one; what the block multiplies it by first, or
+    None: a learned scale, as lns-train's LayerScale and SkipInit blocks have, or a number, Granite's
+    `residual_multiplier`). None for Post-LN blocks."""
     branch = find_branch(block, part)
     if branch is None:
         return None
@@ -463,7 +465,10 @@ def branch_output(block: nn.Module, part: str) -> tuple[nn.Module, torch.Tensor 
             branch = post
             break
     scale = getattr(block, f"{part}_scale", None)
-    return branch, scale if isinstance(scale, nn.Parameter) else None
+    if isinstance(scale, nn.Parameter):
+        return branch, scale
+    multiplier = getattr(block, "residual_multiplier", None)  # Granite: h + multiplier * branch(norm(h))
+    return branch, float(multiplier) if isinstance(multiplier, (int, float)) and multiplier != 1 else None
 
 
 def half_stream(block: nn.Module) -> nn.Module | None:
@@ -542,6 +547,23 @@ def _zero_attention(module: nn.Module):
     return forward
 
 
+def _zero_mlp(module: nn.Module):
+    """A stand-in forward for an MLP that does not run: zero, in the structure the module gives (an
+    expert layer's (output, router logits) where its block unpacks two: GPT-OSS, Llama 4), which the
+    module's own forward on one token shows once and the module keeps."""
+    forward = type(module).forward.__get__(module)
+
+    def skipped(h, *args, **kwargs):
+        if "_depthcurse_outputs" not in module.__dict__:
+            out = forward(h[..., :1, :], *args, **kwargs)
+            module.__dict__["_depthcurse_outputs"] = len(out) if isinstance(out, tuple) else 0
+        n = module.__dict__["_depthcurse_outputs"]
+        zeros = torch.zeros_like(h)
+        return (zeros, *[None] * (n - 1)) if n else zeros
+
+    return skipped
+
+
 @contextmanager
 def skipped_branches(model: nn.Module, units: Iterable[str]) -> Iterator[nn.Module]:
     """The model with the branches `units` ("a3": block 3's attention, "m7": block 7's MLP) not run at
@@ -562,7 +584,7 @@ def skipped_branches(model: nn.Module, units: Iterable[str]) -> Iterator[nn.Modu
                 # transformers reads a cache's length off its first layer: an attention there that writes nothing breaks every later position
                 raise DepthcurseError(f"cannot skip a0: the model reads its KV cache's length off block 0, whose {type(module).__name__} "
                                       "cannot be given stand-in keys and values (no k_proj and head_dim); keep it, or skip whole blocks")
-            module.forward = _zero_attention(module) if part == "attn" else (lambda h, *a, **k: torch.zeros_like(h))
+            module.forward = _zero_attention(module) if part == "attn" else _zero_mlp(module)
             swapped.append(module)
         yield model
     finally:

@@ -43,7 +43,8 @@ def foldable_mlp(block: nn.Module, where: str) -> nn.Module:
     meets, scale = found
     mlp = find_branch(block, "mlp")
     if meets is not mlp or scale is not None:
-        what = "a learned scale" if scale is not None else f"a norm ({type(meets).__name__})"
+        what = (f"a norm ({type(meets).__name__})" if meets is not mlp else "a learned scale" if isinstance(scale, torch.Tensor)
+                else f"a residual multiplier ({scale:g})")
         raise DepthcurseError(f"it folds a map into the MLP output of {where}, but {kind} puts {what} between its MLP and the stream, "
                               "which a folded linear map cannot pass")
     return mlp

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from depthcurse.kv_cache import cache_keyword, cache_length, cache_of, crop
+from depthcurse.kv_cache import cache_keyword, cache_length, cache_of, crop, record_past
 
 
 @dataclass
@@ -144,6 +144,8 @@ class CachedModel:
     def feed(self, ids: torch.Tensor) -> torch.Tensor:
         kwargs = {self.keyword: self.cache} if self.cache is not None else {}
         out = self.model(input_ids=ids, use_cache=True, **kwargs)
+        if self.cache is None:  # after the prefill (which drops what a window no longer sees): keep what a cut may need
+            record_past(cache_of(out))
         self.cache = cache_of(out)
         return out.logits[0].float()
 
