@@ -37,6 +37,16 @@ class Definitions:
     # the floor under a norm that divides (their `clamp(min=1e-6)`)
     norm_floor: float
     source: str
+    # a sublayer's contribution: "stream" (what the block adds to its stream: after Gemma's, OLMo 2's
+    # and GLM-4's post-norms, times Granite's residual multiplier) or "modules" (their
+    # `layer.self_attn.output[0]` and `layer.mlp.output`: the modules' outputs, before any of that)
+    contributions: str
+    # the logit lens's logits: "model" (the model's own output rule: Granite's and Cohere's logit
+    # scales, Gemma 2's soft-cap) or "raw" (their `lm_head(norm(h))`, none of those)
+    lens_logits: str
+    # where norms and cosines are taken: "float32" (cast first) or "model" (theirs: in the model's
+    # dtype, then cast; a cosine summed over a window's tokens in that dtype too)
+    norms_in: str
 
     def summary(self) -> dict:
         return asdict(self)
@@ -62,11 +72,13 @@ class Definitions:
 
 DEFINITIONS = {
     "depthcurse": Definitions("depthcurse", lens_reads="after", lens_kl="output||lens", top5="contains", skip_from=0, reduce="mean",
-                              output_change="kl", diagonal=False, norm_floor=1e-12, source="depthcurse (docs/depth-use.md)"),
+                              output_change="kl", diagonal=False, norm_floor=1e-12, contributions="stream", lens_logits="model",
+                              norms_in="float32", source="depthcurse (docs/depth-use.md)"),
     "csordas": Definitions("csordas", lens_reads="entering", lens_kl="lens||output", top5="overlap", skip_from=1, reduce="max",
-                           output_change="l2", diagonal=True, norm_floor=1e-6,
+                           output_change="l2", diagonal=True, norm_floor=1e-6, contributions="modules", lens_logits="raw", norms_in="model",
                            source="Csordás, Manning and Potts 2025, robertcsordas/llm_effective_depth (read in ShayanTalaei/llm_effective_depth "
-                                  "@ e757a77): analysis/logitlens.py, analysis/analyze_current_effects.py"),
+                                  "@ e757a77): analysis/logitlens.py, analysis/analyze_current_effects.py, "
+                                  "analysis/analyze_norms.py"),
 }
 
 

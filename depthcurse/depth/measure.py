@@ -47,7 +47,7 @@ from depthcurse.prune.stepping import Stepper, Unsupported, checked_stepper
 from depthcurse.runtime import World
 from depthcurse.select.scoring import contiguous_shares
 from depthcurse.stats.intervals import mean_interval
-from depthcurse.surgery import branch_output, find_blocks, half_stream
+from depthcurse.surgery import branch_output, find_blocks, find_branch, half_stream
 
 TOP = 5  # the lens's top-k agreement
 TUNED = ("tuned_kl", "tuned_top1", "tuned_top5")
@@ -102,26 +102,36 @@ def per_layer_rows(use: DepthUse) -> list[dict]:
 
 
 class _Branches:
-    """What each sublayer adds to the stream, read by forward hooks while `recording`. A pre-norm
-    block's attention and MLP outputs where they meet the stream (times a learned scale where the
-    block has one); for a block that normalises the stream inside (lns-train's Post-LN and
-    HybridNorm blocks: `surgery.half_stream`), the stream between its two halves, from which each
-    half's change follows (`sublayers`): for a pre-norm block the same two outputs."""
+    """What each sublayer adds to the stream, read by forward hooks while `recording`.
 
-    def __init__(self, model):
+    By `contributions="stream"` (ours): a pre-norm block's attention and MLP outputs where they meet
+    the stream (after a branch's own post-norm, times a learned scale or Granite's residual
+    multiplier: `surgery.branch_output`); for a block that normalises the stream inside (lns-train's
+    Post-LN and HybridNorm blocks: `surgery.half_stream`), the stream between its two halves, from
+    which each half's change follows (`sublayers`). The two must add up to the block's own change, or
+    the block is refused in one line (a family whose branches meet the stream some other way).
+    By `contributions="modules"` (Csordás et al.'s `analyze_norms.py`): the attention's and the MLP's
+    module outputs as they are, before any post-norm or multiplier. Each output is kept in the
+    model's dtype, copied (Falcon adds the attention to its MLP's output in place), in the stream's
+    shape (Llama 4's experts give one row per token)."""
+
+    def __init__(self, model, contributions: str = "stream"):
         self.outputs: dict[tuple[int, str], torch.Tensor] = {}
         self.recording = False
         self.handles = []
-        for i, block in enumerate(find_blocks(model).layers):
-            middle = half_stream(block)
+        self.blocks = find_blocks(model).layers
+        self.family = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+        self.checked = contributions == "modules"  # their modules' outputs are what they are: nothing to add up
+        for i, block in enumerate(self.blocks):
+            middle = half_stream(block) if contributions == "stream" else None
             if middle is not None:
                 self.handles.append(middle.register_forward_hook(self._keep(i, "middle", None)))
                 continue
             for part in ("attn", "mlp"):
-                found = branch_output(block, part)
+                found = branch_output(block, part) if contributions == "stream" else _module(block, part)
                 if found is None:
                     raise DepthcurseError(f"depth-use reads pre-norm blocks, whose {part} output is added to the stream; "
-                                          f"{type(block).__name__} (block {i}) is not one (a Post-LN block normalises the sum)")
+                                          f"{type(block).__name__} (block {i}, {self.family}) is not one (a Post-LN block normalises the sum)")
                 module, scale = found
                 self.handles.append(module.register_forward_hook(self._keep(i, part, scale)))
 
@@ -129,19 +139,57 @@ class _Branches:
         def hook(module, args, output):
             if self.recording:
                 out = output[0] if isinstance(output, tuple) else output
-                self.outputs[i, part] = (out * scale if scale is not None else out).float()
+                self.outputs[i, part] = out * scale if scale is not None else out.clone()
         return hook
 
     def sublayers(self, i: int, before: torch.Tensor, after: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block i's attention and MLP changes to the stream, given the stream entering and leaving it."""
+        """Block i's attention and MLP contributions, in the model's dtype, given the stream entering and leaving it."""
         middle = self.outputs.get((i, "middle"))
-        if middle is None:
-            return self.outputs[i, "attn"], self.outputs[i, "mlp"]
-        return middle - before.float(), after.float() - middle
+        if middle is not None:
+            return middle.float() - before.float(), after.float() - middle.float()
+        a, m = (self.outputs[i, part].reshape(before.shape) for part in ("attn", "mlp"))
+        if not self.checked:
+            self._check_sum(i, a, m, before, after)
+        return a, m
+
+    def _check_sum(self, i: int, a, m, before, after) -> None:
+        """Once, on the first batch: the two contributions add up to the block's change (to its
+        dtype's rounding of the stream), or one line says this family's block adds something else."""
+        change = after.float() - before.float()
+        error = (a.float() + m.float() - change).norm()
+        eps = torch.finfo(after.dtype).eps
+        if not error <= 1e-3 * change.norm() + 4 * eps * (before.float().norm() + after.float().norm()):
+            raise DepthcurseError(f"depth-use reads what each sublayer adds to the residual stream, but in {type(self.blocks[i]).__name__} "
+                                  f"(block {i}, {self.family}) the attention and MLP outputs do not add up to the block's change "
+                                  f"(off by {(error / change.norm().clamp_min(1e-30)).item():.2g} of it): this family is not measured")
+        if i == len(self.blocks) - 1:
+            self.checked = True
 
     def close(self):
         for h in self.handles:
             h.remove()
+
+
+def _module(block, part: str) -> tuple[torch.nn.Module, None] | None:
+    """The branch's own module, read as their `layer.self_attn.output[0]` and `layer.mlp.output` (no scale)."""
+    module = find_branch(block, part)
+    return None if module is None else (module, None)
+
+
+def contribution_figures(a: torch.Tensor, m: torch.Tensor, h: torch.Tensor, definitions: Definitions) -> dict[str, torch.Tensor]:
+    """Per window [windows]: each sublayer's size against the stream it is added to, ||a|| / ||h|| and
+    ||m|| / ||h + a||, and its cosine with it, each the mean over the window's tokens. With
+    `norms_in="model"` (theirs) the norms, their floor, h + a and the cosines, summed over the tokens,
+    are taken in the model's dtype and then cast, as their `analyze_norms.py` does."""
+    floor = definitions.norm_floor
+    if definitions.norms_in == "model":
+        into_mlp = a + h
+        rel = lambda x, of: x.norm(dim=-1).float() / of.norm(dim=-1).clamp(min=floor).float()  # noqa: E731
+        cos = lambda x, y: torch.nn.functional.cosine_similarity(x, y, dim=-1).sum(-1).float() / x.shape[1]  # noqa: E731
+        return {"attn_norm": rel(a, h).mean(-1), "mlp_norm": rel(m, into_mlp).mean(-1), "attn_cos": cos(a, h), "mlp_cos": cos(m, into_mlp)}
+    a, m, h = a.float(), m.float(), h.float()
+    return {"attn_norm": _relative(a, h, floor).mean(-1), "mlp_norm": _relative(m, h + a, floor).mean(-1),
+            "attn_cos": _cos(a, h).mean(-1), "mlp_cos": _cos(m, h + a).mean(-1)}
 
 
 def stepper_of(model) -> Stepper:
@@ -278,7 +326,7 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
         nan = float("nan")
         totals = [[nan] * n for _ in range(n)]  # a skip's row over the windows: a sum (mean) or a maximum
         out_totals = [nan] * n
-    branches = _Branches(model)
+    branches = _Branches(model, d.contributions)
     batches = [windows[i : i + batch_size] for i in range(0, len(windows), batch_size)]
     if kept is not None and world.size > 1:
         kept = kept.with_name(f"{kept.stem}.rank{world.rank}{kept.suffix}")
@@ -309,20 +357,18 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
                 branches.outputs.clear()
                 h = stepper.block(i, streams[i], ctx)
                 streams.append(h)
-                a, m = branches.sublayers(i, streams[i], h)
-                before = streams[i].float()
-                for name, value in (("attn_norm", _relative(a, before, d.norm_floor)), ("mlp_norm", _relative(m, before + a, d.norm_floor)),
-                                    ("attn_cos", _cos(a, before)), ("mlp_cos", _cos(m, before + a))):
-                    getattr(use, name)[i].extend(value.mean(-1).tolist())
+                for name, value in contribution_figures(*branches.sublayers(i, streams[i], h), streams[i], d).items():
+                    getattr(use, name)[i].extend(value.tolist())
                 if influence:
-                    contributions.append(h.float() - before)  # c_i = a_i + m_i: the block's whole change
+                    contributions.append(h.float() - streams[i].float())  # c_i = a_i + m_i: the block's whole change
             branches.recording = False
             final = torch.log_softmax(stepper.logits(streams[n]), -1)
             reads = range(n) if entering_rows else range(1, n + 1)  # which of the n + 1 streams the lens rows read
             plain = _LensFigures(final, d, use.lens_kl, use.lens_top1, use.lens_top5)
             lensed = _LensFigures(final, d, use.tuned_kl, use.tuned_top1, use.tuned_top5) if tuned is not None else None
+            lens = stepper.logits if d.lens_logits == "model" else stepper.head_logits  # theirs: lm_head(norm(h)), no soft-cap or logit scale
             for row, s in enumerate(reads):  # a row's distribution is reduced as it is read, a window at a time: no vocabulary-wide tensor per layer is kept
-                plain.read(row, lambda w, s=s: final[w] if s == n else torch.log_softmax(stepper.logits(streams[s][w]), -1))
+                plain.read(row, lambda w, s=s: final[w] if s == n else torch.log_softmax(lens(streams[s][w]), -1))
                 if lensed is not None:
                     lensed.read(row, lambda w, s=s: final[w] if s == n else torch.log_softmax(stepper.logits(tuned(streams[s][w], s)), -1))
             plain.settle(use.settled, entering_rows)

@@ -14,7 +14,9 @@ the learning rate falling linearly to 0 over the steps with no warm-up (theirs f
 gradient clipped to norm 1 over every translator, the embedding's included, before each step; 250
 steps of 2^18 tokens (fewer where the text has fewer: the steps then go round the same windows, in
 a seeded shuffled order as their loader shuffles). Their steps run in bf16 autocast on a GPU; here
-in the model's dtype (float32 on the CPU). `LensSettings(embedding=False)` leaves the embedding's
+the translators keep fp32 weights and compute in fp32 on the model's stream (whatever its dtype,
+float32 on the CPU by default), their output cast back to the stream's dtype for the final norm
+and head. `LensSettings(embedding=False)` leaves the embedding's
 translator out (the form this project trained before: its clip then sees the other translators only).
 
 A lens is a file (`save`, `load_lens`): the translators (safetensors) and a fingerprint of the
@@ -87,7 +89,11 @@ class TunedLens(torch.nn.Module):
         translator = self.translators[str(stream)] if str(stream) in self.translators else None
         if translator is None:  # the output's stream, or the embedding's in the form without its translator
             return h
-        return h + translator(h)  # residual, as theirs: decay regularises toward the identity
+        # residual, as theirs: decay regularises toward the identity. The translators keep fp32 weights and
+        # compute in fp32 whatever the model's dtype (theirs: fp32 weights under bf16 autocast), the result
+        # in the stream's dtype for the model's final norm and head
+        x = h.float()
+        return (x + translator(x)).to(h.dtype)
 
     def save(self, path: Path, record: dict | None = None) -> Path:
         from safetensors.torch import save_file

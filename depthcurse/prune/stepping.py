@@ -160,7 +160,8 @@ class Stepper:
         # logits down, Cohere scales the logits, Gemma 2/3 soft-cap them.
         self.embedding_multiplier = float(getattr(config, "embedding_multiplier", None) or 1.0)
         logit_scale = getattr(model, "logit_scale", None)
-        self.logit_multiplier = (logit_scale if isinstance(logit_scale, (int, float)) else 1.0) / float(getattr(config, "logits_scaling", None) or 1.0)
+        self.logit_scale = float(logit_scale) if isinstance(logit_scale, (int, float)) else 1.0  # Cohere: logits * logit_scale
+        self.logits_scaling = float(getattr(config, "logits_scaling", None) or 1.0)  # Granite: logits / logits_scaling
         self.softcap = getattr(config, "final_logit_softcapping", None)
         self.device = self.embed_tokens.weight.device
         self.dtype = self.embed_tokens.weight.dtype
@@ -261,14 +262,23 @@ class Stepper:
             out.append(h)
         return out
 
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm and head alone, `lm_head(norm(h))` in fp32: no logit scale or soft-cap (a
+        logit lens read as Csordás et al.'s code reads it)."""
+        return self.head(self.norm(h)).float()
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and head for the given positions only, in fp32."""
-        logits = self.head(self.norm(h)).float()
-        if self.logit_multiplier != 1.0:
-            logits = logits * self.logit_multiplier
+        """The model's logits for the given positions only, in fp32: the final norm and head, then the
+        family's own scale and soft-cap (Granite, Cohere, Gemma 2), each in the model's dtype as its
+        forward computes them, so that a bf16 model's logits are its own to the bit."""
+        logits = self.head(self.norm(h))
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return logits.float()
 
     @torch.inference_mode()
     def check(self, length: int = 40, cached: bool = True) -> None:
