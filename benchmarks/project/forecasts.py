@@ -39,7 +39,9 @@ def main() -> None:
     for what, f in json.loads((out / "depth-use" / "depth_use.json").read_text())["forecasts"].items():
         rows.append((f"depth-use: {what}", f["steps"], f["forecast_seconds"], f["seconds"]))
 
-    run(["depth-map", m, m, "--data", "wiki", "--calib-windows", "8", "--eval-windows", "4", "--seq-len", "64", "--out", str(out / "depth-map")])
+    # 512 fitting tokens for a 576-wide stream: under-determined, accepted as when the figure in docs/benchmarks.md was measured (issue 87's rule)
+    run(["depth-map", m, m, "--data", "wiki", "--calib-windows", "8", "--eval-windows", "4", "--seq-len", "64", "--min-fit-ratio", "0.8",
+         "--out", str(out / "depth-map")])
     f = json.loads((out / "depth-map" / "depth_map.json").read_text())["forecast"]
     rows.append(("depth-map: the map's rows", f["steps"], f["forecast_seconds"], f["seconds"]))
 

@@ -133,7 +133,11 @@ def depth_map(
     shallow: str = typer.Argument(..., help="The shallower model (a hub name, an alias such as smollm2-135m, or a folder)."),
     deep: str = typer.Argument(..., help="The deeper model, of the same tokenizer."),
     data: str = typer.Option("wiki", "--data", help="auto (C4, or wiki offline), c4, wiki, code, math, dialogue, or a .txt/.jsonl/.parquet file."),
-    calib_windows: int = typer.Option(16, "--calib-windows", help="Windows the maps are fitted on."),
+    calib_windows: Optional[int] = typer.Option(None, "--calib-windows", help="Windows the maps are fitted on.",
+                                                show_default="16, or as many as give twice the shallow stream's width + 1 tokens where it is wider"),
+    min_fit_ratio: float = typer.Option(1.0, "--min-fit-ratio", help="The fewest fitting tokens per input of a map (the shallow stream's width + 1) "
+                                        "accepted; below 1 a map is under-determined (the minimum-norm one, which cannot recover even the identity), "
+                                        "said before any work."),
     eval_windows: int = typer.Option(8, "--eval-windows", help="Other windows they are scored on (the intervals are over them)."),
     windows: Optional[int] = typer.Option(None, "--windows", hidden=True, help="Now --calib-windows."),
     held_out: Optional[int] = typer.Option(None, "--held-out", hidden=True, help="Now --eval-windows."),
@@ -145,7 +149,7 @@ def depth_map(
                                     "every deep stream, scored by the relative error)."),
     score: Optional[str] = typer.Option(None, "--score", help="The score that picks each best match: r2_dims (default: every dimension alike) or "
                                         "r2 (pooled: a dimension counts by its variance); csordas: relative_error."),
-    map_steps: int = typer.Option(10000, "--map-steps", help="--as csordas: the map's AdamW steps (their stop_after, 10,000; batches of 64 windows)."),
+    map_steps: int = typer.Option(10000, "--map-steps", help="--as csordas: the map's AdamW steps (their stop_after, 10,000; batches of 64 windows, or every fitting window where there are fewer)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default runs/depth-map/<shallow>-to-<deep>)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
@@ -162,7 +166,7 @@ def depth_map(
     from depthcurse.depth import map_report
     from depthcurse.depth.csordas_map import MapSettings
 
-    windows = renamed("depth-map", "--windows", windows, calib_windows, 16)
+    windows = renamed("depth-map", "--windows", windows, calib_windows, None)
     held_out = renamed("depth-map", "--held-out", held_out, eval_windows, 8)
     settings = MapSettings(steps=map_steps, seed=seed)
     settings.check()
@@ -175,6 +179,7 @@ def depth_map(
         with showing(progress):
             record = map_report.run_depth_map(small, large, data, windows, held_out, seq_len, batch_size, definitions=definitions, score=score,
                                               settings=settings, kept=out_dir / map_report.KEPT_FILE, on_note=lambda text: say("note", text),
+                                              min_fit_ratio=min_fit_ratio,
                                               on_step=lambda text, done, total: progress.update(bar, description=text, completed=done, total=total))
     except KeyboardInterrupt:
         interrupted(map_report.kept_summary(out_dir))

@@ -24,6 +24,8 @@ VOCABULARY = {
     "--prompts": ("the prompts generated from (not windows: whole prompts)", ("speculate",)),
     "--eval-data": ("another text measured on, beside the calibration's held-out windows", ("heal",)),
     "--calib-tokens": ("how many tokens the closed-form methods estimate on (a method's budget, in tokens)", ("heal",)),
+    "--min-fit-ratio": ("the fewest fitting tokens per input of a linear map accepted (below 1 the map is under-determined; heal's linear maps: "
+                        "--method-args min_fit_ratio=R)", ("depth-map",)),
 }
 
 # (command, old name): new name

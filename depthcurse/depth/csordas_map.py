@@ -14,9 +14,14 @@ counted from the end of the warm-up, batches of 64 windows. Their score is the r
 ||map(x) - y|| / ||y|| per token and deep stream, its mean over the held-out tokens (here per window,
 then the mean over windows with a Student's t interval), lower is better.
 
+Every window is theirs: the tokenizer's BOS id, or 0 where it has none (their `F.pad(..., value=
+vocabulary.bos_token())`, whose value None pads 0: Qwen 2.5's tokenizer, the pair of their sweep, has no
+BOS), then `--seq-len` - 1 tokens of text, every one of them fitted and scored (`their_start`).
+
 Where theirs differs and ours does not follow (docs/depth-use.md's table): their batches are fresh C4
 windows of 512 tokens; here the fitting windows of `--data`, in a seeded shuffled order round after
-round; their steps run in bf16 autocast on a GPU, here in float32.
+round; their models run 8-bit quantized (`map_layers.quantize: 1`) and their steps in bf16 autocast on
+a GPU, here in the dtype loaded and float32.
 """
 
 from __future__ import annotations
@@ -47,6 +52,13 @@ class MapSettings:
 
     def summary(self) -> dict:
         return asdict(self)
+
+
+def their_start(tokenizer) -> list[int]:
+    """What their `get_src_target` puts before every window: `F.pad(data, (1, 0), value=vocabulary.bos_token())`,
+    `HuggingfaceVocabulary.bos_token()` being the tokenizer's `bos_token_id`, and F.pad's value None a 0."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return [0 if bos is None else int(bos)]
 
 
 def learning_rate(settings: MapSettings, step: int) -> float:

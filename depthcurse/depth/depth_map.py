@@ -51,6 +51,7 @@ SCORES = {
     "r2": ("held-out R^2 pooled over dimensions", True),
     "relative_error": ("held-out relative error ||map(x) - y|| / ||y||", False),
 }
+R2_SCORES = ("r2_dims", "r2")  # at most 1: their intervals are cut there
 MAP_DEFINITIONS = {
     "depthcurse": {"name": "depthcurse", "streams": "after", "fit": "ridge least squares per pair of layers (float64)", "scores": ["r2_dims", "r2"],
                    "source": "depthcurse (docs/depth-use.md)"},
@@ -102,9 +103,13 @@ def largest_dimension_share(stream: torch.Tensor) -> float:
     return float(variance.max() / variance.sum().clamp_min(1e-300))
 
 
-def _summary(per_window: list[list[list[float]]]) -> dict:
-    """A score's mean over windows and its interval, per pair."""
-    return {"mean": [[sum(v) / len(v) for v in row] for row in per_window], "interval": [[mean_interval(v) for v in row] for row in per_window]}
+def _summary(per_window: list[list[list[float]]], most: float | None = None) -> dict:
+    """A score's mean over windows and its interval, per pair; an interval cut at `most`, where the
+    score cannot be higher (an R^2: 1), where the t interval would reach past it."""
+    def interval(values):
+        iv = mean_interval(values)
+        return iv if iv is None or most is None else [iv[0], min(iv[1], most)]
+    return {"mean": [[sum(v) / len(v) for v in row] for row in per_window], "interval": [[interval(v) for v in row] for row in per_window]}
 
 
 def deciding(record: dict) -> tuple[str, list[list[float]], bool]:
@@ -181,7 +186,8 @@ def depth_map(shallow, deep, fit_windows: torch.Tensor, held_windows: torch.Tens
                 w, b, baseline = fit_map(x, ys_fit[j].flatten(0, 1), ridge)
                 per_window["r2"][i][j], per_window["r2_dims"][i][j] = held_out_r2(xs_held[i], ys_held[j], w, b, baseline)
             keep(i + 1)
-    scores = {name: {**_summary(values), "label": SCORES[name][0], "higher_is_better": SCORES[name][1]} for name, values in per_window.items()}
+    scores = {name: {**_summary(values, 1.0 if name in R2_SCORES else None), "label": SCORES[name][0], "higher_is_better": SCORES[name][1]}
+              for name, values in per_window.items()}
     matrix, higher = scores[score]["mean"], SCORES[score][1]
     best = [max(range(nd), key=lambda j: (matrix[i][j] if higher else -matrix[i][j], -j)) for i in range(ns)]
 

@@ -9,10 +9,11 @@ from pathlib import Path
 
 from rich.table import Table
 
-from depthcurse.depth.csordas_map import MapSettings
+from depthcurse.depth.csordas_map import MapSettings, their_start
 from depthcurse.depth.depth_map import RIDGE, depth_map, deciding, same_tokenizer
 from depthcurse.depth.over_seeds import architecture
 from depthcurse.errors import DepthcurseError
+from depthcurse.fitting import DEFAULT_FIT_RATIO, MIN_FIT_RATIO, check_fit, needed
 from depthcurse.io import atomic_write, json_text, save_figure
 from depthcurse.loading import check_sequence_length
 from depthcurse.tasks import PerplexityTask
@@ -21,20 +22,49 @@ from depthcurse.text import load_texts
 MAP_JSON = "depth_map.json"
 
 
-def run_depth_map(shallow, deep, data: str, windows: int, held_out: int, seq_len: int, batch_size: int, ridge: float = RIDGE,
+DEFAULT_WINDOWS = 16  # the fewest fitting windows by default; more where the stream is wide (`fit_windows`)
+
+
+def fitted_tokens(windows: int, seq_len: int, definitions: str) -> int:
+    """The tokens a map is fitted on: every token of the windows (theirs: all but the BOS pad)."""
+    return windows * (seq_len - (definitions == "csordas"))
+
+
+def fit_windows(width: int, seq_len: int, definitions: str) -> int:
+    """`--calib-windows` by default: 16, or as many as give twice the map's inputs (the shallow stream's
+    width and an intercept) where the stream is wider: 2 x 4,097 tokens for a 7B model's stream."""
+    per = fitted_tokens(1, seq_len, definitions)
+    return max(DEFAULT_WINDOWS, -(-needed(width + 1, DEFAULT_FIT_RATIO) // per))
+
+
+def run_depth_map(shallow, deep, data: str, windows: int | None, held_out: int, seq_len: int, batch_size: int, ridge: float = RIDGE,
                   on_step=lambda text, done, total: None, definitions: str = "depthcurse", score: str | None = None,
-                  settings: MapSettings = MapSettings(), kept: Path | None = None, on_note=lambda text: None, clock=time.perf_counter) -> dict:
-    """Both models on `windows` fitting and `held_out` held-out windows of `data` (ppl's packing, the
-    shallow model's tokenizer, which must be the deep one's)."""
+                  settings: MapSettings = MapSettings(), kept: Path | None = None, on_note=lambda text: None, clock=time.perf_counter,
+                  min_fit_ratio: float = MIN_FIT_RATIO) -> dict:
+    """Both models on `windows` fitting (None: `fit_windows`) and `held_out` held-out windows of `data`
+    (ppl's packing, the shallow model's tokenizer, which must be the deep one's). Before any work, a
+    map fitted on fewer tokens than its inputs is said (`on_note`), and refused below `min_fit_ratio`
+    of them (`fitting.check_fit`)."""
     if not same_tokenizer(shallow.tokenizer, deep.tokenizer):
         raise DepthcurseError(f"the depth map compares streams token by token: {shallow.source} and {deep.source} have different tokenizers")
+    width = shallow.model.get_input_embeddings().weight.shape[-1]
+    windows = fit_windows(width, seq_len, definitions) if windows is None else windows
     if windows < 1 or held_out < 2 or seq_len < 2 or batch_size < 1:
         raise DepthcurseError("--calib-windows must be at least 1, --eval-windows at least 2 (the intervals are over them), --seq-len at least 2, "
                               "--batch-size at least 1")
+    per = fitted_tokens(1, seq_len, definitions)
+    note = check_fit(fitted_tokens(windows, seq_len, definitions), width + 1, min_ratio=min_fit_ratio,
+                     what=f"each map from the shallow model's {width}-wide stream (--calib-windows {windows} x {per} tokens)",
+                     fix=lambda tokens: f"give --calib-windows {-(-tokens // per)} or more", accept=lambda ratio: f"--min-fit-ratio {ratio}",
+                     solution="the minimum-norm map (the ridge's)" if definitions == "depthcurse" else "whatever AdamW reaches from its start")
+    if note:
+        on_note(note)
     for loaded in (shallow, deep):
         check_sequence_length(loaded.model, seq_len)
     texts, label = load_texts(data, option="--data")
-    ids = PerplexityTask(shallow.tokenizer, texts, source=label, seq_len=seq_len, limit=windows + held_out, warn_short=False).windows
+    start = their_start(shallow.tokenizer) if definitions == "csordas" else None  # theirs: their BOS pad, then seq_len - 1 text tokens
+    task = PerplexityTask(shallow.tokenizer, texts, source=label, seq_len=seq_len, limit=windows + held_out, warn_short=False, start=start)
+    ids = task.windows
     if len(ids) < windows + held_out:
         raise DepthcurseError(f"--data {data} holds {len(ids)} windows of {seq_len} tokens, fewer than --calib-windows {windows} and --eval-windows {held_out}")
     result = depth_map(shallow.model.eval(), deep.model.eval(), ids[:windows], ids[windows:], batch_size, ridge, definitions=definitions, score=score,
@@ -42,13 +72,29 @@ def run_depth_map(shallow, deep, data: str, windows: int, held_out: int, seq_len
     if kept is not None:  # mapped whole: the record holds it now
         kept.unlink(missing_ok=True)
     describe = lambda loaded: {**{k: v for k, v in loaded.describe().items() if k != "device"}, "architecture": architecture(loaded.model)}  # noqa: E731
-    run = {"shallow": describe(shallow), "deep": describe(deep), "data": label, "seq_len": seq_len}
+    run = {"shallow": describe(shallow), "deep": describe(deep), "data": label, "seq_len": seq_len, "start": task.prefix,
+           "fit": {"tokens": fitted_tokens(windows, seq_len, definitions), "inputs": width + 1, "min_fit_ratio": min_fit_ratio, "under_determined": note}}
     run["same_model"] = all(run["shallow"][k] == run["deep"][k] for k in ("source", "revision"))
     return {"run": run, **result}
 
 
-SAME_MODEL = ("one model against itself: each stream maps onto its own exactly (the diagonal is R^2 1, error 0), so the best matches say nothing "
-              "of depth; the rest says how well one layer's stream predicts another's within the model")
+def same_model_line(record: dict) -> str:
+    """What a map of one model onto itself measures, with the figure its diagonal reached: an exact map
+    gives R^2 1 (error 0) there; an under-determined one does not."""
+    name, matrix, higher = deciding(record)
+    diagonal = [matrix[i][i] for i in range(min(len(matrix), len(matrix[0])))]
+    low, high = min(diagonal), max(diagonal)
+    figure = f"{low:.3f}" if f"{low:.3f}" == f"{high:.3f}" else f"{low:.3f} to {high:.3f}"
+    exact = 1.0 if higher else 0.0
+    off = max(abs(v - exact) for v in diagonal)
+    how = ("every stream onto its own, as an exact map must" if off < 0.01 else
+           f"short of the {exact:g} an exact map gives by up to {off:.3f}: the maps are not exact even onto the stream itself")
+    return (f"one model against itself: the diagonal's {_label(name)} is {figure}, {how}; the best matches say nothing of depth, "
+            "the rest says how well one layer's stream predicts another's within the model")
+
+
+def _label(name: str) -> str:
+    return {"r2_dims": "per-dimension R^2", "r2": "R^2", "relative_error": "relative error"}[name]
 
 
 KEPT_FILE = "depth_map.partial.json"
@@ -85,8 +131,9 @@ def map_table(record: dict) -> Table:
                         f"which deep layer each shallow layer's stream maps to best, by the {scores[name]['label']}"
                         + (" (one model against itself)" if run.get("same_model") else ""),
                   caption=f"{how}, fitted on {record['fit_windows']} windows of {run['data']} x {run['seq_len']} tokens, scored on "
-                          f"{record['held_out_windows']} held-out windows (mean, in brackets the 95% interval, Student's t over windows; "
-                          f"{'higher' if higher else 'lower'} is better); relative depth: "
+                          f"{record['held_out_windows']} held-out windows (mean, in brackets the 95% interval, Student's t over windows"
+                          + (", an R^2's cut at 1, the most it can be" if "r2_dims" in scores else "")
+                          + f"; {'higher' if higher else 'lower'} is better); relative depth: "
                           + ("stream / layers (0: the embedding)" if entering else "(layer + 1) / layers")
                           + ("; per dimension: each dimension's R^2, then their mean (one dimension cannot decide it); pooled: over every dimension "
                              "at once (a dimension counts by its variance)" if "r2_dims" in scores else ""), caption_justify="left")
@@ -108,13 +155,13 @@ def map_verdicts(record: dict) -> list[str]:
     name, matrix, higher = deciding(record)
     rho, iv = depth["spearman"], depth["spearman_interval"]
     said = "-" if rho is None else f"{rho:+.2f}" + (f" [{iv[0]:+.2f}, {iv[1]:+.2f}]" if iv else "")
-    lines = [SAME_MODEL] if record["run"].get("same_model") else []
+    lines = [same_model_line(record)] if record["run"].get("same_model") else []
     lines += [f"each shallow layer's best match lies {depth['mean_abs_difference']:.2f} of the depth away from its own relative depth on average; "
               f"the two orders agree by Spearman's rho {said}"]
     pick = max if higher else min
     last = matrix[-1]
     reach = pick(range(len(last)), key=lambda j: last[j])
-    label = name.replace("r2_dims", "per-dimension R^2").replace("r2", "R^2").replace("relative_error", "relative error")
+    label = _label(name)
     lines.append(f"the shallow model's last layer maps best to deep {'stream' if record.get('streams') == 'entering' else 'layer'} {_stream(record, reach)} "
                  f"of {record['deep_layers']} ({label} {last[reach]:.3f}); "
                  f"the deep model's last layer is reached with {label} {pick(row[-1] for row in matrix):.3f} at best")

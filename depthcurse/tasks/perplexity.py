@@ -37,8 +37,9 @@ class PerplexityTask:
     higher_is_better = False
 
     def __init__(self, tokenizer, texts: list[str], *, source: str, seq_len: int = 512, limit: int | None = 32, batch_size: int = 4, warn_short: bool = True,
-                 bos: bool = True):
-        self.prefix = start_tokens(tokenizer) if bos else []
+                 bos: bool = True, start: list[int] | None = None):
+        # `start`: other ids put first instead (`depth-map --as csordas`: their BOS pad, id 0 where the tokenizer has no BOS)
+        self.prefix = list(start) if start is not None else start_tokens(tokenizer) if bos else []
         if seq_len < len(self.prefix) + 2:
             raise DepthcurseError(f"--seq-len must be at least {len(self.prefix) + 2}")
         self.source, self.seq_len, self.batch_size = source, seq_len, max(1, batch_size)

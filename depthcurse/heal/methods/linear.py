@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.fitting import MIN_FIT_RATIO, check_fit
 from depthcurse.heal.linear import LeastSquares, check_linear, estimate_maps, fold_maps, mapped, output_projection
 from depthcurse.heal.method import HealContext, Method, at_least
 from depthcurse.surgery import find_blocks, runs_of
@@ -21,6 +22,7 @@ from depthcurse.surgery import find_blocks, runs_of
 class LinearSettings:
     calib_tokens: int = 16384  # tokens of the training text the maps are estimated on
     ridge: float = 0.0  # pulls each map toward the identity (the plain removal), relative to the mean eigenvalue of its Gram matrix
+    min_fit_ratio: float = MIN_FIT_RATIO  # the fewest calibration tokens per input of a map accepted (below 1: under-determined)
 
 
 class Linear(Method):
@@ -39,22 +41,22 @@ class Linear(Method):
     def solver(self, ctx: HealContext):
         return lambda d, device: LeastSquares(d, device, self.settings.ridge)
 
-    def fewest_tokens(self, d: int) -> int:
-        """The calibration tokens the map needs: a d x d least-squares map is determined by d tokens
-        at least (fewer leave its Gram matrix singular: the "healed" model can be far worse than the
-        plain removal); a ridge makes any number well posed."""
-        return d if self.settings.ridge == 0 else 1
+    def fit_check(self, tokens: int, d: int, where: str) -> str | None:
+        """`fitting.check_fit` of a d x d map on `tokens` calibration tokens: None, a note (kept for
+        `describe`), or one line refusing below `min_fit_ratio` of its d inputs."""
+        return check_fit(tokens, d, min_ratio=self.settings.min_fit_ratio, what=f"--method {self.name}'s {d} x {d} least-squares map ({where})",
+                         fix=lambda n: f"give --calib-tokens {n} or more", accept=lambda ratio: f"--method-args min_fit_ratio={ratio}",
+                         solution="the ridge's, shrunk toward the identity" if self.settings.ridge else "the minimum-norm map")
 
     def check(self, model, layers):
         check_linear(model, layers)
         d = model.get_input_embeddings().weight.shape[-1]
-        if self.settings.calib_tokens < self.fewest_tokens(d):
-            raise DepthcurseError(f"--method {self.name}: calib_tokens {self.settings.calib_tokens:,} is fewer than the {d:,} inputs of its "
-                                  f"{d} x {d} least-squares map: give --calib-tokens {d} or more (or a ridge, --method-args ridge=0.01)")
+        self.fit_note = self.fit_check(self.settings.calib_tokens, d, f"calib_tokens {self.settings.calib_tokens:,}")
 
     def describe(self):
         return (f"a linear map per removed run on {self.settings.calib_tokens:,} calibration tokens"
-                + (f", ridge {self.settings.ridge}" if self.settings.ridge else ""))
+                + (f", ridge {self.settings.ridge}" if self.settings.ridge else "")
+                + (f" ({self.fit_note})" if getattr(self, "fit_note", None) else ""))
 
     def changes(self, layers):
         return "; ".join(f"a {_dim(self)} linear map folded into the MLP output projection of layer {run[0] - 1} (before layers {run[0]}-{run[-1]})"
@@ -68,9 +70,7 @@ class Linear(Method):
         batches = ctx.calibration(self.settings.calib_tokens)
         tokens = int(ctx.world.sum(torch.tensor(sum(b.numel() for b in batches))).item())
         d = ctx.model.get_input_embeddings().weight.shape[-1]
-        if tokens < self.fewest_tokens(d):
-            raise DepthcurseError(f"--method {self.name}: the calibration text gave {tokens:,} tokens, fewer than the {d:,} inputs of its "
-                                  f"{d} x {d} least-squares map: give a longer --data text (or a ridge, --method-args ridge=0.01)")
+        self.fit_note = self.fit_check(tokens, d, "the tokens the calibration text gave")
         self.maps = estimate_maps(ctx.model, ctx.layers, batches, reduce=ctx.world.sum, solver=self.solver(ctx),
                                   on_batch=lambda done, total: ctx.phase(f"estimating the linear maps ({done}/{total} batches)"))
         self.calibration = {"seconds": round(time.perf_counter() - started, 3), "tokens": tokens}

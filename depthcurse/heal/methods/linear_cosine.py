@@ -70,8 +70,8 @@ class LinearCosine(Linear):
         if not s.lr > 0:
             raise DepthcurseError(f"--method-args lr must be positive, got {s.lr}")
 
-    def fewest_tokens(self, d: int) -> int:
-        return 1  # Adam from the identity: any number of tokens gives a map (no system to solve)
+    def fit_check(self, tokens: int, d: int, where: str) -> None:
+        return None  # Adam from the identity: any number of tokens gives a map (no system to solve)
 
     def solver(self, ctx: HealContext):
         return lambda d, device: CosinePairs(d, device, self.settings, ctx.world, ctx.seed)
