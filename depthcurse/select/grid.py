@@ -77,8 +77,7 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
     (`select.stability`)."""
     model, tokenizer = loaded.model, loaded.tokenizer
     n = num_layers(model)
-    given, cfg = cfg, cfg.checked()
-    Space(n, cfg.k, cfg.granularity).check()
+    given, cfg = cfg, cfg.checked(n_layers=n)  # every search's own check against this model's layers too, before any phase is said
     check_sequence_length(model, cfg.seq_len)
     labels = source_labels(cfg.calibration)
     phase = on_phase or (lambda text: None)

@@ -9,9 +9,14 @@ tokens per second of self-speculative decoding with that draft on a few prompts;
 objective on the calibration windows: with `--objective speedup` (theirs, in expectation) the expected
 speedup, which is their tokens per second over decoding alone's; with any other objective, minus
 the objective. `maximize(init_points=0, n_iter)`: one random point first, then `n_iter` suggestions.
-The choice is the best point's skip set. Their notebook first probes hand-picked sets for Llama-2-13B
-(`probes`: sets of branches separated by ";", e.g. "a8,a10,m6;a3"); theirs puts an MLP probe at
-coordinate i + 40, Llama-2-13B's n, where here it is i + n.
+The choice is the best point's skip set. Their notebook first probes two hand-picked sets for
+Llama-2-13B (`probes=theirs`: `THEIRS`, for a model of 40 blocks or more); any others as
+`probes=a8+a10+m6;a3` (sets separated by ";", branches by "+", since `--search-args` splits on
+commas) or `probes=@FILE` (a set a line, branches by commas, "+" or spaces, "#" comments). Theirs puts
+an MLP probe at coordinate i + 40, Llama-2-13B's n, where here it is i + n: the same on their model.
+They pin bayesian-optimization 1.4.3 (`ssd.yml`); this runs 1.5, whose points part from 1.4.3's
+after the second under the same seed, and 1.4.3 stops their search with `NotUniqueError` where the
+optimiser suggests a point it has seen (`benchmarks/select/bayes_opt_versions.py`, docs/speculate.md).
 
 Unlike every other search here, the number skipped is the search's own: any number of branches
 (`--granularity branch`; `--k` is not a constraint on it). A point that skips nothing scores as the
@@ -33,7 +38,7 @@ class DraftVerifySettings:
     n_iter: int = 1000  # search.ipynb's layer_searching.search(1000)
     kappa: float = 2.576  # bayes_opt 1.5's default acquisition: upper confidence bound
     optimizer_seed: int = 1
-    probes: str = ""  # sets probed first, ";"-separated
+    probes: str = ""  # sets probed first: "theirs", "@FILE", or "a8+a10+m6;a3"
 
 
 def skipped(params: dict, n: int) -> tuple:
@@ -51,13 +56,39 @@ def probe_point(removal, n: int) -> dict:
     return params
 
 
+# search.ipynb's two `layer_searching.probe(attn_skip_layers, mlp_skip_layers)` calls, for Llama-2-13B's 40 blocks
+THEIRS = ((tuple(f"a{i}" for i in (8, 10, 15, 18, 20, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38)), ()),
+          (tuple(f"a{i}" for i in (3, 5, 6, 8, 10, 11, 14, 15, 18, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 33, 34, 35, 36, 37)),
+           tuple(f"m{i}" for i in (6, 9, 10, 11, 15, 24, 25, 27, 28, 35))))
+
+
+def probe_sets(text: str) -> list[tuple[str, ...]]:
+    """The sets `probes` names: `theirs`, `@FILE`, or sets separated by ";" with branches by "+"."""
+    import re
+    from pathlib import Path
+
+    text = text.strip()
+    if text == "theirs":
+        return [attention + mlp for attention, mlp in THEIRS]
+    if text.startswith("@"):
+        path = Path(text[1:])
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise DepthcurseError(f"--search-args draft-verify.probes={text}: cannot read {path} ({exc.strerror or exc})") from None
+        groups = [line.split("#", 1)[0] for line in lines]
+    else:
+        groups = text.split(";")
+    return [tuple(u for u in re.split(r"[,+\s]+", g) if u) for g in groups if g.strip()]
+
+
 def parse_probes(text: str, n: int) -> list[tuple]:
     out = []
-    for group in (g for g in text.split(";") if g.strip()):
-        units = tuple(u.strip() for u in group.split(",") if u.strip())
+    for units in probe_sets(text):
         bad = [u for u in units if not (u[:1] in "am" and u[1:].isdigit() and int(u[1:]) < n)]
         if bad:
-            raise DepthcurseError(f"--search-args draft-verify.probes: {bad[0]!r} is not a branch (a0-a{n - 1}, m0-m{n - 1})")
+            raise DepthcurseError(f"--search-args draft-verify.probes: {bad[0]!r} is not a branch of this model (a0-a{n - 1}, m0-m{n - 1})"
+                                  + (": theirs are for Llama-2-13B's 40 blocks" if text.strip() == "theirs" else ""))
         out.append(units)
     return out
 

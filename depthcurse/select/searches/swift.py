@@ -16,8 +16,9 @@ search's seed), except every `bayes_interval`-th, where a Gaussian-process Bayes
 (bayes_opt's, Matern kernel, alpha 1e-2, upper confidence bound with kappa 2.5, its own random state
 1) suggests a point in [0, 1]^(2(n-2)) and the k largest coordinates are skipped. Every candidate is
 registered with the optimiser (a drawn set as its 0/1 point); it replaces the set kept so far when it
-scores better. The search stops after `max_tolerance_iter` candidates in a row without a better one,
-after `max_opt_iter` candidates, or (acceptance only) when the matchness passes `max_score`.
+scores better. The search stops after `max_tolerance_iter` + 1 candidates in a row without a better
+one, after `max_opt_iter` + 1 candidates (their `tolerance > 300` and `opt_iter > 1000`: 301 and 1,001),
+or (acceptance only) when the matchness passes `max_score`.
 
 Their scores are "higher is better" from 0; a cell's objective is "lower is better", so the optimiser
 is given -objective (the Gaussian process normalises its targets: an offset changes nothing it
@@ -25,7 +26,8 @@ suggests) and, for acceptance, the comparison starts at matchness 0 as theirs do
 (`eval_llama.sh`) sets `max_score` 0.93 where their parser's default is 0.95, and their draft starts
 from the attention and MLP of every other block (1, 3, 5, ...), which stays the draft where no
 candidate matches once (`swift.start=odd`; ours refuses to choose then). Their scoring on generated
-text is `select --calibration continuations --seq-len 50` (their script's context window).
+text is `select --calibration continuations --seq-len 51` (their script's context window of 50 scores 50
+predictions; a window of 51 tokens scores 50).
 Their script's settings in one flag: `--search-args swift.skip_ratio=0.45,swift.max_score=0.93,swift.start=odd`.
 """
 
@@ -109,8 +111,9 @@ class Swift(Search):
         return int((space.n - 2) * 2 * s.skip_ratio) if s.skip_ratio is not None else space.k
 
     def passes(self, space: Space, tokens: int) -> tuple[float, float]:
-        """At most: `max_opt_iter` candidates (its tolerance or max_score often stop it sooner)."""
-        return self.settings.max_opt_iter * mean_run(space.n, self.k_of(space), "branch"), float(self.settings.max_opt_iter)
+        """At most: `max_opt_iter` + 1 candidates (its tolerance or max_score often stop it sooner)."""
+        most = self.settings.max_opt_iter + 1
+        return most * mean_run(space.n, self.k_of(space), "branch"), float(most)
 
     def check(self, space: Space) -> None:
         s = self.settings
