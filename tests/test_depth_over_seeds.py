@@ -161,7 +161,7 @@ def test_report_puts_seeds_of_one_architecture_side_by_side(run_cli, tmp_path, t
         code, _, err = run_cli("depth-use", dirs[name], "--data", text_file, "--windows", "2", "--seq-len", "16", "--out", tmp_path / f"du-{name}")
         assert code == 0, err
     for name in ("a1", "a2"):
-        code, _, err = run_cli("depth-map", dirs[name], dirs["b1"], "--data", text_file, "--calib-windows", "2", "--eval-windows", "2", "--seq-len", "16",
+        code, _, err = run_cli("depth-map", dirs[name], dirs["b1"], "--data", text_file, "--calib-windows", "3", "--eval-windows", "2", "--seq-len", "16",
                                "--out", tmp_path / f"map-{name}")
         assert code == 0, err
     record = json.loads((tmp_path / "du-a1" / "depth_use.json").read_text())

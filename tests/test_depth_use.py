@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from csordas_port import port_of_analyze_norms, port_of_current_effects, port_of_run_logitlens
 from helpers import assert_one_line_error, tiny_llama
 
 from depthcurse.depth import measure_depth_use, phase_transition, settling_depth
@@ -79,120 +80,7 @@ def test_a_skipped_layers_influence_row_is_two_plain_forward_passes_by_hand():
     assert use.output_change[1] == pytest.approx((p.exp() * (p - q)).sum(-1).mean().item(), rel=1e-4)
 
 
-# --------------------------------------------------------------------------- --as csordas: their code, ported
-def _traced(model, ids, intervene=None, no_skip_front=1):
-    """nnsight's `llm.trace(prompt)` as their scripts use it, by forward hooks: each layer's input
-    (`layer.inputs[0][0]`) and output (`layer.output[0]`), the skipped layer's output replaced first
-    (`intervene_layer(..., part="layer")`: `layer.output = merge_io(layer.inputs[0][0], layer.output[0], t=None, no_skip_front)`),
-    and the output's logits."""
-    def merge_io(intervened, orig, t=None, no_skip_front=1):  # analyze_future_effects.py, verbatim
-        outs = [orig[:, :no_skip_front]]
-        if t is not None:
-            outs.append(intervened[:, no_skip_front:t].to(orig.device))
-            outs.append(orig[:, t:])
-        else:
-            outs.append(intervened[:, no_skip_front:].to(orig.device))
-        return torch.cat(outs, dim=1)
-
-    seen, hooks = {}, []
-    for i, layer in enumerate(model.model.layers):
-        def hook(module, args, kwargs, output, i=i):
-            inputs = args[0] if args else kwargs["hidden_states"]
-            out = output[0] if isinstance(output, tuple) else output
-            if i == intervene:
-                out = merge_io(inputs, out, None, no_skip_front)
-            seen[i] = (inputs, out)
-            return out
-        hooks.append(layer.register_forward_hook(hook, with_kwargs=True))
-    with torch.no_grad():
-        logits = model(input_ids=ids, use_cache=False).logits
-    for h in hooks:
-        h.remove()
-    return seen, logits
-
-
-def port_of_test_effect(model, prompt):
-    """`test_effect(llm, prompt, positions=[None], part="layer", no_skip_front=1)` of
-    analysis/analyze_future_effects.py, as analysis/analyze_current_effects.py calls it
-    (ShayanTalaei/llm_effective_depth @ e757a77; Csordás's own commit fae6e42 differs only in the
-    order of a subtraction): per prompt, every layer skipped from the second token on."""
-    n = len(model.model.layers)
-    seen, logits = _traced(model, prompt)
-    residual_log = torch.cat([seen[i][1].detach().cpu().float() - seen[i][0].detach().cpu().float() for i in range(n)], dim=0)
-    outputs = logits.detach().float().softmax(dim=-1).cpu()
-    all_diffs, all_out_diffs = [], []
-    for t in [None]:
-        diffs, out_diffs = [], []
-        for lskip in range(n):
-            new, new_logits = _traced(model, prompt, intervene=lskip)
-            new_logs = torch.cat([(new[i][1].detach().cpu().float() - new[i][0].detach().cpu().float()) for i in range(n)], dim=0).float()
-            future_orig, future_new = residual_log, new_logs  # get_future(data, None) is data
-            relative_diffs = (future_orig - future_new).norm(dim=-1) / future_orig.norm(dim=-1).clamp(min=1e-6)
-            diffs.append(relative_diffs.max(dim=-1).values)
-            future_new_out = new_logits.detach().float().softmax(dim=-1).cpu()
-            out_diffs.append((outputs - future_new_out).norm(dim=-1).max(dim=-1).values)
-        all_diffs.append(torch.stack(diffs, dim=0))
-        all_out_diffs.append(torch.stack(out_diffs, dim=0))
-    return torch.stack(all_diffs, dim=0).max(dim=0).values, torch.stack(all_out_diffs, dim=0).max(dim=0).values
-
-
-def port_of_current_effects(model, prompts):
-    """analyze_current_effects.py's `main` over its prompts: `d_max` and `dout_max`, each the largest over prompts."""
-    d_max, dout_max = None, torch.zeros([1])
-    for prompt in prompts:
-        diff_now, diff_out = port_of_test_effect(model, prompt[None])
-        d_max = torch.max(d_max, diff_now) if d_max is not None else diff_now
-        dout_max = torch.max(dout_max, diff_out)
-    return d_max, dout_max
-
-
-def port_of_run_logitlens(model, prompts, K=5):
-    """analysis/logitlens.py's `run_logitlens` and its loop: per prompt the lens on the stream entering
-    every layer, KL(lens || output) and the top-K overlap, summed over prompts and divided by their number."""
-    import torch.nn.functional as F
-
-    n, vocab = len(model.model.layers), model.model.embed_tokens.weight.shape[0]
-    accu_kl_div, accu_topk_overlaps = 0, 0
-    for prompt in prompts:
-        seen, out_logits = _traced(model, prompt[None])
-        layer_logs = [model.lm_head(model.model.norm(seen[l][0])).detach().float() for l in range(n)]
-        lout = out_logits.float().log_softmax(-1)
-        otopl = lout.topk(K, dim=-1).indices
-        kl_divs, topks = [], []
-        for l in range(n):
-            llayer = layer_logs[l].log_softmax(-1)
-            kl_divs.append((llayer.exp() * (llayer - lout)).sum(-1).mean().detach())
-            topks.append(llayer.topk(K, dim=-1).indices)
-        real_oh = F.one_hot(otopl, vocab).sum(-2)
-        overlaps = torch.stack([(F.one_hot(ot, vocab).sum(-2).unsqueeze(-2).float() @ real_oh.unsqueeze(-1).float() / K).mean() for ot in topks], dim=0)
-        accu_kl_div = accu_kl_div + torch.stack(kl_divs, dim=0)
-        accu_topk_overlaps = accu_topk_overlaps + overlaps
-    return accu_kl_div / len(prompts), accu_topk_overlaps / len(prompts)
-
-
-def port_of_analyze_norms(model, prompts):
-    """analysis/analyze_norms.py's mean relative contributions of the attention and the MLP: per token,
-    summed over every prompt's tokens and divided by their count."""
-    n = len(model.model.layers)
-    att, mlp, cnt = 0, 0, 0
-    for prompt in prompts:
-        seen, hooks = {}, []
-        for i, layer in enumerate(model.model.layers):
-            hooks.append(layer.register_forward_pre_hook(lambda m, a, k, i=i: seen.__setitem__(("in", i), a[0] if a else k["hidden_states"]), with_kwargs=True))
-            hooks.append(layer.self_attn.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(("att", i), o[0])))
-            hooks.append(layer.mlp.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(("mlp", i), o)))
-        with torch.no_grad():
-            model(input_ids=prompt[None], use_cache=False)
-        for h in hooks:
-            h.remove()
-        rel_att = [seen["att", i].norm(dim=-1).float() / seen["in", i].norm(dim=-1).clamp(min=1e-6).float() for i in range(n)]
-        rel_mlp = [seen["mlp", i].norm(dim=-1).float() / (seen["att", i] + seen["in", i]).norm(dim=-1).clamp(min=1e-6).float() for i in range(n)]
-        att = att + torch.cat(rel_att, dim=0).sum(dim=1)
-        mlp = mlp + torch.cat(rel_mlp, dim=0).sum(dim=1)
-        cnt += prompt.shape[0]
-    return att / cnt, mlp / cnt
-
-
+# --------------------------------------------------------------------------- --as csordas: their code, ported (csordas_port)
 def test_depth_use_as_csordas_is_their_code_line_by_line():
     """`--as csordas` on a tiny model against ports of their functions: the influence matrix (skipped
     from the second token on, the largest relative change over tokens and prompts, their 0 before
@@ -210,9 +98,11 @@ def test_depth_use_as_csordas_is_their_code_line_by_line():
     kl, overlap = port_of_run_logitlens(model, ids)
     assert [sum(v) / 3 for v in use.lens_kl] == pytest.approx(kl.tolist(), rel=1e-4, abs=1e-6)
     assert [sum(v) / 3 for v in use.lens_top5] == pytest.approx(overlap.tolist(), rel=1e-5)
-    att, mlp = port_of_analyze_norms(model, ids)
+    att, mlp, att_cos, mlp_cos = port_of_analyze_norms(model, ids)
     assert [sum(v) / 3 for v in use.attn_norm] == pytest.approx(att.tolist(), rel=1e-5)
     assert [sum(v) / 3 for v in use.mlp_norm] == pytest.approx(mlp.tolist(), rel=1e-5)
+    assert [sum(v) / 3 for v in use.attn_cos] == pytest.approx(att_cos.tolist(), rel=1e-5, abs=1e-6)
+    assert [sum(v) / 3 for v in use.mlp_cos] == pytest.approx(mlp_cos.tolist(), rel=1e-5, abs=1e-6)
     ours = measure_depth_use(model, ids, 2)
     assert ours.lens_kl[0] != pytest.approx(use.lens_kl[0], rel=1e-3) and ours.output_change[0] != pytest.approx(use.output_change[0], rel=1e-3)
     assert len(use.settled) == 6 and sum(use.settled) == ids.numel()  # the last bin: tokens that settle only at the output
@@ -739,14 +629,17 @@ def test_the_per_dimension_r2_by_hand_where_one_dimension_decides_the_pooled_one
     assert largest_dimension_share(y) == pytest.approx((variance[0] / variance.sum()).item()) and largest_dimension_share(y) > 0.99
 
 
-def port_of_map_layers(shallow, deep, src_layer, fit, held, steps, batch, seed, lr=2.5e-4, wd=0.01, grad_clip=0.25, warmup=200, min_lr=0.1, order=None):
+def port_of_map_layers(shallow, deep, src_layer, fit, held, steps, batch, seed, lr=2.5e-4, wd=0.01, grad_clip=0.25, warmup=200, min_lr=0.1, order=None,
+                       bos_token=None):
     """training/tasks/map_layers.py (`MapLayers.create_model`, `get_src_target`, `run_model`, `validate`)
     with training/framework/task/simple_task.py's `train_step` and task.py's `set_lr` (CosineAnnealingLR
     stepped at iter - warmup, whose closed form `step(epoch)` gives; `set_linear_warmup`), AdamW as
     `create_optimizer` builds it (betas 0.9 / 0.999, eps 1e-8, decay on every parameter), the settings
     of sweeps/map_qwen.yaml unless given. Hooks as theirs: the target is the deep model's embedding
     output then every layer's output; the source the shallow model cut to its first `src_layer`
-    layers with the final norm and head replaced by Identity."""
+    layers with the final norm and head replaced by Identity. `fit` and `held` are rows of text, which
+    their `get_src_target` pads first with the vocabulary's `bos_token()` (`bos_token`: None, which F.pad
+    takes as 0, for a tokenizer without BOS)."""
     import copy
     import math
 
@@ -774,6 +667,7 @@ def port_of_map_layers(shallow, deep, src_layer, fit, held, steps, batch, seed, 
     model = torch.nn.Linear(dmodel_1, dmodel_2 * (len(model2.model.layers) + 1))
 
     def get_src_target(data):
+        data = F.pad(data, (1, 0), value=bos_token)  # their `F.pad(data["data"][:-1].T, (1, 0), value=self.train_set.vocabulary.bos_token())`
         with torch.no_grad():
             res = model1(input_ids=data, use_cache=False)
             model2(input_ids=data, use_cache=False)
@@ -818,7 +712,8 @@ def test_the_map_as_csordas_is_their_map_layers_line_by_line():
     from depthcurse.depth.depth_map import depth_map
 
     shallow, deep = tiny_llama(300, layers=2, seed=5).eval(), tiny_llama(300, layers=3, seed=6).eval()
-    ids = _ids(windows=5, length=10)
+    text = _ids(windows=5, length=9)
+    ids = torch.nn.functional.pad(text, (1, 0), value=0)  # as run_depth_map builds their windows for a tokenizer without BOS (their_start)
     settings = MapSettings(steps=7, batch_windows=2, lr=0.01, warmup=3, seed=5, grad_clip=0.01)
     record = depth_map(shallow, deep, ids[:3], ids[3:], batch_size=2, definitions="csordas", settings=settings)
     assert record["streams"] == "entering" and record["score"] == "relative_error" and record["shallow_layers"] == 2 and record["deep_layers"] == 3
@@ -826,13 +721,20 @@ def test_the_map_as_csordas_is_their_map_layers_line_by_line():
     assert len(errors) == 3 and len(errors[0]) == 4  # the embedding's output and after each layer, on both sides
     order = window_order(3, settings)
     for src_layer in range(3):
-        _, theirs = port_of_map_layers(shallow, deep, src_layer, ids[:3], ids[3:], 7, 2, 5, lr=0.01, warmup=3, grad_clip=0.01, order=order)
+        _, theirs = port_of_map_layers(shallow, deep, src_layer, text[:3], text[3:], 7, 2, 5, lr=0.01, warmup=3, grad_clip=0.01, order=order)
         assert errors[src_layer] == pytest.approx(theirs.tolist(), rel=1e-4), src_layer
     assert record["best"] == [min(range(4), key=lambda j: (errors[i][j], j)) for i in range(3)]
     assert record["relative_depth"]["shallow"] == [0.0, 0.5, 1.0]
     other = depth_map(shallow, deep, ids[:3], ids[3:], batch_size=2, definitions="csordas",
                       settings=MapSettings(steps=7, batch_windows=2, lr=0.01, warmup=3, seed=6, grad_clip=0.01))
     assert other["scores"]["relative_error"]["mean"] != errors  # the seed sets the map's first weights
+
+
+def test_their_windows_begin_with_the_tokenizers_bos_id_or_0_where_it_has_none(tiny_tokenizer, bos_tokenizer):
+    from depthcurse.depth.csordas_map import their_start
+
+    assert tiny_tokenizer.bos_token_id is None and their_start(tiny_tokenizer) == [0]
+    assert bos_tokenizer.bos_token_id is not None and their_start(bos_tokenizer) == [bos_tokenizer.bos_token_id]
 
 
 def test_the_maps_learning_rate_warms_up_then_follows_their_cosine_by_hand():
@@ -846,8 +748,10 @@ def test_the_maps_learning_rate_warms_up_then_follows_their_cosine_by_hand():
 
 def test_a_model_mapped_onto_itself_says_what_that_measures(run_cli, tiny_model_dir, text_file, tmp_path):
     """depth-map A A: the record, the title and the first verdict line say it is one model against
-    itself, whose diagonal is exact, so that no one reads its best matches as a finding of depth (issue 81)."""
-    from depthcurse.depth.map_report import SAME_MODEL
+    itself, with the figure its diagonal reached, so that no one reads its best matches as a finding of
+    depth (issue 81); fitted on fewer tokens than the stream's width + 1 it is refused before any work,
+    naming the windows that fit, and accepted when asked, said, its diagonal short of 1 (issue 87)."""
+    from depthcurse.depth.map_report import same_model_line
 
     out = tmp_path / "self"
     code, stdout, err = run_cli("depth-map", tiny_model_dir, tiny_model_dir, "--data", text_file, "--calib-windows", "3", "--eval-windows", "2", "--seq-len", "16",
@@ -855,8 +759,52 @@ def test_a_model_mapped_onto_itself_says_what_that_measures(run_cli, tiny_model_
     assert code == 0, err
     record = json.loads((out / "depth_map.json").read_text())
     said = " ".join(stdout.split())
-    assert record["run"]["same_model"] is True and "(one model against itself)" in said and SAME_MODEL in said
+    assert record["run"]["same_model"] is True and "(one model against itself)" in said and same_model_line(record) in said
     assert record["best"] == [0, 1, 2, 3]  # each stream onto its own
+    assert "one model against itself: the diagonal's per-dimension R^2 is 1.000, every stream onto its own, as an exact map must" in said  # 48 tokens, 33 inputs
+    assert record["run"]["fit"] == {"tokens": 48, "inputs": 33, "min_fit_ratio": 1.0, "under_determined": None}
+    base = ("depth-map", tiny_model_dir, tiny_model_dir, "--data", text_file, "--calib-windows", "1", "--eval-windows", "2", "--seq-len", "16")
+    assert_one_line_error(*run_cli(*base, "--out", tmp_path / "few"),
+                          "each map from the shallow model's 32-wide stream (--calib-windows 1 x 16 tokens) is fitted on 16 tokens, fewer than 1 x its 33 inputs: "
+                          "under-determined, it would be the minimum-norm map (the ridge's), which cannot recover even the identity; give --calib-windows 3 or more, "
+                          "or accept it with --min-fit-ratio 0.48")
+    code, stdout, err = run_cli(*base, "--min-fit-ratio", "0.4", "--out", tmp_path / "accepted")
+    assert code == 0, err
+    assert ("note: each map from the shallow model's 32-wide stream (--calib-windows 1 x 16 tokens) is fitted on 16 tokens, fewer than its 33 inputs: "
+            "under-determined, it is the minimum-norm map (the ridge's), which cannot recover even the identity (accepted by --min-fit-ratio 0.4)") in " ".join(err.split())
+    record = json.loads((tmp_path / "accepted" / "depth_map.json").read_text())
+    diagonal = [record["scores"]["r2_dims"]["mean"][i][i] for i in range(4)]
+    assert max(diagonal) < 0.99 and "short of the 1 an exact map gives by up to" in " ".join(stdout.split())
+    assert all(iv is None or iv[1] <= 1.0 for row in record["scores"]["r2_dims"]["interval"] for iv in row)
+
+
+def test_the_fitting_rule_and_the_default_windows_by_hand():
+    from depthcurse.depth.depth_map import _summary
+    from depthcurse.depth.map_report import fit_windows, fitted_tokens, same_model_line
+    from depthcurse.errors import DepthcurseError
+    from depthcurse.fitting import check_fit
+
+    assert fit_windows(576, 128, "depthcurse") == 16  # 2 x 577 = 1,154 tokens: 10 windows, under the 16 of the default
+    assert fit_windows(4096, 128, "depthcurse") == 65 and fit_windows(4096, 128, "csordas") == 65  # 8,194 tokens: 64.02 windows of 128, 64.5 of 127
+    assert fit_windows(4096, 512, "depthcurse") == 17 and fitted_tokens(3, 16, "csordas") == 45  # 8,194 tokens: 16.004 windows of 512
+    say = dict(what="m", fix=lambda n: f"need {n}", accept=lambda r: f"ratio {r}")
+    assert check_fit(33, 33, min_ratio=1.0, **say) is None
+    assert check_fit(20, 33, min_ratio=0.5, **say) == ("m is fitted on 20 tokens, fewer than its 33 inputs: under-determined, it is the minimum-norm map, "
+                                                      "which cannot recover even the identity (accepted by ratio 0.5)")
+    with pytest.raises(DepthcurseError, match=r"^m is fitted on 20 tokens, fewer than 0.7 x its 33 inputs: .*; need 24, or accept it with ratio 0.6$"):
+        check_fit(20, 33, min_ratio=0.7, **say)  # ceil(0.7 x 33) = 24; 20 / 33 = 0.606: 0.6 accepts them, 0.61 would not
+    with pytest.raises(DepthcurseError, match=r"^ratio -1.0: the ratio must be 0 or more$"):
+        check_fit(20, 33, min_ratio=-1.0, **say)
+    cut = _summary([[[0.998, 1.0, 0.999]]], most=1.0)["interval"][0][0]
+    assert cut[1] == 1.0 and cut[0] == pytest.approx(0.999 - 4.303 * 0.001 / 3**0.5, abs=1e-4)  # t(2) = 4.303; the upper end 1.0015 cut
+    assert _summary([[[0.998, 1.0, 0.999]]])["interval"][0][0][1] > 1.0
+    record = {"score": "r2_dims", "scores": {"r2_dims": {"mean": [[0.95, 0.2], [0.1, 0.97]]}}, "run": {"same_model": True}}
+    assert same_model_line(record) == ("one model against itself: the diagonal's per-dimension R^2 is 0.950 to 0.970, short of the 1 an exact map gives by up to "
+                                       "0.050: the maps are not exact even onto the stream itself; the best matches say nothing of depth, the rest says how "
+                                       "well one layer's stream predicts another's within the model")
+    record["scores"] = {"relative_error": {"mean": [[0.001, 0.5], [0.5, 0.002]]}}
+    record["score"] = "relative_error"
+    assert same_model_line(record).startswith("one model against itself: the diagonal's relative error is 0.001 to 0.002, every stream onto its own, as an exact map must")
 
 
 def test_depth_map_end_to_end_and_two_tokenizers_are_one_line(run_cli, tiny_model_dir, six_dir, bos_model_dir, text_file, tmp_path):
@@ -881,6 +829,8 @@ def test_depth_map_end_to_end_and_two_tokenizers_are_one_line(run_cli, tiny_mode
     assert "by the held-out relative error" in said and "their trained linear map" in said and "lower is better" in said
     mapped = json.loads((theirs / "depth_map.json").read_text())
     assert mapped["definitions"]["name"] == "csordas" and mapped["definitions"]["settings"]["steps"] == 3 and len(mapped["best"]) == 5
+    # their windows: the BOS pad (0: this tokenizer has no BOS), then seq_len - 1 text tokens; ours: the text as the tokenizer begins it (no BOS)
+    assert mapped["run"]["start"] == [0] and record["run"]["start"] == []
     assert_one_line_error(*run_cli("report", out, theirs, "--out", tmp_path / "page.md"), "maps of two definitions")
     assert_one_line_error(*run_cli("depth-map", tiny_model_dir, six_dir, "--data", text_file, "--seq-len", "16", "--as", "other", "--out", tmp_path / "d"),
                           "--as other: no such definitions for the depth map")

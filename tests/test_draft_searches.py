@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+from helpers import assert_one_line_error
 
 from depthcurse.errors import DepthcurseError
 from depthcurse.select.search import SearchContext, Space, find_search
@@ -338,7 +341,7 @@ def test_a_skipped_branch_costs_nothing_and_gives_the_zeroed_branch_s_logits_and
 def test_block_0_s_attention_is_refused_where_the_model_reads_its_cache_length_there_and_it_cannot_be_written(run_cli, tmp_path, tiny_tokenizer):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from helpers import assert_one_line_error
+
 
     torch.manual_seed(0)
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tiny_tokenizer), n_embd=32, n_layer=3, n_head=4, n_positions=128)).eval()
@@ -377,7 +380,7 @@ def test_swift_stops_on_its_tolerance_as_theirs_and_says_every_stop_and_refusal_
         Swift(SwiftSettings(bayes=False, max_opt_iter=2, seed=5)).run(_context(Space(n, k, "branch"), "acceptance", lambda r: 1.0))
 
     Swift().check(Space(3, 2, "branch"))  # blocks 0-2: the middle block's two branches
-    assert Swift(SwiftSettings(max_opt_iter=7)).passes(Space(8, 3, "branch"), 0) == (7 * mean_run(8, 3, "branch"), 7.0)
+    assert Swift(SwiftSettings(max_opt_iter=7)).passes(Space(8, 3, "branch"), 0) == (8 * mean_run(8, 3, "branch"), 8.0)  # their `opt_iter > 7`: 8 candidates at most
     for space, settings, said in (
             (Space(2, 1, "branch"), SwiftSettings(), "--search swift keeps the first and last blocks and skips branches between them: 2 blocks leave none"),
             (Space(3, 3, "branch"), SwiftSettings(), "--search swift: k = 3 is more than the 2 branches of blocks 1-1"),
@@ -408,7 +411,7 @@ def test_draft_verify_on_another_objective_reads_its_probes_and_points_by_value(
 
     assert parse_probes("a0,m3; ;a3;", 4) == [("a0", "m3"), ("a3",)]
     for text, bad in (("a4", "'a4'"), ("m1,x2", "'x2'"), ("a", "'a'"), ("m-1", "'m-1'")):
-        with pytest.raises(DepthcurseError, match="^" + re.escape(f"--search-args draft-verify.probes: {bad} is not a branch (a0-a3, m0-m3)") + "$"):
+        with pytest.raises(DepthcurseError, match="^" + re.escape(f"--search-args draft-verify.probes: {bad} is not a branch of this model (a0-a3, m0-m3)") + "$"):
             parse_probes(text, 4)
     point = {f"x{i}": v for i, v in enumerate([0.5, 0.51, 0.0, 1.0, 0.5, 0.9, 0.49, 0.5])}
     assert skipped(point, 4) == ("a1", "a3", "m1")
@@ -438,3 +441,62 @@ def test_draft_verify_gives_the_optimiser_the_speedup_or_minus_the_score_and_fol
     capsys.readouterr()
     DraftVerify(DraftVerifySettings(n_iter=1, probes="a1,a3,m2;a0")).run(_context(Space(n, 2, "branch"), "speedup", value))
     assert capsys.readouterr().out == ""  # bayes_opt's own table of points stays out of the command's output
+
+
+@pytest.mark.searching
+def test_draft_verify_takes_probes_from_a_file_with_plus_signs_and_their_two_published_sets(tmp_path):
+    """Their notebook's two sets for Llama-2-13B (20 and 34 branches: "theirs") are probed first on a model
+    of 40 blocks and refused in one line on a shallower one; any sets from a file (a line each, "#"
+    comments) or inline with "+" between branches, since --search-args splits on commas (issue 87)."""
+    import re
+
+    from depthcurse.errors import DepthcurseError
+    from depthcurse.select.searches.draft_verify import THEIRS, parse_probes, probe_sets
+
+    listed = tmp_path / "probes.txt"
+    listed.write_text("# two sets\na0, a2 m3\n\na1+m0,m1  # the second\n")
+    assert parse_probes(f"@{listed}", 4) == parse_probes("a0+a2+m3;a1+m0+m1", 4) == parse_probes("a0,a2,m3;a1,m0,m1", 4) == [("a0", "a2", "m3"), ("a1", "m0", "m1")]
+    with pytest.raises(DepthcurseError, match=r"^--search-args draft-verify.probes=@.*nowhere.txt: cannot read"):
+        probe_sets(f"@{tmp_path / 'nowhere.txt'}")
+    theirs = parse_probes("theirs", 40)
+    assert [len(t) for t in theirs] == [20, 34] and theirs[0][:3] == ("a8", "a10", "a15") and theirs[1][-3:] == ("m27", "m28", "m35")
+    assert theirs == [a + m for a, m in THEIRS]
+    with pytest.raises(DepthcurseError, match=re.escape("'a30' is not a branch of this model (a0-a29, m0-m29): theirs are for Llama-2-13B's 40 blocks")):
+        parse_probes("theirs", 30)
+    search = DraftVerify(DraftVerifySettings(n_iter=1, probes="theirs"))
+    ctx = _context(Space(40, 2, "branch"), "kl", lambda r: 1.0 - 0.001 * len(r))
+    search.run(ctx)
+    assert search.trace[:2] == theirs and len(search.trace) == 3  # their two probes, then one suggestion
+
+
+# docs/speculate.md's "theirs here" cells and one-flag lines, verbatim: each runs (issue 87)
+SWIFT_THEIRS = ("--calibration continuations --seq-len 51 --objective acceptance", "--search-args swift.skip_ratio=0.45", "swift.max_score=0.93",
+                "swift.start=odd", "swift.seed=2024",
+                "--granularity branch --search swift --objective acceptance\n--calibration continuations --seq-len 51 --search-args swift.skip_ratio=0.45,swift.max_score=0.93,swift.start=odd")
+DRAFT_VERIFY_THEIRS = ("--calibration continuations", "--search-args draft-verify.probes=theirs", "draft-verify.probes=a8+a10+m6;a3", "draft-verify.probes=@FILE")
+
+
+def test_every_theirs_here_setting_of_the_ports_tables_runs(run_cli, six_dir, tmp_path):
+    """SWIFT's run-script settings and Draft & Verify's probes, as the tables give them, on a tiny model of
+    6 blocks (their bounds cut to a few candidates: `max_opt_iter`, `n_iter`; their probes' block numbers
+    to this model's): each select run finishes and says it ran their search."""
+    doc = " ".join((Path(__file__).parent.parent / "docs" / "speculate.md").read_text().split())
+    for cell in SWIFT_THEIRS + DRAFT_VERIFY_THEIRS:
+        assert " ".join(cell.split()) in doc, cell
+    swift = "swift.skip_ratio=0.45,swift.max_score=0.93,swift.start=odd,swift.seed=2024,swift.max_opt_iter=3"
+    common = ["--granularity", "branch", "--calibration", "continuations", "--seq-len", "51", "--calib-windows", "2", "--eval-windows", "2",
+              "--batch-size", "2", "--resamples", "0"]
+    code, out, err = run_cli("select", six_dir, "--search", "swift", "--objective", "acceptance", *common, "--search-args", swift, "--out", tmp_path / "swift")
+    assert code == 0, err
+    assert "swift stopped at the bound: 4 candidates (max_opt_iter 3), after 4 candidates; k = 3 (skip_ratio 0.45)" in (tmp_path / "swift" / "select.json").read_text()
+    probes = tmp_path / "probes.txt"
+    probes.write_text("a1, a3, m2\na4\n")
+    for given in ("a1+a3+m2;a4", f"@{probes}"):
+        out_dir = tmp_path / f"dv{len(given)}"
+        code, out, err = run_cli("select", six_dir, "--search", "draft-verify", "--objective", "speedup", *common,
+                                 "--search-args", f"draft-verify.probes={given},draft-verify.n_iter=1", "--out", out_dir)
+        assert code == 0, err
+        assert "draft-verify: 3 points scored (n_iter 1, its bound)" in (out_dir / "select.json").read_text()
+    assert_one_line_error(*run_cli("select", six_dir, "--search", "draft-verify", "--objective", "speedup", *common,
+                                   "--search-args", "draft-verify.probes=theirs", "--out", tmp_path / "theirs"),
+                          "'a8' is not a branch of this model (a0-a5, m0-m5): theirs are for Llama-2-13B's 40 blocks")

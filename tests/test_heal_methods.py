@@ -133,9 +133,10 @@ def test_linear_folds_its_maps_into_a_checkpoint_with_n_minus_k_layers(bos_model
 
 # where a map cannot be folded into the MLP before the cut (layer 1 of the tiny models), and why
 CANNOT_FOLD = {"gemma2": "puts a norm (Gemma2RMSNorm) between its MLP and the stream", "gemma3": "puts a norm (Gemma3RMSNorm) between its MLP and the stream",
-               "olmo2": "puts a norm (Olmo2RMSNorm) between its MLP and the stream", "glm4": "does not add that output to the stream as it is",
-               "granite": "does not add that output to the stream as it is", **{f: "as a dense linear layer (fused experts?)" for f in (
-                   "gpt_oss", "granitemoe", "llama4", "mixtral", "olmoe", "qwen3_moe")}}
+               "olmo2": "puts a norm (Olmo2RMSNorm) between its MLP and the stream", "glm4": "puts a norm (Glm4RMSNorm) between its MLP and the stream",
+               "granite": "puts a residual multiplier (0.5) between its MLP and the stream", **{f: "as a dense linear layer (fused experts?)" for f in (
+                   "gpt_oss", "llama4", "mixtral", "olmoe", "qwen3_moe")},
+               "granitemoe": "puts a residual multiplier (0.5) between its MLP and the stream"}
 # GPT-2 (its MLP's output projection a Conv1D, weight transposed) and BLOOM (its MLP adds the residual itself) besides the prune families
 LINEAR_FAMILIES = {**{name: lambda name=name: family_model(name) for name in FAMILIES},
                    "gpt2": lambda: _big(__import__("transformers").GPT2LMHeadModel(__import__("transformers").GPT2Config(
@@ -358,11 +359,12 @@ def test_heal_methods_on_the_command_line_and_their_bad_input(run_cli, bos_model
     assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "linear", "--calib-tokens", "0"), "--calib-tokens must be at least 1, got 0")
     # a 32 x 32 least-squares map from 24 tokens: its Gram matrix singular, the "healed" model worse than the plain removal
     assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "linear", "--calib-tokens", "24"),
-                          "--method linear: calib_tokens 24 is fewer than the 32 inputs of its 32 x 32 least-squares map: give --calib-tokens 32 or more")
+                          "--method linear's 32 x 32 least-squares map (calib_tokens 24) is fitted on 24 tokens, fewer than 1 x its 32 inputs: under-determined, it would be "
+                          "the minimum-norm map, which cannot recover even the identity; give --calib-tokens 32 or more, or accept it with --method-args min_fit_ratio=0.75")
     assert_one_line_error(*run_cli(*base, "--layers", "2", "--methods", "linear,layer,linear"), "--methods linear,layer,linear: linear given more than once")
     assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "linear", "--eval-windows", "1"), "--eval-windows must be at least 2, got 1")
     assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "linear", "--ridge", "-1"), "--ridge must be 0 or more, got -1.0")
-    assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "linear", "--loss", "distill"), "--loss does not apply to --method linear (its settings: calib_tokens, ridge)")
+    assert_one_line_error(*run_cli(*base, "--layers", "2", "--method", "linear", "--loss", "distill"), "--loss does not apply to --method linear (its settings: calib_tokens, min_fit_ratio, ridge)")
     lora = [a for a in base if a not in ("--calib-tokens", "96")]
     assert_one_line_error(*run_cli(*lora, "--layers", "4", "--adapt", "after"), "--adapt after puts adapters on the kept blocks after layer 4, and there is none")
     assert_one_line_error(*run_cli(*lora, "--layers", "2", "--adapt", "before"), "unknown --adapt 'before'")
@@ -413,3 +415,25 @@ def test_two_gloo_ranks_estimate_and_train_as_one_process(bos_model_dir, docs_fi
     for method, one in ones.items():
         held = [r["held_out"]["metrics"] for r in (one["results"]["healed"], compared[method]["results"])]
         assert held[0] == pytest.approx(held[1], rel=1e-4, abs=1e-7), method
+
+
+def test_a_linear_map_on_fewer_tokens_than_its_inputs_is_refused_or_said_where_accepted():
+    """32 x 32 maps: 24 calibration tokens are refused by default (naming the tokens that fit and the ratio
+    that accepts them); with min_fit_ratio 0.5 they are accepted and the method's description says what the
+    map then is, a ridge's where it has one; 32 tokens say nothing (issue 87)."""
+    from depthcurse.errors import DepthcurseError
+
+    model = tiny_llama(128, layers=4)
+    with pytest.raises(DepthcurseError, match=r"give --calib-tokens 32 or more, or accept it with --method-args min_fit_ratio=0.75$"):
+        build_method("linear", {"calib_tokens": "24"}).check(model, (2,))
+    accepted = build_method("linear", {"calib_tokens": "24", "min_fit_ratio": "0.5"})
+    accepted.check(model, (2,))
+    assert accepted.describe() == ("a linear map per removed run on 24 calibration tokens (--method linear's 32 x 32 least-squares map (calib_tokens 24) is "
+                                   "fitted on 24 tokens, fewer than its 32 inputs: under-determined, it is the minimum-norm map, which cannot recover even "
+                                   "the identity (accepted by --method-args min_fit_ratio=0.5))")
+    ridged = build_method("linear", {"calib_tokens": "24", "min_fit_ratio": "0.5", "ridge": "0.1"})
+    ridged.check(model, (2,))
+    assert "under-determined, it is the ridge's, shrunk toward the identity" in ridged.describe()
+    enough = build_method("linear", {"calib_tokens": "32"})
+    enough.check(model, (2,))
+    assert enough.describe() == "a linear map per removed run on 32 calibration tokens"

@@ -250,7 +250,7 @@ def test_a_boolean_setting_reads_1_and_0(text, value, tmp_path):
 # Each built-in method's defaults, as its paper and code set them (the module's `source` names both).
 PAPER_DEFAULTS = {
     # ReplaceMe (mts-ai/ReplaceMe): least squares on the calibration activations, no regulariser
-    "linear": {"calib_tokens": 16384, "ridge": 0.0},
+    "linear": {"calib_tokens": 16384, "ridge": 0.0, "min_fit_ratio": 1.0},  # the last ours: no under-determined map unless asked (fitting.py)
     # ReplaceMe's cosine variant: Adam at 1e-4 from the identity, 10 epochs of 1,024-token batches
     "linear-cosine": {"calib_tokens": 16384, "epochs": 10, "lr": 1e-4, "batch_tokens": 1024, "accurate": False},
     # Gromov et al.: QLoRA on the MLPs, rank 8, alpha 16, dropout 0.05, next-token loss

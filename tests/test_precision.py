@@ -103,6 +103,16 @@ def test_every_other_command_runs_on_a_bf16_checkpoint_in_the_dtype_auto_picks(r
         "depth-use": (["depth-use", bf16_model_dir, *text, "--windows", "2", "--out", tmp_path / "du"], "depth_use.json", "bfloat16", NATIVE),
         "lens": (["depth-use", bf16_model_dir, *text, "--windows", "2", "--no-influence", "--tuned-lens", "--lens-steps", "2", "--calib-windows", "2",
                   "--out", tmp_path / "lens"], "depth_use.json", "float32", f"auto: fp32 on a CPU {LENS}"),
+        # a lens read on a bf16 checkpoint: by auto (fp32 on a CPU, as the lens trains), and in bf16 when asked, the lens's fp32
+        # translators reading the bf16 stream (it was a dtype-mismatch error)
+        "lens read": (["depth-use", bf16_model_dir, *text, "--windows", "2", "--no-influence", "--lens", tmp_path / "lens" / "tuned_lens.safetensors",
+                       "--out", tmp_path / "lens-read"], "depth_use.json", "float32", f"auto: fp32 on a CPU {LENS}"),
+        "lens in bf16": (["depth-use", bf16_model_dir, *text, "--windows", "2", "--no-influence", "--dtype", "bf16",
+                          "--lens", tmp_path / "lens" / "tuned_lens.safetensors", "--out", tmp_path / "lens-bf16"], "depth_use.json", "bfloat16", "--dtype bf16"),
+        "lens trained in bf16": (["depth-use", bf16_model_dir, *text, "--windows", "2", "--no-influence", "--dtype", "bf16", "--tuned-lens",
+                                  "--lens-steps", "2", "--calib-windows", "2", "--out", tmp_path / "lens-trained-bf16"], "depth_use.json", "bfloat16", "--dtype bf16"),
+        "depth-map": (["depth-map", bf16_model_dir, bf16_model_dir, *text, "--calib-windows", "3", "--eval-windows", "2", "--out", tmp_path / "map"],
+                      "depth_map.json", "bfloat16", NATIVE),
         "select": (["select", bf16_model_dir, "--k", "1", "--search", "greedy", "--calibration", text_file, "--calib-windows", "2", "--eval-windows", "2",
                     "--seq-len", "16", "--out", tmp_path / "sel"], "select.json", "bfloat16", NATIVE),
         "heal": (["heal", bf16_model_dir, "--layers", "1", "--calibration", text_file, "--steps", "2", "--batch-size", "2", "--seq-len", "16",
@@ -112,6 +122,7 @@ def test_every_other_command_runs_on_a_bf16_checkpoint_in_the_dtype_auto_picks(r
         code, out, err = run_cli(*args)
         assert code == 0, f"{name}: {err}"
         run = json.loads((args[-1] / record).read_text())["run"]
+        run = run.get("shallow", run)  # a depth map's run describes both models
         assert (run["dtype"], run["dtype_why"]) == (dtype, why), name
 
 
