@@ -22,7 +22,7 @@ from families import N, VOCAB, family_model
 from depthcurse.depth.definitions import DEFINITIONS
 from depthcurse.depth.measure import measure_depth_use
 
-pytestmark = [pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.instruments]
 
 # Llama; Gemma 2 (post-norms, a soft-cap); Granite (multipliers on the embedding, every branch and the logits)
 LANE = ("llama", "gemma2", "granite")

@@ -1300,3 +1300,23 @@ def test_depth_use_says_each_parts_forecast_and_keeps_it(tiny_model_dir, text_fi
         "the measurement's batches of windows: 2 steps to run, the first took ")
     assert set(record["forecasts"]) == {"the tuned lens's steps", "the measurement's batches of windows"}
     assert all(f["forecast_seconds"] > 0 and f["seconds"] > 0 for f in record["forecasts"].values())
+
+
+def test_a_block_that_adds_more_than_its_branches_is_refused_naming_its_family():
+    """A block whose stream gets something besides its attention and MLP outputs (a family whose branches
+    meet the stream another way, which depth-use would read wrongly) is refused in one line, on the first
+    batch; the same model unchanged measures; `--as csordas` reads the modules as they are (issue 87)."""
+    from depthcurse.depth.definitions import DEFINITIONS
+    from depthcurse.errors import DepthcurseError
+
+    model, ids = _model(), _ids()
+    measure_depth_use(model, ids, 2, influence=False)
+    extra = model.model.layers[2].register_forward_hook(lambda m, a, out: out + 0.01 * out.abs().mean())
+    try:
+        with pytest.raises(DepthcurseError, match=r"^depth-use reads what each sublayer adds to the residual stream, but in LlamaDecoderLayer \(block 2, "
+                                                  r"llama\) the attention and MLP outputs do not add up to the block's change \(off by 0\.\d+ of it\): "
+                                                  r"this family is not measured$"):
+            measure_depth_use(model, ids, 2, influence=False)
+        measure_depth_use(model, ids, 2, influence=False, definitions=DEFINITIONS["csordas"])
+    finally:
+        extra.remove()
