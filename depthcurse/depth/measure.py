@@ -115,7 +115,7 @@ class _Branches:
     model's dtype, copied (Falcon adds the attention to its MLP's output in place), in the stream's
     shape (Llama 4's experts give one row per token)."""
 
-    def __init__(self, model, contributions: str = "stream"):
+    def __init__(self, model, contributions: str):
         self.outputs: dict[tuple[int, str], torch.Tensor] = {}
         self.recording = False
         self.handles = []
