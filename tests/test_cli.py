@@ -351,3 +351,40 @@ def test_an_old_option_name_still_works_and_says_the_new_one(run_cli, tiny_model
     assert json.loads((tmp_path / "old" / "depth_map.json").read_text())["fit_windows"] == 3
     assert_one_line_error(*run_cli("depth-map", tiny_model_dir, six_dir, "--data", text_file, "--held-out", "2", "--eval-windows", "3",
                                    "--out", tmp_path / "both"), "--held-out and --eval-windows are one setting: give --eval-windows alone")
+
+
+def test_another_rank_leaves_the_error_to_rank_0_however_late_rank_0_meets_it(monkeypatch, capsys, tmp_path):
+    """Under torchrun rank 0 leaves word that it said the error every rank met; another rank waits for
+    that word on a clock the test holds, and leaves without a word when it comes, after 40 s as well as at
+    once (a busy machine starts the ranks seconds apart); with no word by the end of its grace, it speaks
+    (issue 88, item 5)."""
+    import tempfile
+
+    from depthcurse.cli import shared as cli
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-1")
+    monkeypatch.setenv("RANK", "0")
+    said = cli.rank_0_said_path()
+    assert said is not None and said.parent.name == f"depthcurse-launch-run-1-{os.getppid()}"
+    with pytest.raises(SystemExit):
+        cli.fail("unknown task 'x'")
+    assert said.read_text() == "unknown task 'x'" and "error: unknown task 'x'" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(cli.err_console, "quiet", True)
+    for late in (0.0, 40.0):
+        said.unlink()
+        now = {"t": 0.0}
+
+        def sleep(seconds, late=late):
+            now["t"] += seconds
+            if now["t"] >= late and not said.exists():
+                said.write_text("unknown task 'x'")  # rank 0 gets there
+        with pytest.raises(SystemExit) as exited:
+            cli.fail("unknown task 'x'", clock=lambda: now["t"], sleep=sleep)
+        assert exited.value.code == 1 and capsys.readouterr().err == "" and now["t"] < cli.RANK_0_GRACE_S
+    said.unlink()
+    now = {"t": 0.0}
+    with pytest.raises(SystemExit):
+        cli.fail("CUDA out of memory", clock=lambda: now["t"], sleep=lambda s: now.__setitem__("t", now["t"] + s))
+    assert now["t"] >= cli.RANK_0_GRACE_S and "error: rank 1: CUDA out of memory" in capsys.readouterr().err

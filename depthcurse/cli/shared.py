@@ -205,24 +205,52 @@ def join_ranks(device: str, parallel: str = "requests"):
     return world
 
 
-RANK_0_GRACE_S = 5.0
+RANK_0_GRACE_S = 60.0  # the most another rank waits for rank 0 to say an error every rank met (a busy machine starts ranks seconds apart)
+RANK_0_POLL_S = 0.1
 
 
-def fail(text: str) -> None:
+def rank_0_said_path() -> Path | None:
+    """Where rank 0 of this launch leaves word that it said an error: a file every rank on this machine
+    sees, named by torchrun's run id and its agent's process (the ranks' parent: one launch, never an
+    earlier one of the same id); None outside torchrun."""
+    launch = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT")
+    if not launch or "RANK" not in os.environ:
+        return None
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"depthcurse-launch-{re.sub(r'[^A-Za-z0-9_.-]', '_', launch)}-{os.getppid()}" / "rank0-said"
+
+
+def fail(text: str, clock=None, sleep=None) -> None:
     """`error: text` and exit 1. Under torchrun only rank 0 talks: bad input fails every rank at
-    once, rank 0 says why, and torchrun stops the others when it exits. So another rank waits
-    first, and says its error, with its rank, only if it is still running then: a failure of its
-    own (a variant that ran out of memory on its GPU), which rank 0 cannot know."""
-    rank = int(os.environ.get("RANK", "0"))
-    if rank != 0:
-        import time  # lazy: only this path sleeps
+    once, rank 0 says why, and torchrun stops the others when it exits. Rank 0 leaves word that it
+    said it (`rank_0_said_path`); another rank waits for that word, or for torchrun to stop it, and
+    leaves without a word, however far behind rank 0 the machine's load put it. Still running with no
+    word from rank 0 after `RANK_0_GRACE_S`, it says its error with its rank: a failure of its own
+    (a variant that ran out of memory on its GPU), which rank 0 cannot know. (`clock` and `sleep`:
+    the time a test holds.)"""
+    import time  # lazy: only a failure needs it
 
+    clock, sleep = clock or time.monotonic, sleep or time.sleep
+    rank = int(os.environ.get("RANK", "0"))
+    said = rank_0_said_path()
+    if rank != 0:
         # torchrun ends the other ranks (SIGTERM) when rank 0 exits with its error: then this one
         # has nothing to add, and leaves without a word (no KeyboardInterrupt traceback).
         signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(1))
-        time.sleep(RANK_0_GRACE_S)
+        waited_from = clock()
+        while clock() - waited_from < RANK_0_GRACE_S:
+            if said is not None and said.exists():
+                sys.exit(1)  # rank 0 said it
+            sleep(RANK_0_POLL_S)
         err_console.quiet = False
         text = f"rank {rank}: {text}"
+    elif said is not None:
+        try:
+            said.parent.mkdir(parents=True, exist_ok=True)
+            said.write_text(text)
+        except OSError:
+            pass  # the others then wait out their grace, or torchrun stops them
     say("error", text, "bold red")
     sys.exit(1)
 
