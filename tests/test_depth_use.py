@@ -15,6 +15,7 @@ from csordas_port import port_of_analyze_norms, port_of_current_effects, port_of
 from helpers import assert_one_line_error, tiny_llama
 
 from depthcurse.depth import measure_depth_use, phase_transition, settling_depth
+from depthcurse.depth.definitions import DEFINITIONS
 from depthcurse.depth.measure import DepthUse
 from depthcurse.depth.report import depth_verdicts
 from depthcurse.surgery import removed_layers
@@ -190,6 +191,21 @@ def test_blocks_that_normalise_inside_give_each_halfs_change_and_their_influence
         assert use.influence[1][j] == pytest.approx(((c_skip - c).norm(dim=-1) / c.norm(dim=-1)).mean(-1).mean().item(), rel=1e-4)
     p, q = torch.log_softmax(logits, -1), torch.log_softmax(skipped_logits, -1)
     assert use.output_change[1] == pytest.approx((p.exp() * (p - q)).sum(-1).mean().item(), rel=1e-4)
+    # --as csordas reads the attention's and MLP's modules as their code does, whatever the block does with them after
+    theirs = measure_depth_use(model, ids, 2, influence=False, definitions=DEFINITIONS["csordas"])
+    seen_modules, hooks = {}, []
+    for i, block in enumerate(model.model.layers):
+        hooks += [block.self_attn.register_forward_hook(lambda mod, a, o, i=i: seen_modules.__setitem__(("a", i), (o[0] if isinstance(o, tuple) else o).float())),
+                  block.register_forward_pre_hook(lambda mod, a, k, i=i: seen_modules.__setitem__(("h", i), (a[0] if a else k["hidden_states"]).float()),
+                                                  with_kwargs=True)]
+    with torch.no_grad():
+        model(input_ids=ids)
+    for hook in hooks:
+        hook.remove()
+    for i in range(4):
+        a, h = seen_modules["a", i], seen_modules["h", i]
+        assert theirs.attn_norm[i] == pytest.approx((a.norm(dim=-1) / h.norm(dim=-1)).mean(-1).tolist(), rel=1e-5)
+    assert theirs.attn_norm[0] != pytest.approx(use.attn_norm[0], rel=1e-3)  # the first block's half is not its module's output
 
 
 def test_the_settling_depth_worked_by_hand():

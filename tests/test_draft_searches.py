@@ -454,9 +454,9 @@ def test_draft_verify_takes_probes_from_a_file_with_plus_signs_and_their_two_pub
     from depthcurse.select.searches.draft_verify import THEIRS, parse_probes, probe_sets
 
     listed = tmp_path / "probes.txt"
-    listed.write_text("# two sets\na0, a2 m3\n\na1+m0,m1  # the second\n")
+    listed.write_text("# two sets\na0, a2 m3\n\na1+m0,m1  # the second # of two\n")
     assert parse_probes(f"@{listed}", 4) == parse_probes("a0+a2+m3;a1+m0+m1", 4) == parse_probes("a0,a2,m3;a1,m0,m1", 4) == [("a0", "a2", "m3"), ("a1", "m0", "m1")]
-    with pytest.raises(DepthcurseError, match=r"^--search-args draft-verify.probes=@.*nowhere.txt: cannot read"):
+    with pytest.raises(DepthcurseError, match=r"^--search-args draft-verify.probes=@.*nowhere.txt: cannot read .*nowhere.txt \(No such file or directory\)$"):
         probe_sets(f"@{tmp_path / 'nowhere.txt'}")
     theirs = parse_probes("theirs", 40)
     assert [len(t) for t in theirs] == [20, 34] and theirs[0][:3] == ("a8", "a10", "a15") and theirs[1][-3:] == ("m27", "m28", "m35")

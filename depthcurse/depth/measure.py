@@ -182,14 +182,15 @@ def contribution_figures(a: torch.Tensor, m: torch.Tensor, h: torch.Tensor, defi
     `norms_in="model"` (theirs) the norms, their floor, h + a and the cosines, summed over the tokens,
     are taken in the model's dtype and then cast, as their `analyze_norms.py` does."""
     floor = definitions.norm_floor
+    # figures are [windows, tokens] after a norm or a cosine over the width: dim 1 is the window's tokens
     if definitions.norms_in == "model":
         into_mlp = a + h
-        rel = lambda x, of: x.norm(dim=-1).float() / of.norm(dim=-1).clamp(min=floor).float()  # noqa: E731
-        cos = lambda x, y: torch.nn.functional.cosine_similarity(x, y, dim=-1).sum(-1).float() / x.shape[1]  # noqa: E731
-        return {"attn_norm": rel(a, h).mean(-1), "mlp_norm": rel(m, into_mlp).mean(-1), "attn_cos": cos(a, h), "mlp_cos": cos(m, into_mlp)}
+        rel = lambda x, of: x.norm(dim=2).float() / of.norm(dim=2).clamp(min=floor).float()  # noqa: E731
+        cos = lambda x, y: torch.nn.functional.cosine_similarity(x, y, dim=2).sum(1).float() / x.shape[1]  # noqa: E731
+        return {"attn_norm": rel(a, h).mean(1), "mlp_norm": rel(m, into_mlp).mean(1), "attn_cos": cos(a, h), "mlp_cos": cos(m, into_mlp)}
     a, m, h = a.float(), m.float(), h.float()
-    return {"attn_norm": _relative(a, h, floor).mean(-1), "mlp_norm": _relative(m, h + a, floor).mean(-1),
-            "attn_cos": _cos(a, h).mean(-1), "mlp_cos": _cos(m, h + a).mean(-1)}
+    return {"attn_norm": _relative(a, h, floor).mean(1), "mlp_norm": _relative(m, h + a, floor).mean(1),
+            "attn_cos": _cos(a, h).mean(1), "mlp_cos": _cos(m, h + a).mean(1)}
 
 
 def stepper_of(model) -> Stepper:
@@ -200,7 +201,7 @@ def stepper_of(model) -> Stepper:
         raise DepthcurseError(f"depth-use needs the model's blocks, final norm and head one by one (the logit lens, the skips): {exc}") from None
 
 
-def _relative(x: torch.Tensor, of: torch.Tensor, floor: float = 1e-12) -> torch.Tensor:
+def _relative(x: torch.Tensor, of: torch.Tensor, floor: float) -> torch.Tensor:
     return x.norm(dim=-1) / of.norm(dim=-1).clamp_min(floor)
 
 
