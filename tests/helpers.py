@@ -96,6 +96,11 @@ def assert_one_line_error(code, out, err, match):
     assert lines[0].startswith("error:") and match in lines[0], lines[0]
 
 
+def table_cells(table) -> list[list[str]]:
+    """A rich table's cells as printed, row by row."""
+    return [[column._cells[r] for column in table.columns] for r in range(table.row_count)]
+
+
 def built_without(model, path, removed):
     """The independent reference for a pruned model: one built with n - k layers, the kept
     blocks' weights copied by renaming their keys (no depthcurse code involved)."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from csordas_port import port_of_analyze_norms, port_of_current_effects, port_of_run_logitlens
-from helpers import assert_one_line_error, tiny_llama
+from helpers import assert_one_line_error, table_cells, tiny_llama
 
 from depthcurse.depth import measure_depth_use, phase_transition, settling_depth
 from depthcurse.depth.definitions import DEFINITIONS
@@ -1354,10 +1354,6 @@ def test_a_block_that_adds_more_than_its_branches_is_refused_naming_its_family()
                 extra.remove()
 
 
-def _map_cells(table) -> list[list[str]]:
-    return [[column._cells[r] for column in table.columns] for r in range(table.row_count)]
-
-
 def test_the_maps_table_and_verdicts_print_every_figure_worked_by_hand():
     """map_table and map_verdicts on records made here, their figures chosen so that another column, a
     swapped comparison or the other model's row prints another number (issue 88): ours (the stream after
@@ -1378,7 +1374,7 @@ def test_the_maps_table_and_verdicts_print_every_figure_worked_by_hand():
     assert [c.header for c in table.columns] == ["shallow layer", "relative depth", "best deep layer", "its relative depth", "held-out R^2 per dimension",
                                                  "held-out R^2 pooled", "at the same relative depth"]
     # the same relative depth: round(0.5 x 4) - 1 = layer 1 and round(1.0 x 4) - 1 = layer 3, read in the deciding score
-    assert _map_cells(table) == [["0", "0.50", "1", "0.50", "0.600 [0.550, 0.650]", "0.650", "0.600 (layer 1)"],
+    assert table_cells(table) == [["0", "0.50", "1", "0.50", "0.600 [0.550, 0.650]", "0.650", "0.600 (layer 1)"],
                                  ["1", "1.00", "2", "0.75", "0.700 [0.600, 0.800]", "0.750", "0.450 (layer 3)"]]
     assert map_verdicts(ours) == [
         "each shallow layer's best match lies 0.12 of the depth away from its own relative depth on average; the two orders agree by Spearman's rho +1.00",
@@ -1394,7 +1390,7 @@ def test_the_maps_table_and_verdicts_print_every_figure_worked_by_hand():
                                            "interval": [[None] * 3] * 3}},
               "relative_depth": {"shallow": [0.0, 0.5, 1.0], "best_deep": [0.0, 0.5, 1.0], "mean_abs_difference": 0.0, "spearman": 1.0,
                                  "spearman_interval": [0.9, 1.0]}}
-    assert _map_cells(map_table(theirs)) == [["embedding", "0.00", "embedding", "0.00", "0.200", "0.200 (layer embedding)"],
+    assert table_cells(map_table(theirs)) == [["embedding", "0.00", "embedding", "0.00", "0.200", "0.200 (layer embedding)"],
                                              ["after 0", "0.50", "after 0", "0.50", "0.300", "0.300 (layer after 0)"],
                                              ["after 1", "1.00", "after 1", "1.00", "0.400", "0.400 (layer after 1)"]]
     assert map_verdicts(theirs) == [

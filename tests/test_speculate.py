@@ -26,7 +26,7 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
-from helpers import CORPUS, assert_one_line_error, tiny_llama, torchrun
+from helpers import CORPUS, assert_one_line_error, table_cells, tiny_llama, torchrun
 from depthcurse.speculate import (DecodeSettings, LayerSkipDraft, PromptLookupDraft, SelfDraftAssistant, Stopwatch, build_length, plain,
                                   speculative)
 from depthcurse.speculate import decoding
@@ -800,10 +800,6 @@ def _reported_record(status: str | None = None) -> dict:
     return record
 
 
-def _cells(table) -> list[list[str]]:
-    return [[column._cells[r] for column in table.columns] for r in range(table.row_count)]
-
-
 @pytest.mark.statistics
 def test_the_table_and_every_line_print_the_figures_worked_by_hand():
     """`_three_prompts`' figures (worked out by hand in the test above) as the command prints them: the
@@ -821,7 +817,7 @@ def test_the_table_and_every_line_print_the_figures_worked_by_hand():
     assert [c.header for c in table.columns] == [
         "draft", "tokens/s (decoding)", "speedup (decoding)", "speedup (with prefills)", "acceptance", "tokens per check", "c", "v",
         "expected: v = 1 | measured v", "ceiling: v = 1 | v", "break-even acceptance: v = 1 | v", "same tokens as generate"]
-    assert _cells(table) == [
+    assert table_cells(table) == [
         ["decoding alone: the whole model, a token a pass", "5.0 (5.0-5.0)", "1", "1", "", "1", "", "1", "", "", "", "3 of 3"],
         ["self-draft: without layers 2-3", "8.0 (8.0-8.0)", "1.60x (no interval)", "1.25x (no interval)", "0.75 (-0.31-1.81)", "2.33 (-1.90-6.57)",
          "0.33 (0.33-0.33)", "1.08 (-2.09-4.26)", "1.39 (-0.20-2.98) | 1.34 (0.42-2.25)", "1.80x | 1.71x", "0.46 | 0.50", "3 of 3"],
@@ -832,7 +828,7 @@ def test_the_table_and_every_line_print_the_figures_worked_by_hand():
     kinds = kind_table(_reported_record())
     assert kinds.title == "by kind of prompt: acceptance and speedup (decoding), 95% intervals over the kind's prompts"
     assert [c.header for c in kinds.columns] == ["kind", "self-draft: acceptance | speedup", "prompt-lookup: acceptance | speedup"]
-    assert _cells(kinds) == [["code", "0.67 (no interval) | 1.60x (no interval)", "0.50 (no interval) | 1.33x (no interval)"],
+    assert table_cells(kinds) == [["code", "0.67 (no interval) | 1.60x (no interval)", "0.50 (no interval) | 1.33x (no interval)"],
                              ["math", "0.83 (no interval) | 1.60x (no interval)", "- | 0.94x (no interval)"]]
     differs = "prompt-lookup: greedy output differs from model.generate's on 1 of 3 prompts (prompt 0 at token 2)"
     versus = "prompt-lookup against self-draft: cannot tell (-0.167 (one prompt: no interval) acceptance, paired over 1 prompt, Student's t)"
@@ -1077,9 +1073,9 @@ def test_every_verdict_lines_other_branches_word_for_word():
     table = speculate_table(record)
     assert table.title == ("m: drafts checked by the whole model (sampling at temperature 0.7), 0 of 0 prompts, 9 new tokens at most; draft length "
                            "from 3, heuristic")
-    assert _cells(table)[1] == ["d: w", "-", "-", "-", "0.50 (no interval)", "-", "0.20 (no interval)", "1.50 (no interval)", "- | -", "- | -",
+    assert table_cells(table)[1] == ["d: w", "-", "-", "-", "0.50 (no interval)", "-", "0.20 (no interval)", "1.50 (no interval)", "- | -", "- | -",
                                 "- | -", "sampling: -"]
-    assert _cells(table)[0][-1] == "sampling: -"
+    assert table_cells(table)[0][-1] == "sampling: -"
     record["prompts"] = {str(i): {"kind": "k", "source": "s", "prompt_tokens": 1, "plain": {"decode_s": 1.0, "step_s": 1.0, "steps": 1},
                                   "d": {"generated": 2, "rounds": [], "steps": 1, "decode_s": 1.0, "draft_s": 0.0, "step_s": 1.0}} for i in (10, 9)}
     assert [r["prompt"] for r in prompt_rows(record)] == [9, 10]  # by number, not as text

@@ -52,10 +52,10 @@ def run_depth_map(shallow, deep, data: str, windows: int | None, held_out: int, 
     if windows < 1 or held_out < 2 or seq_len < 2 or batch_size < 1:
         raise DepthcurseError("--calib-windows must be at least 1, --eval-windows at least 2 (the intervals are over them), --seq-len at least 2, "
                               "--batch-size at least 1")
-    per = fitted_tokens(1, seq_len, definitions)
-    note = check_fit(fitted_tokens(windows, seq_len, definitions), width + 1, min_ratio=min_fit_ratio,
+    per, tokens = fitted_tokens(1, seq_len, definitions), fitted_tokens(windows, seq_len, definitions)
+    note = check_fit(tokens, width + 1, min_ratio=min_fit_ratio,
                      what=f"each map from the shallow model's {width}-wide stream (--calib-windows {windows} x {per} tokens)",
-                     fix=lambda tokens: f"give --calib-windows {-(-tokens // per)} or more", accept=lambda ratio: f"--min-fit-ratio {ratio}",
+                     fix=lambda needed_tokens: f"give --calib-windows {-(-needed_tokens // per)} or more", accept=lambda ratio: f"--min-fit-ratio {ratio}",
                      solution="the minimum-norm map (the ridge's)" if definitions == "depthcurse" else "whatever AdamW reaches from its start")
     if note:
         on_note(note)
@@ -73,7 +73,7 @@ def run_depth_map(shallow, deep, data: str, windows: int | None, held_out: int, 
         kept.unlink(missing_ok=True)
     describe = lambda loaded: {**{k: v for k, v in loaded.describe().items() if k != "device"}, "architecture": architecture(loaded.model)}  # noqa: E731
     run = {"shallow": describe(shallow), "deep": describe(deep), "data": label, "seq_len": seq_len, "start": task.prefix,
-           "fit": {"tokens": fitted_tokens(windows, seq_len, definitions), "inputs": width + 1, "min_fit_ratio": min_fit_ratio, "under_determined": note}}
+           "fit": {"tokens": tokens, "inputs": width + 1, "min_fit_ratio": min_fit_ratio, "under_determined": note}}
     run["same_model"] = all(run["shallow"][k] == run["deep"][k] for k in ("source", "revision"))
     return {"run": run, **result}
 

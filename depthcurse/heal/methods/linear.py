@@ -32,6 +32,7 @@ class Linear(Method):
     title = "linear map (ReplaceMe)"
     source = "Shopkhoev et al. 2025, arXiv 2505.02819; github.com/mts-ai/ReplaceMe (lstsq)"
     Settings = LinearSettings
+    fit_note: str | None = None  # what `check` or `prepare` found of the map's calibration tokens (`fitting.check_fit`)
 
     def check_settings(self):
         at_least(self.settings, "calib_tokens")
@@ -56,7 +57,7 @@ class Linear(Method):
     def describe(self):
         return (f"a linear map per removed run on {self.settings.calib_tokens:,} calibration tokens"
                 + (f", ridge {self.settings.ridge}" if self.settings.ridge else "")
-                + (f" ({self.fit_note})" if getattr(self, "fit_note", None) else ""))
+                + (f" ({self.fit_note})" if self.fit_note else ""))
 
     def changes(self, layers):
         return "; ".join(f"a {_dim(self)} linear map folded into the MLP output projection of layer {run[0] - 1} (before layers {run[0]}-{run[-1]})"

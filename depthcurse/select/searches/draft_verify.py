@@ -25,8 +25,10 @@ whole model drafting for itself (agreement 1, no block saved).
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 from depthcurse.errors import DepthcurseError
 from depthcurse.select.estimate import mean_run
@@ -64,9 +66,6 @@ THEIRS = ((tuple(f"a{i}" for i in (8, 10, 15, 18, 20, 24, 25, 26, 27, 28, 29, 30
 
 def probe_sets(text: str) -> list[tuple[str, ...]]:
     """The sets `probes` names: `theirs`, `@FILE`, or sets separated by ";" with branches by "+"."""
-    import re
-    from pathlib import Path
-
     text = text.strip()
     if text == "theirs":
         return [attention + mlp for attention, mlp in THEIRS]
