@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator, Sequence, TypeVar
+
+Step = TypeVar("Step")
 
 
 def duration(seconds: float) -> str:
@@ -21,27 +23,44 @@ def duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} hours" if seconds >= 5400 else (f"{seconds / 60:.0f} minutes" if seconds >= 90 else f"{seconds:.0f} seconds")
 
 
+def took_up(what: str, done: int, of: int, where=None) -> str:
+    """The line a resumed run says of what it took up instead of running again."""
+    return f"{what}: took up the {done} of {of} finished before" + (f" (kept in {where})" if where is not None else "") + ", not run again"
+
+
 @dataclass
 class Forecast:
-    """`steps` steps of `what`: `step_done(i)` after step i (0-based) finishes; after the first that this
-    process ran (a resumed run starts past 0), the forecast is said once through `say`."""
+    """The steps of `what`, counted from the plan its loop runs (`over`: the loop iterates the forecast,
+    so the two cannot disagree); after the first step this process ran (a resumed run starts past 0),
+    the forecast is said once through `say`."""
 
     what: str
-    steps: int
     say: Callable[[str], None] = lambda text: None
     clock: Callable[[], float] = time.perf_counter
     budget_seconds: float | None = None
     shrink: str = ""  # how to make the work smaller, said where the forecast passes the budget
+    steps: int | None = field(default=None, init=False)  # the plan's length, set by `over` (or `planned`)
     started: float | None = field(default=None, init=False)
     estimate: float | None = field(default=None, init=False)
 
-    def start(self) -> "Forecast":
+    def planned(self, steps: int) -> "Forecast":
+        """Counts `steps` steps from now: for work that reports its plan's length itself (`following`)."""
+        self.steps = steps
         self.started = self.clock()
         return self
 
+    def over(self, plan: Sequence[Step], first: int = 0, kept_in=None) -> Iterator[tuple[int, Step]]:
+        """(index, step) of each of the plan's steps from `first` on, each counted done when the loop
+        asks for the next; where `first` steps were kept by an interrupted run, the line says they
+        were taken up (`took_up`)."""
+        self.planned(len(plan))
+        if first:
+            self.say(took_up(self.what, first, len(plan), kept_in))
+        for index in range(first, len(plan)):
+            yield index, plan[index]
+            self.step_done(index)
+
     def step_done(self, index: int) -> None:
-        if self.started is None:
-            self.start()
         if self.estimate is not None:
             return
         running = self.steps - index  # this process's steps: all of them, or those a resumed run has left
@@ -68,7 +87,7 @@ def following(what: str, say: Callable[[str], None], clock: Callable[[], float] 
 
     def heard(done: int, total: int) -> Forecast:
         if "forecast" not in state:
-            state["forecast"] = Forecast(what, total - done, say=say, clock=clock).start()
+            state["forecast"] = Forecast(what, say=say, clock=clock).planned(total - done)
             state["first"] = done
         elif done > state["first"]:
             state["forecast"].step_done(done - state["first"] - 1)

@@ -351,6 +351,35 @@ def test_an_old_option_name_still_works_and_says_the_new_one(run_cli, tiny_model
     assert json.loads((tmp_path / "old" / "depth_map.json").read_text())["fit_windows"] == 3
     assert_one_line_error(*run_cli("depth-map", tiny_model_dir, six_dir, "--data", text_file, "--held-out", "2", "--eval-windows", "3",
                                    "--out", tmp_path / "both"), "--held-out and --eval-windows are one setting: give --eval-windows alone")
+    assert_one_line_error(*run_cli("depth-map", tiny_model_dir, six_dir, "--data", text_file, "--held-out", "2", "--eval-windows", "8",
+                                   "--out", tmp_path / "both"), "--held-out and --eval-windows are one setting")  # the new one at its default: given all the same
+    code, _, err = run_cli("depth-use", tiny_model_dir, "--data", text_file, "--windows", "2", "--seq-len", "16", "--no-influence", "--tuned-lens",
+                           "--lens-steps", "1", "--lens-windows", "3", "--out", tmp_path / "lens")
+    assert code == 0 and renamed_note("--lens-windows", "--calib-windows") in " ".join(err.split()), err
+    assert json.loads((tmp_path / "lens" / "depth_use.json").read_text())["tuned_lens"]["train_windows"] == 3  # the old name's value, not dropped
+
+
+def test_a_renamed_options_value_is_the_old_names_the_new_names_or_the_default_and_both_are_one_line(monkeypatch):
+    """`renamed` for every pair in RENAMED: the old name alone gives its value and says the new name;
+    the new alone its value; neither the default; both, whatever the values, one line. Each new
+    name's own default is None, so that "given" is never read from a value (issue 88)."""
+    import typer
+
+    from depthcurse.cli import app, shared
+    from depthcurse.cli.vocabulary import RENAMED, renamed_note
+    from depthcurse.errors import DepthcurseError
+
+    said = []
+    monkeypatch.setattr(shared, "say", lambda kind, text, *rest: said.append(text))
+    cmd = typer.main.get_command(app)
+    for (command, old), new in RENAMED.items():
+        param = next(p for p in cmd.commands[command].params if p.opts[0] == new)
+        assert param.default is None, f"{command} {new}: its default must be None (said by show_default) for {old} to be told apart"
+        said.clear()
+        assert shared.renamed(command, old, "o", None, "d") == "o" and said == [renamed_note(old, new)]
+        assert shared.renamed(command, old, None, "n", "d") == "n" and shared.renamed(command, old, None, None, "d") == "d"
+        with pytest.raises(DepthcurseError, match=f"^{old} and {new} are one setting: give {new} alone$"):
+            shared.renamed(command, old, "o", "d", "d")
 
 
 def test_another_rank_leaves_the_error_to_rank_0_however_late_rank_0_meets_it(monkeypatch, capsys, tmp_path):

@@ -936,12 +936,22 @@ def test_the_memory_estimate_by_hand_and_a_run_that_would_not_fit_is_one_line_na
         check_fits(smol, 8, t, free)
     with pytest.raises(DepthcurseError, match="no batch fits at this --seq-len: shorten it$"):
         check_fits(smol, 8, t, 10 * 2**20)
-    with pytest.raises(DepthcurseError, match="the tuned lens's training does not fit at any micro-batch: shorten --seq-len$"):
+    with pytest.raises(DepthcurseError, match="the tuned lens's training, 4 windows a micro-batch, does not fit: shorten --seq-len$"):
         check_fits(smol, 1, t, measuring_bytes(smol, 1, t), lens_micro_batch=4)
+    with pytest.raises(DepthcurseError, match=r"free: --batch-size 1 fits \(about 0\.3 GiB\)$"):  # the smallest batch is named where it alone fits
+        check_fits(smol, 3, t, measuring_bytes(smol, 1, t))
+    assert check_fits(smol, 2, t, lens_bytes(smol, 4, t), lens_micro_batch=4) == lens_bytes(smol, 4, t) > measuring_bytes(smol, 2, t)
     assert check_fits(smol, 8, t, None) == measuring_bytes(smol, 8, t)  # free memory unknown: the estimate alone
     code, _, err = run_cli("depth-use", tiny_model_dir, "--data", text_file, "--windows", "2", "--seq-len", "16", "--no-influence", "--out", tmp_path / "du")
     assert code == 0 and "memory: about 0.0 GiB beyond the model's weights at its peak" in " ".join(err.split()), err
     assert json.loads((tmp_path / "du" / "depth_use.json").read_text())["memory_estimate_bytes"] > 0
+    from transformers import AutoModelForCausalLM  # with --tuned-lens the estimate is the larger of its training and the measurement
+
+    code, _, err = run_cli("depth-use", tiny_model_dir, "--data", text_file, "--windows", "2", "--seq-len", "16", "--no-influence", "--tuned-lens",
+                           "--lens-steps", "1", "--dtype", "fp32", "--out", tmp_path / "lens")
+    shape = Shape.of(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
+    assert code == 0 and lens_bytes(shape, 4, 16) > measuring_bytes(shape, 4, 16), err
+    assert json.loads((tmp_path / "lens" / "depth_use.json").read_text())["memory_estimate_bytes"] == peak_bytes(shape, 4, 16, 4) == lens_bytes(shape, 4, 16)
 
 
 @pytest.mark.statistics

@@ -35,7 +35,7 @@ def heal(
     lora_rank: Optional[int] = typer.Option(None, "--lora-rank", help="lora: its rank (default 8)."),
     lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="lora: its alpha, the update scaled by alpha / rank (default 16)."),
     lora_dropout: Optional[float] = typer.Option(None, "--lora-dropout", help="lora: dropout on the adapters' input (default 0.05)."),
-    calibration: str = typer.Option("auto", "--calibration", help="Text to heal on and to hold windows out of: auto (C4 where the hub is reachable, else wiki), c4, wiki, or a .txt/.jsonl/.parquet file."),
+    calibration: Optional[str] = typer.Option(None, "--calibration", help="Text to heal on and to hold windows out of: auto (C4 where the hub is reachable, else wiki), c4, wiki, or a .txt/.jsonl/.parquet file.", show_default="auto"),
     data: Optional[str] = typer.Option(None, "--data", hidden=True, help="Now --calibration."),
     steps: int = typer.Option(100, "--steps", help="Optimizer steps."),
     batch_size: int = typer.Option(8, "--batch-size", help="Sequences per step."),

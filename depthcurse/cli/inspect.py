@@ -138,7 +138,7 @@ def depth_map(
     min_fit_ratio: float = typer.Option(1.0, "--min-fit-ratio", help="The fewest fitting tokens per input of a map (the shallow stream's width + 1) "
                                         "accepted; below 1 a map is under-determined (the minimum-norm one, which cannot recover even the identity), "
                                         "said before any work."),
-    eval_windows: int = typer.Option(8, "--eval-windows", help="Other windows they are scored on (the intervals are over them)."),
+    eval_windows: Optional[int] = typer.Option(None, "--eval-windows", help="Other windows they are scored on (the intervals are over them).", show_default="8"),
     windows: Optional[int] = typer.Option(None, "--windows", hidden=True, help="Now --calib-windows."),
     held_out: Optional[int] = typer.Option(None, "--held-out", hidden=True, help="Now --eval-windows."),
     seed: int = typer.Option(0, "--seed", help="--as csordas: the seed of the map's initial weights and the order of its windows."),

@@ -82,15 +82,16 @@ def verdicts(lines: list[str]) -> None:
 
 
 def renamed(command: str, old: str, old_value, new_value, default):
-    """The value of an option given by its older name (`cli.vocabulary.RENAMED`), said in a note; both
-    names at once is one line."""
+    """The value of an option given by its older name (`cli.vocabulary.RENAMED`), said in a note, or
+    the new name's, or `default` where neither was given; both names at once is one line, whatever
+    their values (each option's own default is None: given or not is never read from its value)."""
     from depthcurse.cli.vocabulary import RENAMED, renamed_note
     from depthcurse.errors import DepthcurseError
 
-    if old_value is None:
-        return new_value
     new = RENAMED[command, old]
-    if new_value != default:
+    if old_value is None:
+        return default if new_value is None else new_value
+    if new_value is not None:
         raise DepthcurseError(f"{old} and {new} are one setting: give {new} alone")
     say("note", renamed_note(old, new))
     return old_value

@@ -24,7 +24,7 @@ def speculate(
     skip_from: Optional[Path] = typer.Option(None, "--skip-from", help="Required, or --skip. A select run's folder, whose pick the draft skips (the best by acceptance, else speedup, KL, loss).", show_default="none"),
     also_skip: Optional[list[str]] = typer.Option(None, "--also-skip", help="Another self-draft on the same prompts (repeatable), its acceptance set against the first's, paired over the prompts.", show_default="off"),
     also_skip_from: Optional[list[Path]] = typer.Option(None, "--also-skip-from", help="Another self-draft from a select run's pick (repeatable), as --also-skip.", show_default="off"),
-    draft_tokens: int = typer.Option(4, "--draft-tokens", help="Tokens the draft proposes a round (gamma): every round with --draft-length fixed, at most with confidence, the first round with heuristic."),
+    draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", help="Tokens the draft proposes a round (gamma): every round with --draft-length fixed, at most with confidence, the first round with heuristic; at most --max-new-tokens - 1 (a larger one is capped, and said).", show_default="4"),
     draft_length: str = typer.Option("fixed", "--draft-length", help="fixed; confidence (Draft & Verify's: stop after a token the draft is less sure of than a threshold that adapts); heuristic (transformers': 2 more after a fully accepted round, 1 fewer otherwise)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens generated per prompt at most (an end-of-sequence token stops it sooner)."),
     prompts: str = typer.Option("suite", "--prompts", help="suite (offline prompts of four kinds: dialogue, code, math, summary), a text source (wiki, c4, code, math, dialogue: each document a prompt, whole) or a file: .jsonl ('text', each prompt exactly as written) or .txt (prompts between blank lines, each trimmed of its leading and trailing newlines: give .jsonl to keep a chat prompt's closing newline)."),
@@ -54,12 +54,12 @@ def speculate(
         raise DepthcurseError(f"--sample with --temperature {temperature:g}: sampling needs a temperature above 0 (greedy decoding is the default)")
     if draft_length not in POLICIES:
         raise DepthcurseError(f"unknown --draft-length {draft_length!r}: use {', '.join(POLICIES)}")
-    if draft_tokens < 1:
+    if draft_tokens is not None and draft_tokens < 1:
         raise DepthcurseError(f"--draft-tokens must be at least 1, got {draft_tokens}")
-    cfg = SpeculateConfig(skip=(), draft_tokens=draft_tokens, draft_length=draft_length, max_new_tokens=max_new_tokens, prompts=prompts, per_kind=per_kind,
+    cfg = SpeculateConfig(skip=(), draft_tokens=SpeculateConfig.draft_tokens if draft_tokens is None else draft_tokens, draft_length=draft_length, max_new_tokens=max_new_tokens, prompts=prompts, per_kind=per_kind,
                           kinds=_names(kinds), baselines=_names(baselines), assistant=assistant, temperature=temperature if sample else 0.0, ngram=ngram,
                           stop_at_eos=not ignore_eos, seed=seed).checked()
-    capped = cfg.capped(draft_tokens)
+    capped = cfg.capped(draft_tokens) if draft_tokens is not None else None  # the default is capped silently: the user asked for no length
     if capped:
         err_console.print(Text(capped), soft_wrap=True)
     if prompts != "suite":

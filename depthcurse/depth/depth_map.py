@@ -36,10 +36,11 @@ from pathlib import Path
 import torch
 
 from depthcurse.depth.csordas_map import MapSettings, relative_errors, train_map
-from depthcurse.depth.measure import stepper_of, tensors_digest
+from depthcurse.depth.measure import stepper_of
 from depthcurse.errors import DepthcurseError
 from depthcurse.forecast import Forecast
 from depthcurse.io import atomic_write
+from depthcurse.kept_state import call_identity
 from depthcurse.prune.stepping import Stepper
 from depthcurse.stats.correlation import spearman, spearman_interval
 from depthcurse.stats.intervals import mean_interval
@@ -132,6 +133,7 @@ def depth_map(shallow, deep, fit_windows: torch.Tensor, held_windows: torch.Tens
     finished shallow stream's row of scores is written there and an interrupted map takes the rows
     up: the rerun's record is an uninterrupted run's. After the first row, `on_note` hears how long the
     rest will take (`forecast`), kept in the record beside the time taken."""
+    identity = call_identity(depth_map, locals())  # both models, both sets of windows, every setting
     if definitions not in MAP_DEFINITIONS:
         raise DepthcurseError(f"--as {definitions}: no such definitions for the depth map (known: {', '.join(MAP_DEFINITIONS)})")
     known = MAP_DEFINITIONS[definitions]
@@ -151,8 +153,6 @@ def depth_map(shallow, deep, fit_windows: torch.Tensor, held_windows: torch.Tens
     ys_fit, ys_held = (streams_of(large, w, batch_size, entering, dtype) for w in (fit_windows, held_windows))
     ns, nd = len(xs_fit), len(ys_fit)
     per_window = {name: [[[] for _ in range(nd)] for _ in range(ns)] for name in known["scores"]}
-    identity = {"definitions": definitions, "ridge": ridge, "settings": settings.summary() if definitions == "csordas" else None, "streams": [ns, nd],
-                "sha256": tensors_digest(fit_windows, held_windows, *(x[:1] for x in xs_fit), *(y[:1] for y in ys_fit))}  # the windows, both models' first streams
     rows_done = 0
     if kept is not None and kept.is_file():
         try:
@@ -165,21 +165,20 @@ def depth_map(shallow, deep, fit_windows: torch.Tensor, held_windows: torch.Tens
             rows_done = 0
 
     def keep(rows: int) -> None:
-        forecast.step_done(rows - 1)
         if kept is not None:  # whole or not at all
             atomic_write(kept, json.dumps({"identity": identity, "rows": rows, "of": ns,
                                            "per_window": {name: per_window[name][:rows] for name in known["scores"]}}))
-    forecast = Forecast("the map's rows (one per shallow stream)", ns, say=on_note, clock=clock).start()
+    forecast = Forecast("the map's rows (one per shallow stream)", say=on_note, clock=clock)
     if definitions == "csordas":
         y_fit, y_held = torch.stack(ys_fit, dim=-2), torch.stack(ys_held, dim=-2)  # [windows, tokens, streams, width]: every deep stream at once
-        for i in range(rows_done, ns):
+        for i, _ in forecast.over(range(ns), rows_done, kept_in=kept):
             on_step(f"training the map from shallow stream {i} (their loop)", i, ns)
             errors = relative_errors(train_map(xs_fit[i], y_fit, settings), xs_held[i], y_held)
             for j in range(nd):
                 per_window["relative_error"][i][j] = errors[:, j].tolist()
             keep(i + 1)
     else:
-        for i in range(rows_done, ns):
+        for i, _ in forecast.over(range(ns), rows_done, kept_in=kept):
             on_step(f"maps from shallow layer {i}", i, ns)
             x = xs_fit[i].flatten(0, 1)
             for j in range(nd):

@@ -32,7 +32,6 @@ any work.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,6 +42,7 @@ from depthcurse.depth.definitions import DEFINITIONS, Definitions
 from depthcurse.errors import DepthcurseError
 from depthcurse.forecast import Forecast
 from depthcurse.io import atomic_write
+from depthcurse.kept_state import call_identity
 from depthcurse.prune.stepping import Stepper, Unsupported, checked_stepper
 from depthcurse.runtime import World
 from depthcurse.select.scoring import contiguous_shares
@@ -278,15 +278,6 @@ def _output_change(final: torch.Tensor, logp: torch.Tensor, definitions: Definit
     return (logp.exp() - final.exp()).norm(dim=-1)
 
 
-def tensors_digest(*tensors: torch.Tensor) -> str:
-    """A short fingerprint of tensors' bytes: a saved state of other windows or other streams never
-    passes for these (the kept files of depth-use, the tuned lens and depth-map)."""
-    digest = hashlib.sha256()
-    for t in tensors:
-        digest.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()[:16]
-
-
 FIGURES = ("attn_norm", "mlp_norm", "attn_cos", "mlp_cos", "lens_kl", "lens_top1", "lens_top5", *TUNED, "settled", "tuned_settled")
 
 
@@ -312,6 +303,7 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
     each), every row gathered on every rank: N ranks give one process's matrix. With `kept`, every
     finished batch's figures are written there (a rank's own file under torchrun) and an interrupted
     measurement takes them up: the rerun's figures are an uninterrupted run's, to the last bit."""
+    identity = call_identity(measure_depth_use, locals())  # the model, the windows, the lens, every setting and this rank's place
     d = definitions
     stepper = stepper_of(model)
     n = stepper.n_layers
@@ -331,9 +323,6 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
     batches = [windows[i : i + batch_size] for i in range(0, len(windows), batch_size)]
     if kept is not None and world.size > 1:
         kept = kept.with_name(f"{kept.stem}.rank{world.rank}{kept.suffix}")
-    identity = {"windows": list(windows.shape), "windows_sha256": tensors_digest(windows),
-                "batch_size": batch_size, "influence": influence, "tuned": None if tuned is None else tuned.fingerprint, "definitions": d.name,
-                "ranks": [world.rank, world.size]}
     done = 0
     restored = _kept_batches(kept, identity)
     if restored is not None:
@@ -342,12 +331,9 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
             setattr(use, name, restored["use"][name])
         if influence:
             totals, out_totals = restored["totals"], restored["out_totals"]
-    if forecast is not None:
-        forecast.start()
+    forecast = forecast or Forecast("the measurement's batches of windows")
     try:
-        for b, batch in enumerate(batches):
-            if b < done:
-                continue
+        for b, batch in forecast.over(batches, done, kept_in=kept):
             on_step("the whole model's pass and the lens", b, len(batches))
             ids = batch.to(stepper.device)
             ctx = stepper.context(ids.shape[1], 0)
@@ -397,8 +383,6 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
                 if influence:
                     state.update(totals=totals, out_totals=out_totals)
                 atomic_write(kept, json.dumps(state))
-            if forecast is not None:
-                forecast.step_done(b)
     finally:
         branches.close()
     if influence and world.size > 1:  # every rank's rows, on every rank

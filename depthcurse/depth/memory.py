@@ -73,7 +73,7 @@ def check_fits(shape: Shape, batch: int, tokens: int, available: int | None, len
     if fits:
         how = f"--batch-size {fits[0]} fits (about {gib(peak_bytes(shape, fits[0], tokens, lens_micro_batch))})"
     elif lens_bytes(shape, lens_micro_batch, tokens) > available >= measuring_bytes(shape, 1, tokens):
-        how = "the tuned lens's training does not fit at any micro-batch: shorten --seq-len"
+        how = f"the tuned lens's training, {lens_micro_batch} windows a micro-batch, does not fit: shorten --seq-len"
     else:
         how = "no batch fits at this --seq-len: shorten it"
     raise DepthcurseError(f"depth-use would need about {gib(need)} beyond the model's weights at --batch-size {batch} x {tokens} tokens "

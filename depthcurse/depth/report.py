@@ -75,15 +75,14 @@ def run_depth_use(loaded, data: str, windows: int, seq_len: int, batch_size: int
                     translators = None  # another training's lens: trained again
         if translators is None:  # its state kept beside the lens after every step: an interrupted training resumes
             partial = lens_out.parent / PARTIAL_FILE if lens_out is not None else None
-            lens_forecast = Forecast("the tuned lens's steps", lens_settings.steps, say=on_note, clock=clock)
+            lens_forecast = Forecast("the tuned lens's steps", say=on_note, clock=clock)
             translators, training = train_tuned_lens(model, stepper, ids[windows:], lens_settings, on_step=on_step, state=partial,
                                                      forecast=lens_forecast)
             forecasts["the tuned lens's steps"] = lens_forecast.summary()
             if lens_out is not None:
                 translators.save(lens_out, training)
                 partial.unlink(missing_ok=True)
-    batches = -(-windows // batch_size)
-    measuring = Forecast("the measurement's batches of windows", batches, say=on_note, clock=clock)
+    measuring = Forecast("the measurement's batches of windows", say=on_note, clock=clock)
     use = measure_depth_use(model, ids[:windows], batch_size, influence=influence, on_step=on_step, tuned=translators, world=world,
                             definitions=definitions, kept=kept, forecast=measuring)
     forecasts["the measurement's batches of windows"] = measuring.summary()

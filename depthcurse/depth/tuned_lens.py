@@ -36,10 +36,11 @@ from pathlib import Path
 
 import torch
 
-from depthcurse.depth.measure import output_kl, tensors_digest
+from depthcurse.depth.measure import output_kl
 from depthcurse.errors import DepthcurseError
 from depthcurse.forecast import Forecast
 from depthcurse.io import atomic_write
+from depthcurse.kept_state import call_identity
 from depthcurse.prune.stepping import Stepper
 
 LENS_FILE = "tuned_lens.safetensors"
@@ -219,6 +220,7 @@ def train_tuned_lens(model, stepper: Stepper, windows: torch.Tensor, settings: L
     training resumes where it stopped and ends as one that never stopped (the file is left for the
     caller to remove once the lens is saved). `forecast` hears each finished step (it says, after the
     first, how long the rest will take)."""
+    identity = call_identity(train_tuned_lens, locals(), leave_out={"stepper"})  # the stepper is the model's own, digested with it
     settings.check()
     started = clock()
     n, width = stepper.n_layers, int(stepper.head.weight.shape[1])
@@ -235,8 +237,6 @@ def train_tuned_lens(model, stepper: Stepper, windows: torch.Tensor, settings: L
     order: list[int] = []
     rng = random.Random(settings.seed)
     last = [0.0] * len(trained)
-    identity = {"settings": asdict(settings), "fingerprint": lens.fingerprint, "windows": [int(len(windows)), int(per_window)],
-                "windows_sha256": tensors_digest(windows)}
     first, before = 0, 0.0
     kept = _load_state(state, identity) if state is not None and Path(state).is_file() else None
     if kept is not None:  # the translators, the momentum, the learning rate, the order and its generator, as they stood
@@ -249,10 +249,9 @@ def train_tuned_lens(model, stepper: Stepper, windows: torch.Tensor, settings: L
         schedule.last_epoch = first
         for group, base in zip(opt.param_groups, schedule.base_lrs):
             group["lr"] = base * factor(first)
-    if forecast is not None:
-        forecast.start()
+    forecast = forecast or Forecast("the tuned lens's steps")
     with _frozen(model):
-        for step in range(first, settings.steps):
+        for step, _ in forecast.over(range(settings.steps), first, kept_in=state):
             on_step("training the tuned lens", step, settings.steps)
             while len(order) < step_windows:  # go round the windows, each round in a fresh shuffled order
                 round_ = list(range(len(windows)))
@@ -275,8 +274,6 @@ def train_tuned_lens(model, stepper: Stepper, windows: torch.Tensor, settings: L
             last = sums
             if state is not None:
                 _save_state(state, lens, opt, step + 1, order, rng, last, identity, before + clock() - started)
-            if forecast is not None:
-                forecast.step_done(step)
     record = {"settings": asdict(settings), "train_windows": len(windows), "tokens_per_step": step_windows * per_window,
               "translated_streams": trained, "train_kl_last_step": last, "seconds": round(before + clock() - started, 3)}
     if first:

@@ -6,9 +6,10 @@ this before loading a model."""
 from __future__ import annotations
 
 import shlex
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.kept_state import identity_of, plain
 from depthcurse.heal.method import Method, addresses, build_method, method_settings_text, parse_method_args
 from depthcurse.train.config import check_schedule
 from depthcurse.train.tracking import parse_report_to
@@ -110,12 +111,11 @@ class HealConfig:
         return cfg
 
     def identity(self) -> dict:
-        """What a resumed run must share with the one in the folder (how often it saves or logs may
-        change): the common settings, the method and every one of its settings, defaults included."""
+        """What a resumed run must share with the one in the folder: every field (`kept_state`) but how
+        often it saves, logs and reports, and the method's settings as the method typed them, defaults
+        included, in place of `--method-args` as given."""
         method = self.build()
-        out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()
-               if k not in RESUMABLE_CHANGES and k not in ("method_args",) and not (k == "eval_data" and v is None)}
-        return {**out, "method": method.name, "method_settings": method.recorded()}
+        return {**identity_of(self, leave_out=RESUMABLE_CHANGES | {"method_args"}), "method": method.name, "method_settings": plain(method.recorded())}
 
 
 RESUMABLE_CHANGES = frozenset({"save_every", "log_every", "report_to"})

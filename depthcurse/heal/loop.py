@@ -168,7 +168,7 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
                   "held_out_tokens": held_out["held_out"].windows[:, 1:].numel(), "device": str(device), "world_size": world.size})
     progress = None
     if objective is not None:
-        forecast = Forecast("the training steps", cfg.steps, say=on_note if world.main else (lambda text: None))
+        forecast = Forecast("the training steps", say=on_note if world.main else (lambda text: None))
         progress = _train(objective, method, cfg, data, out_dir, run, state, world, device, len(tokenizer), stop_after, on_progress, phase, forecast)
         if progress.step < cfg.steps:
             return None
@@ -354,9 +354,7 @@ def _train(objective, method: Method, cfg: HealConfig, data, out_dir: Path, run:
         tick, tick_tokens = time.perf_counter(), 0
         if progress.step < end:
             phase("training")
-            if forecast is not None:
-                forecast.start()
-        while progress.step < end:
+        for _ in (forecast or Forecast("the training steps")).over(range(end), progress.step, kept_in=out_dir):
             batch = data.train.next_batch(cfg.batch_size)
             lr = optimizer.param_groups[0]["lr"]
             t0 = time.perf_counter()
@@ -383,8 +381,6 @@ def _train(objective, method: Method, cfg: HealConfig, data, out_dir: Path, run:
                         on_progress(Progress(step, cfg.steps, loss_value, lr, progress.tokens, rate, None, cfg.micro_batch))
             if step % cfg.save_every == 0 or step == end:
                 checkpoints.save()
-            if forecast is not None:
-                forecast.step_done(step - 1)
     return progress
 
 

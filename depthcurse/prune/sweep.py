@@ -16,11 +16,11 @@ from typing import Callable, Iterable
 
 from depthcurse import assets
 from depthcurse.errors import DepthcurseError
-from depthcurse.forecast import following
+from depthcurse.forecast import following, took_up
 from depthcurse.io import atomic_write, ensure_out_dir, environment, json_text, refuse_other_run
 from depthcurse.loading import LoadedModel
 from depthcurse.prune import engine
-from depthcurse.prune.results import PARTIAL_DIR, VARIANTS_DIR, Sweep, VariantResult, read_sweep, removal_key, variant_label, write_sweep
+from depthcurse.prune.results import PARTIAL_DIR, RESULTS_JSON, VARIANTS_DIR, Sweep, VariantResult, read_sweep, removal_key, variant_label, write_sweep
 from depthcurse.prune.scoring import saved_batch_count
 from depthcurse.runtime import World
 from depthcurse.surgery import check_granularity, num_layers, removed_units
@@ -104,6 +104,8 @@ def run_sweep(
     sweep.asked = [list(a) for a in asked]
     todo = [r for r in asked if r not in done]
     total = len(asked)
+    if len(todo) < total and world.main:
+        on_note(took_up("the sweep's variants", total - len(todo), total, out_dir / RESULTS_JSON))
     engine_info = {"name": "lm-eval" if todo else engine}
     if engine == "reuse" and todo:
         engine_info = _reuse(loaded, task, todo, sweep, out_dir, run, max_memory, report, started, previous_wall, world, granularity, compile)

@@ -4,10 +4,11 @@ run does is derived from it (`grid.run_select`)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.kept_state import identity_of
 from depthcurse.select import searches as _builtin  # noqa: F401 (defines the built-in searches, which registers them)
 from depthcurse.select.search import GRANULARITIES, OBJECTIVES, Search, Space, build_searches
 from depthcurse.text import text_source
@@ -124,22 +125,9 @@ class SelectConfig:
                 for o in (self.objectives if search.reads == "objective" else ("-",))]
 
     def identity(self) -> dict:
-        """What a run is, as `select.json` keeps it (the granularity and settings where not the defaults,
-        so that a run made before they existed is the same run)."""
-        out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
-        if out["granularity"] == "layer":
-            del out["granularity"]
-        if not out["search_args"]:
-            del out["search_args"]
-        for name in ("resamples", "seeds"):  # they add to a run, not change it: a finished run may be given more
-            del out[name]
-        if out["budget"] == SelectConfig.budget or not self.recipe:
-            del out["budget"]
-        if out["held_out"] == SelectConfig.held_out:  # a run made before the choice existed is the same run
-            del out["held_out"]
-        if "speedup" not in (out["objectives"] or ()):
-            del out["draft_tokens"]
-        return out
+        """What a run is, as `select.json` keeps it: every field (`kept_state`), but the resamples and
+        seeds, which add to a run rather than change it (a finished run may be given more)."""
+        return identity_of(self, leave_out={"resamples", "seeds"})
 
 
 def source_labels(sources) -> dict[str, str]:

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.forecast import duration
+from depthcurse.forecast import duration, took_up
 from depthcurse.io import atomic_write, ensure_out_dir, json_text, refuse_other_run
 from depthcurse.loading import check_sequence_length
 from depthcurse.prune.engine import evaluate_variants, why_unsupported
@@ -91,6 +91,8 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
     save = lambda: atomic_write(path, json_text(record)) if world.main else None  # noqa: E731
     started = time.perf_counter()
     note = on_note or (lambda text: None)
+    if record["cells"]:
+        note(took_up("the grid's cells", len(record["cells"]), len(cfg.cells()), path))
     texts: dict[str, Texts] = {}
     for source in cfg.calibration:  # before the first phase: a text that cannot be read is the one line said
         if not is_continuations(source):

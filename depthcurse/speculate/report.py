@@ -67,6 +67,7 @@ def speculate_table(record: dict) -> Table:
                    "expected: v = 1 | measured v", "ceiling: v = 1 | v", "break-even acceptance: v = 1 | v", "same tokens as generate"):
         table.add_column(header, overflow="fold")
     plain = summary["plain"]
+    trusted = (summary.get("timing") or {"status": "ok"})["status"] == "ok"  # else what pays is not said: no cell says it either
     table.add_row("decoding alone: the whole model, a token a pass", _est(plain["tokens_per_s"], 1), "1", "1", "", "1", "", "1", "", "", "",
                   f"{plain['lossless']['equal']} of {plain['lossless']['compared']}" if plain["lossless"]["compared"] else "sampling: -")
     for name, s in summary["drafts"].items():
@@ -74,7 +75,7 @@ def speculate_table(record: dict) -> Table:
         table.add_row(f"{name}: {record['methods'][name]['what']}", _est(s["tokens_per_s"], 1), _speedup(s["speedup"]), _speedup(s["end_to_end"]),
                       _est(s["alpha"]), _est(s["tokens_per_check"]), _est(s["c"]), _est(s["v"]), f"{_est(s['expected'])} | {_est(s['expected_v'])}",
                       f"{_num(s.get('ceiling'), 2, 'x')} | {_num(s.get('ceiling_v'), 2, 'x')}",
-                      f"{_alpha(s, 'break_even')} | {_alpha(s, 'break_even_v')}",
+                      f"{_alpha(s, 'break_even')} | {_alpha(s, 'break_even_v')}" if trusted else "not said: timings not trusted",
                       f"{lossless['equal']} of {lossless['compared']}" if lossless["compared"] else "sampling: -")
     helper = summary.get("transformers-assistant")
     if helper:  # transformers' own loop, timed whole against its own decoding alone (`generate`)

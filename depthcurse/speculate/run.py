@@ -29,8 +29,9 @@ from typing import Callable
 import torch
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.forecast import Forecast
+from depthcurse.forecast import Forecast, took_up
 from depthcurse.io import atomic_write, ensure_out_dir, environment, json_text, refuse_other_run
+from depthcurse.kept_state import identity_of
 from depthcurse.loading import max_positions
 from depthcurse.runtime import World
 from depthcurse.speculate.decoding import DecodeSettings, Generation, plain, speculative
@@ -117,12 +118,8 @@ class SpeculateConfig:
         return self.temperature == 0.0
 
     def identity(self) -> dict:
-        out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
-        if out["also"]:
-            out["also"] = [list(a) for a in out["also"]]
-        else:  # a run made before other self-drafts existed is the same run
-            del out["also"]
-        return out
+        """What a run is, as `speculate.json` keeps it: every field (`kept_state`)."""
+        return identity_of(self)
 
 
 def run_text_of(units) -> str:
@@ -319,9 +316,11 @@ def run_speculate(loaded, cfg: SpeculateConfig, out_dir: Path, *, assistant=None
     if todo:
         warm_up(model, ids[todo[0]], methods, cfg, eos, watch, hf_assistant)
     rounds = [todo[r : r + world.size] for r in range(0, len(todo), world.size)]  # each round a prompt per rank
-    forecast = Forecast("the prompts (each decoded alone, by generate and by every draft)", len(rounds), say=on_note if world.main else (lambda t: None),
-                        clock=now).start()
-    for r, batch in enumerate(rounds):
+    say = on_note if world.main else (lambda t: None)
+    forecast = Forecast("the prompts (each decoded alone, by generate and by every draft)", say=say, clock=now)
+    if len(todo) < len(prompts):
+        say(took_up("the prompts", len(prompts) - len(todo), len(prompts), path))
+    for r, batch in forecast.over(rounds):
         mine = batch[world.rank] if world.rank < len(batch) else None
         if on_step:
             on_step(f"prompt {batch[0] + 1} of {len(prompts)}", r * world.size, len(todo))
@@ -332,7 +331,6 @@ def run_speculate(loaded, cfg: SpeculateConfig, out_dir: Path, *, assistant=None
         for i, done in zip(batch, world.all_gather(result)):
             record["prompts"][str(i)] = done
         save()
-        forecast.step_done(r)
     record["methods"] = {m.name: {"what": m.what, "skipped": list(m.skipped), "shares_weights": bool(m.draft is not None and m.draft.shares_weights)}
                          for m in methods}
     record["complete"] = len(record["prompts"]) == len(prompts)
