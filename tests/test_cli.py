@@ -357,6 +357,9 @@ def test_an_old_option_name_still_works_and_says_the_new_one(run_cli, tiny_model
                            "--lens-steps", "1", "--lens-windows", "3", "--out", tmp_path / "lens")
     assert code == 0 and renamed_note("--lens-windows", "--calib-windows") in " ".join(err.split()), err
     assert json.loads((tmp_path / "lens" / "depth_use.json").read_text())["tuned_lens"]["train_windows"] == 3  # the old name's value, not dropped
+    code, out, err = run_cli("heal", tiny_model_dir, "--data", text_file, "--layers", "1", "--granularity", "sub-block")  # heal --data alone: taken, said
+    said = " ".join(err.split())
+    assert code == 1 and renamed_note("--data", "--calibration") in said and "error: heal removes whole layers for now" in said, err
 
 
 def test_a_renamed_options_value_is_the_old_names_the_new_names_or_the_default_and_both_are_one_line(monkeypatch):

@@ -147,3 +147,39 @@ def test_each_texts_cost_is_said_for_its_own_windows(tiny_model_dir, prompts_fil
         factor = (longer if cell["calibration"] == source else plain).numel() / plain.numel()
         expected = cell["estimate"]["block_passes"] * 1.0 * factor + cell["estimate"]["head_passes"] * 2.0 * factor
         assert cell["estimate"]["seconds"] == pytest.approx(expected, abs=0.1), name
+
+
+@pytest.mark.searching
+def test_the_unpruned_models_loss_is_over_the_scored_predictions_as_every_removals_is(tiny_model_dir):
+    """On masked windows (a prompt, its continuation, padding) the unpruned model's per-window loss is
+    the mean of -log p over the scored predictions alone, worked out by hand, as a removal's is: over
+    every prediction it would be another figure, and a removal could seem to lower the loss (issue 88)."""
+    from depthcurse.select.scoring import CalibrationScorer
+
+    loaded = load_model(str(tiny_model_dir))
+    model = loaded.model.eval()
+    pairs = [([5, 6, 7, 8], [9, 10, 11]), ([12, 13], [14, 15, 16, 17, 18])]
+    ids, mask = windows_of(pairs, 0)
+    scorer = CalibrationScorer(model, ids, 2, {}, lambda: None, mask=mask)
+    losses, _, _ = scorer.unpruned_windows()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float(), -1)
+    nll = -logp.gather(-1, ids[:, 1:, None])[..., 0]
+    by_hand = [(nll[w] * mask[w]).sum().item() / mask[w].sum().item() for w in range(2)]
+    every = [nll[w].mean().item() for w in range(2)]
+    assert losses == pytest.approx(by_hand, abs=1e-5) and all(abs(a - b) > 1e-3 for a, b in zip(by_hand, every))
+    for layer in range(2):  # a removal's, by the same rule
+        with torch.no_grad(), removed_layers(model, [layer]):
+            part = -torch.log_softmax(model(input_ids=ids).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+        assert scorer.per_window([(layer,)])[0][0] == pytest.approx([(part[w] * mask[w]).sum().item() / mask[w].sum().item() for w in range(2)], abs=1e-5)
+
+
+def test_the_suites_pool_holds_twice_the_prompts_wanted_for_those_the_model_ends_at_once():
+    """The offline suite's pool is twice the prompts asked, a kind at a time, so a prompt the model
+    ends at once has spares behind it (issue 88)."""
+    from depthcurse.select.continuations import _prompts
+    from depthcurse.speculate.prompts import KINDS
+
+    for wanted in (1, 4, 5, 16):
+        pool = _prompts("continuations", wanted)
+        assert len(pool) == 2 * -(-wanted // len(KINDS)) * len(KINDS) >= 2 * wanted, wanted

@@ -445,6 +445,10 @@ def test_a_lens_file_reads_back_and_one_from_another_model_is_one_line(tmp_path)
     with pytest.raises(DepthcurseError, match=r"^--lens .*missing.safetensors: no such file$"):
         load_lens(tmp_path / "missing.safetensors", stepper_of(model))
     assert again.fingerprint == json.loads(json.dumps(lens.fingerprint)) and again.embedding == lens.embedding
+    bare, bare_record = train_tuned_lens(model, stepper_of(model), ids, LensSettings(steps=2, embedding=False))  # --no-lens-embedding's lens
+    back, _ = load_lens(bare.save(tmp_path / "bare.safetensors", bare_record), stepper_of(model))
+    assert back.embedding is False and "0" not in back.translators and back.state_dict().keys() == bare.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), bare.state_dict().values()))
     with pytest.raises(DepthcurseError, match="must each be at least 1"):
         train_tuned_lens(model, stepper_of(model), ids, LensSettings(steps=0))
 
@@ -1167,6 +1171,14 @@ def test_an_interrupted_lens_measurement_and_map_resume_to_an_uninterrupted_runs
     assert heard == [2, 3, 4]  # the kept steps are not run again
     assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), resumed.state_dict().values()))
     assert record == {**whole_record, "resumed_at_step": 2}
+    mid_round = tmp_path / "mid.partial.safetensors"  # stopped after step 1 of 5, half way round the windows: the round goes on, not again
+    ticks = iter(range(0, 10_000, 10))
+    with pytest.raises(KeyboardInterrupt):
+        train_tuned_lens(model, stepper, ids, settings, on_step=_stop_at("training", 1), state=mid_round, clock=lambda: float(next(ticks)))
+    ticks = iter(range(1000, 10_000, 10))
+    resumed, record = train_tuned_lens(model, stepper, ids, settings, state=mid_round, clock=lambda: float(next(ticks)))
+    assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), resumed.state_dict().values()))
+    assert record["seconds"] == 10.0 + 50.0  # 10 s kept before the stop, then started at 1000, four steps saved, the end at 1050
     other = tmp_path / "other.partial.safetensors"  # another training's state is not taken up
     state.rename(other)
     fresh, _ = train_tuned_lens(model, stepper, ids, LensSettings(steps=4, tokens_per_step=30, micro_batch=2), state=other, clock=lambda: 0.0)

@@ -59,3 +59,59 @@ def test_a_forecast_on_the_budget_is_within_it_and_keeps_three_decimals():
     steps = over.over(range(2))
     next(steps), next(steps)
     assert said == ["y: 2 steps to run, the first took 5.00 s here: about 10 seconds in all, over the budget of 4 seconds"]  # nothing to shrink by
+
+
+# ---------------------------------------------------------------- every long command's forecast against its loop
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_each_long_commands_forecast_counts_the_steps_its_loop_runs(steps, bos_model_dir, docs_file, tmp_path):
+    """The tuned lens's steps, depth-use's batches, depth-map's rows, heal's training steps and
+    speculate's prompts, each run at 1, 2 and 3 steps: the steps its loop ran (heard by `on_step`, or
+    `on_progress`) are the steps its forecast kept, and the line said names them where more than
+    one is left (issue 88: a forecast one row or one step short passed every test)."""
+    import torch
+    from helpers import heal_config, tiny_llama
+
+    from depthcurse.depth.depth_map import depth_map
+    from depthcurse.depth.measure import measure_depth_use, stepper_of
+    from depthcurse.depth.tuned_lens import LensSettings, train_tuned_lens
+    from depthcurse.heal import heal
+    from depthcurse.loading import load_model
+    from depthcurse.speculate import SpeculateConfig, run_speculate
+
+    def counted(label):
+        ran, said = [], []
+        return ran, said, (lambda text, done, total: ran.append(done) if text.startswith(label) else None)
+
+    def agree(forecast, ran, said, what):
+        assert forecast.steps == len(ran) == steps, (what, forecast.steps, ran)
+        assert [line.split(", the first")[0] for line in said] == ([] if steps == 1 else [f"{forecast.what}: {steps} steps to run"]), (what, said)
+
+    model = tiny_llama(300, layers=steps, seed=1).eval()
+    ids = torch.randint(3, 300, (2 * steps, 8), generator=torch.Generator().manual_seed(0))
+    ran, said, on_step = counted("training the tuned lens")
+    from depthcurse.forecast import Forecast
+
+    lens_forecast = Forecast("the tuned lens's steps", say=said.append)
+    train_tuned_lens(model, stepper_of(model), ids, LensSettings(steps=steps, tokens_per_step=8, micro_batch=1), on_step=on_step, forecast=lens_forecast)
+    agree(lens_forecast, ran, said, "the lens")
+    ran, said, on_step = counted("the whole model's pass")
+    batches = Forecast("the measurement's batches of windows", say=said.append)
+    measure_depth_use(model, ids, batch_size=2, influence=False, on_step=on_step, forecast=batches)
+    agree(batches, ran, said, "depth-use's batches")
+    ran, said, on_step = counted("maps from shallow layer")
+    record = depth_map(model, tiny_llama(300, layers=2, seed=2).eval(), ids, ids[:2], batch_size=2, on_step=on_step, on_note=said.append)
+    assert record["forecast"]["steps"] == len(ran) == steps and len([s for s in said if "steps to run" in s]) == (steps > 1)
+
+    said, progress = [], []
+    cfg = heal_config(layers=(1,), method="lora", data=str(docs_file), steps=steps, batch_size=2, seq_len=16, eval_windows=2, lora_rank=2)
+    record = heal(load_model(str(bos_model_dir)), cfg, tmp_path / "heal", on_progress=progress.append, on_note=said.append)
+    assert record["training"]["forecast"]["steps"] == len(progress) == steps and len([s for s in said if "steps to run" in s]) == (steps > 1)
+
+    loaded = load_model(str(bos_model_dir))
+    (tmp_path / "prompts.txt").write_text("\n\n".join(f"the {i} quick brown fox" for i in range(steps)) + "\n")
+    ran, said = [], []
+    cfg = SpeculateConfig(skip=(1,), prompts=str(tmp_path / "prompts.txt"), max_new_tokens=3, baselines=()).checked()
+    record = run_speculate(loaded, cfg, tmp_path / "spec", on_step=lambda text, done, total: ran.append(done), on_note=said.append)
+    assert record["forecast"]["steps"] == len(ran) == steps and len([s for s in said if "steps to run" in s]) == (steps > 1)

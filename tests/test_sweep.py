@@ -118,6 +118,13 @@ def test_a_different_run_in_the_same_folder_is_refused(setup, tmp_path, tiny_tok
     other = PerplexityTask(tiny_tokenizer, CORPUS * 4, source="corpus", seq_len=8, limit=4)
     with pytest.raises(DepthcurseError, match="holds a different run.*seq_len"):
         run_sweep(loaded, other, [0], tmp_path)
+    same_shape = PerplexityTask(tiny_tokenizer, [t[::-1] for t in CORPUS] * 4, source=task.source, seq_len=task.seq_len, limit=len(task.windows))
+    assert same_shape.windows.shape == task.windows.shape and same_shape.describe()["data"] == task.describe()["data"]
+    with pytest.raises(DepthcurseError, match="holds a different run.*windows_sha256"):  # another text of the same shape and name (issue 88)
+        run_sweep(loaded, same_shape, [0], tmp_path)
+    said = []
+    run_sweep(loaded, task, [0, 1], tmp_path, on_note=said.append)  # the same run, one layer more: what it took up is said
+    assert any(line.startswith(f"the sweep's variants: took up the 2 of 3 finished before (kept in {tmp_path / 'prune.json'})") for line in said), said
 
 
 def test_a_moved_cache_continues_the_sweep_but_the_hubs_copy_is_another_model(setup, tmp_path, monkeypatch, tiny_tokenizer):

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.kept_state import tensors_digest
 from depthcurse.tasks.base import Score
 from depthcurse.text import start_text, start_tokens
 from depthcurse.train.data import make_rows
@@ -70,7 +71,8 @@ class PerplexityTask:
 
     def describe(self) -> dict:
         # "bos": what each window starts with; None (text cut as it comes) matches runs made before it was recorded
-        return {"task": "ppl", "data": self.source, "seq_len": self.seq_len, "windows": len(self.windows), "tokens": self.windows.numel(), "bos": self.bos}
+        return {"task": "ppl", "data": self.source, "seq_len": self.seq_len, "windows": len(self.windows), "tokens": self.windows.numel(), "bos": self.bos,
+                "windows_sha256": tensors_digest(self.windows)}  # the tokens themselves: another text of the same shape is another run
 
     def evaluate(self, model: torch.nn.Module) -> Score:
         return self.evaluate_logits(lambda ids: model(input_ids=ids, use_cache=False).logits, model.get_input_embeddings().weight.device)
