@@ -150,11 +150,16 @@ def test_each_texts_cost_is_said_for_its_own_windows(tiny_model_dir, prompts_fil
 
 
 @pytest.mark.searching
-def test_the_unpruned_models_loss_is_over_the_scored_predictions_as_every_removals_is(tiny_model_dir):
+@pytest.mark.parametrize("path", ["stepper", "forward"])
+def test_the_unpruned_models_loss_is_over_the_scored_predictions_as_every_removals_is(tiny_model_dir, path, monkeypatch):
     """On masked windows (a prompt, its continuation, padding) the unpruned model's per-window loss is
     the mean of -log p over the scored predictions alone, worked out by hand, as a removal's is: over
-    every prediction it would be another figure, and a removal could seem to lower the loss (issue 88)."""
+    every prediction it would be another figure, and a removal could seem to lower the loss (issue 88).
+    Both ways the unpruned pass runs: block by block, and the model's own forward (no stepper)."""
     from depthcurse.select.scoring import CalibrationScorer
+
+    if path == "forward":
+        monkeypatch.setattr(CalibrationScorer, "_stepper", lambda self: None)
 
     loaded = load_model(str(tiny_model_dir))
     model = loaded.model.eval()

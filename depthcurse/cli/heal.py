@@ -68,7 +68,7 @@ def heal(
     from depthcurse.runtime import rank_gpus
     from depthcurse.surgery import num_layers, parse_layers
 
-    data = renamed("heal", "--data", data, calibration or "auto", "auto")
+    data = renamed("heal", "--data", data, calibration, "auto")
     if granularity != "layer":
         raise DepthcurseError(f"heal removes whole layers for now: --granularity {granularity} is not supported")
     if (layers is None) == (order is None):
