@@ -51,9 +51,10 @@ mutate-searching:
 # speculate: decoding, the drafts, the length policies, the expected speedups, the summary and the report
 mutate-speculate:
 	$(BIN)/mutmut run --max-children 2 "depthcurse.speculate*"
-# depth-use and depth-map: the measures, the tuned lens, the agreement, the map, the figures over seeds
+# depth-use and depth-map: the measures, the tuned lens, the agreement, the map and its report, the memory estimate, the figures
+# over seeds; and the identity of every job's kept state
 mutate-depth:
-	$(BIN)/mutmut run --max-children 2 "depthcurse.depth*"
+	$(BIN)/mutmut run --max-children 2 "depthcurse.depth*" "depthcurse.kept_state*"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache mutants

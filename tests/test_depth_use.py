@@ -921,7 +921,7 @@ def test_no_vocabulary_wide_memory_grows_with_depth_and_the_estimate_covers_it()
     assert peaks[0] == peaks[1] and 3 * 64 * 300 < peaks[0] <= (3 + WINDOW_TEMPORARIES) * 64 * 300, peaks
 
 
-def test_the_memory_estimate_by_hand_and_a_run_that_would_not_fit_is_one_line_naming_the_batch_that_does(run_cli, tiny_model_dir, text_file, tmp_path):
+def test_the_memory_estimate_by_hand_and_a_run_that_would_not_fit_is_one_line_naming_the_batch_that_does():
     """n 30, d 576, v 49,152 (SmolLM2-135M), 256 tokens, float32: the measurement holds (31 + 30) b t d 4
     + b t v 4 + 5 t v 4 bytes (0.80 GiB at b = 7, 0.88 at 8), the tuned lens (micro-batch 4) 4 t (31 d 4
     + 6 v 4); with 0.75 GiB free, a batch of 8 does not fit and 6 is the largest that does."""
@@ -946,6 +946,11 @@ def test_the_memory_estimate_by_hand_and_a_run_that_would_not_fit_is_one_line_na
         check_fits(smol, 3, t, measuring_bytes(smol, 1, t))
     assert check_fits(smol, 2, t, lens_bytes(smol, 4, t), lens_micro_batch=4) == lens_bytes(smol, 4, t) > measuring_bytes(smol, 2, t)
     assert check_fits(smol, 8, t, None) == measuring_bytes(smol, 8, t)  # free memory unknown: the estimate alone
+
+
+def test_depth_use_says_its_memory_estimate_and_counts_the_lens_training_in_it(run_cli, tiny_model_dir, text_file, tmp_path):
+    from depthcurse.depth.memory import Shape, lens_bytes, measuring_bytes, peak_bytes
+
     code, _, err = run_cli("depth-use", tiny_model_dir, "--data", text_file, "--windows", "2", "--seq-len", "16", "--no-influence", "--out", tmp_path / "du")
     assert code == 0 and "memory: about 0.0 GiB beyond the model's weights at its peak" in " ".join(err.split()), err
     assert json.loads((tmp_path / "du" / "depth_use.json").read_text())["memory_estimate_bytes"] > 0
@@ -1438,3 +1443,40 @@ def test_a_maps_r2_intervals_are_cut_at_1():
         diagonal = [record["scores"][name]["interval"][i][i] for i in range(5)]
         assert all(iv[1] <= 1.0 for row in record["scores"][name]["interval"] for iv in row) and 1.0 in [iv[1] for iv in diagonal], name
         assert all(iv[0] < record["scores"][name]["mean"][i][i] for i, iv in enumerate(diagonal))
+
+
+def test_depth_uses_table_overview_and_agreement_table_cell_by_cell_by_hand():
+    """depth_table, depth_overview and agreement_table on records worked out here, whose figures differ
+    from column to column and row to row, so that a cell read from another column, another row or
+    another lens prints another figure (issue 88: no table builder without a test of its cells)."""
+    from depthcurse.depth.measure import DepthUse, per_layer_rows
+    from depthcurse.depth.report import agreement_table, depth_overview, depth_table
+
+    use = DepthUse(n_layers=3, windows=2, attn_norm=[[0.1, 0.3], [0.5, 0.5], [0.9, 1.1]], mlp_norm=[[1.0, 1.0], [2.0, 4.0], [3.0, 3.0]],
+                   attn_cos=[[0.1, 0.1], [-0.2, -0.2], [0.3, 0.5]], mlp_cos=[[0.6, 0.6], [0.7, 0.7], [0.8, 0.8]],
+                   lens_kl=[[5.0, 7.0], [3.0, 3.0], [0.0, 0.0]], lens_top1=[[0.0, 0.5], [0.5, 0.5], [1.0, 1.0]],
+                   lens_top5=[[0.25, 0.25], [0.75, 0.75], [1.0, 1.0]], settled=[2, 1, 5],
+                   influence=[[float("nan"), 0.4, 0.2], [float("nan"), float("nan"), 0.6], [float("nan")] * 3], output_change=[0.7, 0.2, 0.9])
+    record = {"run": {"model": "m", "windows": 2, "seq_len": 4, "data": "wiki"}, "definitions": {"name": "depthcurse"}, "use": use.summary(),
+              "layers": per_layer_rows(use), "phase_transition": 1}
+    table = depth_table(record)
+    assert table.title == "m: how each layer is used, 2 windows x 4 tokens of wiki (depthcurse definitions)"
+    assert [c.header for c in table.columns] == ["layer", "attention ||a||/||h||", "MLP ||m||/||h||", "cos(a, h)", "cos(m, h)", "lens KL", "lens top-1",
+                                                 "lens top-5", "settles here", "influence on later layers", "output KL when skipped"]
+    cells = table_cells(table)
+    assert cells[0][:2] == ["0", "0.200 [-1.071, 1.471]"] and cells[1][2] == "3.000 [-9.706, 15.706]" and cells[2][3] == "0.400 [-0.871, 1.671]"
+    assert [row[5] for row in cells] == ["6.000 [-6.706, 18.706]", "3.000 [3.000, 3.000]", "0.000 [0.000, 0.000]"]  # the same in both windows: no spread
+    assert [row[8] for row in cells] == ["25.0%", "12.5%", "62.5%"] and [row[9] for row in cells] == ["0.300", "0.600", "-"]
+    assert [row[10] for row in cells] == ["0.700", "0.200", "0.900"]
+    overview = depth_overview([record, {**record, "phase_transition": None, "run": {**record["run"], "model": "n", "data": "code"}}], ["a", "b"])
+    assert table_cells(overview) == [["a", "m", "wiki, 2 x 4", "3", "1 (33%)", "2", "-", "2"], ["b", "n", "code, 2 x 4", "3", "-", "2", "-", "2"]]  # 2 + 1 < 4 of 8
+    rows = [{"measure": "influence", "target": "removal cost", "rho": 0.84, "interval": [0.66, 0.93], "layers": 29, "distinct": 29, "expected_sign": 1,
+             "verdict": "agrees"},
+            {"measure": "contribution", "target": "exact's pick", "rho": -0.34, "interval": [-0.63, 0.03], "layers": 30, "distinct": 2, "expected_sign": -1,
+             "verdict": "cannot tell"},
+            {"measure": "lens", "target": "greedy's pick", "rho": None, "interval": None, "layers": 2, "distinct": 1, "expected_sign": -1, "agrees": None}]
+    agreed = agreement_table({"agreement": rows})
+    assert [c.header for c in agreed.columns] == ["measure", "against", "rho [95%]", "layers", "the target's distinct values", "expected", "verdict"]
+    assert table_cells(agreed) == [["influence", "removal cost", "+0.84 [+0.66, +0.93]", "29", "29", "+", "agrees"],
+                                   ["contribution", "exact's pick", "-0.34 [-0.63, +0.03]", "30", "2", "-", "cannot tell"],
+                                   ["lens", "greedy's pick", "-", "2", "1", "-", "cannot tell"]]

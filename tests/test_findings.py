@@ -208,6 +208,9 @@ def test_the_continuations_finding_quotes_what_the_tool_gives_its_stored_figures
             assert quote in flat, (pick, text, quote)
             assert (text == "continuations") == (difference_word([low, high]) == "cannot tell")
     assert "Welch's interval, 11 decoded prompts against 8 held-out windows" in flat and len(decoded) == 11 and len(held) == 8
+    headline = section.splitlines()[0]  # its two claims, each the word the stored figures give
+    assert versus["self-draft #2"]["verdict"] == "cannot tell" and "on held-out prompts the tool cannot tell which drafts better" in headline
+    assert "the continuations predict the acceptance a draft meets, natural text does not" in headline
     for text, column in (("wiki", 2), ("continuations", 3)):
         for pick, rejection in stored["held_out_rejection"][text].items():
             row = next(r for r in section.splitlines() if r.startswith(f"| {pick.replace(',', ', ')} |"))
@@ -231,6 +234,8 @@ def test_the_zoo_depth_map_finding_is_reports_own_summary_of_its_stored_runs():
     spans = [s for r in stored["runs"] for s in r["rows"]["r2_dims"]["row_spans"][1:]]
     assert f"a row spans {min(spans):.2f}-{max(spans):.2f} over the 24 deep layers" in " ".join(section.split())
     assert [r["best"] for r in stored["runs"]] == [[2] * 12, [1] + [2] * 9 + [0, 0], [1] * 5 + [4] * 7]
+    headline = section.splitlines()[0]  # "the best match sits early, not on the diagonal": every best match in the deep model's first fifth
+    assert "the best match sits early, not on the diagonal" in headline and max(j for r in stored["runs"] for j in r["best"]) < 24 / 5
 
 
 def test_the_zoo_depth_use_finding_is_reports_own_summary_of_its_stored_runs():

@@ -28,6 +28,8 @@ from depthcurse.runtime import World
 from depthcurse.select.config import SelectConfig
 from depthcurse.speculate.run import SpeculateConfig
 
+pytestmark = pytest.mark.instruments
+
 
 def other(value):
     """Another value of a scalar field's type, as a user might give it."""

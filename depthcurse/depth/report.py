@@ -335,9 +335,10 @@ def agreement_table(record: dict) -> Table:
     table = Table(title="do the layers depth-use calls little used match the ones select measures as cheapest to remove?",
                   caption="Spearman's rho over the layers both rank, with its 95% interval (Fisher's z, Bonett and Wright's standard error); "
                           "a measure of use should rise with a layer's removal cost (+) and fall where a search picked the layer (-). "
-                          "agrees: the interval leaves 0 out on the expected side; opposite: on the other; cannot tell: it holds 0",
+                          "agrees: the interval leaves 0 out on the expected side; opposite: on the other; cannot tell: it holds 0. The target's "
+                          "distinct values: how many values it takes over the layers (a pick's membership: 2)",
                   caption_justify="left")
-    for column in ("measure", "against", "rho [95%]", "layers", "expected", "verdict"):
+    for column in ("measure", "against", "rho [95%]", "layers", "the target's distinct values", "expected", "verdict"):
         table.add_column(column, justify="left" if column in ("measure", "against", "verdict") else "right")
     for row in rows:
         iv = row["interval"]
