@@ -68,6 +68,14 @@ def plain(value):
     raise TypeError(f"{type(value).__name__} has no identity for kept state: give it identity(), or leave the field out with why")
 
 
+def file_digest(source) -> str | None:
+    """Sixteen hex digits of sha256 over a file's bytes where `source` names a file (a text or prompts
+    file a job reads by name), else None: a named source (wiki, c4) is the same text under its name."""
+    if source is None or not Path(str(source)).expanduser().is_file():
+        return None
+    return hashlib.sha256(Path(str(source)).expanduser().read_bytes()).hexdigest()[:16]
+
+
 def _bytes(t) -> bytes:
     import torch  # lazy: the CLI reads configs' identities before torch is needed
 

@@ -215,3 +215,54 @@ def test_each_depth_instrument_keeps_its_whole_calls_identity_and_a_rerun_of_ano
         heard.clear()
         fn(**{**given, **changed}, **{where: kept}, on_step=lambda t, d, n: heard.append(d) if t.startswith(label) else None)
         assert 0 in heard, call  # another call's state: every step again
+
+
+def test_select_and_speculate_key_their_records_by_their_inputs_too(tiny_model_dir, tmp_path):
+    """Another text or prompts file under the same name, of the same shape, is another run: select's
+    texts' windows and speculate's prompts' tokens are digested into the identity its record keeps."""
+    from helpers import CORPUS
+
+    from depthcurse.loading import load_model
+    from depthcurse.select.grid import run_select
+    from depthcurse.speculate import run_speculate
+
+    loaded = load_model(str(tiny_model_dir))
+    text = tmp_path / "text.txt"
+    text.write_text("\n\n".join(CORPUS * 3))
+    cfg = SelectConfig(k=1, calibration=(str(text),), searches=("last",), calib_windows=2, eval_windows=2, seq_len=8, resamples=0)
+    run_select(loaded, cfg, tmp_path / "select")
+    run_select(loaded, cfg, tmp_path / "select")  # the same text: taken up
+    text.write_text("\n\n".join(c[::-1] for c in CORPUS * 3))  # the same length and name, other tokens
+    with pytest.raises(DepthcurseError, match="holds a different select run.*texts"):
+        run_select(loaded, cfg, tmp_path / "select")
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the river flows\n\nwater boils at\n")
+    spec = SpeculateConfig(skip=(1,), prompts=str(prompts), max_new_tokens=3, baselines=())
+    run_speculate(loaded, spec, tmp_path / "spec")
+    prompts.write_text("the river flown\n\nwater boils it\n")
+    with pytest.raises(DepthcurseError, match="holds a different speculate run.*prompts_sha256"):
+        run_speculate(loaded, spec, tmp_path / "spec")
+
+
+def test_a_heal_runs_identity_holds_its_text_files_digest(tmp_path):
+    """heal reads its calibration and other text by name: a file's bytes are in the identity (another
+    file under the same name is another run), a named source's (wiki) are its name's."""
+    from helpers import heal_config
+
+    from depthcurse.heal.loop import identity
+    from depthcurse.kept_state import file_digest
+    from depthcurse.loading import LoadedModel
+
+    text = tmp_path / "docs.txt"
+    text.write_text("one document\n\nanother")
+    loaded = LoadedModel(model=tiny_llama(50, layers=3), tokenizer=None, name="m", source="m", dtype=torch.float32, device=torch.device("cpu"))
+    cfg = heal_config(layers=(1,), method="linear", data=str(text))
+    first = identity(loaded, cfg)
+    assert first["data_sha256"] == file_digest(str(text)) and first["eval_data_sha256"] is None
+    text.write_text("one document\n\nanothex")
+    again = identity(loaded, cfg)
+    assert again["data_sha256"] == file_digest(str(text)) != first["data_sha256"]
+    with pytest.raises(DepthcurseError, match="holds a different.*data_sha256"):
+        refuse_other_run(tmp_path, first, again)
+    assert identity(loaded, dataclasses.replace(cfg, data="wiki"))["data_sha256"] is None and file_digest(None) is None

@@ -40,6 +40,7 @@ from depthcurse.heal.report import cost_text, heal_rows, sites_text
 from depthcurse.heal.shares import recovered, with_retained
 from depthcurse.heal.sites import massive_at_sites
 from depthcurse.io import atomic_write, changed_settings, ensure_out_dir, environment, json_text, read_record, refuse_other_run
+from depthcurse.kept_state import file_digest
 from depthcurse.loading import LoadedModel, load_model, window_length
 from depthcurse.prune.engine import evaluate_variants, why_unsupported
 from depthcurse.runtime import DTYPES, World
@@ -95,7 +96,7 @@ def identity(loaded: LoadedModel, cfg: HealConfig) -> dict:
     """What the run's folder records and a rerun must match."""
     method = cfg.build()
     run = {**loaded.describe(), **cfg.identity(), "seq_len": window_length(loaded.model, cfg.seq_len), "method_title": method.title,
-           "method_how": method.describe()}
+           "method_how": method.describe(), "data_sha256": file_digest(cfg.data), "eval_data_sha256": file_digest(cfg.eval_data)}  # a file's text: another under its name is another run
     run.pop("device", None)  # a resumed run may move between machines
     run["device_kind"] = loaded.device.type
     return run

@@ -34,6 +34,7 @@ import torch
 from depthcurse.errors import DepthcurseError
 from depthcurse.forecast import duration, took_up
 from depthcurse.io import atomic_write, ensure_out_dir, json_text, refuse_other_run
+from depthcurse.kept_state import plain
 from depthcurse.loading import check_sequence_length
 from depthcurse.prune.engine import evaluate_variants, why_unsupported
 from depthcurse.runtime import World
@@ -82,7 +83,13 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
     labels = source_labels(cfg.calibration)
     phase = on_phase or (lambda text: None)
     out_dir = ensure_out_dir(out_dir)
-    run = {**{k: v for k, v in loaded.describe().items() if k != "device"}, **cfg.identity(), "n_layers": n}
+    texts: dict[str, Texts] = {}
+    for source in cfg.calibration:  # before the first phase: a text that cannot be read is the one line said
+        if not is_continuations(source):
+            texts[source] = text_windows(tokenizer, source, cfg)
+    # the texts' windows are inputs of the run: another text under the same name is another run (the continuations are kept in the record itself)
+    run = {**{k: v for k, v in loaded.describe().items() if k != "device"}, **cfg.identity(), "n_layers": n,
+           "texts": {source: plain(windows) for source, windows in texts.items()}}
     path = out_dir / SELECT_JSON
     record = world.broadcast(json.loads(path.read_text()) if world.main and path.exists() else {})  # read before any rank writes
     if record:
@@ -93,10 +100,6 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
     note = on_note or (lambda text: None)
     if record["cells"]:
         note(took_up("the grid's cells", len(record["cells"]), len(cfg.cells()), path))
-    texts: dict[str, Texts] = {}
-    for source in cfg.calibration:  # before the first phase: a text that cannot be read is the one line said
-        if not is_continuations(source):
-            texts[source] = text_windows(tokenizer, source, cfg)
     model.eval()
     for source in filter(is_continuations, cfg.calibration):  # the model's own, generated once (rank 0's on every rank) and kept: a resumed run scores the same
         kept = record.setdefault("continuations", {})

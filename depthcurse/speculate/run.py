@@ -31,7 +31,7 @@ import torch
 from depthcurse.errors import DepthcurseError
 from depthcurse.forecast import Forecast, took_up
 from depthcurse.io import atomic_write, ensure_out_dir, environment, json_text, refuse_other_run
-from depthcurse.kept_state import identity_of
+from depthcurse.kept_state import identity_of, tensors_digest
 from depthcurse.loading import max_positions
 from depthcurse.runtime import World
 from depthcurse.speculate.decoding import DecodeSettings, Generation, plain, speculative
@@ -298,7 +298,8 @@ def run_speculate(loaded, cfg: SpeculateConfig, out_dir: Path, *, assistant=None
     ids = [p.to(loaded.device) for p in check_prompts(model, tokenizer, prompts, cfg)]
     eos = eos_tokens(model, tokenizer)
     out_dir = ensure_out_dir(out_dir)
-    run = {**{k: v for k, v in loaded.describe().items() if k != "device"}, **cfg.identity(), "n_layers": num_layers(model)}
+    run = {**{k: v for k, v in loaded.describe().items() if k != "device"}, **cfg.identity(), "n_layers": num_layers(model),
+           "prompts_sha256": tensors_digest(*ids)}  # the prompts' tokens: another file under the same name is another run
     path = out_dir / SPECULATE_JSON
     record = world.broadcast(json.loads(path.read_text()) if world.main and path.exists() else {})
     if record:
