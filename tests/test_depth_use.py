@@ -1425,6 +1425,19 @@ def test_the_maps_table_and_verdicts_print_every_figure_worked_by_hand():
         "+1.00 [+0.90, +1.00]",
         "the shallow model's last layer maps best to deep stream after 1 of 2 (relative error 0.400); the deep model's last layer is reached with "
         "relative error 0.350 at best"]  # the lowest of the last column, from the stream after shallow layer 0
+    assert map_table(ours).title == ("s (2 layers) -> d (4 layers): which deep layer each shallow layer's stream maps to best, by the held-out R^2 "
+                                     "per dimension")
+    assert map_table({**ours, "run": {**run, "same_model": True}}).title.endswith("by the held-out R^2 per dimension (one model against itself)")
+    assert map_table(ours).caption == (
+        "a linear map (least squares, ridge 0.001) from the stream after the shallow layer to the stream after each deep layer, fitted on 3 windows "
+        "of wiki x 16 tokens, scored on 2 held-out windows (mean, in brackets the 95% interval, Student's t over windows, an R^2's cut at 1, the most "
+        "it can be; higher is better); relative depth: (layer + 1) / layers; per dimension: each dimension's R^2, then their mean (one dimension "
+        "cannot decide it); pooled: over every dimension at once (a dimension counts by its variance)")
+    assert map_table(theirs).title == "s (2 layers) -> d (2 layers): which deep layer each shallow layer's stream maps to best, by the held-out relative error"
+    assert map_table(theirs).caption == (
+        "their trained linear map (their code) from each shallow stream (the embedding's output, then after each layer) to every deep stream at "
+        "once, fitted on 3 windows of wiki x 16 tokens, scored on 2 held-out windows (mean, in brackets the 95% interval, Student's t over windows; "
+        "lower is better); relative depth: stream / layers (0: the embedding)")
     entering = DEFINITIONS["csordas"]
     assert [entering.row_label(r, 3) for r in range(4)] == ["the embedding", "entering layer 1", "entering layer 2", "the output"]
     assert [DEFINITIONS["depthcurse"].row_label(r, 3) for r in range(3)] == ["after layer 0", "after layer 1", "after layer 2"]
@@ -1480,3 +1493,48 @@ def test_depth_uses_table_overview_and_agreement_table_cell_by_cell_by_hand():
     assert table_cells(agreed) == [["influence", "removal cost", "+0.84 [+0.66, +0.93]", "29", "29", "+", "agrees"],
                                    ["contribution", "exact's pick", "-0.34 [-0.63, +0.03]", "30", "2", "-", "cannot tell"],
                                    ["lens", "greedy's pick", "-", "2", "1", "-", "cannot tell"]]
+
+
+def test_run_depth_map_fits_its_default_windows_says_an_under_determined_map_and_writes_its_record(tiny_tokenizer, bos_tokenizer, text_file, tmp_path):
+    """`run_depth_map` on models in memory (not through the command line): its default fitting windows
+    (16 here: the stream is 32 wide), the record's run (both models, the text, the start, the fit, one
+    model against itself), its bad input and its under-determined fit each one line or one note; what an
+    interrupted map kept, in words; the record and the figure written (issue 88)."""
+    from depthcurse.depth.map_report import KEPT_FILE, kept_summary, run_depth_map, write_map
+    from depthcurse.errors import DepthcurseError
+    from depthcurse.loading import LoadedModel
+
+    def loaded(model, source, tokenizer=tiny_tokenizer):
+        return LoadedModel(model=model, tokenizer=tokenizer, name=source, source=source, dtype=torch.float32, device=torch.device("cpu"))
+
+    shallow = loaded(tiny_llama(len(tiny_tokenizer), layers=2, seed=1), "s")
+    deep = loaded(tiny_llama(len(tiny_tokenizer), layers=3, seed=2), "d")
+    said = []
+    record = run_depth_map(shallow, deep, str(text_file), None, 2, 8, 4, on_note=said.append)
+    assert record["fit_windows"] == 16 and record["held_out_windows"] == 2 and said[-1].startswith("the map's rows")
+    run = record["run"]
+    assert run["fit"] == {"tokens": 128, "inputs": 33, "min_fit_ratio": 1.0, "under_determined": None}
+    assert (run["shallow"]["source"], run["deep"]["source"], run["data"], run["seq_len"], run["start"], run["same_model"]) == ("s", "d", str(text_file), 8, [], False)
+    assert run["shallow"]["architecture"]["num_hidden_layers"] == 2 and run["deep"]["architecture"]["num_hidden_layers"] == 3 and "device" not in run["shallow"]
+    assert run_depth_map(shallow, shallow, str(text_file), 16, 2, 8, 4)["run"]["same_model"] is True
+    said.clear()
+    thin = run_depth_map(shallow, deep, str(text_file), 2, 2, 8, 4, on_note=said.append, min_fit_ratio=0.1)  # 16 tokens for 33 inputs
+    assert thin["run"]["fit"]["under_determined"] == said[0] and "--calib-windows 2 x 8 tokens" in said[0] and "the minimum-norm map" in said[0]
+    with pytest.raises(DepthcurseError, match="give --calib-windows 5 or more"):
+        run_depth_map(shallow, deep, str(text_file), 2, 2, 8, 4)
+    for bad in ((0, 2, 8, 4), (4, 1, 8, 4), (4, 2, 1, 4), (4, 2, 8, 0)):
+        with pytest.raises(DepthcurseError, match=r"^--calib-windows must be at least 1, --eval-windows at least 2"):
+            run_depth_map(shallow, deep, str(text_file), *bad)
+    with pytest.raises(DepthcurseError, match=r"holds \d+ windows of 8 tokens, fewer than --calib-windows 500 and --eval-windows 2$"):
+        run_depth_map(shallow, deep, str(text_file), 500, 2, 8, 4)
+    with pytest.raises(DepthcurseError, match="^the depth map compares streams token by token: s and b have different tokenizers$"):
+        run_depth_map(shallow, loaded(tiny_llama(len(bos_tokenizer), layers=2), "b", bos_tokenizer), str(text_file), 4, 2, 8, 4)
+    kept = tmp_path / KEPT_FILE
+    assert kept_summary(tmp_path) == "no row had finished"
+    kept.write_text(json.dumps({"rows": 2, "of": 4}))
+    assert kept_summary(tmp_path) == f"2 of 4 shallow streams' rows kept in {kept}"
+    run_depth_map(shallow, deep, str(text_file), 16, 2, 8, 4, kept=kept)
+    assert not kept.exists()  # mapped whole: the record holds it now
+    written = write_map(record, tmp_path / "out")
+    assert [p.name for p in written] == ["depth_map.json", "depth_map.png"] and json.loads(written[0].read_text())["best"] == record["best"]
+    assert written[1].stat().st_size > 1000

@@ -65,6 +65,7 @@ def test_a_forecast_on_the_budget_is_within_it_and_keeps_three_decimals():
 
 
 @pytest.mark.instruments
+@pytest.mark.usefixtures("one_torch_thread")  # mutmut forks the process that ran it: a forked thread pool is a deadlock
 @pytest.mark.parametrize("steps", [1, 2, 3])
 def test_each_long_commands_forecast_counts_the_steps_its_loop_runs(steps, bos_model_dir, docs_file, tmp_path):
     """The tuned lens's steps, depth-use's batches, depth-map's rows, heal's training steps and

@@ -28,7 +28,8 @@ from depthcurse.runtime import World
 from depthcurse.select.config import SelectConfig
 from depthcurse.speculate.run import SpeculateConfig
 
-pytestmark = pytest.mark.instruments
+# one torch thread: tiny models gain nothing from more, and mutmut forks this process (a thread pool forked is a deadlock)
+pytestmark = [pytest.mark.instruments, pytest.mark.usefixtures("one_torch_thread")]
 
 
 def other(value):
