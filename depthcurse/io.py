@@ -25,7 +25,7 @@ from pathlib import Path
 
 from depthcurse.errors import DepthcurseError
 
-PACKAGES = ("depthcurse", "torch", "transformers", "lm_eval", "datasets", "accelerate", "safetensors")
+PACKAGES = ("depthcurse", "torch", "transformers", "lm_eval", "peft", "datasets", "accelerate", "safetensors")
 STALE_AFTER_S = 6 * 3600  # a temporary folder this old was left by a killed writer
 
 
@@ -290,7 +290,9 @@ def refuse_other_run(folder: Path, saved: dict, current: dict, *, ignore=frozens
 
 
 def environment() -> dict:
-    """Python, platform, package versions, threads and GPUs: saved with every result."""
+    """What a reviewer needs to rerun a result, saved with every one: the command as typed, the code
+    (its version, and its git commit and whether the tree had changes, where it runs from a checkout),
+    Python, the platform, the CPU's model and the GPUs, the package versions and torch's threads."""
     import torch  # lazy: the CLI imports this module at start-up, and torch takes seconds
 
     versions = {}
@@ -299,7 +301,53 @@ def environment() -> dict:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
-    env = {"python": platform.python_version(), "platform": platform.platform(), "packages": versions, "torch_threads": torch.get_num_threads()}
+    env = {"command": command_line(), **code_version(), "python": platform.python_version(), "platform": platform.platform(), "cpu": cpu_model(),
+           "packages": versions, "torch_threads": torch.get_num_threads()}
     if torch.cuda.is_available():
         env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return env
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command as typed, quoted as a shell reads it (`depthcurse ...`, whatever the entry point's path)."""
+    import shlex
+
+    argv = sys.argv if argv is None else argv
+    head = "depthcurse" if Path(argv[0]).name in ("depthcurse", "__main__.py", "-m") else Path(argv[0]).name
+    return shlex.join([head, *argv[1:]])
+
+
+def code_version(root: Path | None = None) -> dict:
+    """The git commit of the checkout the package runs from and whether its tracked files had changes
+    (None for both where it is not a checkout, as when installed from a wheel)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent if root is None else root
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    if commit.returncode != 0 or not (root / ".git").exists():
+        return {"commit": None, "dirty": None}
+    return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
+
+
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The CPU's model name as the kernel gives it (lscpu's "Model name"), with its family and model
+    numbers where given (a virtual machine's name can be as bare as "Intel Xeon Processor"), else
+    what the platform says."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    fields = {}
+    for line in cpuinfo.split("\n\n")[0].splitlines():  # the first processor's block
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or fields.get("Processor")
+    if not name:
+        return platform.processor() or platform.machine()
+    numbers = ", ".join(f"{k} {fields[k]}" for k in ("cpu family", "model") if fields.get(k))
+    return f"{name} ({numbers})" if numbers else name

@@ -300,6 +300,52 @@ def _train_section(folders: list[Path]) -> str:
     return "\n\n".join(["## Training runs: the paper's Table 1 layout", markdown_table(table1([read_run(f) for f in folders]))])
 
 
+RECORDS = (RESULTS_JSON, GREEDY_JSON, ANGULAR_JSON, HEAL_JSON, SELECT_JSON, SPECULATE_JSON, DEPTH_JSON, MAP_JSON, SPEED_JSON, "summary.json")
+
+
+def made_with(folder: Path) -> dict | None:
+    """The environment a folder's record keeps (`io.environment`: the command, the commit, the versions,
+    the CPU or GPUs), wherever its kind keeps it; None for a record from before it was kept."""
+    def found(value):
+        if isinstance(value, dict):
+            if isinstance(value.get("environment"), dict):
+                return value["environment"]
+            for inner in value.values():
+                hit = found(inner)
+                if hit is not None:
+                    return hit
+        return None
+
+    for name in RECORDS:
+        path = folder / name if folder.is_dir() else folder
+        if path.is_file() and path.suffix == ".json":
+            try:
+                hit = found(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
+            if hit is not None:
+                return hit
+    return None
+
+
+def _made_section(folders: list[Path]) -> str:
+    """How each result was made, so that a reader can rerun it: the command as typed, the code's commit
+    (and whether the tree had changes), the versions that decide the figures, and the machine."""
+    rows = []
+    for folder in folders:
+        env = made_with(folder)
+        if env is None:
+            rows.append([f"`{folder}`", "(not kept: a record from before issue 90)", "", "", ""])
+            continue
+        versions = env.get("packages", {})
+        commit = env.get("commit")
+        code = f"{versions.get('depthcurse')}" + (f", {commit[:12]}" + (" with changes" if env.get("dirty") else "") if commit else "")
+        rows.append([f"`{folder}`", f"`{env.get('command', '-')}`", code,
+                     ", ".join(f"{n} {versions.get(n)}" for n in ("torch", "transformers", "lm_eval", "peft") if versions.get(n)),
+                     ", ".join(env.get("gpus") or []) or env.get("cpu", "-")])
+    return "## How each was made\n\n" + _rows(["folder", "command", "depthcurse (commit)", "versions", "machine"], rows)
+
+
 def write_report(folders: list[Path], out: Path) -> Path:
     """The page for `folders` at `out` (Markdown), its figures in `<out stem>_figures/`."""
     if not folders:
@@ -338,6 +384,7 @@ def write_report(folders: list[Path], out: Path) -> Path:
             sections.append(_checkpoint_section(by_kind["checkpoint"]))
         if by_kind["train"]:
             sections.append(_train_section(by_kind["train"]))
+        sections.append(_made_section(list(map(Path, folders))))
     except BaseException:
         shutil.rmtree(figures, ignore_errors=True)  # a page that failed leaves no figures folder behind
         raise

@@ -1512,6 +1512,7 @@ def test_run_depth_map_fits_its_default_windows_says_an_under_determined_map_and
     said = []
     record = run_depth_map(shallow, deep, str(text_file), None, 2, 8, 4, on_note=said.append)
     assert record["fit_windows"] == 16 and record["held_out_windows"] == 2 and said[-1].startswith("the map's rows")
+    assert record["wall_time_s"] >= 0 and {"command", "commit", "cpu", "packages"} <= set(record["environment"])  # how it was made (issue 90)
     run = record["run"]
     assert run["fit"] == {"tokens": 128, "inputs": 33, "min_fit_ratio": 1.0, "under_determined": None}
     assert (run["shallow"]["source"], run["deep"]["source"], run["data"], run["seq_len"], run["start"], run["same_model"]) == ("s", "d", str(text_file), 8, [], False)

@@ -281,8 +281,31 @@ def test_ppl_sweep_equals_the_plain_path(kind, tiny_tokenizer, tmp_path, one_tor
     assert [v.removed for v in reuse.variants] == [v.removed for v in plain.variants]
     for a, b in zip(plain.variants, reuse.variants):
         assert b.metrics["loss"] == pytest.approx(a.metrics["loss"], abs=1e-5)
-        assert b.examples == a.examples and b.details == a.details
+        assert b.examples == a.examples and b.details["tokens"] == a.details["tokens"]
+        assert b.details["per_window"] == pytest.approx(a.details["per_window"], abs=1e-5) and len(b.details["per_window"]) == 6
     assert not (tmp_path / "reuse" / "prune.partial").exists()
+    # each window's loss by hand, with the layer removed (issue 90): the drop's paired interval is over them
+    from depthcurse.prune.report import prune_table
+    from depthcurse.prune.results import prune_rows
+    from depthcurse.stats.intervals import mean_interval
+
+    def by_hand(removed):
+        with torch.no_grad(), removed_layers(model, removed):
+            logits = model(input_ids=task.windows).logits[:, :-1].float()
+        return torch.nn.functional.cross_entropy(logits.transpose(1, 2), task.windows[:, 1:], reduction="none").mean(-1).tolist()
+
+    base = by_hand(())
+    for v in reuse.variants[1:]:
+        mine = by_hand(tuple(v.removed))
+        assert v.details["per_window"] == pytest.approx(mine, abs=1e-5)
+        low, high = mean_interval([x - b for x, b in zip(mine, base)])
+        assert reuse.drop_interval(v) == pytest.approx([low, high], abs=1e-5) and low <= reuse.drop(v)[0] <= high
+    assert reuse.drop_interval(reuse.baseline) is None
+    rows = prune_rows(reuse)
+    assert rows[0]["drop 95% low"] != rows[0]["drop 95% low"] and rows[1]["drop 95% low"] == reuse.drop_interval(reuse.variants[1])[0]
+    cell = [c for c in prune_table(reuse).columns if c.header == "drop"][0]._cells[1]
+    low, high = reuse.drop_interval(reuse.variants[1])
+    assert cell == f"{reuse.drop(reuse.variants[1])[0]:+.4f} [{low:+.4f}, {high:+.4f}]" and "paired over the 6 windows" in prune_table(reuse).caption
 
 
 def test_compiled_blocks_score_as_eager_ones(tiny_tokenizer, tmp_path, one_torch_thread):

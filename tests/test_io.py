@@ -153,3 +153,33 @@ def test_every_command_that_writes_a_results_folder_refuses_one_in_use(run_cli, 
     finally:
         held.close()
     assert (tmp_path / "busy" / ".depthcurse-lock").read_text().startswith("pid 4242")  # the holder's lock left as it was
+
+
+def test_what_a_reviewer_needs_to_rerun_a_result_is_in_every_environment(tmp_path, monkeypatch):
+    """The command as typed (quoted as a shell reads it), the checkout's commit and whether its tracked
+    files changed (none outside a checkout), the CPU's model with its numbers, and peft's version too
+    (issue 90)."""
+    import subprocess
+    import sys
+
+    from depthcurse.io import code_version, command_line, cpu_model, environment
+
+    assert command_line(["/x/.venv/bin/depthcurse", "prune", "m", "--data", "my text.txt"]) == "depthcurse prune m --data 'my text.txt'"
+    assert command_line(["/x/depthcurse/__main__.py", "select", "m"]) == "depthcurse select m"
+    assert command_line(["script.py", "--k", "4"]) == "script.py --k 4"
+    monkeypatch.setattr(sys, "argv", ["depthcurse", "speed", "m"])
+    env = environment()
+    assert env["command"] == "depthcurse speed m" and "peft" in env["packages"] and env["cpu"] and {"commit", "dirty"} <= set(env)
+    assert code_version(tmp_path) == {"commit": None, "dirty": None}  # not a checkout (a wheel's install)
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    (tmp_path / "f").write_text("a")
+    git("add", "f")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert code_version(tmp_path) == {"commit": head, "dirty": False}
+    (tmp_path / "f").write_text("b")
+    assert code_version(tmp_path) == {"commit": head, "dirty": True}
+    info = "processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 207\nmodel name\t: Intel(R) Xeon(R) Processor\n\nprocessor\t: 1\nmodel name\t: other\n"
+    assert cpu_model(info) == "Intel(R) Xeon(R) Processor (cpu family 6, model 207)"
+    assert cpu_model("Processor\t: ARMv8 rev 1 (v8l)\n") == "ARMv8 rev 1 (v8l)" and cpu_model("") != ""

@@ -232,7 +232,8 @@ def test_select_and_speculate_key_their_records_by_their_inputs_too(tiny_model_d
     text.write_text("\n\n".join(CORPUS * 3))
     cfg = SelectConfig(k=1, calibration=(str(text),), searches=("last",), calib_windows=2, eval_windows=2, seq_len=8, resamples=0)
     run_select(loaded, cfg, tmp_path / "select")
-    run_select(loaded, cfg, tmp_path / "select")  # the same text: taken up
+    made = run_select(loaded, cfg, tmp_path / "select")  # the same text: taken up
+    assert {"command", "commit", "cpu", "packages"} <= set(made["environment"]) and made["wall_time_s"] > 0  # how it was made (issue 90)
     text.write_text("\n\n".join(c[::-1] for c in CORPUS * 3))  # the same length and name, other tokens
     with pytest.raises(DepthcurseError, match="holds a different select run.*texts"):
         run_select(loaded, cfg, tmp_path / "select")

@@ -216,6 +216,14 @@ def test_speed_on_the_command_line_measures_a_checkpoint_against_its_source(run_
     assert "## What the removal buys" in card and "KV cache: bytes per token" in card and "near the layers share" in card
     page = write_report([tmp_path / "speed"], tmp_path / "page.md").read_text()
     assert "## What a removal buys" in page and "prefill" in page
+    from depthcurse.io import environment  # how it was made: this process's command, commit, versions and machine (issue 90)
+
+    env = environment()
+    made = page[page.index("## How each was made"):]
+    assert f"`{tmp_path / 'speed'}`" in made and f"`{env['command']}`" in made and f"torch {env['packages']['torch']}" in made and env["cpu"] in made
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "speed.json").write_text(json.dumps({**steady, "environment": None}))
+    assert write_report([tmp_path / "old"], tmp_path / "old.md").read_text().count("(not kept: a record from before issue 90)") == 1
 
 
 def test_speeds_bad_inputs_get_one_line(run_cli, tiny_model_dir, tmp_path):

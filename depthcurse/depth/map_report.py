@@ -14,7 +14,7 @@ from depthcurse.depth.depth_map import RIDGE, depth_map, deciding, same_tokenize
 from depthcurse.depth.over_seeds import architecture
 from depthcurse.errors import DepthcurseError
 from depthcurse.fitting import DEFAULT_FIT_RATIO, MIN_FIT_RATIO, check_fit, needed
-from depthcurse.io import atomic_write, json_text, save_figure
+from depthcurse.io import atomic_write, environment, json_text, save_figure
 from depthcurse.loading import check_sequence_length
 from depthcurse.tasks import PerplexityTask
 from depthcurse.text import load_texts
@@ -45,6 +45,7 @@ def run_depth_map(shallow, deep, data: str, windows: int | None, held_out: int, 
     (ppl's packing, the shallow model's tokenizer, which must be the deep one's). Before any work, a
     map fitted on fewer tokens than its inputs is said (`on_note`), and refused below `min_fit_ratio`
     of them (`fitting.check_fit`)."""
+    started = clock()
     if not same_tokenizer(shallow.tokenizer, deep.tokenizer):
         raise DepthcurseError(f"the depth map compares streams token by token: {shallow.source} and {deep.source} have different tokenizers")
     width = shallow.model.get_input_embeddings().weight.shape[-1]
@@ -75,7 +76,7 @@ def run_depth_map(shallow, deep, data: str, windows: int | None, held_out: int, 
     run = {"shallow": describe(shallow), "deep": describe(deep), "data": label, "seq_len": seq_len, "start": task.prefix,
            "fit": {"tokens": tokens, "inputs": width + 1, "min_fit_ratio": min_fit_ratio, "under_determined": note}}
     run["same_model"] = all(run["shallow"][k] == run["deep"][k] for k in ("source", "revision"))
-    return {"run": run, **result}
+    return {"run": run, **result, "wall_time_s": round(clock() - started, 3), "environment": environment()}
 
 
 def same_model_line(record: dict) -> str:

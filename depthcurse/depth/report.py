@@ -20,7 +20,7 @@ from depthcurse.depth.over_seeds import architecture
 from depthcurse.depth.tuned_lens import PARTIAL_FILE, LensSettings, load_lens, partial_step, train_tuned_lens
 from depthcurse.errors import DepthcurseError
 from depthcurse.forecast import Forecast
-from depthcurse.io import atomic_write, csv_text, json_text, read_record, save_figure
+from depthcurse.io import atomic_write, csv_text, environment, json_text, read_record, save_figure
 from depthcurse.loading import check_sequence_length
 from depthcurse.runtime import World
 from depthcurse.stats.intervals import mean_interval
@@ -44,6 +44,7 @@ def run_depth_use(loaded, data: str, windows: int, seq_len: int, batch_size: int
     (`on_note`), and a run that would not fit in `free` bytes (-1: what is free now; None: unknown) is
     one line naming the batch size that fits. With `kept` (a file), the measurement's finished batches
     are kept there, as the lens's training is beside `lens_out`: an interrupted run resumes."""
+    started = clock()
     if windows < 2:
         raise DepthcurseError(f"--windows must be at least 2 (the intervals are over windows), got {windows}")
     if seq_len < 2 or batch_size < 1:
@@ -91,7 +92,7 @@ def run_depth_use(loaded, data: str, windows: int, seq_len: int, batch_size: int
     record = {"run": {**{k: v for k, v in loaded.describe().items() if k != "device"}, "architecture": architecture(loaded.model), "data": label,
                       "windows": windows, "seq_len": seq_len},
               "definitions": definitions.summary(), "memory_estimate_bytes": need, "use": use.summary(), "layers": per_layer_rows(use),
-              "phase_transition": phase_transition(use), "forecasts": forecasts}
+              "phase_transition": phase_transition(use), "forecasts": forecasts, "wall_time_s": round(clock() - started, 3), "environment": environment()}
     if translators is not None:
         record["tuned_lens"] = {**training, "source": str(lens) if lens is not None else "trained here",
                                 "held_out_kl": [row["tuned_kl"] for row in record["layers"]],

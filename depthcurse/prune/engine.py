@@ -105,6 +105,8 @@ def evaluate_variants(
         if lm_requests is None:
             count = sum(len(r.targets) for r in requests)
             scores[v] = task.score(-float(lp[vi].sum()), count)
+            # each window's mean loss: what a drop's paired interval is over (`Sweep.drop_interval`)
+            scores[v].details["per_window"] = [-float(lp[vi][w]) / len(r.targets) for w, r in enumerate(requests)]
         else:
             scores[v] = lm_requests.score(lp[vi], greedy[vi])
     stats.update(

@@ -127,9 +127,13 @@ def prune_table(sweep: Sweep) -> Table:
              f"{sweep.metric} ({'↑' if sweep.higher_is_better else '↓'} better)")
     shared = sweep.meta.get("engine", {}).get("name") == "reuse"
     caption = "s: seconds spent scoring the variant" + (" (the reuse engine scores them together: an equal share of its time)" if shared else "")
+    if rows and "drop 95% low" in rows[0]:
+        caption = (f"drop: the loss against the unpruned model's, in brackets its 95% interval paired over the {sweep.run.get('windows', '?')} windows "
+                   f"(Student's t)\n{caption}")
     if not sweep.complete:
         caption = f"{sweep.status_text()}\n{caption}"
-    extra = [m for m in (rows[0] if rows else {}) if m not in {"unit", "removed", "data", "drop", "rel_drop", "examples", "seconds"}]
+    extra = [m for m in (rows[0] if rows else {}) if m not in {"unit", "removed", "data", "drop", "rel_drop", "examples", "seconds", "drop 95% low",
+                                                               "drop 95% high"}]
     capabilities = list(sweep.capabilities(sweep.variants[0])) if sweep.variants else []
     if capabilities:  # the probes: a column per capability with its interval, in place of a column per rung (prune.csv keeps both)
         extra = [m for m in extra if m not in PROBES and not any(m.startswith(f"{c} ") for c in capabilities)]
@@ -149,7 +153,7 @@ def prune_table(sweep: Sweep) -> Table:
         table.add_row(
             r["removed"],
             *[_fmt(r[m]) if m not in capabilities else _with_interval(r, m) for m in extra],
-            _fmt(r["drop"], signed=True),
+            _fmt(r["drop"], signed=True) + (f" [{r['drop 95% low']:+.4f}, {r['drop 95% high']:+.4f}]" if math.isfinite(r.get("drop 95% low", math.nan)) else ""),
             "" if not math.isfinite(r["rel_drop"]) else f"{r['rel_drop']:+.1%}",
             str(r["examples"]),
             f"{r['seconds']:.1f}",

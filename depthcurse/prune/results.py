@@ -16,6 +16,7 @@ from depthcurse.errors import DepthcurseError
 from depthcurse.tasks.harness import SUITE_METRIC
 from depthcurse.tasks.probes import capability_scores, per_rung
 from depthcurse.io import atomic_write, csv_text, json_text
+from depthcurse.stats.intervals import mean_interval
 
 RESULTS_JSON = "prune.json"
 RESULTS_CSV = "prune.csv"
@@ -110,6 +111,16 @@ class Sweep:
         worse = b - x if self.higher_is_better else x - b
         return worse, (worse / abs(b) if b else float("nan"))
 
+    def drop_interval(self, v: VariantResult) -> list[float] | None:
+        """The drop's 95% interval, paired over the windows both the variant and the baseline scored
+        (each window's loss, `details["per_window"]`: a ppl sweep's): Student's t at windows - 1 degrees
+        of freedom; None where the windows are not kept (another task, a record from before) or fewer than 2."""
+        base = self.baseline
+        mine, theirs = (None if r is None else r.details.get("per_window") for r in (v, base))
+        if not mine or not theirs or len(mine) != len(theirs) or self.metric != "loss" or v is base:
+            return None
+        return mean_interval([x - b for x, b in zip(mine, theirs)])
+
     def capabilities(self, v: VariantResult) -> dict[str, dict]:
         """The capability probes among `v`'s scores, by capability: the share solved over its rungs'
         examples with its Wilson interval (empty where no probe ran)."""
@@ -168,6 +179,7 @@ def prune_rows(sweep: Sweep) -> list[dict]:
     data = sweep.data_text()
     base = sweep.baseline
     suite = sweep.metric == SUITE_METRIC and base is not None and base.metrics.get(SUITE_METRIC)
+    paired = base is not None and sweep.metric == "loss" and bool(base.details.get("per_window"))
     for v in sweep.variants:
         drop, rel = sweep.drop(v)
         row = {"unit": sweep.unit, "removed": v.label, "data": data}
@@ -178,6 +190,9 @@ def prune_rows(sweep: Sweep) -> list[dict]:
             row.update({capability: c["score"], f"{capability} 95% low": c["interval"][0], f"{capability} 95% high": c["interval"][1],
                         f"{capability} examples": c["examples"]})
         row.update({"drop": drop, "rel_drop": rel, "examples": v.examples, "seconds": v.seconds})
+        if paired:  # a ppl sweep's drop, paired over its windows (none for the baseline itself)
+            interval = sweep.drop_interval(v) or [float("nan")] * 2
+            row.update({"drop 95% low": interval[0], "drop 95% high": interval[1]})
         rows.append(row)
     return rows
 

@@ -33,7 +33,7 @@ import torch
 
 from depthcurse.errors import DepthcurseError
 from depthcurse.forecast import duration, took_up
-from depthcurse.io import atomic_write, ensure_out_dir, json_text, refuse_other_run
+from depthcurse.io import atomic_write, ensure_out_dir, environment, json_text, refuse_other_run
 from depthcurse.kept_state import plain
 from depthcurse.loading import check_sequence_length
 from depthcurse.prune.engine import evaluate_variants, why_unsupported
@@ -254,6 +254,7 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
     record["stability_summary"] = {name: summary(record["cells"][name]["layers"], [p["layers"] for p in picks], cfg.granularity)
                                    for name, picks in record.get("stability", {}).items() if len(picks) >= 2 and name in record["cells"]}
     record["wall_time_s"] = round(record.get("wall_time_s", 0.0) + time.perf_counter() - started, 3)
+    record["environment"] = environment()
     save()
     return record
 

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.io import environment
 from depthcurse.kv_cache import cache_bytes, cache_keyword, cache_of
 from depthcurse.speed.paired import MIN_PAIRS, TOLERANCE, PairedRatio, Shares, enough, judge
 from depthcurse.surgery import find_blocks
@@ -240,7 +241,7 @@ def measure_speed(as_model: dict[str, Callable[[], contextlib.AbstractContextMan
     return {"config": {**asdict(cfg), "decode_batches": list(cfg.decode_batches)}, "device": str(device), "models": models,
             "ratios": _ratios(models, pairs), "shares": {key: dict(s) for key, s in shares.items()},
             "floor": {**{key: s.lowest for key, s in shares.items()}, "kv_bytes_per_token": shares["prefill_time"]["layers"]},
-            "checks": checks, "trusted": all(c["status"] == "ok" for c in checks.values()), "includes": _includes(device)}
+            "checks": checks, "trusted": all(c["status"] == "ok" for c in checks.values()), "includes": _includes(device), "environment": environment()}
 
 
 def _static(model: nn.Module, cfg: SpeedConfig) -> dict:

@@ -75,7 +75,7 @@ class PerplexityTask:
                 "windows_sha256": tensors_digest(self.windows)}  # the tokens themselves: another text of the same shape is another run
 
     def evaluate(self, model: torch.nn.Module) -> Score:
-        return self.evaluate_logits(lambda ids: model(input_ids=ids, use_cache=False).logits, model.get_input_embeddings().weight.device)
+        return self.evaluate_logits(lambda ids: model(input_ids=ids, use_cache=False).logits, model.get_input_embeddings().weight.device, per_window=True)
 
     @torch.inference_mode()
     def evaluate_logits(self, logits_of: Callable[[torch.Tensor], torch.Tensor], device, reference_of: Callable[[torch.Tensor], torch.Tensor] | None = None,
