@@ -18,7 +18,7 @@ import torch
 
 from helpers import CORPUS, assert_one_line_error, built_without, heal_config, held_out_windows, lora_objective, tiny_llama, torchrun
 
-from depthcurse.heal import HealConfig, heal, heal_curve, order_sets
+from depthcurse.heal import HealConfig, heal, heal_curve, kept_summary, order_sets
 from depthcurse.heal.adapters import add_adapters, target_modules
 from depthcurse.heal.objective import distill_kl
 from depthcurse.loading import load_model
@@ -233,8 +233,13 @@ def test_an_interrupted_heal_resumed_equals_an_uninterrupted_one(bos_model_dir, 
     for loss in ("lm", "distill"):
         cfg = _cfg(docs_file, loss=loss, lora_dropout=0.1)
         whole = heal(load_model(str(bos_model_dir)), cfg, tmp_path / f"whole-{loss}")
-        assert heal(load_model(str(bos_model_dir)), cfg, tmp_path / f"cut-{loss}", stop_after=3) is None  # as a preemption after step 3 (checkpoint at 2)
-        resumed = heal(load_model(str(bos_model_dir)), cfg, tmp_path / f"cut-{loss}")
+        assert heal(load_model(str(bos_model_dir)), cfg, tmp_path / f"cut-{loss}", stop_after=3) is None  # as a preemption after step 3 (its checkpoint written then)
+        cut = tmp_path / f"cut-{loss}"
+        assert kept_summary(cut) == f"a checkpoint at step 3 of 6 kept in {cut}"  # what the interruption line says (issue 90)
+        said = []
+        resumed = heal(load_model(str(bos_model_dir)), cfg, cut, on_note=said.append)
+        assert f"the training steps: took up the 3 of 6 finished before (kept in {cut}), not run again" in said  # and what the rerun took up
+        assert kept_summary(cut) == f"finished kept in {cut}"
         a, b = _adapters(tmp_path / f"whole-{loss}"), _adapters(tmp_path / f"cut-{loss}")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         rows = [[{k: v for k, v in r.items() if k != "tokens_per_s"} for r in MetricsLog(tmp_path / f"{d}-{loss}" / METRICS).rows()] for d in ("whole", "cut")]
@@ -498,3 +503,19 @@ def test_kl_and_agreement_are_kept_window_by_window_and_their_shares_get_interva
             low, high = intervals[key]
             assert low <= shares[key] <= high, key
     assert any(k in intervals for k in ("held_out_kl", "held_out_agreement"))
+
+
+def test_what_an_interrupted_heal_kept_is_said_run_folder_by_run_folder(tmp_path):
+    """A comparison's or a curve's folders each say theirs: finished, a checkpoint at step N of M, the
+    method's fitted state before any step, or a checkpoint cut short; an empty folder, nothing (issue 90)."""
+    from depthcurse.heal.loop import METHOD_STATE
+
+    assert kept_summary(tmp_path) == "nothing had finished"
+    (tmp_path / "k004" / "linear").mkdir(parents=True)
+    torch.save({"maps": torch.zeros(2)}, tmp_path / "k004" / "linear" / METHOD_STATE)
+    (tmp_path / "k004" / "lora").mkdir()
+    torch.save({"config": {"steps": 10}, "train_state": {"step": 4, "tokens": 0, "seconds": 0.0}}, tmp_path / "k004" / "lora" / "checkpoint.pt")
+    (tmp_path / "k008" / "lora").mkdir(parents=True)
+    (tmp_path / "k008" / "lora" / "checkpoint.pt").write_bytes(b"cut short")
+    assert kept_summary(tmp_path) == (f"k004/linear: the method's fitted state ({METHOD_STATE}), no training step, k004/lora: a checkpoint at step 4 "
+                                      f"of 10, k008/lora: a checkpoint that cannot be read kept in {tmp_path}")

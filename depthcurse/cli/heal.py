@@ -10,7 +10,7 @@ from rich.progress import TextColumn
 from rich.text import Text
 
 from depthcurse.cli.shared import (
-    SUITES_HELP, DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, err_console, join_ranks, load,
+    SUITES_HELP, DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, err_console, interrupted, join_ranks, load,
     model_line, once, progress_bar, push, renamed, say, showing, slug, time_checkpoint, verdicts,
 )
 from depthcurse.errors import DepthcurseError
@@ -157,7 +157,7 @@ def heal(
                     record = healing.heal(loaded, replace(cfg, layers=tuple(parse_layers(layers, n))), out_dir, world=world, **callbacks)
         except KeyboardInterrupt:
             if world.main:
-                err_console.print(Text(f"interrupted: the last checkpoint in {out_dir} is kept; rerun the same command to continue"), soft_wrap=True)
+                interrupted(healing.kept_summary(out_dir))
             raise typer.Exit(130)
         if record is None:  # another rank: rank 0 measures and writes
             return

@@ -19,9 +19,9 @@ from depthcurse.heal import methods as _builtin  # noqa: F401 (defines the built
 from depthcurse.heal.compare import Models, check_settings, heal_methods, parse_methods
 from depthcurse.heal.config import HealConfig, method_args
 from depthcurse.heal.curve import heal_curve, heal_within, order_sets, parse_ks, parse_share
-from depthcurse.heal.loop import HEAL_JSON, heal, read_heal
+from depthcurse.heal.loop import HEAL_JSON, heal, kept_summary, read_heal
 from depthcurse.heal.report import curve_table, heal_rows, heal_table, heal_verdicts, methods_of, methods_table, plot_heal_curve
 
-__all__ = ["Method", "HealContext", "HealObjective", "find_method", "build_method", "method_names", "HealConfig", "method_args", "heal", "heal_methods", "Models",
+__all__ = ["Method", "HealContext", "HealObjective", "find_method", "build_method", "method_names", "HealConfig", "method_args", "heal", "kept_summary", "heal_methods", "Models",
            "check_settings", "methods_of", "parse_methods", "heal_curve", "heal_within", "order_sets", "parse_ks", "parse_share", "read_heal",
            "HEAL_JSON", "heal_rows", "heal_table", "heal_verdicts", "methods_table", "curve_table", "plot_heal_curve"]

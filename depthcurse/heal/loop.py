@@ -447,6 +447,32 @@ def finished(out_dir: Path, run: dict) -> dict | None:
     return record if same and "recovered" in record and (out_dir / HF_DIR / "config.json").is_file() else None
 
 
+def kept_summary(out_dir: Path) -> str:
+    """What an interrupted heal left in `out_dir` to resume from, in words, run folder by run folder (a
+    comparison's methods, a curve's points): finished, a checkpoint at step N of M, or the method's
+    fitted state (a map, a compensation) before any training step; "nothing had finished" where none is."""
+    folders = sorted({p.parent for name in (CONFIG, METHOD_STATE, CHECKPOINT, HEAL_JSON) for p in Path(out_dir).rglob(name)})
+    said = []
+    for folder in folders:
+        where = "" if folder == Path(out_dir) else f"{folder.relative_to(out_dir)}: "
+        try:
+            record = read_heal(folder) if (folder / HEAL_JSON).is_file() else {}
+        except DepthcurseError:
+            record = {}
+        if "recovered" in record and (folder / HF_DIR / "config.json").is_file():
+            said.append(f"{where}finished")
+        elif (folder / CHECKPOINT).is_file():
+            try:  # the step counters alone, the weights left on disk (mmap)
+                state = torch.load(folder / CHECKPOINT, map_location="cpu", weights_only=True, mmap=True)
+                step, steps = int(state["train_state"]["step"]), int(state["config"].get("steps", 0))
+                said.append(f"{where}a checkpoint at step {step}" + (f" of {steps}" if steps else ""))
+            except Exception:  # noqa: BLE001 (a checkpoint cut short: it says so, and the rerun refuses it in one line)
+                said.append(f"{where}a checkpoint that cannot be read")
+        elif (folder / METHOD_STATE).is_file():
+            said.append(f"{where}the method's fitted state ({METHOD_STATE}), no training step")
+    return (", ".join(said) + f" kept in {out_dir}") if said else "nothing had finished"
+
+
 def _write(out_dir: Path, record: dict) -> None:
     atomic_write(out_dir / HEAL_JSON, json_text(record))
 
