@@ -266,8 +266,12 @@ def test_a_model_the_lens_cannot_read_is_one_line(run_cli, tmp_path, tiny_tokeni
     tiny_tokenizer.save_pretrained(path)
     out = tmp_path / "du"
     assert_one_line_error(*run_cli("depth-use", path, "--data", text_file, "--windows", "2", "--seq-len", "16", "--out", out),
-                          "bert is an encoder without a language-model head")
+                          "bert is an encoder without a language-model head: depth-use reads a decoder's next-token predictions: give a decoder")
     assert not out.exists() or not any(out.iterdir())
+    for command in (["depth-map", path, path], ["select", path, "--k", "1"], ["speculate", path, "--skip", "1"]):  # none suggests an option it lacks
+        code, stdout, err = run_cli(*command, "--out", tmp_path / command[0])
+        assert_one_line_error(code, stdout, err, f"bert is an encoder without a language-model head: {command[0]} reads a decoder's next-token predictions")
+        assert "--task squad" not in err
 
 
 def test_a_decoder_the_stepper_cannot_run_is_one_line_naming_why():

@@ -321,6 +321,16 @@ def test_cli_greedy_and_granularity(run_cli, tiny_model_dir, text_file, tmp_path
     assert "attention branches removable" in stdout and (out / "greedy.png").exists() and (out / "greedy.csv").exists()
     data = json.loads((out / "greedy.json").read_text())
     assert data["granularity"] == "attn" and [len(p["removed"]) for p in data["curves"]["greedy"]] == [0, 1, 2]
+    # --max-drop in heal's form too (issue 90): 5% and 0.05 reach the greedy loop as the same share
+    from depthcurse.cli import prune as prune_cli
+
+    seen = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(prune_cli, "_prune_greedy", lambda *args, **kw: seen.append(args[5]))
+        for share in ("5%", "0.05"):
+            assert run_cli(*base, "--greedy", "2", "--max-drop", share, "--out", str(tmp_path / "s"))[0] == 0
+    assert seen == [0.05, 0.05]
+    assert_one_line_error(*run_cli(*base, "--greedy", "2", "--max-drop", "150%"), "--max-drop 150%: a share is more than 0% and at most 100%")
     sweep = tmp_path / "mlp"
     code, _, err = run_cli(*base, "--granularity", "mlp", "--layers", "1", "--out", str(sweep))
     assert code == 0, err

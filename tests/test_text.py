@@ -78,3 +78,19 @@ def _compiles(source: str) -> bool:
         return True
     except SyntaxError:
         return False
+
+
+def test_every_named_text_a_command_reads_is_one_heal_and_lns_train_read_too(tiny_tokenizer):
+    """--calibration code works in select; heal and lns-train read their text through `build_data`,
+    which took c4, wiki or a file alone (issue 90: one meaning per name): every offline source now."""
+    from depthcurse.errors import DepthcurseError
+    from depthcurse.text import TEXT_SOURCES
+    from depthcurse.train.data import build_data, require_source
+
+    for source in ("wiki", "code", "math", "dialogue"):
+        assert source in TEXT_SOURCES
+        require_source(source)
+    data = build_data("code", tiny_tokenizer, seq_len=32, val_tokens=64, pack=True, seed=0)
+    assert data.label.startswith("code") and len(data.val_rows) >= 1
+    with pytest.raises(DepthcurseError, match=r"^no such data file: nope.txt \(or use one of c4, wiki, code, math, dialogue\)$"):
+        require_source("nope.txt")

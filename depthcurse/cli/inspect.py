@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from depthcurse.cli.shared import (
-    DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, interrupted, load, measure_angular, renamed, slug,
+    DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, decoders_only, interrupted, load, measure_angular, renamed, slug,
 )
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import claim_out_dir
@@ -97,7 +97,7 @@ def depth_use(
         from depthcurse.depth.tuned_lens import FP32_ON_CPU
 
         loaded = load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision,
-                      fp32_on_cpu=FP32_ON_CPU if tuned_lens or lens is not None else None)
+                      fp32_on_cpu=FP32_ON_CPU if tuned_lens or lens is not None else None, not_encoder=decoders_only("depth-use"))
         progress = progress_bar()
         bar = progress.add_task("starting", total=None)
         kept = out_dir / depth.KEPT_FILE
@@ -171,8 +171,8 @@ def depth_map(
     settings = MapSettings(steps=map_steps, seed=seed)
     settings.check()
     out_dir = claim_out_dir(out or Path("runs") / "depth-map" / f"{slug(shallow)}-to-{slug(deep)}")
-    small = load(shallow, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision)
-    large = load(deep, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=deep_revision)
+    small = load(shallow, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=revision, not_encoder=decoders_only("depth-map"))
+    large = load(deep, dtype=dtype, device=device, trust_remote_code=trust_remote_code, revision=deep_revision, not_encoder=decoders_only("depth-map"))
     progress = progress_bar()
     bar = progress.add_task("starting", total=None)
     try:

@@ -38,7 +38,7 @@ def prune(
     angular_tokens: int = typer.Option(65536, "--angular-tokens", help="With --block: token budget of the angular-distance pass."),
     granularity: str = typer.Option("layer", "--granularity", help="What a removal takes out: layer (the whole block), attn or mlp (only that branch of the block; the residual stream passes it by)."),
     greedy: Optional[int] = typer.Option(None, "--greedy", help="Instead of one at a time: remove K units greedily, each step the one whose removal costs least (measured exactly), and compare with the orders one-shot ranking, Block Influence, angular distance and the last layers give.", show_default="off: one layer at a time"),
-    max_drop: Optional[float] = typer.Option(None, "--max-drop", help="With --greedy: stop after the step whose relative drop exceeds this (e.g. 0.05).", show_default="off: every step"),
+    max_drop: Optional[str] = typer.Option(None, "--max-drop", help="With --greedy: stop after the step whose relative drop exceeds this share, e.g. 5% or 0.05 (as heal's --max-drop).", show_default="off: every step"),
     orders: Optional[Path] = typer.Option(None, "--orders", help="Instead of choosing: measure every strategy's order from an earlier --greedy result (its folder) on this task and data, e.g. held-out text.", show_default="off"),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
@@ -69,6 +69,10 @@ def prune(
         raise DepthcurseError("--greedy searches every layer itself: it takes neither --block nor --layers")
     if max_drop is not None and greedy is None:
         raise DepthcurseError("--max-drop only applies with --greedy K")
+    if max_drop is not None:
+        from depthcurse.heal.curve import parse_share  # one form of a share for every --max-drop: 5% or 0.05
+
+        max_drop = parse_share(max_drop)
     chosen = None
     if orders is not None:
         if greedy is not None or block is not None or layers is not None:

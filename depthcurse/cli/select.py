@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.text import Text
 
-from depthcurse.cli.shared import (SUITES_HELP, DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, err_console, join_ranks, load, model_line, once,
+from depthcurse.cli.shared import (SUITES_HELP, DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, decoders_only, err_console, join_ranks, load, model_line, once,
                                    progress_bar, say, showing, slug, verdicts)
 from depthcurse.io import claim_out_dir
 
@@ -93,7 +93,7 @@ def _select(model, cfg, out: Path, world, **options) -> None:
     from depthcurse.select.report import answer_lines, next_commands, plot_stability, stability_verdicts
 
     gpus = rank_gpus() if world.parallel and options["device"] != "cpu" and torch.cuda.is_available() else None  # this rank's share
-    loaded = load(model, **options, gpus=gpus)
+    loaded = load(model, **options, gpus=gpus, not_encoder=decoders_only("select"))
     header = once(lambda: console.print(model_line(loaded)))  # said when the work starts, after every check of the input
     progress = progress_bar()
     bar = progress.add_task("starting", total=None)

@@ -177,6 +177,12 @@ def once(say):
     return once
 
 
+def decoders_only(command: str) -> str:
+    """What a command that reads a decoder's next-token predictions says of an encoder (not prune's
+    advice to use --task squad, an option it does not have)."""
+    return f"{command} reads a decoder's next-token predictions: give a decoder (Llama, Qwen, Mistral, SmolLM2...)"
+
+
 def load(model: str, **options):
     """`load_model` under a spinner; a trained alias (minilm-l6-squad) is fine-tuned first if it is not made yet."""
     from depthcurse.loading import load_model  # lazy: start-up

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.text import Text
 
-from depthcurse.cli.shared import (DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, err_console, join_ranks, load, model_line, once,
+from depthcurse.cli.shared import (DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, decoders_only, err_console, join_ranks, load, model_line, once,
                                    progress_bar, say, showing, slug, verdicts)
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import claim_out_dir
@@ -96,7 +96,7 @@ def _speculate(model, cfg, skip, picked, out: Path, world, also=([], []), **opti
 
     gpus = rank_gpus() if world.parallel and options["device"] != "cpu" and torch.cuda.is_available() else None
     options["fp32_on_cpu"] = FP32_ON_CPU
-    loaded = load(model, **options, gpus=gpus)
+    loaded = load(model, **options, gpus=gpus, not_encoder=decoders_only("speculate"))
     n = num_layers(loaded.model)
     if picked is not None:
         cfg = dataclasses.replace(cfg, skip=checked_pick(picked, loaded.describe(), n, "--skip-from"), skip_from=picked[1])

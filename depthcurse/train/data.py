@@ -25,7 +25,7 @@ import torch
 
 from depthcurse import assets
 from depthcurse.errors import DepthcurseError, first_line
-from depthcurse.text import load_texts
+from depthcurse.text import TEXT_SOURCES, load_texts
 from depthcurse.runtime import World
 
 log = logging.getLogger("depthcurse")
@@ -84,11 +84,13 @@ def bpe_tokenizer(data: str, vocab_size: int, folder):
 
 
 def require_source(data: str) -> None:
-    """C4 streams from the hub; a local file must exist. Said before the tokenizer is fetched."""
+    """C4 streams from the hub; a local file must exist; every other named source (`text.TEXT_SOURCES`:
+    wiki, code, math, dialogue) is offline, as select's --calibration reads them. Said before the
+    tokenizer is fetched."""
     if data == "c4" and not assets.hub_reachable():
         raise DepthcurseError("C4 is streamed from the hub, which is not reachable: use --data wiki or --data PATH")
-    if data not in ("c4", "wiki") and not Path(data).expanduser().exists():
-        raise DepthcurseError(f"no such data file: {data} (or use c4 or wiki)")
+    if data not in TEXT_SOURCES and not Path(data).expanduser().exists():
+        raise DepthcurseError(f"no such data file: {data} (or use one of {', '.join(s for s in TEXT_SOURCES if s != 'auto')})")
 
 
 def run_tokenizer(name: str | None, data: str, folder: Path, world: World = World()):
