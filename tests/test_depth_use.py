@@ -946,6 +946,16 @@ def test_the_memory_estimate_by_hand_and_a_run_that_would_not_fit_is_one_line_na
         check_fits(smol, 8, t, 10 * 2**20)
     with pytest.raises(DepthcurseError, match="the tuned lens's training, 4 windows a micro-batch, does not fit: shorten --seq-len$"):
         check_fits(smol, 1, t, measuring_bytes(smol, 1, t), lens_micro_batch=4)
+    with pytest.raises(DepthcurseError, match="the tuned lens's training, 4 windows a micro-batch, does not fit"):  # a batch of 2 fits, but not with the lens
+        check_fits(smol, 3, t, measuring_bytes(smol, 2, t), lens_micro_batch=4)
+    with pytest.raises(DepthcurseError, match=r"free: --batch-size 2 fits \(about 0\.4 GiB\)$"):  # the largest below the batch asked
+        check_fits(smol, 3, t, measuring_bytes(smol, 2, t))
+    assert lens_bytes(smol, 1, t) == t * (31 * 576 * 4 + 6 * 49152 * 4)  # a micro-batch of one window still trains
+    from depthcurse.depth.memory import Shape as MemoryShape
+
+    model = tiny_llama(300, layers=3)
+    assert MemoryShape.of(model) == MemoryShape(layers=3, width=32, vocab=300, dtype_bytes=4)
+    assert MemoryShape.of(model.bfloat16()) == MemoryShape(layers=3, width=32, vocab=300, dtype_bytes=2)
     with pytest.raises(DepthcurseError, match=r"free: --batch-size 1 fits \(about 0\.3 GiB\)$"):  # the smallest batch is named where it alone fits
         check_fits(smol, 3, t, measuring_bytes(smol, 1, t))
     assert check_fits(smol, 2, t, lens_bytes(smol, 4, t), lens_micro_batch=4) == lens_bytes(smol, 4, t) > measuring_bytes(smol, 2, t)
@@ -1390,7 +1400,7 @@ def test_the_maps_table_and_verdicts_print_every_figure_worked_by_hand():
     swapped comparison or the other model's row prints another number (issue 88): ours (the stream after
     each layer, higher is better) and theirs (the embedding's stream first, lower is better)."""
     from depthcurse.depth.definitions import DEFINITIONS
-    from depthcurse.depth.map_report import map_table, map_verdicts
+    from depthcurse.depth.map_report import map_table, map_verdicts, same_model_line
 
     run = {"shallow": {"model": "s"}, "deep": {"model": "d"}, "data": "wiki", "seq_len": 16, "same_model": False}
     ours = {"run": run, "streams": "after", "shallow_layers": 2, "deep_layers": 4, "fit_windows": 3, "held_out_windows": 2, "ridge": 0.001,
@@ -1398,14 +1408,14 @@ def test_the_maps_table_and_verdicts_print_every_figure_worked_by_hand():
             "scores": {"r2_dims": {"mean": [[0.1, 0.6, 0.3, 0.5], [0.05, 0.15, 0.7, 0.45]], "label": "held-out R^2 per dimension",
                                    "interval": [[None, [0.55, 0.65], None, None], [None, None, [0.6, 0.8], None]]},
                        "r2": {"mean": [[0.2, 0.65, 0.35, 0.55], [0.1, 0.2, 0.75, 0.5]], "label": "held-out R^2 pooled",
-                              "interval": [[None] * 4, [None] * 4]}},
+                              "interval": [[None, [0.6, 0.7], None, None], [None] * 4]}},
             "relative_depth": {"shallow": [0.5, 1.0], "best_deep": [0.5, 0.75], "mean_abs_difference": 0.125, "spearman": 1.0, "spearman_interval": None},
-            "variance": {"shallow": [0.6, 0.2], "deep": [0.1, 0.55, 0.3, 0.2], "dominant_at": 0.5}}
+            "variance": {"shallow": [0.6, 0.2], "deep": [0.1, 0.55, 0.5, 0.2], "dominant_at": 0.5}}  # 0.5 itself: dominated
     table = map_table(ours)
     assert [c.header for c in table.columns] == ["shallow layer", "relative depth", "best deep layer", "its relative depth", "held-out R^2 per dimension",
                                                  "held-out R^2 pooled", "at the same relative depth"]
     # the same relative depth: round(0.5 x 4) - 1 = layer 1 and round(1.0 x 4) - 1 = layer 3, read in the deciding score
-    assert table_cells(table) == [["0", "0.50", "1", "0.50", "0.600 [0.550, 0.650]", "0.650", "0.600 (layer 1)"],
+    assert table_cells(table) == [["0", "0.50", "1", "0.50", "0.600 [0.550, 0.650]", "0.650 [0.600, 0.700]", "0.600 (layer 1)"],
                                  ["1", "1.00", "2", "0.75", "0.700 [0.600, 0.800]", "0.750", "0.450 (layer 3)"]]
     assert map_verdicts(ours) == [
         "each shallow layer's best match lies 0.12 of the depth away from its own relative depth on average; the two orders agree by Spearman's rho +1.00",
@@ -1413,8 +1423,18 @@ def test_the_maps_table_and_verdicts_print_every_figure_worked_by_hand():
         "per-dimension R^2 0.500 at best",  # layer 3's column: 0.5 from shallow layer 0, 0.45 from the last
         "in 1 of the shallow model's 2 streams one dimension holds 50% of the variance or more (up to 60%): a pooled R^2 there is mostly that "
         "dimension's; the per-dimension R^2 weighs every dimension alike",
-        "in 1 of the deep model's 4 streams one dimension holds 50% of the variance or more (up to 55%): a pooled R^2 there is mostly that "
+        "in 2 of the deep model's 4 streams one dimension holds 50% of the variance or more (up to 55%): a pooled R^2 there is mostly that "
         "dimension's; the per-dimension R^2 weighs every dimension alike"]
+    itself = {**ours, "run": {**run, "same_model": True}}
+    assert map_verdicts(itself)[0] == same_model_line(itself) and map_verdicts(itself)[1:] == map_verdicts(ours)
+    pooled = {**ours, "score": "r2", "relative_depth": {**ours["relative_depth"], "spearman": None}, "variance": None}
+    assert map_verdicts(pooled) == [
+        "each shallow layer's best match lies 0.12 of the depth away from its own relative depth on average; the two orders agree by Spearman's rho -",
+        "the shallow model's last layer maps best to deep layer 2 of 4 (R^2 0.750); the deep model's last layer is reached with R^2 0.550 at best"]
+    legacy = {key: value for key, value in ours.items() if key not in ("scores", "score")}  # a record from before the scores were named
+    legacy.update(r2=ours["scores"]["r2"]["mean"], r2_interval=[[None, [0.6, 0.7], None, None], [None] * 4])
+    assert [c.header for c in map_table(legacy).columns][4] == "held-out R^2 pooled over dimensions"
+    assert [row[4] for row in table_cells(map_table(legacy))] == ["0.650 [0.600, 0.700]", "0.750"]
     theirs = {"run": run, "streams": "entering", "shallow_layers": 2, "deep_layers": 2, "fit_windows": 3, "held_out_windows": 2, "ridge": 0.001,
               "definitions": {"source": "their code"}, "score": "relative_error", "best": [0, 1, 2],
               "scores": {"relative_error": {"mean": [[0.2, 0.5, 0.9], [0.6, 0.3, 0.35], [0.9, 0.7, 0.4]], "label": "held-out relative error",
@@ -1504,6 +1524,7 @@ def test_run_depth_map_fits_its_default_windows_says_an_under_determined_map_and
     (16 here: the stream is 32 wide), the record's run (both models, the text, the start, the fit, one
     model against itself), its bad input and its under-determined fit each one line or one note; what an
     interrupted map kept, in words; the record and the figure written (issue 88)."""
+    from depthcurse.depth.csordas_map import MapSettings, their_start
     from depthcurse.depth.map_report import KEPT_FILE, kept_summary, run_depth_map, write_map
     from depthcurse.errors import DepthcurseError
     from depthcurse.loading import LoadedModel
@@ -1528,8 +1549,27 @@ def test_run_depth_map_fits_its_default_windows_says_an_under_determined_map_and
     with pytest.raises(DepthcurseError, match="give --calib-windows 5 or more"):
         run_depth_map(shallow, deep, str(text_file), 2, 2, 8, 4)
     for bad in ((0, 2, 8, 4), (4, 1, 8, 4), (4, 2, 1, 4), (4, 2, 8, 0)):
-        with pytest.raises(DepthcurseError, match=r"^--calib-windows must be at least 1, --eval-windows at least 2"):
+        with pytest.raises(DepthcurseError, match=r"^--calib-windows must be at least 1, --eval-windows at least 2 \(the intervals are over them\), "
+                                                  r"--seq-len at least 2, --batch-size at least 1$"):
             run_depth_map(shallow, deep, str(text_file), *bad)
+    edge = run_depth_map(shallow, deep, str(text_file), 1, 2, 2, 1, min_fit_ratio=0.01, ridge=0.5, score="r2", clock=lambda: 7.0)  # every least value taken
+    assert (edge["fit_windows"], edge["ridge"], edge["score"], edge["wall_time_s"], edge["forecast"]["seconds"]) == (1, 0.5, "r2", 0.0, 0.0)
+    assert edge["run"]["fit"]["tokens"] == 2 and "(--calib-windows 1 x 2 tokens)" in edge["run"]["fit"]["under_determined"]
+    said.clear()
+    settings = MapSettings(steps=2, warmup=1, batch_windows=2)
+    theirs = run_depth_map(shallow, deep, str(text_file), 2, 2, 8, 4, definitions="csordas", settings=settings, on_note=said.append, min_fit_ratio=0.1)
+    assert theirs["run"]["start"] == their_start(tiny_tokenizer) == [0] and theirs["definitions"]["settings"] == settings.summary()
+    assert theirs["run"]["fit"]["tokens"] == 14 and "whatever AdamW reaches from its start" in said[0] and "(--calib-windows 2 x 7 tokens)" in said[0]
+    with pytest.raises(DepthcurseError, match=r"^each map from the shallow model's 32-wide stream \(--calib-windows 4 x 8 tokens\) is fitted on 32 tokens, "
+                                              r"fewer than 1 x its 33 inputs: under-determined, it would be the minimum-norm map \(the ridge's\), which "
+                                              r"cannot recover even the identity; give --calib-windows 5 or more, or accept it with --min-fit-ratio 0\.96$"):
+        run_depth_map(shallow, deep, str(text_file), 4, 2, 8, 4)  # what to give, and what to accept
+    with pytest.raises(DepthcurseError, match="--data"):
+        run_depth_map(shallow, deep, str(tmp_path / "missing.txt"), 16, 2, 8, 4)
+    with pytest.raises(DepthcurseError, match="300"):
+        run_depth_map(shallow, deep, str(text_file), 16, 2, 300, 4)  # past the model's 256 positions
+    with pytest.raises(DepthcurseError, match=r"fewer than --calib-windows 1 and --eval-windows 500$"):
+        run_depth_map(shallow, deep, str(text_file), 1, 500, 8, 4, min_fit_ratio=0.01)
     with pytest.raises(DepthcurseError, match=r"holds \d+ windows of 8 tokens, fewer than --calib-windows 500 and --eval-windows 2$"):
         run_depth_map(shallow, deep, str(text_file), 500, 2, 8, 4)
     with pytest.raises(DepthcurseError, match="^the depth map compares streams token by token: s and b have different tokenizers$"):
@@ -1538,8 +1578,54 @@ def test_run_depth_map_fits_its_default_windows_says_an_under_determined_map_and
     assert kept_summary(tmp_path) == "no row had finished"
     kept.write_text(json.dumps({"rows": 2, "of": 4}))
     assert kept_summary(tmp_path) == f"2 of 4 shallow streams' rows kept in {kept}"
-    run_depth_map(shallow, deep, str(text_file), 16, 2, 8, 4, kept=kept)
-    assert not kept.exists()  # mapped whole: the record holds it now
+    kept.unlink()
+    seen = []
+    run_depth_map(shallow, deep, str(text_file), 16, 2, 8, 4, kept=kept, on_step=lambda text, done, total: seen.append(kept.exists()) if text.startswith("maps") else None)
+    assert seen == [False, True] and not kept.exists()  # the first row kept before the second; mapped whole, the record holds it now
     written = write_map(record, tmp_path / "out")
     assert [p.name for p in written] == ["depth_map.json", "depth_map.png"] and json.loads(written[0].read_text())["best"] == record["best"]
     assert written[1].stat().st_size > 1000
+
+
+def test_the_maps_figure_marks_its_scores_best_matches_and_the_same_relative_depth(tmp_path, monkeypatch):
+    """What the heatmap marks, read off the figure before it is saved: the deciding score's matrix on
+    its scale (R^2 from its lowest or 0 up to 1; an error from 0 up to its highest), the best matches,
+    the line of the same relative depth (after each layer; entering each, the embedding first), the
+    axes' and colour bar's labels and the title; `write_map` into a folder not made yet (issue 88)."""
+    from depthcurse.depth import map_report
+
+    figures = []
+    monkeypatch.setattr(map_report, "save_figure", lambda fig, path: figures.append(fig) or path)
+    run = {"shallow": {"model": "s"}, "deep": {"model": "d"}, "data": "wiki"}
+    ours = {"run": run, "streams": "after", "shallow_layers": 2, "deep_layers": 4, "held_out_windows": 2, "score": "r2_dims", "best": [1, 2],
+            "scores": {"r2_dims": {"mean": [[-0.2, 0.6, 0.3, 0.5], [0.05, 0.15, 0.7, 0.45]], "label": "held-out R^2 per dimension"}}}
+    theirs = {"run": run, "streams": "entering", "shallow_layers": 2, "deep_layers": 2, "held_out_windows": 3, "score": "relative_error", "best": [0, 1, 2],
+              "scores": {"relative_error": {"mean": [[0.2, 0.5, 0.9], [0.6, 0.3, 0.35], [0.9, 0.7, 0.4]], "label": "held-out relative error"}}}
+    for record, scale, diagonal, axis, label in ((ours, (-0.2, 1.0), ([1.0, 3.0], [0, 1]), "layer", "held-out R^2 per dimension"),
+                                                 (theirs, (0.0, 0.9), ([0.0, 1.0, 2.0], [0, 1, 2]), "stream", "held-out relative error")):
+        map_report.plot_map(record, tmp_path / "map.png")
+        ax, bar = figures[-1].axes
+        image = ax.images[0]
+        assert image.get_array().tolist() == record["scores"][record["score"]]["mean"] and image.get_clim() == scale
+        best, same = ax.lines
+        assert list(best.get_xdata()) == record["best"] and list(best.get_ydata()) == list(range(len(record["best"])))
+        assert (list(same.get_xdata()), list(same.get_ydata())) == diagonal
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["best match", "same relative depth"]
+        assert (ax.get_xlabel(), ax.get_ylabel()) == (f"deep {axis} (d)", f"shallow {axis} (s)") and bar.get_ylabel() == label
+        assert ax.get_title() == f"the depth map ({record['held_out_windows']} held-out windows of wiki)"
+    monkeypatch.undo()
+    written = map_report.write_map(ours, tmp_path / "new" / "folder")
+    assert all(p.is_file() for p in written) and map_report.write_map(ours, tmp_path / "new" / "folder") == written  # again into it: no error
+
+
+def test_one_model_against_itself_and_the_default_windows_worked_by_hand():
+    from depthcurse.depth.map_report import fit_windows, same_model_line
+
+    same = {"score": "r2_dims", "scores": {"r2_dims": {"mean": [[0.95, 0.2], [0.1, 0.95]]}}, "run": {"same_model": True}}
+    assert same_model_line(same).startswith("one model against itself: the diagonal's per-dimension R^2 is 0.950, short of the 1 an exact map gives by "
+                                            "up to 0.050")  # one figure where the diagonal holds one
+    at_the_line = {"score": "relative_error", "scores": {"relative_error": {"mean": [[0.01, 0.5], [0.5, 0.01]]}}, "run": {"same_model": True}}
+    assert "short of the 0 an exact map gives by up to 0.010" in same_model_line(at_the_line)  # 0.01 off is not "as an exact map must"
+    # twice the inputs (the width and an intercept) in tokens, over each window's fitted tokens (theirs: all but their BOS pad)
+    assert fit_windows(1000, 8, "depthcurse") == -(-2002 // 8) == 251 and fit_windows(1000, 8, "csordas") == -(-2002 // 7) == 286
+    assert fit_windows(32, 8, "depthcurse") == 16

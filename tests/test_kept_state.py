@@ -268,3 +268,34 @@ def test_a_heal_runs_identity_holds_its_text_files_digest(tmp_path):
     with pytest.raises(DepthcurseError, match="holds a different.*data_sha256"):
         refuse_other_run(tmp_path, first, again)
     assert identity(loaded, dataclasses.replace(cfg, data="wiki"))["data_sha256"] is None and file_digest(None) is None
+
+
+def test_plain_on_an_enum_an_object_with_its_own_identity_a_tensors_fields_and_an_array_it_does_not_know():
+    import enum
+    import hashlib
+
+    import numpy as np
+
+    class Side(enum.Enum):
+        LEFT = "left"
+
+    class Named:
+        def identity(self):
+            return {"name": ("n", 1)}
+
+    assert plain(Side.LEFT) == "left" and plain(Named()) == {"name": ["n", 1]}
+    assert plain(torch.zeros(2, 3, dtype=torch.bfloat16)) == {"shape": [2, 3], "dtype": "bfloat16", "sha256": tensors_digest(torch.zeros(2, 3, dtype=torch.bfloat16))}
+    assert tensors_digest(torch.zeros(0)) == hashlib.sha256(b"").hexdigest()[:16]  # an empty tensor adds no bytes
+    assert len(tensors_digest(torch.ones(1))) == len(module_digest(tiny_llama(20, layers=1))) == 16
+    with pytest.raises(TypeError, match="^ndarray has no identity for kept state"):
+        plain(np.zeros(2))  # a shape but no torch tensor: not digested as one
+
+
+def test_a_file_digest_is_its_bytes_and_sixteen_hex_digits(tmp_path):
+    import hashlib
+
+    from depthcurse.kept_state import file_digest
+
+    (tmp_path / "t.txt").write_bytes(b"some text")
+    assert file_digest(str(tmp_path / "t.txt")) == hashlib.sha256(b"some text").hexdigest()[:16]
+    assert file_digest("wiki") is None and file_digest(str(tmp_path)) is None

@@ -137,14 +137,13 @@ def map_table(record: dict) -> Table:
                           + f"; {'higher' if higher else 'lower'} is better); relative depth: "
                           + ("stream / layers (0: the embedding)" if entering else "(layer + 1) / layers")
                           + ("; per dimension: each dimension's R^2, then their mean (one dimension cannot decide it); pooled: over every dimension "
-                             "at once (a dimension counts by its variance)" if "r2_dims" in scores else ""), caption_justify="left")
+                             "at once (a dimension counts by its variance)" if "r2_dims" in scores else ""), caption_justify="left")  # pragma: no mutate (the look)
     others = [n for n in scores if n != name]
     for column in ("shallow layer", "relative depth", "best deep layer", "its relative depth", scores[name]["label"],
                    *(scores[n]["label"] for n in others), "at the same relative depth"):
-        table.add_column(column, justify="right")
-    nd = len(matrix[0])
+        table.add_column(column, justify="right")  # pragma: no mutate (the look)
     for i, j in enumerate(record["best"]):
-        same = min(nd - 1, max(0, round(record["relative_depth"]["shallow"][i] * record["deep_layers"]) - (0 if entering else 1)))
+        same = max(0, round(record["relative_depth"]["shallow"][i] * record["deep_layers"]) - (0 if entering else 1))  # a relative depth is at most 1: the last stream
         table.add_row(_stream(record, i), f"{record['relative_depth']['shallow'][i]:.2f}", _stream(record, j), f"{record['relative_depth']['best_deep'][i]:.2f}",
                       _cell(matrix[i][j], scores[name]["interval"][i][j]), *(_cell(scores[n]["mean"][i][j], scores[n]["interval"][i][j]) for n in others),
                       f"{matrix[i][same]:.3f} (layer {_stream(record, same)})")
@@ -181,11 +180,11 @@ def map_verdicts(record: dict) -> list[str]:
 def plot_map(record: dict, path: Path) -> Path:
     import matplotlib  # lazy: only figures need matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # pragma: no mutate (the drawing's look: what it marks is tested, not its colours and sizes)
     import matplotlib.pyplot as plt
 
     name, matrix, higher = deciding(record)
-    fig, ax = plt.subplots(figsize=(6.4, 5.0), dpi=120)
+    fig, ax = plt.subplots(figsize=(6.4, 5.0), dpi=120)  # pragma: no mutate
     low = min(map(min, matrix))
     im = ax.imshow(matrix, cmap="viridis" if higher else "viridis_r", origin="lower", aspect="auto",
                    vmin=min(0.0, low) if higher else 0.0, vmax=1.0 if higher else max(map(max, matrix)))
@@ -197,11 +196,11 @@ def plot_map(record: dict, path: Path) -> Path:
         ax.plot([(i + 1) / ns * nd - 1 for i in range(ns)], range(ns), "w:", label="same relative depth")
     ax.set_xlabel(f"deep {'stream' if record.get('streams') == 'entering' else 'layer'} ({record['run']['deep']['model']})")
     ax.set_ylabel(f"shallow {'stream' if record.get('streams') == 'entering' else 'layer'} ({record['run']['shallow']['model']})")
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left")  # pragma: no mutate
     label = record.get("scores", {}).get(name, {}).get("label", "held-out R^2 of the linear map")
     fig.colorbar(im, ax=ax, label=label)
     ax.set_title(f"the depth map ({record['held_out_windows']} held-out windows of {record['run']['data']})", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout()  # pragma: no mutate
     return save_figure(fig, path)
 
 
