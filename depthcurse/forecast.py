@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence, TypeVar
 
 Step = TypeVar("Step")
+REVISE = 1.5  # a later forecast is said where it is this many times the last one said, or that share of it
 
 
 def duration(seconds: float) -> str:
@@ -41,7 +42,10 @@ class Forecast:
     shrink: str = ""  # how to make the work smaller, said where the forecast passes the budget
     steps: int | None = field(default=None, init=False)  # the plan's length, set by `over` (or `planned`)
     started: float | None = field(default=None, init=False)
-    estimate: float | None = field(default=None, init=False)
+    estimate: float | None = field(default=None, init=False)  # the first forecast, from the first step
+    revisions: list = field(default_factory=list, init=False)  # each later forecast said: after how many steps, the seconds in all
+    times: list = field(default_factory=list, init=False)  # each step's seconds, this process's
+    last: float | None = field(default=None, init=False)
 
     def planned(self, steps: int) -> "Forecast":
         """Counts `steps` steps from now: for work that reports its plan's length itself (`following`)."""
@@ -61,22 +65,47 @@ class Forecast:
             self.step_done(index)
 
     def step_done(self, index: int) -> None:
-        if self.estimate is not None:
-            return
+        now = self.clock()
+        self.times.append(now - (self.started if self.last is None else self.last))
+        self.last = now
+        if self.estimate is None:
+            self._first(index)
+        else:
+            self._revise(index, now)
+
+    def _first(self, index: int) -> None:
         running = self.steps - index  # this process's steps: all of them, or those a resumed run has left
-        first = self.clock() - self.started
-        self.estimate = first * running
+        self.estimate = self.times[0] * running
         if running <= 1:
             return
-        line = f"{self.what}: {running} steps to run, the first took {first:.2f} s here: about {duration(self.estimate)} in all"
+        line = f"{self.what}: {running} steps to run, the first took {self.times[0]:.2f} s here: about {duration(self.estimate)} in all"
         if self.budget_seconds is not None and self.estimate > self.budget_seconds:
             line += f", over the budget of {duration(self.budget_seconds)}" + (f": {self.shrink}" if self.shrink else "")
         self.say(line)
 
+    def _revise(self, index: int, now: float) -> None:
+        """The forecast again from the steps so far (their median, each step's time so far), said where
+        it has moved past `REVISE` times the one said last: a machine whose load moves, or steps that
+        are not alike, are followed, not extrapolated from the first step alone."""
+        left = self.steps - index - 1
+        if left <= 0:
+            return
+        times = sorted(self.times)
+        typical = times[len(times) // 2] if len(times) % 2 else (times[len(times) // 2 - 1] + times[len(times) // 2]) / 2
+        total = now - self.started + typical * left
+        said = self.revisions[-1]["forecast_seconds"] if self.revisions else self.estimate
+        if said / REVISE <= total <= said * REVISE:
+            return
+        self.revisions.append({"after_steps": len(self.times), "forecast_seconds": round(total, 3)})
+        self.say(f"{self.what}: {len(self.times)} steps took {duration(now - self.started)}; about {duration(typical * left)} left "
+                 f"({duration(times[0] * left)} to {duration(times[-1] * left)} at the quickest and slowest step so far): the forecast "
+                 f"moved from {duration(said)} to {duration(total)} in all")
+
     def summary(self) -> dict:
         """The forecast beside the time taken, both in seconds (None where no step finished)."""
         taken = None if self.started is None else round(self.clock() - self.started, 3)
-        return {"steps": self.steps, "forecast_seconds": None if self.estimate is None else round(self.estimate, 3), "seconds": taken}
+        return {"steps": self.steps, "forecast_seconds": None if self.estimate is None else round(self.estimate, 3), "seconds": taken,
+                "revisions": self.revisions}
 
 
 def following(what: str, say: Callable[[str], None], clock: Callable[[], float] = time.perf_counter) -> Callable[[int, int], Forecast]:

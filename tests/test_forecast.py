@@ -14,21 +14,41 @@ def test_a_forecast_is_the_first_steps_time_times_the_steps_to_run_said_once_wit
     nothing; the summary keeps the forecast beside the time taken. depth-use says each part's
     forecast before the rest of it runs, and keeps them in its record (issue 81)."""
     said = []
-    clock = iter([0.0, 2.0, 9.0]).__next__  # start, the first step, the summary: the second step reads no clock
+    clock = iter([0.0, 2.0, 4.5, 9.0]).__next__  # start, the first step, the second (within the forecast: nothing more said), the summary
     f = Forecast("the steps", say=said.append, clock=clock, budget_seconds=5, shrink="fewer steps")
-    assert [i for i, _ in zip(range(2), f.over("abcd"))] == [0, 1]  # two steps done: the first said the forecast
+    steps = f.over("abcd")
+    next(steps), next(steps), next(steps)  # two steps done: the first said the forecast
     assert said == ["the steps: 4 steps to run, the first took 2.00 s here: about 8 seconds in all, over the budget of 5 seconds: fewer steps"]
-    assert f.summary() == {"steps": 4, "forecast_seconds": 8.0, "seconds": 9.0}
+    assert f.summary() == {"steps": 4, "forecast_seconds": 8.0, "seconds": 9.0, "revisions": []}
     said.clear()
-    resumed = Forecast("the steps", say=said.append, clock=iter([0.0, 3.0, 4.0]).__next__)
+    resumed = Forecast("the steps", say=said.append, clock=iter([0.0, 3.0, 6.0]).__next__)
     assert list(resumed.over("abcd", 2, kept_in="here")) == [(2, "c"), (3, "d")]
     assert said == ["the steps: took up the 2 of 4 finished before (kept in here), not run again",
                     "the steps: 2 steps to run, the first took 3.00 s here: about 6 seconds in all"]
     said.clear()
     one = Forecast("one", say=said.append, clock=iter([0.0, 1.0]).__next__)
     assert list(one.over([7])) == [(0, 7)] and said == [] and one.estimate == 1.0 and one.steps == 1
-    assert Forecast("none").summary() == {"steps": None, "forecast_seconds": None, "seconds": None}
+    assert Forecast("none").summary() == {"steps": None, "forecast_seconds": None, "seconds": None, "revisions": []}
     assert took_up("the rows", 3, 5) == "the rows: took up the 3 of 5 finished before, not run again"
+
+
+@pytest.mark.statistics
+def test_a_forecast_follows_the_work_and_says_a_moved_one_with_its_range():
+    """5 steps on a held clock: the first 1 s (5 s said); the second 10 s: the median of the two (5.5 s)
+    times the 3 left, after 11 s, is 27.5 s in all, past 1.5 times the 5 said: said again, with the
+    range of the quickest and slowest step; the third (10 s) and fourth (1 s) keep it within 1.5 times
+    27.5: nothing more said (issue 90: a forecast that follows a machine whose load moves)."""
+    said = []
+    f = Forecast("the rows", say=said.append, clock=iter([0.0, 1.0, 11.0, 21.0, 22.0, 23.0, 24.0]).__next__)
+    assert [i for i, _ in f.over(range(5))] == [0, 1, 2, 3, 4]
+    assert said == ["the rows: 5 steps to run, the first took 1.00 s here: about 5 seconds in all",
+                    "the rows: 2 steps took 11 seconds; about 16 seconds left (3 seconds to 30 seconds at the quickest and slowest step so far): "
+                    "the forecast moved from 5 seconds to 28 seconds in all"]
+    assert f.summary() == {"steps": 5, "forecast_seconds": 5.0, "seconds": 24.0, "revisions": [{"after_steps": 2, "forecast_seconds": 27.5}]}
+    quicker = []  # a forecast that moves down is said too: 10 s, then 1 s steps
+    g = Forecast("the rows", say=quicker.append, clock=iter([0.0, 10.0, 11.0, 12.0, 13.0]).__next__)
+    list(g.over(range(4)))
+    assert [r["after_steps"] for r in g.revisions] == [2, 3] and quicker[-1].endswith("moved from 22 seconds to 13 seconds in all")
 
 
 @pytest.mark.statistics
@@ -36,13 +56,13 @@ def test_a_progress_callback_forecasts_from_the_first_step_it_hears_and_duration
     """prune reports (done, total) before each step: the first call starts the clock, the call that
     says one more is done forecasts the rest (a resumed sweep's first report may start past 0)."""
     said = []
-    heard = following("the variants", said.append, clock=iter([10.0, 13.0]).__next__)
+    heard = following("the variants", said.append, clock=iter([10.0, 13.0, 16.5]).__next__)
     heard(2, 6)  # resumed: 2 done before, 4 to run
     heard(2, 6)  # the same report again: nothing
     forecast = heard(3, 6)
     assert said == ["the variants: 4 steps to run, the first took 3.00 s here: about 12 seconds in all"] and forecast.estimate == 12.0
-    heard(4, 6)
-    assert len(said) == 1
+    heard(4, 6)  # the second step 3.5 s: 13 s in all by the median, within 1.5 times 12: nothing more said
+    assert len(said) == 1 and forecast.revisions == []
     assert [duration(s) for s in (89, 90, 5399, 5400, 5580)] == ["89 seconds", "2 minutes", "90 minutes", "1.5 hours", "1.6 hours"]
 
 
@@ -53,7 +73,7 @@ def test_a_forecast_on_the_budget_is_within_it_and_keeps_three_decimals():
     steps = f.over(range(3))
     next(steps), next(steps)  # the first step's end is when the loop asks for the second
     assert said == ["x: 3 steps to run, the first took 2.12 s here: about 6 seconds in all"]  # at the budget, not over: no shrink said
-    assert f.summary() == {"steps": 3, "forecast_seconds": 6.37, "seconds": 9.877}
+    assert f.summary() == {"steps": 3, "forecast_seconds": 6.37, "seconds": 9.877, "revisions": []}
     said.clear()
     over = Forecast("y", say=said.append, clock=iter([0.0, 5.0]).__next__, budget_seconds=4)
     steps = over.over(range(2))
