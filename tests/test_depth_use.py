@@ -951,6 +951,11 @@ def test_the_memory_estimate_by_hand_and_a_run_that_would_not_fit_is_one_line_na
     with pytest.raises(DepthcurseError, match=r"free: --batch-size 2 fits \(about 0\.4 GiB\)$"):  # the largest below the batch asked
         check_fits(smol, 3, t, measuring_bytes(smol, 2, t))
     assert lens_bytes(smol, 1, t) == t * (31 * 576 * 4 + 6 * 49152 * 4)  # a micro-batch of one window still trains
+    from depthcurse.depth.memory import free_bytes
+
+    psutil = pytest.importorskip("psutil")
+    free = free_bytes("cpu")
+    assert isinstance(free, int) and abs(free - psutil.virtual_memory().available) < 2**30  # the machine's, now
     from depthcurse.depth.memory import Shape as MemoryShape
 
     model = tiny_llama(300, layers=3)

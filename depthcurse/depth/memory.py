@@ -48,9 +48,7 @@ def measuring_bytes(shape: Shape, batch: int, tokens: int) -> int:
 
 
 def lens_bytes(shape: Shape, micro_batch: int, tokens: int) -> int:
-    """The tuned lens's training peak for a micro-batch (0 without one)."""
-    if micro_batch <= 0:
-        return 0
+    """The tuned lens's training peak for a micro-batch (0 without one: a micro-batch of 0)."""
     return micro_batch * tokens * ((shape.layers + 1) * shape.width * shape.dtype_bytes + LENS_COPIES * shape.vocab * FLOAT)
 
 
