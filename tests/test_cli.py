@@ -335,9 +335,11 @@ def test_one_name_per_idea_in_every_command_and_the_old_names_say_the_new():
         taking = sorted(name for name, o in visible if o == option)
         assert taking == sorted(commands), f"{option}: taken by {taking}, the vocabulary says {sorted(commands)}"
     assert hidden == set(RENAMED), f"hidden options not in RENAMED, or renamed ones in sight: {hidden ^ set(RENAMED)}"
+    shared = {option for option in {o for _, o in visible} if sum(o == option for _, o in visible) > 1}
+    assert shared <= set(VOCABULARY), f"options more than one command takes, with no one idea in VOCABULARY: {sorted(shared - set(VOCABULARY))}"
     assert all((command, new) in visible for (command, _), new in RENAMED.items())
     table = (ROOT / "docs" / "commands.md").read_text()
-    assert all(f"`{option}`" in table and idea in table for option, (idea, _) in VOCABULARY.items())
+    assert all(f"| `{option}` | {idea} | {', '.join(commands)} |" in table for option, (idea, commands) in VOCABULARY.items())
     assert all(f"`{command} {old}`" in table for command, old in RENAMED)
 
 

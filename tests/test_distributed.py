@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Per-rank batch 2 = micro-batch 2, against 2 micro-batches of 2 in one process.
 SHAPE = dict(norm="lns", pack=True, seq_len=16, max_seq_len=32, hidden_size=32, intermediate_size=48, num_layers=3,
              num_heads=4, steps=4, warmup=1, batch_size=4, micro_batch=2, val_tokens=64, eval_every=2, save_every=2, log_every=1)
-FLAGS = {"num_layers": "--layers", "num_heads": "--heads"}
+FLAGS = {"num_layers": "--num-layers", "num_heads": "--heads"}
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import typer
 from rich.progress import TaskProgressColumn, TextColumn
 from rich.text import Text
 
-from depthcurse.cli.shared import console, err_console, fail, progress_bar, say, showing, slug
+from depthcurse.cli.shared import console, err_console, fail, progress_bar, renamed, say, showing, slug
 from depthcurse.errors import DepthcurseError
 from depthcurse.io import claim_out_dir
 from depthcurse.train import incomparable, read_run, seed_groups, seeds_table, table1, write_compare
@@ -47,11 +47,13 @@ def lns_train(
     *,
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out exactly where its checkpoint left it."),
     out: Optional[Path] = typer.Option(None, "--out", help="Run folder (default runs/train/<preset>-<norm>-s<seed>)."),
+    layers: Optional[int] = typer.Option(None, "--layers", hidden=True, help="Now --num-layers."),
     **settings,
 ) -> None:
     """Pre-train a LLaMA-style model with the chosen normalisation; exports a checkpoint `prune` and `angular-distance` load."""
     from depthcurse.train.loop import run  # lazy: start-up
 
+    settings["num_layers"] = renamed("lns-train", "--layers", layers, settings["num_layers"], None)  # --layers names which layers everywhere else
     cfg = TrainConfig(**settings)
     preset, norm, seed = cfg.preset, cfg.norm, cfg.seed
     # Under torchrun only rank 0 talks; another rank says only an error of its own (_fail).

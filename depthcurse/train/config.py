@@ -88,7 +88,7 @@ class TrainConfig:
     max_seq_len: int | None = _setting(None, "Longest sequence the model accepts (RoPE is computed, not learnt).")
     hidden_size: int | None = _setting(None, "Width of the residual stream.")
     intermediate_size: int | None = _setting(None, "Width of the SwiGLU MLP.")
-    num_layers: int | None = _setting(None, "Number of transformer blocks.", "--layers")
+    num_layers: int | None = _setting(None, "Number of transformer blocks (how many, where --layers elsewhere names which).", "--num-layers")
     num_heads: int | None = _setting(None, "Attention heads.", "--heads")
     steps: int | None = _setting(None, "Optimizer steps.")
     tokens: int | None = _setting(None, "Train on this many tokens instead of --steps (batch x seq-len per step).")
