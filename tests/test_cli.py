@@ -33,8 +33,10 @@ def test_prune_on_a_local_model_writes_table_and_files(run_cli, tiny_model_dir, 
     for v in data["variants"]:
         assert v["metrics"]["loss"] == pytest.approx(task.evaluate(built_without(full, "model.layers", v["removed"])).metrics["loss"], abs=1e-5)
     rows = (out / "prune.csv").read_text().splitlines()
-    assert rows[0] == "unit,removed,data,loss,ppl,drop,rel_drop,examples,seconds" and rows[1].startswith("layer,none,3 windows x 16 tokens of ")
-    assert "layer removed" in stdout and "one layer removed at a time" in stdout
+    assert rows[0] == "unit,removed,data,loss,ppl,drop,rel_drop,examples,seconds,drop 95% low,drop 95% high" and rows[1].startswith("layer,none,3 windows x 16 tokens of ")
+    assert rows[1].endswith(",nan,nan") and all(len(r.split(",")) == 11 for r in rows[1:])  # the baseline's own drop has no interval
+    said = " ".join(stdout.split())  # the title wraps where the table's width says
+    assert "layer removed" in said and "one layer removed at a time" in said and "95% interval paired over the 3 windows (Student's t)" in said
 
 
 def test_drop_saves_the_model_without_those_layers(run_cli, tiny_model_dir, tmp_path):

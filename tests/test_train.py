@@ -636,7 +636,7 @@ def test_bad_training_input(cfg, tmp_path):
 
 def test_cli_train_report_and_prune_the_export(run_cli, text_file, tok_dir, tmp_path):
     common = ["--data", text_file, "--tokenizer", tok_dir, "--seq-len", "16", "--max-seq-len", "32", "--hidden-size", "32",
-              "--intermediate-size", "48", "--layers", "3", "--heads", "4", "--steps", "4", "--batch-size", "4",
+              "--intermediate-size", "48", "--num-layers", "3", "--heads", "4", "--steps", "4", "--batch-size", "4",
               "--val-tokens", "64", "--eval-every", "2", "--save-every", "2"]
     norms = ("pre", "mix", "dyt", "hybridnorm", "completep")
     for norm in norms:
