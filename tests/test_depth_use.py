@@ -1415,7 +1415,7 @@ def test_the_maps_table_and_verdicts_print_every_figure_worked_by_hand():
                        "r2": {"mean": [[0.2, 0.65, 0.35, 0.55], [0.1, 0.2, 0.75, 0.5]], "label": "held-out R^2 pooled",
                               "interval": [[None, [0.6, 0.7], None, None], [None] * 4]}},
             "relative_depth": {"shallow": [0.5, 1.0], "best_deep": [0.5, 0.75], "mean_abs_difference": 0.125, "spearman": 1.0, "spearman_interval": None},
-            "variance": {"shallow": [0.6, 0.2], "deep": [0.1, 0.55, 0.5, 0.2], "dominant_at": 0.5}}  # 0.5 itself: dominated
+            "variance": {"shallow": [0.6, 0.7], "deep": [0.6, 0.55, 0.5, 0.2], "dominant_at": 0.5}}  # 0.5 itself: dominated
     table = map_table(ours)
     assert [c.header for c in table.columns] == ["shallow layer", "relative depth", "best deep layer", "its relative depth", "held-out R^2 per dimension",
                                                  "held-out R^2 pooled", "at the same relative depth"]
@@ -1426,9 +1426,9 @@ def test_the_maps_table_and_verdicts_print_every_figure_worked_by_hand():
         "each shallow layer's best match lies 0.12 of the depth away from its own relative depth on average; the two orders agree by Spearman's rho +1.00",
         "the shallow model's last layer maps best to deep layer 2 of 4 (per-dimension R^2 0.700); the deep model's last layer is reached with "
         "per-dimension R^2 0.500 at best",  # layer 3's column: 0.5 from shallow layer 0, 0.45 from the last
-        "in 1 of the shallow model's 2 streams one dimension holds 50% of the variance or more (up to 60%): a pooled R^2 there is mostly that "
+        "in 2 of the shallow model's 2 streams one dimension holds 50% of the variance or more (up to 70%): a pooled R^2 there is mostly that "
         "dimension's; the per-dimension R^2 weighs every dimension alike",
-        "in 2 of the deep model's 4 streams one dimension holds 50% of the variance or more (up to 55%): a pooled R^2 there is mostly that "
+        "in 3 of the deep model's 4 streams one dimension holds 50% of the variance or more (up to 60%): a pooled R^2 there is mostly that "
         "dimension's; the per-dimension R^2 weighs every dimension alike"]
     itself = {**ours, "run": {**run, "same_model": True}}
     assert map_verdicts(itself)[0] == same_model_line(itself) and map_verdicts(itself)[1:] == map_verdicts(ours)

@@ -44,7 +44,7 @@ PLANTS = [
  ("88f a lens without the embedding's translator cannot be read back", "depthcurse/depth/tuned_lens.py", 'embedding=any(k.startswith("0.") for k in state)', "embedding=True", ["tests/test_depth_use.py::test_a_lens_file_reads_back_and_one_from_another_model_is_one_line"]),
  ("88g a forecast one step short of its plan", "depthcurse/forecast.py", "self.planned(len(plan))", "self.planned(len(plan) - 1)", ["tests/test_forecast.py"]),
  ("88h heal's training one step short of its plan", "depthcurse/heal/loop.py", ".over(range(end), progress.step", ".over(range(end - 1), progress.step", ["tests/test_forecast.py::test_each_long_commands_forecast_counts_the_steps_its_loop_runs"]),
- ("88i the same relative depth read one layer on", "depthcurse/depth/map_report.py", "- (0 if entering else 1)))", "- (0 if entering else 0)))", ["tests/test_depth_use.py"]),
+ ("88i the same relative depth read one layer on", "depthcurse/depth/map_report.py", "- (0 if entering else 1))", "- (0 if entering else 0))", ["tests/test_depth_use.py"]),
  ("88j the dominance verdict inverted", "depthcurse/depth/map_report.py", "dominated = [i for i, s in enumerate(shares) if s >= at]", "dominated = [i for i, s in enumerate(shares) if s < at]", ["tests/test_depth_use.py"]),
  ("88k the deep model's last layer read from the shallow row", "depthcurse/depth/map_report.py", "pick(row[-1] for row in matrix)", "pick(matrix[-1])", ["tests/test_depth_use.py"]),
  ("88l their stream after a layer named one layer on", "depthcurse/depth/map_report.py", 'else f"after {index - 1}"', 'else f"after {index}"', ["tests/test_depth_use.py"]),
