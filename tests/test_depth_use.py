@@ -1634,3 +1634,29 @@ def test_one_model_against_itself_and_the_default_windows_worked_by_hand():
     # twice the inputs (the width and an intercept) in tokens, over each window's fitted tokens (theirs: all but their BOS pad)
     assert fit_windows(1000, 8, "depthcurse") == -(-2002 // 8) == 251 and fit_windows(1000, 8, "csordas") == -(-2002 // 7) == 286
     assert fit_windows(32, 8, "depthcurse") == 16
+
+
+def test_the_maps_settings_refuse_each_bad_value_alone_and_the_definitions_by_name():
+    """Each of their map's settings at its least allowed value passes and one below it is the one line,
+    the others left at theirs; an unknown definitions' name and two records of different definitions
+    are one line each; no record at all is ours (issue 88: mutation found these loose)."""
+    from dataclasses import replace
+
+    from depthcurse.depth.csordas_map import MapSettings
+    from depthcurse.depth.definitions import DEFINITIONS, find_definitions, same_definitions
+    from depthcurse.errors import DepthcurseError
+
+    least = MapSettings(steps=1, batch_windows=1, warmup=0, lr=1e-9, grad_clip=1e-9)
+    least.check()
+    for field, bad in (("steps", 0), ("batch_windows", 0), ("warmup", -1), ("lr", 0.0), ("grad_clip", 0.0)):
+        with pytest.raises(DepthcurseError, match=r"^--map-steps and the map's batch must be at least 1, its warm-up 0 or more, its lr and clip above 0 "
+                                                  rf"\(got \{{.*'{field}': {bad}"):
+            replace(least, **{field: bad}).check()
+    assert find_definitions("csordas") is DEFINITIONS["csordas"]
+    with pytest.raises(DepthcurseError, match=r"^--as theirs: no such definitions \(known: depthcurse, csordas\)$"):
+        find_definitions("theirs")
+    ours, theirs = {"definitions": {"name": "depthcurse"}}, {"definitions": {"name": "csordas"}}
+    assert same_definitions([theirs, theirs], ["a", "b"]) == "csordas" and same_definitions([], []) == "depthcurse"
+    with pytest.raises(DepthcurseError, match=r"^depth maps of two definitions: a by the depthcurse definitions, b by the csordas ones; their figures are "
+                                              r"other quantities, not set side by side \(rerun one with --as\)$"):
+        same_definitions([ours, theirs], ["a", "b"], what="depth maps")
