@@ -1660,3 +1660,90 @@ def test_the_maps_settings_refuse_each_bad_value_alone_and_the_definitions_by_na
     with pytest.raises(DepthcurseError, match=r"^depth maps of two definitions: a by the depthcurse definitions, b by the csordas ones; their figures are "
                                               r"other quantities, not set side by side \(rerun one with --as\)$"):
         same_definitions([ours, theirs], ["a", "b"], what="depth maps")
+
+
+def test_run_depth_use_in_memory_writes_its_record_rows_and_figures_and_says_what_it_kept(tiny_tokenizer, text_file, tmp_path, monkeypatch):
+    """`run_depth_use` on a model in memory (not through the command line): its bad input word for word,
+    the memory note, the record's run and forecasts, the tuned lens trained, saved and read again; then
+    `write_depth`'s CSV rows from the record, the two figures read for what they mark, what an
+    interrupted run kept in words, and a select run read back or refused (issue 88)."""
+    import csv
+
+    from depthcurse.depth import report
+    from depthcurse.depth.tuned_lens import LensSettings
+    from depthcurse.errors import DepthcurseError
+    from depthcurse.loading import LoadedModel
+
+    loaded = LoadedModel(model=tiny_llama(len(tiny_tokenizer), layers=3, seed=3), tokenizer=tiny_tokenizer, name="m", source="m",
+                         dtype=torch.float32, device=torch.device("cpu"))
+    for args, match in (((1, 8, 2), r"^--windows must be at least 2 \(the intervals are over windows\), got 1$"),
+                        ((2, 1, 2), r"^--seq-len must be at least 2 and --batch-size at least 1$"),
+                        ((2, 8, 0), r"^--seq-len must be at least 2 and --batch-size at least 1$"),
+                        ((500, 8, 2), r"holds \d+ windows of 8 tokens, fewer than --windows 500$")):
+        with pytest.raises(DepthcurseError, match=match):
+            report.run_depth_use(loaded, str(text_file), *args)
+    with pytest.raises(DepthcurseError, match=r"^--tuned-lens trains a lens and --lens reads one: give one of them$"):
+        report.run_depth_use(loaded, str(text_file), 2, 8, 2, tuned=True, lens=tmp_path / "x")
+    said = []
+    settings = LensSettings(steps=2, tokens_per_step=16, micro_batch=2)
+    lens_out = tmp_path / "lens.safetensors"
+    record = report.run_depth_use(loaded, str(text_file), 4, 8, 2, tuned=True, lens_windows=3, lens_settings=settings, lens_out=lens_out,
+                                  on_note=said.append, free=None, clock=lambda: 1.0)
+    assert said[0].startswith("memory: about ") and "beyond the model's weights at its peak" in said[0] and "free)" not in said[0]
+    assert record["run"]["windows"] == 4 and record["run"]["seq_len"] == 8 and record["run"]["data"] == str(text_file) and "device" not in record["run"]
+    assert record["tuned_lens"]["train_windows"] == 3 and record["tuned_lens"]["source"] == "trained here" and lens_out.is_file()
+    assert set(record["forecasts"]) == {"the tuned lens's steps", "the measurement's batches of windows"}
+    assert record["forecasts"]["the measurement's batches of windows"]["steps"] == 2 and record["wall_time_s"] == 0.0
+    assert record["tuned_lens"]["held_out_kl"] == [row["tuned_kl"] for row in record["layers"]]
+    again = report.run_depth_use(loaded, str(text_file), 4, 8, 2, tuned=True, lens_windows=3, lens_settings=settings, lens_out=lens_out, free=None,
+                                 influence=False)  # the saved lens of these settings is read, not trained again
+    assert again["tuned_lens"]["train_windows"] == 3 and again["use"]["influence"] is None
+    with pytest.raises(DepthcurseError, match="would need about"):
+        report.run_depth_use(loaded, str(text_file), 4, 8, 2, free=1)
+
+    paths = report.write_depth(record, tmp_path / "out" / "new")
+    assert [p.name for p in paths] == ["depth_use.json", "depth_use.csv"]
+    rows = list(csv.reader(paths[1].open()))
+    names = ["attn_norm", "mlp_norm", "attn_cos", "mlp_cos", "lens_kl", "lens_top1", "lens_top5", "tuned_kl", "tuned_top1", "tuned_top5"]
+    assert rows[0] == ["layer", *names, *(f"{n}_low" for n in names), *(f"{n}_high" for n in names), "settled_share", "tuned_settled_share",
+                       "output_kl_when_skipped"]
+    first = record["layers"][0]
+    assert rows[1][:3] == ["0", str(first["attn_norm"]), str(first["mlp_norm"])] and rows[1][11] == str(first["attn_norm_interval"][0])
+    assert rows[1][21] == str(first["attn_norm_interval"][1]) and rows[1][-1] == str(record["use"]["output_change"][0]) and len(rows) == 4
+    with_agreement = {**record, "agreement": [{"measure": "m", "target": "t", "rho": 0.5, "interval": [0.1, 0.8], "layers": 3}]}
+    assert report.write_depth(with_agreement, tmp_path / "agree")[-1].read_text().splitlines()[1] == "m,t,0.5,3,0.1,0.8"
+
+    figures = []
+    monkeypatch.setattr(report, "save_figure", lambda fig, path: figures.append(fig) or path)
+    report.plot_influence(record, tmp_path / "i.png")
+    (ax, bar) = figures[-1].axes
+    grid = ax.images[0].get_array()
+    assert [[None if v is None or v != v else round(float(v), 9) for v in row] for row in grid.tolist()] == \
+        [[None if v is None or v != v else round(v, 9) for v in row] for row in record["use"]["influence"]]
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("later layer j", "layer i skipped") and bar.get_ylabel() == \
+        "mean ||c_j(skip i) - c_j|| / ||c_j|| (depthcurse definitions)"
+    assert report.plot_influence(again, tmp_path / "none.png") is None  # no influence matrix: no figure
+    report.plot_settling(record, tmp_path / "s.png")
+    left, right, twin = figures[-1].axes
+    total = sum(record["use"]["settled"])
+    assert [p.get_height() for p in left.patches] == pytest.approx([s / total for s in record["use"]["settled"]])
+    assert [list(line.get_ydata()) for line in right.lines] == [[r[n] for r in record["layers"]] for n in ("lens_top1", "lens_top5", "tuned_top1")]
+    assert list(twin.lines[0].get_ydata()) == [r["lens_kl"] for r in record["layers"]]
+    tuned_total = sum(record["use"]["tuned_settled"])
+    assert list(left.lines[0].get_ydata()) == pytest.approx([s / tuned_total for s in record["use"]["tuned_settled"]])
+    assert [t.get_text() for t in right.get_legend().get_texts()] == ["top-1 agreement with the output", "output's top-1 in the lens's top-5", "tuned lens top-1 (held out)"]
+    assert left.get_xlabel() == "the stream after layer ... from which the lens's top-1 stays the output's" and right.get_xlabel() == "layer (the stream after it)"
+    assert (left.get_ylabel(), right.get_ylabel(), twin.get_ylabel()) == ("share of tokens", "share of tokens", "KL (nats)")
+    monkeypatch.undo()
+
+    folder = tmp_path / "cut"
+    folder.mkdir()
+    assert report.kept_summary(folder) == "nothing had finished"
+    (folder / report.KEPT_FILE).write_text(json.dumps({"batches": 1, "of": 3}))
+    assert report.kept_summary(folder) == f"1 of 3 batches of windows measured kept in {folder}"
+    select = tmp_path / "sel"
+    select.mkdir()
+    (select / "select.json").write_text(json.dumps({"cells": {}, "run": {}}))
+    assert report.read_selects([select]) == [{"cells": {}, "run": {}}] and report.read_selects([]) == []
+    with pytest.raises(DepthcurseError, match="select"):
+        report.read_selects([tmp_path / "nowhere"])

@@ -270,19 +270,19 @@ def plot_influence(record: dict, path: Path) -> Path | None:
         return None
     import matplotlib  # lazy: only figures need matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # pragma: no mutate (the drawing's look: what it marks is tested, not its colours and sizes)
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 5.4), dpi=120)
+    fig, ax = plt.subplots(figsize=(6.4, 5.4), dpi=120)  # pragma: no mutate
     grid = [[v if v is not None and v == v else math.nan for v in row] for row in use.influence]
-    im = ax.imshow(grid, cmap="magma", origin="upper")
+    im = ax.imshow(grid, cmap="magma", origin="upper")  # pragma: no mutate
     ax.set_xlabel("later layer j")
     ax.set_ylabel("layer i skipped")
     d = definitions_of(record)
     fig.colorbar(im, ax=ax, label=f"{'largest' if d.reduce == 'max' else 'mean'} ||c_j(skip i) - c_j|| / ||c_j|| ({d.name} definitions)")
     ax.set_title(f"{record['run']['model']}: whose later work each layer changes\n({record['run']['windows']} x {record['run']['seq_len']} "
-                 f"tokens of {record['run']['data']})", fontsize=9)
-    fig.tight_layout()
+                 f"tokens of {record['run']['data']})", fontsize=9)  # pragma: no mutate
+    fig.tight_layout()  # pragma: no mutate
     return save_figure(fig, path)
 
 
@@ -291,34 +291,34 @@ def plot_settling(record: dict, path: Path) -> Path:
     the lens's top-1 agreement and KL to the output per layer."""
     import matplotlib  # lazy: only figures need matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # pragma: no mutate (the drawing's look: what it marks is tested, not its colours and sizes)
     import matplotlib.pyplot as plt
 
     use, rows, d = _use(record), record["layers"], definitions_of(record)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=120)  # pragma: no mutate
     total = sum(use.settled) or 1
     axes[0].bar(range(len(use.settled)), [s / total for s in use.settled], color="C0")
     axes[0].set_xlabel(f"the stream {'entering' if d.lens_reads == 'entering' else 'after'} layer ... from which the lens's top-1 stays the output's"
                        + (f" ({use.n_layers}: the output)" if d.lens_reads == "entering" else ""))
     axes[0].set_ylabel("share of tokens")
-    axes[0].set_title("settling depth (bars: logit lens)", fontsize=9)
+    axes[0].set_title("settling depth (bars: logit lens)", fontsize=9)  # pragma: no mutate
     layers = [r["layer"] for r in rows]
     axes[1].plot(layers, [r["lens_top1"] for r in rows], "o-", label="top-1 agreement with the output")
     axes[1].plot(layers, [r["lens_top5"] for r in rows], "s-", label=d.top5_label)
     if use.tuned_kl is not None:
         axes[0].step(range(len(use.tuned_settled)), [s / (sum(use.tuned_settled) or 1) for s in use.tuned_settled], "C3", where="mid", label="tuned lens")
-        axes[0].legend(fontsize=7)
+        axes[0].legend(fontsize=7)  # pragma: no mutate
         axes[1].plot(layers, [r["tuned_top1"] for r in rows], "^-", color="C3", label="tuned lens top-1 (held out)")
     axes[1].set_xlabel(f"layer (the stream {'entering' if d.lens_reads == 'entering' else 'after'} it)")
     axes[1].set_ylabel("share of tokens")
     twin = axes[1].twinx()
     twin.plot(layers, [r["lens_kl"] for r in rows], "k:", label=d.kl_label)
     twin.set_ylabel("KL (nats)")
-    axes[1].legend(fontsize=7, loc="center left")
-    axes[1].set_title("the logit lens per layer" + (" (and the tuned lens)" if use.tuned_kl is not None else ""), fontsize=9)
-    fig.suptitle(f"{record['run']['model']}: where the prediction settles ({record['run']['windows']} x {record['run']['seq_len']} tokens of "
-                 f"{record['run']['data']})", fontsize=10)
-    fig.tight_layout()
+    axes[1].legend(fontsize=7, loc="center left")  # pragma: no mutate
+    axes[1].set_title("the logit lens per layer" + (" (and the tuned lens)" if use.tuned_kl is not None else ""), fontsize=9)  # pragma: no mutate
+    fig.suptitle(f"{record['run']['model']}: where the prediction settles ({record['run']['windows']} x {record['run']['seq_len']} tokens of "  # pragma: no mutate
+                 f"{record['run']['data']})", fontsize=10)  # pragma: no mutate
+    fig.tight_layout()  # pragma: no mutate
     return save_figure(fig, path)
 
 
