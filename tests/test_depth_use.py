@@ -1747,3 +1747,57 @@ def test_run_depth_use_in_memory_writes_its_record_rows_and_figures_and_says_wha
     assert report.read_selects([select]) == [{"cells": {}, "run": {}}] and report.read_selects([]) == []
     with pytest.raises(DepthcurseError, match="select"):
         report.read_selects([tmp_path / "nowhere"])
+
+
+def test_depth_uses_titles_and_captions_by_both_definitions_word_for_word():
+    """What each table says it measured, by ours and by Csordás et al.'s definitions, with a tuned lens:
+    the title, the caption (the lens's stream, its KL's direction, the skip's token and reduction, the
+    interval's rule, the source) and the columns; the overview's and the agreement table's (issue 88)."""
+    from depthcurse.depth.measure import DepthUse, per_layer_rows
+    from depthcurse.depth.report import agreement_table, depth_overview, depth_table
+
+    use = DepthUse(n_layers=2, windows=2, attn_norm=[[0.1, 0.3], [0.5, 0.5]], mlp_norm=[[1.0, 1.0], [2.0, 4.0]], attn_cos=[[0.1, 0.1], [-0.2, -0.2]],
+                   mlp_cos=[[0.6, 0.6], [0.7, 0.7]], lens_kl=[[5.0, 7.0], [3.0, 3.0]], lens_top1=[[0.0, 0.5], [0.5, 0.5]], lens_top5=[[0.25, 0.25], [0.75, 0.75]],
+                   settled=[2, 1], tuned_kl=[[2.0, 2.0], [1.0, 1.0]], tuned_top1=[[0.5, 0.5], [1.0, 1.0]], tuned_top5=[[1.0, 1.0], [1.0, 1.0]], tuned_settled=[1, 2])
+    tables = {}
+    for name in ("depthcurse", "csordas"):
+        record = {"run": {"model": "m", "windows": 2, "seq_len": 4, "data": "wiki"}, "definitions": {"name": name}, "use": use.summary(),
+                  "layers": per_layer_rows(use), "tuned_lens": {"train_windows": 3, "settings": {"steps": 5}}}
+        tables[name] = depth_table(record)
+    lens = "; tuned lens: one affine translator per stream (Belrose et al. 2023), trained on 3 other windows of the text (5 steps), read on these (held out)"
+    head = "attention / MLP: the sublayer's output norm over the residual stream it is added to, and their cosine (Csordás et al. 2025, Fig. 2); "
+    assert tables["depthcurse"].title == "m: how each layer is used, 2 windows x 4 tokens of wiki (depthcurse definitions)"
+    assert tables["depthcurse"].caption == (
+        head + "lens: the model's final norm and head on the stream after the layer, against its output (KL(output || lens), top-1, output's top-1 in "
+        "the lens's top-5); settles here: tokens whose lens top-1 is the output's from this row on; influence: the layer skipped, the relative change "
+        "of every later layer's contribution (its row's mean over the later layers), and the output's KL(output || skipped): means over tokens and "
+        "windows. Other figures: means over windows, in brackets the 95% interval over windows (Student's t). Definitions: depthcurse "
+        "(docs/depth-use.md)" + lens)
+    assert tables["csordas"].title == "m: how each layer is used, 2 windows x 4 tokens of wiki (csordas definitions)"
+    assert tables["csordas"].caption == (
+        head + "lens: the model's final norm and head on the stream entering the layer, against its output (KL(lens || output), top-1, top-5 overlap "
+        "with the output's); settles here: tokens whose lens top-1 is the output's from this row on; influence: the layer skipped from token 1 on, "
+        "the relative change of every later layer's contribution (its row's mean over the later layers), and the output's ||p_skipped - p||_2: the "
+        "largest over tokens and windows (no interval). Other figures: means over windows, in brackets the 95% interval over windows. Definitions: "
+        "Csordás, Manning and Potts 2025, robertcsordas/llm_effective_depth (read in ShayanTalaei/llm_effective_depth @ e757a77): "
+        "analysis/logitlens.py, analysis/analyze_current_effects.py, analysis/analyze_norms.py" + lens)
+    columns = ["layer", "attention ||a||/||h||", "MLP ||m||/||h||", "cos(a, h)", "cos(m, h)", "lens KL", "lens top-1", "lens top-5", "settles here",
+               "tuned lens KL", "tuned top-1", "tuned settles here", "influence on later layers"]
+    assert [c.header for c in tables["depthcurse"].columns] == [*columns, "output KL when skipped"]
+    assert [c.header for c in tables["csordas"].columns] == [*columns, "output change when skipped"]
+    assert [c.justify for c in tables["csordas"].columns] == ["right"] * 14
+    overview = depth_overview([record], ["a"])
+    assert overview.title == "depth-use runs side by side" and overview.caption == (
+        "phase transition: the change point of the influence rows (docs/depth-use.md); half settled: the layer by which half of the tokens' lens "
+        "top-1 stays the output's; most changing skip: the layer whose removal moves the output most (by the definitions' output change) (csordas "
+        "definitions)")
+    assert [c.header for c in overview.columns] == ["run", "model", "text", "layers", "phase transition", "half settled (logit lens)",
+                                                    "half settled (tuned lens)", "most changing skip"]
+    assert [c.justify for c in overview.columns] == ["left"] * 3 + ["right"] * 5
+    agreed = agreement_table({"agreement": []})
+    assert agreed.title == "do the layers depth-use calls little used match the ones select measures as cheapest to remove?" and agreed.caption == (
+        "Spearman's rho over the layers both rank, with its 95% interval (Fisher's z, Bonett and Wright's standard error); a measure of use should "
+        "rise with a layer's removal cost (+) and fall where a search picked the layer (-). agrees: the interval leaves 0 out on the expected side; "
+        "opposite: on the other; cannot tell: it holds 0. The target's distinct values: how many values it takes over the layers (a pick's "
+        "membership: 2)")
+    assert [c.justify for c in agreed.columns] == ["left", "left", "right", "right", "right", "right", "left"]
