@@ -1801,3 +1801,48 @@ def test_depth_uses_titles_and_captions_by_both_definitions_word_for_word():
         "opposite: on the other; cannot tell: it holds 0. The target's distinct values: how many values it takes over the layers (a pick's "
         "membership: 2)")
     assert [c.justify for c in agreed.columns] == ["left", "left", "right", "right", "right", "right", "left"]
+
+
+def test_write_depth_and_the_figures_by_their_definitions_without_a_tuned_lens_and_what_a_cut_lens_kept(tmp_path, monkeypatch):
+    """A record by Csordás et al.'s definitions without a tuned lens: the CSV's own columns (no tuned
+    ones; the output's L2 change), the influence bar's "largest", the settling axes' "entering" streams
+    and the output's row, no tuned line; and a lens stopped at step 2 of 5 said in words (issue 88)."""
+    import csv
+
+    from depthcurse.depth import report
+    from depthcurse.depth.measure import DepthUse, per_layer_rows
+    from depthcurse.depth.tuned_lens import PARTIAL_FILE
+
+    use = DepthUse(n_layers=2, windows=2, attn_norm=[[0.1, 0.3], [0.5, 0.5]], mlp_norm=[[1.0, 1.0], [2.0, 4.0]], attn_cos=[[0.1, 0.1], [-0.2, -0.2]],
+                   mlp_cos=[[0.6, 0.6], [0.7, 0.7]], lens_kl=[[5.0, 7.0], [3.0, 3.0]], lens_top1=[[0.0, 0.5], [0.5, 0.5]], lens_top5=[[0.25, 0.25], [0.75, 0.75]],
+                   settled=[2, 1, 5], influence=[[float("nan"), 0.4], [float("nan"), float("nan")]], output_change=[0.7, 0.2])
+    record = {"run": {"model": "m", "windows": 2, "seq_len": 4, "data": "wiki"}, "definitions": {"name": "csordas"}, "use": use.summary(),
+              "layers": per_layer_rows(use)}
+    _, rows_path = report.write_depth(record, tmp_path / "out")
+    rows = list(csv.reader(rows_path.open()))
+    names = ["attn_norm", "mlp_norm", "attn_cos", "mlp_cos", "lens_kl", "lens_top1", "lens_top5"]
+    assert rows[0] == ["layer", *names, *(f"{n}_low" for n in names), *(f"{n}_high" for n in names), "settled_share", "output_l2_change_when_skipped"]
+    assert rows[2][-1] == "0.2" and rows[2][-2] == str(record["layers"][1]["settled_share"]) and len(rows[1]) == 24
+    no_skips = {**record, "use": {**record["use"], "output_change": None}}
+    assert list(csv.reader(report.write_depth(no_skips, tmp_path / "o2")[1].open()))[1][-1] == ""  # no skip measured: the cell is empty
+    figures = []
+    monkeypatch.setattr(report, "save_figure", lambda fig, path: figures.append(fig) or path)
+    report.plot_influence(record, tmp_path / "i.png")
+    assert figures[-1].axes[1].get_ylabel() == "largest ||c_j(skip i) - c_j|| / ||c_j|| (csordas definitions)"
+    report.plot_settling(record, tmp_path / "s.png")
+    left, right, twin = figures[-1].axes
+    assert [p.get_height() for p in left.patches] == pytest.approx([0.25, 0.125, 0.625]) and left.get_legend() is None and not left.lines
+    assert left.get_xlabel() == "the stream entering layer ... from which the lens's top-1 stays the output's (2: the output)"
+    assert right.get_xlabel() == "layer (the stream entering it)" and len(right.lines) == 2
+    assert twin.lines[0].get_label() == "KL(lens || output)"
+    monkeypatch.undo()
+    (tmp_path / "cut").mkdir()
+    report.write_depth(record, tmp_path / "cut")
+    assert report.kept_summary(tmp_path / "cut") == "nothing had finished"
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "cut" / PARTIAL_FILE), metadata={"step": "2", "identity": json.dumps({"settings": {"steps": 5}})})
+    (tmp_path / "cut" / report.KEPT_FILE).write_text(json.dumps({"batches": 1, "of": 3}))
+    assert report.kept_summary(tmp_path / "cut") == (f"the tuned lens's first 2 of 5 steps and 1 of 3 batches of windows measured kept in {tmp_path / 'cut'}")
+    (tmp_path / "cut" / report.KEPT_FILE).write_text("{not json")
+    assert report.kept_summary(tmp_path / "cut") == f"the tuned lens's first 2 of 5 steps kept in {tmp_path / 'cut'}"
