@@ -1700,6 +1700,23 @@ def test_run_depth_use_in_memory_writes_its_record_rows_and_figures_and_says_wha
     assert again["tuned_lens"]["train_windows"] == 3 and again["use"]["influence"] is None
     with pytest.raises(DepthcurseError, match="would need about"):
         report.run_depth_use(loaded, str(text_file), 4, 8, 2, free=1)
+    said.clear()
+    edge = report.run_depth_use(loaded, str(text_file), 2, 2, 1, influence=False, on_note=said.append)  # the least seq-len and batch; free memory read
+    assert edge["run"]["seq_len"] == 2 and said[0].endswith(" free)") and "GiB beyond the model's weights at its peak (" in said[0]
+    with pytest.raises(DepthcurseError, match=r"^--data .*missing.txt"):
+        report.run_depth_use(loaded, str(tmp_path / "missing.txt"), 2, 8, 2)
+    with pytest.raises(DepthcurseError, match="seq"):
+        report.run_depth_use(loaded, str(text_file), 2, 300, 2)  # past the model's positions
+    with pytest.raises(DepthcurseError, match=r"fewer than --windows 4 and 500 more to train the tuned lens on$"):
+        report.run_depth_use(loaded, str(text_file), 4, 8, 2, tuned=True, lens_windows=500, lens_settings=settings, free=None)
+    other_steps = report.run_depth_use(loaded, str(text_file), 4, 8, 2, tuned=True, lens_windows=3, lens_out=lens_out, free=None, influence=False,
+                                       lens_settings=LensSettings(steps=1, tokens_per_step=16, micro_batch=2))  # another training's lens: trained again
+    assert other_steps["tuned_lens"]["settings"]["steps"] == 1 and other_steps["tuned_lens"]["source"] == "trained here"
+    other_windows = report.run_depth_use(loaded, str(text_file), 4, 8, 2, tuned=True, lens_windows=2, lens_out=lens_out, free=None, influence=False,
+                                         lens_settings=LensSettings(steps=1, tokens_per_step=16, micro_batch=2))
+    assert other_windows["tuned_lens"]["train_windows"] == 2
+    read = report.run_depth_use(loaded, str(text_file), 4, 8, 2, lens=lens_out, free=None, influence=False)  # --lens: read, not trained
+    assert read["tuned_lens"]["source"] == str(lens_out) and read["tuned_lens"]["train_windows"] == 2
 
     paths = report.write_depth(record, tmp_path / "out" / "new")
     assert [p.name for p in paths] == ["depth_use.json", "depth_use.csv"]
