@@ -11,6 +11,7 @@ says so and how to shrink the work. The record keeps the forecast beside the tim
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence, TypeVar
@@ -90,15 +91,14 @@ class Forecast:
         left = self.steps - index - 1
         if left <= 0:
             return
-        times = sorted(self.times)
-        typical = times[len(times) // 2] if len(times) % 2 else (times[len(times) // 2 - 1] + times[len(times) // 2]) / 2
+        typical = statistics.median(self.times)
         total = now - self.started + typical * left
         said = self.revisions[-1]["forecast_seconds"] if self.revisions else self.estimate
         if said / REVISE <= total <= said * REVISE:
             return
         self.revisions.append({"after_steps": len(self.times), "forecast_seconds": round(total, 3)})
         self.say(f"{self.what}: {len(self.times)} steps took {duration(now - self.started)}; about {duration(typical * left)} left "
-                 f"({duration(times[0] * left)} to {duration(times[-1] * left)} at the quickest and slowest step so far): the forecast "
+                 f"({duration(min(self.times) * left)} to {duration(max(self.times) * left)} at the quickest and slowest step so far): the forecast "
                  f"moved from {duration(said)} to {duration(total)} in all")
 
     def summary(self) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import io
 import json
 import math
@@ -295,17 +296,25 @@ def environment() -> dict:
     Python, the platform, the CPU's model and the GPUs, the package versions and torch's threads."""
     import torch  # lazy: the CLI imports this module at start-up, and torch takes seconds
 
+    fixed = _this_process()
+    env = {"command": command_line(), **{k: v for k, v in fixed.items() if k != "packages"}, "packages": dict(fixed["packages"]),
+           "torch_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return env
+
+
+@functools.lru_cache(maxsize=1)
+def _this_process() -> dict:
+    """What cannot change while this process runs, read once: a sweep saves its record after every
+    batch, and the commit (two git calls), the CPU and the versions are the same each time."""
     versions = {}
     for name in PACKAGES:
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
-    env = {"command": command_line(), **code_version(), "python": platform.python_version(), "platform": platform.platform(), "cpu": cpu_model(),
-           "packages": versions, "torch_threads": torch.get_num_threads()}
-    if torch.cuda.is_available():
-        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return env
+    return {**code_version(), "python": platform.python_version(), "platform": platform.platform(), "cpu": cpu_model(), "packages": versions}
 
 
 def command_line(argv: list[str] | None = None) -> str:
