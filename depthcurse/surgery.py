@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.granularity import GRANULARITIES_TAKEN, check_granularity_taken
 
 # Where the block list lives, tried in order. Heads (ForCausalLM, ForMaskedLM, ...) wrap the
 # base model under its `base_model_prefix` (model, transformer, gpt_neox, bert, ...), bare base
@@ -406,8 +407,9 @@ def removed_layers(model: nn.Module, layers: Iterable[int]) -> Iterator[nn.Modul
         restore()
 
 
-# What `--granularity` removes: a whole block, or one residual branch of each chosen block.
-GRANULARITIES = ("layer", "attn", "mlp")
+# What prune's removals (and `removed_units`) take out: a whole block, or one residual branch of each chosen block.
+GRANULARITIES = GRANULARITIES_TAKEN["prune"]
+
 # Where a pre-norm block keeps each residual branch (h + branch(norm(h))), tried in order
 # (`attention`: GPT-NeoX, whose BERT namesake is a Post-LN sub-layer, below).
 BRANCH_NAMES = {"attn": ("self_attn", "attn", "self_attention", "attention"), "mlp": ("mlp", "block_sparse_moe", "feed_forward")}
@@ -496,8 +498,7 @@ def branch_of(block: nn.Module, part: str) -> nn.Module:
 
 def check_granularity(model: nn.Module | None, granularity: str) -> None:
     """A clear error for an unknown granularity, or (given a model) one its blocks do not have."""
-    if granularity not in GRANULARITIES:
-        raise DepthcurseError(f"unknown --granularity {granularity!r}: use {', '.join(GRANULARITIES)}")
+    check_granularity_taken("prune", granularity)
     if model is not None and granularity != "layer":
         branch_of(find_blocks(model).layers[0], granularity)
 

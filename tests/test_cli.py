@@ -345,6 +345,43 @@ def test_one_name_per_idea_in_every_command_and_the_old_names_say_the_new():
     assert all(f"`{command} {old}`" in table for command, old in RENAMED)
 
 
+def test_granularity_has_one_meaning_per_value_in_every_command(run_cli, tiny_model_dir):
+    """`--granularity`'s values come from one table: each command's help gives the values it takes with
+    that table's meanings, docs/commands.md lists the table, and a value a command does not take is one
+    line naming what it means and which command takes it (prune given select's sub-block, select given
+    prune's attn, heal given anything but layer)."""
+    import typer
+
+    from depthcurse.cli import app
+    from depthcurse.cli.vocabulary import VOCABULARY
+    from depthcurse.errors import DepthcurseError
+    from depthcurse.granularity import GRANULARITIES_TAKEN, GRANULARITY_MEANINGS, check_granularity_taken, granularity_help
+
+    cmd = typer.main.get_command(app)
+    assert sorted(GRANULARITIES_TAKEN) == sorted(VOCABULARY["--granularity"][1])
+    for command, values in GRANULARITIES_TAKEN.items():
+        option = next(p for p in cmd.commands[command].params if p.opts[0] == "--granularity")
+        assert option.help.startswith(granularity_help(command)) and option.default == "layer" == values[0]
+    assert granularity_help("heal") == "What a removal takes: layer (whole blocks)."
+    table = (ROOT / "docs" / "commands.md").read_text()
+    assert "| `sub-block` | k attention and k MLP branches, chosen apart: EvoPress's space | select |" in table
+    assert all(f"| `{v}` | {m} | {', '.join(c for c, vs in GRANULARITIES_TAKEN.items() if v in vs)} |" in table for v, m in GRANULARITY_MEANINGS.items())
+    with pytest.raises(DepthcurseError, match=r"^prune does not take --granularity sub-block \(k attention and k MLP branches, chosen apart: "
+                       r"EvoPress's space; select takes it\): prune takes layer, attn, mlp$"):
+        check_granularity_taken("prune", "sub-block")
+    with pytest.raises(DepthcurseError, match=r"^heal does not take --granularity attn \(attention branches only, the residual stream passing "
+                       r"them by; prune takes it\): heal takes layer$"):
+        check_granularity_taken("heal", "attn")
+    with pytest.raises(DepthcurseError, match=r"^unknown --granularity 'heads': select takes layer, sub-block, branch$"):
+        check_granularity_taken("select", "heads")
+    check_granularity_taken("select", "branch")  # taken: no error
+    base = [tiny_model_dir, "--device", "cpu", "--dtype", "fp32"]
+    assert_one_line_error(*run_cli("prune", *base, "--granularity", "branch"), "prune does not take --granularity branch")
+    assert_one_line_error(*run_cli("select", *base, "--k", "1", "--search", "exact", "--granularity", "mlp"),
+                          "select does not take --granularity mlp (MLP branches only, the residual stream passing them by; prune takes it)")
+    assert_one_line_error(*run_cli("heal", *base, "--layers", "1", "--granularity", "sub-block"), "heal does not take --granularity sub-block")
+
+
 def test_an_old_option_name_still_works_and_says_the_new_one(run_cli, tiny_model_dir, six_dir, text_file, tmp_path):
     from depthcurse.cli.vocabulary import renamed_note
 
@@ -363,7 +400,7 @@ def test_an_old_option_name_still_works_and_says_the_new_one(run_cli, tiny_model
     assert json.loads((tmp_path / "lens" / "depth_use.json").read_text())["tuned_lens"]["train_windows"] == 3  # the old name's value, not dropped
     code, out, err = run_cli("heal", tiny_model_dir, "--data", text_file, "--layers", "1", "--granularity", "sub-block")  # heal --data alone: taken, said
     said = " ".join(err.split())
-    assert code == 1 and renamed_note("--data", "--calibration") in said and "error: heal removes whole layers for now" in said, err
+    assert code == 1 and renamed_note("--data", "--calibration") in said and "error: heal does not take --granularity" in said, err
 
 
 def test_a_renamed_options_value_is_the_old_names_the_new_names_or_the_default_and_both_are_one_line(monkeypatch):

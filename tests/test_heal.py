@@ -298,7 +298,7 @@ def test_heal_on_the_command_line_and_its_bad_input(run_cli, bos_model_dir, docs
     assert_one_line_error(*run_cli(*base, "--layers", "1", "--lora-rank", "0"), "--lora-rank must be at least 1")
     assert_one_line_error(*run_cli(*base, "--layers", "1", "--lora-alpha", "0"), "--lora-alpha must be positive")
     assert_one_line_error(*run_cli(*base, "--layers", "1", "--steps", "0"), "--steps must be at least 1")
-    assert_one_line_error(*run_cli(*base, "--layers", "1", "--granularity", "attn"), "heal removes whole layers for now")
+    assert_one_line_error(*run_cli(*base, "--layers", "1", "--granularity", "attn"), "heal does not take --granularity attn")
     assert_one_line_error(*run_cli(*base, "--layers", "1", "--loss", "kl"), "unknown --loss 'kl'")
     assert_one_line_error(*run_cli(*base, "--layers", "1", "--out", out), "holds a different heal run")
     assert_one_line_error(*run_cli(*base), "give --layers L")

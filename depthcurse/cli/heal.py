@@ -14,6 +14,7 @@ from depthcurse.cli.shared import (
     model_line, once, progress_bar, push, renamed, say, showing, slug, time_checkpoint, verdicts,
 )
 from depthcurse.errors import DepthcurseError
+from depthcurse.granularity import check_granularity_taken, granularity_help
 from depthcurse.io import claim_out_dir
 
 
@@ -48,7 +49,7 @@ def heal(
     task: Optional[str] = typer.Option(None, "--task", "-t", help="Also measure on this task: any lm-eval task prune takes (arc_easy, mmlu, ...), or " + SUITES_HELP + ".", show_default="off"),
     limit: Optional[int] = typer.Option(None, "--limit", help="--task: examples per subtask (default all)."),
     num_fewshot: int = typer.Option(0, "--num-fewshot", help="--task: few-shot examples in each prompt."),
-    granularity: str = typer.Option("layer", "--granularity", help="What is removed: layer (only whole layers are healed for now)."),
+    granularity: str = typer.Option("layer", "--granularity", help=granularity_help("heal") + " Only whole blocks are healed for now."),
     seed: int = typer.Option(1234, "--seed", help="Seed of the adapters' initial weights, the data order and dropout."),
     save_every: int = typer.Option(25, "--save-every", help="Steps between resumable checkpoints."),
     report_to: str = typer.Option("none", "--report-to", help="Also send the training's metrics.jsonl rows, as they happen, to: none, tensorboard, wandb, or both (comma separated; W&B offline unless an API key is set up): one run per method's folder."),
@@ -69,8 +70,7 @@ def heal(
     from depthcurse.surgery import num_layers, parse_layers
 
     data = renamed("heal", "--data", data, calibration, "auto")
-    if granularity != "layer":
-        raise DepthcurseError(f"heal removes whole layers for now: --granularity {granularity} is not supported")
+    check_granularity_taken("heal", granularity)
     if (layers is None) == (order is None):
         raise DepthcurseError("give --layers L (the layers to remove), or --order DIR with --ks K,K,... (a healed depth curve), not both")
     if max_drop is not None and order is None:

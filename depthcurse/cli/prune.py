@@ -13,6 +13,7 @@ from depthcurse.cli.shared import (
     measure_angular, model_line, once, progress_bar, say, showing, slug, verdicts,
 )
 from depthcurse.errors import DepthcurseError
+from depthcurse.granularity import granularity_help
 from depthcurse.io import claim_out_dir
 
 
@@ -36,7 +37,7 @@ def prune(
     angular: Optional[Path] = typer.Option(None, "--angular", help="With --block: an angular-distance result (folder or angular.json) to pick the block from, instead of measuring.", show_default="measured here"),
     angular_data: str = typer.Option("auto", "--angular-data", help="With --block: text the angular distance is measured on (auto, c4, wiki or a file)."),
     angular_tokens: int = typer.Option(65536, "--angular-tokens", help="With --block: token budget of the angular-distance pass."),
-    granularity: str = typer.Option("layer", "--granularity", help="What a removal takes out: layer (the whole block), attn or mlp (only that branch of the block; the residual stream passes it by)."),
+    granularity: str = typer.Option("layer", "--granularity", help=granularity_help("prune") + " Each is removed in turn."),
     greedy: Optional[int] = typer.Option(None, "--greedy", help="Instead of one at a time: remove K units greedily, each step the one whose removal costs least (measured exactly), and compare with the orders one-shot ranking, Block Influence, angular distance and the last layers give.", show_default="off: one layer at a time"),
     max_drop: Optional[str] = typer.Option(None, "--max-drop", help="With --greedy: stop after the step whose relative drop exceeds this share, e.g. 5% or 0.05 (as heal's --max-drop).", show_default="off: every step"),
     orders: Optional[Path] = typer.Option(None, "--orders", help="Instead of choosing: measure every strategy's order from an earlier --greedy result (its folder) on this task and data, e.g. held-out text.", show_default="off"),

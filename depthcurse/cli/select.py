@@ -11,6 +11,7 @@ from rich.text import Text
 
 from depthcurse.cli.shared import (SUITES_HELP, DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, TrustOpt, console, decoders_only, err_console, join_ranks, load, model_line, once,
                                    progress_bar, say, showing, slug, verdicts)
+from depthcurse.granularity import granularity_help
 from depthcurse.io import claim_out_dir
 
 
@@ -39,7 +40,7 @@ def select(
     resamples: Optional[int] = typer.Option(None, "--resamples", help="Rerun each search on this many bootstrap resamples of the calibration windows and say how often each unit comes back (the pick's stability). Left out: 8 for the recipe's greedy and exact (their reruns reuse the scores measured), none otherwise."),
     seeds: Optional[str] = typer.Option(None, "--seeds", help="Also rerun each seeded search (evo, random, swift) under these seeds, comma-separated, on every calibration window.", show_default="off"),
     budget: float = typer.Option(30.0, "--budget", help="Minutes: the recipe runs exact where its estimate on this machine fits, else evo."),
-    granularity: str = typer.Option("layer", "--granularity", help="What a removal takes: layer (whole blocks), sub-block (k attention and k MLP branches, EvoPress's default; for exact, evo, random and last) or branch (k branches of either kind: SWIFT's and Draft & Verify's space; for exact, random, swift and draft-verify, which chooses how many itself)."),
+    granularity: str = typer.Option("layer", "--granularity", help=granularity_help("select") + " sub-block is for exact, evo, random and last; branch for exact, random, swift and draft-verify (which chooses how many itself)."),
     calib_windows: int = typer.Option(8, "--calib-windows", help="Windows of each text the choice is made on."),
     eval_windows: int = typer.Option(16, "--eval-windows", help="Other windows of each text every choice is judged on."),
     held_out: str = typer.Option("windows", "--held-out", help="What the held-out windows are: windows (other windows of the same documents) or documents (windows of documents the calibration never saw: a text with document boundaries)."),

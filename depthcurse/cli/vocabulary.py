@@ -36,8 +36,8 @@ VOCABULARY = {
     "--draft-tokens": ("tokens a draft proposes a round (gamma)", ("select", "speculate")),
     "--dtype": ("what the model computes in: auto, bf16, fp16 or fp32", ("prune", "heal", "drop", "speed", "angular-distance", "depth-use", "depth-map",
                                                                         "select", "speculate")),
-    "--granularity": ("what one removal takes out: layer (whole blocks) or branches of them (each command's help lists the branches it takes)",
-                      ("prune", "heal", "select")),
+    "--granularity": ("what one removal takes out: layer, attn, mlp, sub-block or branch, one meaning each (the table below); "
+                      "each command takes the ones its removals can be", ("prune", "heal", "select")),
     "--layers": ("which layers: a list such as 3,7 or 20-23 (lns-train's count of blocks is --num-layers)", ("prune", "heal", "drop", "speed")),
     "--lr": ("the peak learning rate of a training", ("heal", "lns-train", "finetune-qa")),
     "--max-drop": ("the largest share of the unpruned model's score a removal may lose: 5% or 0.05", ("prune", "heal")),

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.granularity import check_granularity_taken
 from depthcurse.kept_state import identity_of
 from depthcurse.select import searches as _builtin  # noqa: F401 (defines the built-in searches, which registers them)
-from depthcurse.select.search import GRANULARITIES, OBJECTIVES, Search, Space, build_searches
+from depthcurse.select.search import OBJECTIVES, Search, Space, build_searches
 from depthcurse.text import text_source
 
 
@@ -49,8 +50,7 @@ class SelectConfig:
         space too (a budget it cannot keep)."""
         if self.k < 1:
             raise DepthcurseError(f"--k must be at least 1, got {self.k}")
-        if self.granularity not in GRANULARITIES:
-            raise DepthcurseError(f"unknown --granularity {self.granularity!r}: use {', '.join(GRANULARITIES)}")
+        check_granularity_taken("select", self.granularity)
         if self.resamples is not None and self.resamples < 0:
             raise DepthcurseError(f"--resamples must be 0 or more, got {self.resamples}")
         if self.resamples == 1:

@@ -29,12 +29,14 @@ from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.granularity import GRANULARITIES_TAKEN, check_granularity_taken
 from depthcurse.plugins import changed_settings, entry_points_of, load_outside, parse_args, scoped, settings_fields, typed
 
 ENTRY_POINTS = "depthcurse.select_searches"
 # layer: k whole blocks; sub-block: k attention and k MLP branches (EvoPress's); branch: k branches in
-# all, of either kind (the space SWIFT's and Draft & Verify's skip-set searches draw from)
-GRANULARITIES = ("layer", "sub-block", "branch")
+# all, of either kind (the space SWIFT's and Draft & Verify's skip-set searches draw from). Their
+# meanings, one for every command, are surgery's `GRANULARITY_MEANINGS`.
+GRANULARITIES = GRANULARITIES_TAKEN["select"]
 READS = ("objective", "streams", "model", "nothing")  # what a search needs: the scorer, the angular pass, the model itself (a merge's), none
 # What a removal's calibration score can be, in the order `select.json` keeps them: next-token loss, KL
 # from the unpruned model, rejection (1 - teacher-forced top-1 agreement with the unpruned model: under
@@ -132,8 +134,7 @@ class Space:
             f"it removes {counts['a']} attention and {counts['m']} MLP branches, not k = {self.k} of each")
 
     def check(self) -> "Space":
-        if self.granularity not in GRANULARITIES:
-            raise DepthcurseError(f"unknown --granularity {self.granularity!r}: use {', '.join(GRANULARITIES)}")
+        check_granularity_taken("select", self.granularity)
         most = 2 * self.n if self.granularity == "branch" else self.n
         if not 1 <= self.k < most:
             raise DepthcurseError(f"--k {self.k} is out of range: the model has {self.n} layers (1-{most - 1}" +
