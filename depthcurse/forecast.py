@@ -11,6 +11,8 @@ says so and how to shrink the work. The record keeps the forecast beside the tim
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -23,6 +25,22 @@ REVISE = 1.5  # a later forecast is said where it is this many times the last on
 def duration(seconds: float) -> str:
     """Seconds in the unit a reader plans by: seconds up to 90, minutes up to 90, then hours."""
     return f"{seconds / 3600:.1f} hours" if seconds >= 5400 else (f"{seconds / 60:.0f} minutes" if seconds >= 90 else f"{seconds:.0f} seconds")
+
+
+# Where every forecast's running estimate goes after each step while a command shows its progress
+# (`shown`): one hook for every loop, so that no long command's progress line lacks it.
+_SHOWN: contextvars.ContextVar = contextvars.ContextVar("depthcurse_forecast_shown", default=None)
+
+
+@contextlib.contextmanager
+def shown(show: Callable[[str], None]) -> Iterator[None]:
+    """While the body runs, each forecast's running estimate (`Forecast.left`) goes to `show` after
+    every step: the progress line's "about 3 minutes left (2 to 4 minutes)"."""
+    token = _SHOWN.set(show)
+    try:
+        yield
+    finally:
+        _SHOWN.reset(token)
 
 
 def took_up(what: str, done: int, of: int, where=None) -> str:
@@ -73,6 +91,20 @@ class Forecast:
             self._first(index)
         else:
             self._revise(index, now)
+        show = _SHOWN.get()
+        if show is not None:
+            show(self.left(index))
+
+    def left(self, index: int) -> str:
+        """The running estimate after step `index`: the steps left at the median step so far, with the
+        range the quickest and slowest step so far give ("" once none is left)."""
+        left = self.steps - index - 1
+        if left <= 0:
+            return ""
+        typical, quickest, slowest = statistics.median(self.times) * left, min(self.times) * left, max(self.times) * left
+        if len(self.times) == 1:
+            return f"about {duration(typical)} left (from the first step)"
+        return f"about {duration(typical)} left ({duration(quickest)} to {duration(slowest)})"
 
     def _first(self, index: int) -> None:
         running = self.steps - index  # this process's steps: all of them, or those a resumed run has left

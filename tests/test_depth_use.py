@@ -1863,3 +1863,143 @@ def test_write_depth_and_the_figures_by_their_definitions_without_a_tuned_lens_a
     assert report.kept_summary(tmp_path / "cut") == (f"the tuned lens's first 2 of 5 steps and 1 of 3 batches of windows measured kept in {tmp_path / 'cut'}")
     (tmp_path / "cut" / report.KEPT_FILE).write_text("{not json")
     assert report.kept_summary(tmp_path / "cut") == f"the tuned lens's first 2 of 5 steps kept in {tmp_path / 'cut'}"
+
+
+def test_depth_uses_report_with_a_tuned_lens_and_without_an_output_change_line_by_line_by_hand(tmp_path, monkeypatch):
+    """depth-use's report on a record worked out here with a tuned lens, no influence and no output
+    change: the lens comparison's rows (the row both lenses read alike left out, not the end of the
+    rows; a ratio under a tuned KL sum of 0.5 kept, one over 0 not), every verdict line, the tables'
+    tuned cells and "-" cells, the overview, an old agreement record's words, the CSVs and the JSON
+    read back, the figures' lines by layer, and what a kept file without its counts says (issue 88)."""
+    import csv
+
+    import matplotlib.colors
+
+    from depthcurse.depth import report
+    from depthcurse.depth.measure import DepthUse, per_layer_rows
+    from depthcurse.errors import DepthcurseError
+
+    use = DepthUse(n_layers=4, windows=2, attn_norm=[[0.1, 0.3]] * 4, mlp_norm=[[1.0, 1.0]] * 4, attn_cos=[[0.1, 0.1]] * 4, mlp_cos=[[0.6, 0.6]] * 4,
+                   lens_kl=[[0.5, 0.5], [5.0, 7.0], [3.0, 3.0], [1.0, 3.0]], lens_top1=[[0.5, 0.5]] * 4, lens_top5=[[0.75, 0.75]] * 4,
+                   settled=[1, 1, 1, 5], tuned_kl=[[0.5, 0.5], [1.0, 3.0], [0.25, 0.25], [0.0, 0.0]],
+                   tuned_top1=[[0.25, 0.75], [0.5, 0.5], [1.0, 1.0], [1.0, 1.0]], tuned_top5=[[1.0, 1.0]] * 4, tuned_settled=[4, 2, 1, 1])
+    record = {"run": {"model": "m", "windows": 2, "seq_len": 4, "data": "wiki"}, "definitions": {"name": "depthcurse"}, "use": use.summary(),
+              "layers": per_layer_rows(use), "phase_transition": None, "tuned_lens": {"train_windows": 3, "settings": {"steps": 5}, "seconds": 12.4}}
+    compared = report.lens_comparison(record)
+    assert [(r["row"], r["difference"], r["verdict"], r["ratio"]) for r in compared["rows"]] == \
+        [(1, -4.0, "closer", 3.0), (2, -2.75, "closer", 12.0), (3, -2.0, "cannot tell", None)]  # 12 / 0.5; row 3's tuned KL sums to 0
+    assert (compared["closer"], compared["further"], compared["cannot_tell"], compared["ratio_range"]) == (2, 0, 1, [3.0, 12.0])
+    assert report.depth_verdicts(record) == [
+        "half of the tokens' predictions have settled by the stream after layer 3 of 4 layers (logit lens; 62% settle only at the output)",
+        "tuned lens: half settled by the stream after layer 0; on the held-out windows its KL(output || lens) against the logit lens's, paired over 2 "
+        "windows: closer at 2 of 3 rows, further at 0, cannot tell at 1; the logit lens's KL is 3.0-12.0x the tuned lens's (trained on 3 windows, "
+        "5 steps, 12 s)"]
+    no_ratio = {**record, "use": {**record["use"], "tuned_kl": [[0.5, 0.5], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]}}
+    assert report.lens_comparison(no_ratio)["ratio_range"] is None
+    assert report.depth_verdicts(no_ratio)[1].endswith("closer at 1 of 3 rows, further at 0, cannot tell at 2 (trained on 3 windows, 5 steps, 12 s)")
+    changed = {**record, "use": {**record["use"], "output_change": [0.1, 0.9, 0.3, 0.2]}}
+    assert report.depth_verdicts(changed)[-1] == "skipping layer 1 changes the output most (KL(output || skipped) 0.900)"
+    theirs = {**record, "definitions": {"name": "csordas"}, "use": {**record["use"], "tuned_kl": None, "settled": [0, 1, 1, 1, 5]}}
+    assert report.depth_verdicts(theirs)[0].startswith("half of the tokens' predictions have settled by the stream the output of 4 layers")
+
+    table = report.depth_table(record)
+    assert table.caption_justify == "left" and [c.header for c in table.columns][9:] == \
+        ["tuned lens KL", "tuned top-1", "tuned settles here", "influence on later layers", "output KL when skipped"]
+    assert [row[9:] for row in table_cells(table)] == [["0.500 [0.500, 0.500]", "0.500 [-2.677, 3.677]", "50.0%", "-", "-"],
+                                                      ["2.000 [-10.706, 14.706]", "0.500 [0.500, 0.500]", "25.0%", "-", "-"],
+                                                      ["0.250 [0.250, 0.250]", "1.000 [1.000, 1.000]", "12.5%", "-", "-"],
+                                                      ["0.000 [0.000, 0.000]", "1.000 [1.000, 1.000]", "12.5%", "-", "-"]]
+    overview = report.depth_overview([record], ["a"])
+    assert overview.caption_justify == "left" and overview.caption.endswith("(by the definitions' output change) (depthcurse definitions)")
+    assert table_cells(overview) == [["a", "m", "wiki, 2 x 4", "4", "-", "3", "0", "-"]]
+    assert report.depth_overview([], []).caption.endswith("(by the definitions' output change)")
+    with pytest.raises(DepthcurseError, match=r"^depth-use runs of two definitions: a by the depthcurse definitions, b by the csordas ones"):
+        report.depth_overview([record, theirs], ["a", "b"])
+    old = [{"measure": "lens", "target": "t", "rho": 0.5, "interval": None, "layers": 4, "expected_sign": 1, "agrees": flag} for flag in (True, False, None)]
+    agreed = report.agreement_table({"agreement": old})
+    assert agreed.caption_justify == "left" and table_cells(agreed) == [["lens", "t", "+0.50", "4", "-", "+", word]
+                                                                       for word in ("agrees", "opposite", "cannot tell")]
+    assert report._cell(0.5, None) == "0.500"
+
+    paths = report.write_depth({**record, "agreement": [{"measure": "m", "target": "t", "rho": 0.5, "interval": None, "layers": 4}]}, tmp_path / "out")
+    assert [p.name for p in paths] == ["depth_use.json", "depth_use.csv", "agreement.csv"] and report.read_depth(paths[0])["layers"] == record["layers"]
+    rows = list(csv.reader(paths[1].open()))
+    assert rows[0][-2:] == ["tuned_settled_share", "output_kl_when_skipped"] and [r[-2:] for r in rows[1:]] == [["0.5", ""], ["0.25", ""], ["0.125", ""],
+                                                                                                               ["0.125", ""]]
+    assert paths[2].read_text().splitlines() == ["measure,target,rho,layers,low,high", "m,t,0.5,4,,"]
+
+    figures = []
+    monkeypatch.setattr(report, "save_figure", lambda fig, path: figures.append(fig) or path)
+    assert report.plot_settling(record, tmp_path / "s.png") == tmp_path / "s.png"
+    left, right, twin = figures[-1].axes
+    color = lambda c: matplotlib.colors.to_hex(c)  # noqa: E731
+    assert [(list(line.get_xdata()), line.get_marker(), line.get_linestyle()) for line in right.lines] == \
+        [([0, 1, 2, 3], "o", "-"), ([0, 1, 2, 3], "s", "-"), ([0, 1, 2, 3], "^", "-")] and color(right.lines[2].get_color()) == color("C3")
+    assert (list(twin.lines[0].get_xdata()), twin.lines[0].get_linestyle(), color(twin.lines[0].get_color())) == ([0, 1, 2, 3], ":", "#000000")
+    step = left.lines[0]
+    assert (list(step.get_xdata()), step.get_drawstyle(), color(step.get_color()), step.get_label()) == ([0, 1, 2, 3], "steps-mid", color("C3"), "tuned lens")
+    assert {color(p.get_facecolor()) for p in left.patches} == {color("C0")}
+    with_influence = {**record, "use": {**record["use"], "influence": [[None, 0.5, 0.25, 0.1]] + [[float("nan")] * 4] * 3}}
+    assert report.plot_influence(with_influence, tmp_path / "i.png") == tmp_path / "i.png"
+    grid = figures[-1].axes[0].images[0].get_array()
+    assert grid.dtype.kind == "f" and math.isnan(float(grid[0][0])) and float(grid[0][1]) == 0.5
+    monkeypatch.undo()
+
+    folder = tmp_path / "cut"
+    folder.mkdir()
+    (folder / report.KEPT_FILE).write_text(json.dumps({"batches": 1}))  # a kept file without its count: nothing said of it
+    assert report.kept_summary(folder) == "nothing had finished"
+    (tmp_path / "sel").mkdir()
+    (tmp_path / "sel" / "select.json").write_text(json.dumps({"run": {}}))
+    with pytest.raises(DepthcurseError, match=r"sel holds no select run \(select.json\): 'cells'$"):
+        report.read_selects([tmp_path / "sel"])
+
+
+def test_run_depth_use_records_each_part_by_its_definitions_heard_and_kept(tiny_tokenizer, text_file, tmp_path):
+    """`run_depth_use`'s record key by key (the model's architecture, the definitions, the memory
+    estimate counting the lens's micro-batch, the phase transition, both forecasts, the wall time to
+    the millisecond by the clock given, the environment, the logit lens's KLs beside the tuned lens's),
+    what it tells `on_step` of both parts, its kept batches taken up then cleared, the lens's state
+    kept beside it while it trains, and a lens of another model where the lens goes trained over."""
+    from depthcurse.depth import report
+    from depthcurse.depth.definitions import DEFINITIONS
+    from depthcurse.depth.memory import Shape, peak_bytes
+    from depthcurse.depth.over_seeds import architecture
+    from depthcurse.depth.tuned_lens import PARTIAL_FILE, LensSettings
+    from depthcurse.loading import LoadedModel
+
+    loaded = LoadedModel(model=tiny_llama(len(tiny_tokenizer), layers=3, seed=3), tokenizer=tiny_tokenizer, name="m", source="m",
+                         dtype=torch.float32, device=torch.device("cpu"))
+    ticks = []
+
+    def clock() -> float:
+        ticks.append(len(ticks) * 0.0123456)
+        return ticks[-1]
+
+    heard, partial_seen = [], []
+    lens_out = tmp_path / "lens.safetensors"
+    lens_out.write_bytes(b"not a lens")  # what a lens of another model or a cut write leaves: trained over, not read
+    kept = tmp_path / report.KEPT_FILE
+
+    def on_step(text, done, total):
+        heard.append((text, done, total))
+        if text == "training the tuned lens" and done:
+            partial_seen.append((tmp_path / PARTIAL_FILE).is_file())
+
+    settings = LensSettings(steps=2, tokens_per_step=16, micro_batch=3)
+    record = report.run_depth_use(loaded, str(text_file), 4, 8, 2, tuned=True, lens_windows=3, lens_settings=settings, lens_out=lens_out, free=None,
+                                  on_step=on_step, kept=kept, clock=clock, definitions=DEFINITIONS["csordas"])
+    assert set(record) == {"run", "definitions", "memory_estimate_bytes", "use", "layers", "phase_transition", "forecasts", "wall_time_s", "environment",
+                           "tuned_lens"}
+    assert record["run"]["architecture"] == architecture(loaded.model) and record["run"]["architecture"]["num_hidden_layers"] == 3
+    assert record["definitions"] == DEFINITIONS["csordas"].summary() and record["use"]["definitions"] == "csordas"
+    assert record["memory_estimate_bytes"] == peak_bytes(Shape.of(loaded.model), 2, 8, 3) != peak_bytes(Shape.of(loaded.model), 2, 8, 0)
+    assert record["phase_transition"] == report.phase_transition(report._use(record))
+    assert record["wall_time_s"] == round(ticks[-1] - ticks[0], 3) and record["wall_time_s"] != round(ticks[-1] - ticks[0], 4)
+    assert record["forecasts"]["the tuned lens's steps"]["steps"] == 2 and record["forecasts"]["the measurement's batches of windows"]["steps"] == 2
+    assert record["forecasts"]["the measurement's batches of windows"]["seconds"] > 0  # timed by the clock given
+    assert {"command", "packages", "cpu"} <= set(record["environment"])
+    assert record["tuned_lens"]["logit_lens_kl"] == [row["lens_kl"] for row in record["layers"]]
+    assert [h for h in heard if h[0] == "training the tuned lens"] == [("training the tuned lens", 0, 2), ("training the tuned lens", 1, 2)]
+    assert ("the whole model's pass and the lens", 1, 2) in heard and partial_seen == [True]
+    assert not kept.exists() and not (tmp_path / PARTIAL_FILE).exists() and lens_out.stat().st_size > 100

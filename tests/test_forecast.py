@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from depthcurse.forecast import Forecast, duration, following, took_up
+from depthcurse.forecast import Forecast, duration, following, shown, took_up
 
 
 @pytest.mark.statistics
@@ -49,6 +49,48 @@ def test_a_forecast_follows_the_work_and_says_a_moved_one_with_its_range():
     g = Forecast("the rows", say=quicker.append, clock=iter([0.0, 10.0, 11.0, 12.0, 13.0]).__next__)
     list(g.over(range(4)))
     assert [r["after_steps"] for r in g.revisions] == [2, 3] and quicker[-1].endswith("moved from 22 seconds to 13 seconds in all")
+
+
+@pytest.mark.statistics
+def test_the_running_estimate_is_the_median_step_times_the_steps_left_with_the_quickest_and_slowest():
+    """While `shown`, each step ends with the running estimate: 5 steps of 1, 3 and 8 s on a held clock:
+    after the first, 4 x 1 s; after the second, the median 2 s x 3 left, 3 to 9; after the third, the
+    median 3 s x 2 left (the mean would give 8 s), 2 to 16; after the last, nothing left. Outside
+    `shown` nothing is shown (issue 90: a forecast in the progress line that follows the work)."""
+    lines = []
+    f = Forecast("the rows", clock=iter([0.0, 1.0, 4.0, 12.0, 13.0, 14.0]).__next__)
+    with shown(lines.append):
+        list(f.over(range(5)))
+    assert lines == ["about 4 seconds left (from the first step)", "about 6 seconds left (3 seconds to 9 seconds)",
+                     "about 6 seconds left (2 seconds to 16 seconds)", "about 2 seconds left (1 seconds to 8 seconds)", ""]
+    g = Forecast("the rows", clock=iter([0.0, 1.0, 2.0]).__next__)
+    list(g.over(range(2)))
+    assert len(lines) == 5 and g.left(1) == "" and g.left(0) == "about 1 seconds left (1 seconds to 1 seconds)"  # outside `shown`: nothing shown
+
+
+def test_a_progress_line_shows_the_forecast_of_the_work_under_way(capsys):
+    """The bar every command shows (off a terminal: a line per step) carries the running estimate of the
+    innermost unfinished task, which `showing` wires to every forecast made inside it."""
+    from depthcurse.cli.shared import ForecastColumn, LineProgress, progress_bar, show_forecast, showing
+
+    progress = progress_bar()
+    assert isinstance(progress, LineProgress) and any(isinstance(c, ForecastColumn) for c in progress.columns)
+    outer = progress.add_task("methods", total=2)
+    inner = progress.add_task("batches", total=3)
+    with showing(progress):
+        for _ in Forecast("the batches", clock=iter([0.0, 2.0, 4.0, 6.0]).__next__).over(range(3)):
+            progress.advance(inner)
+    err = capsys.readouterr().err
+    assert "batches: 1/3 (0:00 elapsed)\nbatches: 3/3 (0:00 elapsed)\n" in err  # the first step's line before its forecast; the last without one
+    assert ForecastColumn().render(progress.tasks[inner]).plain == "0:00:00" and "forecast" not in progress.tasks[outer].fields
+    rows = progress.add_task("rows", total=3, completed=1)
+    show_forecast(progress, "about 4 seconds left (from the first step)")  # the newest bar under way takes the estimate
+    show_forecast(progress, "")  # a forecast that ended leaves the bars as they are
+    progress.advance(rows)
+    assert progress.tasks[rows].fields["forecast"] == "about 4 seconds left (from the first step)" and "forecast" not in progress.tasks[outer].fields
+    assert capsys.readouterr().err == "rows: 1/3 (0:00 elapsed, about 4 seconds left (from the first step))\n"  # the next line within 5 s: not said
+    assert ForecastColumn().render(progress.tasks[rows]).plain == "about 4 seconds left (from the first step)"
+    assert ForecastColumn().render(progress.tasks[outer]).plain == "-:--:--"  # no forecast: rich's own estimate (none yet)
 
 
 @pytest.mark.statistics
@@ -129,7 +171,8 @@ def test_each_long_commands_forecast_counts_the_steps_its_loop_runs(steps, bos_m
     said, progress = [], []
     cfg = heal_config(layers=(1,), method="lora", data=str(docs_file), steps=steps, batch_size=2, seq_len=16, eval_windows=2, lora_rank=2)
     record = heal(load_model(str(bos_model_dir)), cfg, tmp_path / "heal", on_progress=progress.append, on_note=said.append)
-    assert record["training"]["forecast"]["steps"] == len(progress) == steps and len([s for s in said if "steps to run" in s]) == (steps > 1)
+    assert record["training"]["forecast"]["steps"] == len(progress) == steps
+    assert len([s for s in said if s.startswith("the training steps: ") and "steps to run" in s]) == (steps > 1)
 
     loaded = load_model(str(bos_model_dir))
     (tmp_path / "prompts.txt").write_text("\n\n".join(f"the {i} quick brown fox" for i in range(steps)) + "\n")
@@ -137,3 +180,58 @@ def test_each_long_commands_forecast_counts_the_steps_its_loop_runs(steps, bos_m
     cfg = SpeculateConfig(skip=(1,), prompts=str(tmp_path / "prompts.txt"), max_new_tokens=3, baselines=()).checked()
     record = run_speculate(loaded, cfg, tmp_path / "spec", on_step=lambda text, done, total: ran.append(done), on_note=said.append)
     assert record["forecast"]["steps"] == len(ran) == steps and len([s for s in said if "steps to run" in s]) == (steps > 1)
+
+
+@pytest.mark.instruments
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("method", ["linear", "linear-cosine", "linearpatch"])
+def test_every_heal_phase_says_its_steps_and_forecast_and_a_rerun_what_it_took_up(method, bos_model_dir, docs_file, tmp_path):
+    """heal speaks in every phase: the method's own loop (the linear maps' calibration batches, the
+    cosine map's epochs, the patch's batches) in the phase line with its count and a forecast after its
+    first step, then the three models' measurements, one plan counted by the loop that measures them;
+    the record keeps each forecast. Stopped after the unpruned model was measured, the rerun says it
+    took that up and forecasts the two left (issue 90: heal's first minutes said nothing but its name)."""
+    from helpers import heal_config
+
+    from depthcurse.heal import heal
+    from depthcurse.heal import loop as heal_loop
+    from depthcurse.loading import load_model
+
+    phases, said = [], []
+    cfg = heal_config(layers=(1,), method=method, data=str(docs_file), steps=1, batch_size=2, micro_batch=1, seq_len=16, eval_windows=2,
+                      calib_tokens=48, method_args={"epochs": 3})
+    record = heal(load_model(str(bos_model_dir)), cfg, tmp_path / "a", on_phase=phases.append, on_note=said.append)
+    own = {"linear": "the linear maps' calibration batches", "linear-cosine": "the cosine map's epochs",
+           "linearpatch": "the patch after layer 1: calibration batches"}[method]
+    counted = [p for p in phases if p.startswith(own + " (")]
+    total = int(counted[-1].split("/")[-1].rstrip(")"))
+    assert total >= 3 and counted[-1] == f"{own} ({total}/{total})", phases
+    assert [p for p in phases if p.startswith("measuring")] == ["measuring the unpruned model (1 of 3)", "measuring the pruned model (2 of 3)",
+                                                                 "measuring the healed model, the saved checkpoint (3 of 3)"]
+    assert any(line.startswith(f"{own}: ") and "steps to run" in line for line in said), said
+    assert any(line.startswith("the models' measurements (unpruned, pruned, healed): 3 steps to run") for line in said), said
+    assert record["forecasts"]["the models' measurements"]["steps"] == 3 and record["forecasts"][own]["steps"] >= 2
+
+    measured = []
+    real = heal_loop.measure
+
+    def stop_after_one(*args, **kwargs):
+        if measured:
+            raise KeyboardInterrupt
+        measured.append(True)
+        return real(*args, **kwargs)
+
+    heal_loop.measure = stop_after_one
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            heal(load_model(str(bos_model_dir)), cfg, tmp_path / "b")
+    finally:
+        heal_loop.measure = real
+    from depthcurse.heal import kept_summary
+
+    assert kept_summary(tmp_path / "b") == f"the method's fitted state (method.pt), no training step, the unpruned model measured kept in {tmp_path / 'b'}"
+    said.clear()
+    again = heal(load_model(str(bos_model_dir)), cfg, tmp_path / "b", on_note=said.append)
+    assert f"the models' measurements (unpruned, pruned, healed): took up the 1 of 3 finished before (kept in {tmp_path / 'b' / 'heal.json'}), not run again" in said
+    assert again["forecasts"]["the models' measurements"]["steps"] == 3 and own not in again["forecasts"]  # the method's fit was read back, not made
+    assert again["results"]["unpruned"]["held_out"] == record["results"]["unpruned"]["held_out"]

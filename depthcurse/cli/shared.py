@@ -112,7 +112,26 @@ def progress_bar(*extra_columns, **kwargs) -> Progress:
     finished step instead (`LineProgress`)."""
     kind = Progress if console.is_terminal else LineProgress
     return kind(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), *extra_columns,
-                TimeElapsedColumn(), TimeRemainingColumn(), console=console, **kwargs)
+                TimeElapsedColumn(), ForecastColumn(), console=console, **kwargs)
+
+
+class ForecastColumn(TimeRemainingColumn):
+    """The forecast of the work running now (`forecast.shown`: the median step so far times the steps
+    left, with the range the quickest and slowest step give), where one was made; rich's own estimate
+    before it."""
+
+    def render(self, task):
+        left = task.fields.get("forecast")
+        return Text(left, style="progress.remaining") if left and not task.finished else super().render(task)
+
+
+def show_forecast(progress: Progress, text: str) -> None:
+    """A forecast's running estimate on the bar of the work under way: the last bar added that has
+    not finished (the inner loop of nested work), kept in its `forecast` field; nothing once the work
+    ended (its last step leaves nothing to forecast, and the bar has finished)."""
+    running = [task for task in progress.tasks if not task.finished]
+    if running and text:
+        progress.update(running[-1].id, forecast=text)
 
 
 class LineProgress(Progress):
@@ -145,16 +164,21 @@ class LineProgress(Progress):
         self._said[task_id] = (done, time.monotonic())
         elapsed = int(task.elapsed or 0)
         total = f"/{int(task.total):,}" if task.total is not None else ""
-        err_console.print(Text(f"{task.description}: {done:,}{total} ({elapsed // 60}:{elapsed % 60:02d} elapsed)"), highlight=False, soft_wrap=True)
+        left = f", {task.fields['forecast']}" if task.fields.get("forecast") and not finished else ""
+        err_console.print(Text(f"{task.description}: {done:,}{total} ({elapsed // 60}:{elapsed % 60:02d} elapsed{left})"), highlight=False, soft_wrap=True)
 
 
 @contextlib.contextmanager
 def showing(progress: Progress):
     """Show `progress` while the body runs. An error erases it, so that the error is the one line
-    printed; an interruption keeps it (it says how far the work came)."""
+    printed; an interruption keeps it (it says how far the work came). Every forecast made meanwhile
+    shows its running estimate on the bar (`show_forecast`)."""
+    from depthcurse.forecast import shown  # lazy: start-up
+
     progress.start()
     try:
-        yield progress
+        with shown(lambda text: show_forecast(progress, text)):
+            yield progress
     except Exception:
         progress.live.transient = True
         progress.live.stop()  # not progress.stop(): off a terminal that adds a blank line to stdout

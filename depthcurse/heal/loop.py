@@ -153,8 +153,9 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
     if world.main:
         atomic_write(out_dir / CONFIG, json.dumps(run, indent=2) + "\n")
 
+    note = on_note if world.main else (lambda text: None)
     ctx = HealContext(model=model, layers=cfg.layers, calibration=functools.lru_cache(maxsize=None)(lambda tokens: calibration_batches(data.train, tokens, cfg, world)),
-                      world=world, seed=cfg.seed, phase=phase)
+                      world=world, seed=cfg.seed, phase=phase, note=note)
     _prepare_method(method, ctx, out_dir, world, phase)
     healed = Healed(model, cfg.layers, method)
     with healed.as_model("healed"), healed.as_model("unpruned"):
@@ -169,7 +170,7 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
                   "held_out_tokens": held_out["held_out"].windows[:, 1:].numel(), "device": str(device), "world_size": world.size})
     progress = None
     if objective is not None:
-        forecast = Forecast("the training steps", say=on_note if world.main else (lambda text: None))
+        forecast = Forecast("the training steps", say=note)
         progress = _train(objective, method, cfg, data, out_dir, run, state, world, device, len(tokenizer), stop_after, on_progress, phase, forecast)
         if progress.step < cfg.steps:
             return None
@@ -180,33 +181,40 @@ def heal(loaded: LoadedModel, cfg: HealConfig, out_dir: Path, *, world: World = 
     # Measured after training, on rank 0 alone: the other ranks have nothing left to wait for.
     (objective or model).eval()  # dropout off: the healed model is measured as it is saved
     results = record["results"]
-    for name, given in (("unpruned", unpruned), ("pruned", pruned)):
-        if given is not None:
-            results.setdefault(name, given)
+    given = {"unpruned": unpruned, "pruned": pruned}
+    for name, measured in given.items():
+        if measured is not None:
+            results.setdefault(name, measured)
     as_model = {name: functools.partial(healed.as_model, name) for name in MODELS}
     if "massive_activation" not in record:
         with healed.as_model("unpruned") as unpruned_model:
             record["massive_activation"] = massive_at_sites(unpruned_model, held_out["held_out"].windows, cfg.layers, cfg.micro_batch)
-    for name in ("unpruned", "pruned"):
-        if name in results:
-            continue  # measured before an interruption
-        phase(f"measuring the {name} model")
-        results[name] = measure(as_model[name], device, held_out, task, reference=as_model["unpruned"] if name != "unpruned" else None)
-        _write(out_dir, record)
-    phase("saving the healed checkpoint")
+    # One plan for the models this run measures (those a curve or a comparison gave are not): its
+    # forecast counts the loop's own steps. The healed model is measured as saved, so the checkpoint
+    # is written in its step; it is kept with the finished record alone, so a rerun measures it again.
     n = num_layers(model)
-    hf, files = healed.save(tokenizer, out_dir / HF_DIR, dtype=loaded.save_dtype)
-    record["hf"] = str(hf)
-    record["hf_layers"] = healed.layer_count(n)
-    record["hf_dtype"] = str(loaded.save_dtype).removeprefix("torch.")
-    record["hf_bytes"] = sum(f.stat().st_size for f in hf.glob("*.safetensors"))
-    record["hf_files"] = files
-    if "healed" not in results:
-        phase("measuring the healed model (the saved checkpoint)")
+    plan = [name for name in MODELS if given.get(name) is None]
+    kept = sum(name in results for name in plan if name != "healed")  # measured before an interruption: the plan's first ones
+    measuring = Forecast("the models' measurements (" + ", ".join(plan) + ")", say=note)
+    for index, name in measuring.over(plan, kept, kept_in=out_dir / HEAL_JSON):
+        if name != "healed":
+            phase(f"measuring the {name} model ({index + 1} of {len(plan)})")
+            results[name] = measure(as_model[name], device, held_out, task, reference=as_model["unpruned"] if name != "unpruned" else None)
+            _write(out_dir, record)
+            continue
+        phase("saving the healed checkpoint")
+        hf, files = healed.save(tokenizer, out_dir / HF_DIR, dtype=loaded.save_dtype)
+        record["hf"] = str(hf)
+        record["hf_layers"] = healed.layer_count(n)
+        record["hf_dtype"] = str(loaded.save_dtype).removeprefix("torch.")
+        record["hf_bytes"] = sum(f.stat().st_size for f in hf.glob("*.safetensors"))
+        record["hf_files"] = files
+        phase(f"measuring the healed model, the saved checkpoint ({index + 1} of {len(plan)})")
         saved = load_model(str(hf), dtype=next(k for k, v in DTYPES.items() if v == loaded.dtype), device=device.type)
         results["healed"] = measure(lambda: contextlib.nullcontext(saved.model), device, held_out, task, reference=as_model["unpruned"])
         results["healed"]["as"] = f"the saved checkpoint ({record['hf_dtype']}) loaded in {str(loaded.dtype).removeprefix('torch.')}"
         del saved
+    record["forecasts"] = {**{what: f.summary() for what, f in ctx.forecasts.items()}, "the models' measurements": measuring.summary()}
     with_retained(results)
     record["recovered"], record["recovered_why"], record["recovered_interval"] = recovered(record)
     record["unchanged"] = unchanged(results)
@@ -461,15 +469,22 @@ def kept_summary(out_dir: Path) -> str:
             record = {}
         if "recovered" in record and (folder / HF_DIR / "config.json").is_file():
             said.append(f"{where}finished")
-        elif (folder / CHECKPOINT).is_file():
+            continue
+        kept = []
+        if (folder / CHECKPOINT).is_file():
             try:  # the step counters alone, the weights left on disk (mmap)
                 state = torch.load(folder / CHECKPOINT, map_location="cpu", weights_only=True, mmap=True)
                 step, steps = int(state["train_state"]["step"]), int(state["config"].get("steps", 0))
-                said.append(f"{where}a checkpoint at step {step}" + (f" of {steps}" if steps else ""))
+                kept.append("a checkpoint at step " + str(step) + (f" of {steps}" if steps else ""))
             except Exception:  # noqa: BLE001 (a checkpoint cut short: it says so, and the rerun refuses it in one line)
-                said.append(f"{where}a checkpoint that cannot be read")
+                kept.append("a checkpoint that cannot be read")
         elif (folder / METHOD_STATE).is_file():
-            said.append(f"{where}the method's fitted state ({METHOD_STATE}), no training step")
+            kept.append(f"the method's fitted state ({METHOD_STATE}), no training step")
+        measured = [name for name in MODELS if name in record.get("results", {})]
+        if measured:  # the models measured after the training, each kept as it finished
+            kept.append(f"the {' and '.join(measured)} model{'s' if len(measured) > 1 else ''} measured")
+        if kept:
+            said.append(where + ", ".join(kept))
     return (", ".join(said) + f" kept in {out_dir}") if said else "nothing had finished"
 
 

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.forecast import Forecast, following
 from depthcurse.plugins import changed_settings, entry_points_of, load_outside, parse_args, scoped, typed
 from depthcurse.plugins import settings_fields as plugin_settings_fields
 from depthcurse.runtime import World
@@ -57,6 +58,26 @@ class HealContext:
     seed: int = 1234
     phase: Callable[[str], None] = lambda text: None
     earlier: list["Method"] = field(default_factory=list)  # the methods applied before this one (a composition's)
+    note: Callable[[str], None] = lambda text: None  # a line between the progress lines: a phase's forecast
+    forecasts: dict = field(default_factory=dict)  # each phase's forecast, by what it counts (the record keeps their summaries)
+
+    def steps(self, what: str, plan) -> Iterator:
+        """The plan's steps, for a method's phase that loops (its calibration batches): each said in the
+        phase line ("what (3/8)"), and a forecast after the first (`forecast.Forecast`) kept by `what`."""
+        forecast = self.forecasts[what] = Forecast(what, say=self.note)
+        for index, step in forecast.over(plan):
+            self.phase(f"{what} ({index + 1}/{len(plan)})")
+            yield step
+
+    def hear(self, what: str) -> Callable[[int, int], None]:
+        """The same for work that reports `(done, total)` itself (`linear.estimate_maps`)."""
+        heard = following(what, self.note)
+
+        def on(done: int, total: int) -> None:
+            self.forecasts[what] = heard(done, total)
+            self.phase(f"{what} ({done}/{total})")
+
+        return on
 
     @property
     def device(self) -> torch.device:

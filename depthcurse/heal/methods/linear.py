@@ -73,7 +73,7 @@ class Linear(Method):
         d = ctx.model.get_input_embeddings().weight.shape[-1]
         self.fit_note = self.fit_check(tokens, d, "the tokens the calibration text gave")
         self.maps = estimate_maps(ctx.model, ctx.layers, batches, reduce=ctx.world.sum, solver=self.solver(ctx),
-                                  on_batch=lambda done, total: ctx.phase(f"estimating the linear maps ({done}/{total} batches)"))
+                                  on_batch=ctx.hear("the linear maps' calibration batches"))
         self.calibration = {"seconds": round(time.perf_counter() - started, 3), "tokens": tokens}
         self.hidden = ctx.model.get_input_embeddings().weight.shape[-1]
 

@@ -31,8 +31,8 @@ class CosineSettings:
 class CosinePairs:
     """One run's tokens (m, y + m, x_after), then T by Adam on the cosine distance."""
 
-    def __init__(self, d: int, device, settings: CosineSettings, world, seed: int):
-        self.settings, self.world, self.seed, self.d = settings, world, seed, d
+    def __init__(self, d: int, device, settings: CosineSettings, world, seed: int, steps=lambda what, plan: plan):
+        self.settings, self.world, self.seed, self.d, self.steps = settings, world, seed, d, steps
         self.seen: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def add(self, m: torch.Tensor, out: torch.Tensor, target: torch.Tensor, index: int) -> None:
@@ -46,7 +46,7 @@ class CosinePairs:
         t = torch.eye(self.d, dtype=torch.float32, requires_grad=True)
         optimizer = torch.optim.Adam([t], lr=s.lr)
         gen = torch.Generator().manual_seed(self.seed)
-        for _ in range(s.epochs):
+        for _ in self.steps("the cosine map's epochs", range(s.epochs)):
             for chunk in torch.randperm(m.shape[0], generator=gen).split(s.batch_tokens):
                 # the code's default: cos(m T, x_after - y); `accurate`: cos(m T + y, x_after)
                 out, goal = (m[chunk] @ t + y[chunk], target[chunk]) if s.accurate else (m[chunk] @ t, target[chunk] - y[chunk])
@@ -74,7 +74,7 @@ class LinearCosine(Linear):
         return None  # Adam from the identity: any number of tokens gives a map (no system to solve)
 
     def solver(self, ctx: HealContext):
-        return lambda d, device: CosinePairs(d, device, self.settings, ctx.world, ctx.seed)
+        return lambda d, device: CosinePairs(d, device, self.settings, ctx.world, ctx.seed, steps=ctx.steps)
 
     def describe(self):
         s = self.settings

@@ -93,7 +93,7 @@ class LinearPatch(Method):
             with self._patched(model, earlier_only=run[0]), removed_layers(model, earlier):
                 kept = [i for i in range(len(blocks)) if i not in earlier]
                 first, last = find_blocks(model).layers[kept.index(run[0])], find_blocks(model).layers[kept.index(run[-1])]
-                for ids in batches:
+                for ids in ctx.steps(f"the patch after {run_text(run)}: calibration batches", batches):
                     ids = ids.to(ctx.device)
                     before = stream_before(model, first, ids).float().flatten(0, -2) @ rotation.to(ctx.device)
                     after = stream_after(model, last, ids).float().flatten(0, -2) @ rotation.to(ctx.device)

@@ -136,7 +136,7 @@ class PruneComp(Method):
             with scaled(model, self.factors), removed_layers(model, earlier):
                 kept = [i for i in range(len(blocks)) if i not in earlier]  # the run's blocks, renumbered without the earlier runs
                 first, last = kept.index(run[0]), kept.index(run[-1])
-                for ids in batches:
+                for ids in ctx.steps(f"the scale of {run_text(run)}: calibration batches", batches):
                     ids = ids.to(ctx.device)
                     before = stream_before(model, find_blocks(model).layers[first], ids)
                     after = stream_after(model, find_blocks(model).layers[last], ids)
