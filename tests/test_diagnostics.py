@@ -173,6 +173,8 @@ def test_cli_writes_all_files(run_cli, tiny_model_dir, text_file, tmp_path):
     assert {p.name for p in out.iterdir()} >= {"angular.csv", "angular.json", "angular.png", "layers.csv", "layers.png"}
     data = json.loads((out / "angular.json").read_text())
     assert data["run"]["tokens_seen"] == 300 and data["run"]["model_class"] == "LlamaModel"
+    assert data["run"]["wall_time_s"] > 0 and "angular-distance" in data["run"]["environment"]["command"]  # how it was made (issue 90)
+    assert data["run"]["dtype"] and data["run"]["dtype_why"]
     assert len(data["matrix"]) == 4 and len(data["matrix"][0]) == 4 and data["matrix"][3][1] is None
     assert [b["n"] for b in data["best_blocks"]] == [1, 2, 3, 4]
     lines = (out / "angular.csv").read_text().splitlines()

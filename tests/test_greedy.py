@@ -196,6 +196,10 @@ def test_each_greedy_step_removes_the_cheapest_unit(granularity, tiny_tokenizer,
         assert point.metric == pytest.approx(losses[cheapest], abs=1e-5)
     on_disk = json.loads((tmp_path / "greedy.json").read_text())
     assert on_disk["granularity"] == granularity and read_curves(tmp_path).curves["greedy"][-1].removed == sorted(removed)
+    steps_wall = sum(json.loads(p.read_text())["wall_time_s"] for p in sorted((tmp_path / "steps").glob("*/prune.json")))
+    orders_wall = json.loads((tmp_path / "orders" / "prune.json").read_text())["wall_time_s"] if (tmp_path / "orders").is_dir() else 0.0
+    assert on_disk["wall_time_s"] == round(steps_wall + orders_wall, 3) > 0 and {"command", "commit", "packages"} <= set(on_disk["environment"])
+    assert read_curves(tmp_path).made == {"wall_time_s": on_disk["wall_time_s"], "environment": on_disk["environment"]}  # how it was made, read back
     # the one-shot order is step 1's ranking; "last" is the deepest units before the final one
     assert result.curves["last"][2].removed == [2, 3]
     assert result.curves["one-shot"][1].removed == greedy[1].removed

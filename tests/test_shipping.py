@@ -131,6 +131,7 @@ def test_the_time_budget_holds_before_the_fewest_pairs_too():
     checks = record["checks"]
     assert all(c["pairs"] == 2 for c in checks.values()) and elapsed[0] - 60.0 <= 150.0  # the warm-up pair is not measuring
     assert all(c["status"] == "unstable" and "pairs give no 95% interval" in c["reason"] for c in checks.values())
+    assert record["wall_time_s"] == elapsed[0] and {"command", "packages"} <= set(record["environment"])  # by the clock the test holds (issue 90)
 
 
 def test_a_timing_that_cannot_be_trusted_says_so():

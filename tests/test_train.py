@@ -44,10 +44,18 @@ def losses(folder):
 
 
 def test_resume_continues_exactly(cfg, tmp_path):
-    straight = train.run(cfg, tmp_path / "a")
+    """...and says what it took up, forecasts the steps it runs, and its summary keeps how it was made
+    (issue 90: every record keeps the forecast, the wall time and the environment)."""
+    said = []
+    straight = train.run(cfg, tmp_path / "a", on_note=said.append)
+    assert said[0].startswith("the training steps: 8 steps to run, the first took ") and straight["forecast"]["steps"] == 8
+    assert straight["wall_time_s"] > 0 and {"command", "commit", "packages", "cpu"} <= set(straight["environment"])
     part = train.run(cfg, tmp_path / "b", stop_after=4)
     assert part == {"finished": False, "step": 4}
-    resumed = train.run(cfg, tmp_path / "b", resume=True)
+    said.clear()
+    resumed = train.run(cfg, tmp_path / "b", resume=True, on_note=said.append)
+    assert said[0] == f"the training steps: took up the 4 of 8 finished before (kept in {tmp_path / 'b'}), not run again"
+    assert said[1].startswith("the training steps: 4 steps to run") and resumed["forecast"]["steps"] == 8
     assert len(losses(tmp_path / "a")) == len(losses(tmp_path / "b")) == 8
     assert losses(tmp_path / "b") == pytest.approx(losses(tmp_path / "a"), rel=1e-6, abs=1e-6)
     assert resumed["val_loss"] == pytest.approx(straight["val_loss"], rel=1e-6)

@@ -164,9 +164,10 @@ def measure_loaded(loaded, data: str = "auto", **options) -> tuple[AngularResult
     """`measure_text` on a model from `depthcurse.loading.load_model`, with the model's
     description and the environment recorded in the result's `run`. `seq_len=None` means 512,
     or the model's maximum if that is less; a longer one than the model accepts is refused."""
+    started = time.perf_counter()
     options["seq_len"] = window_length(loaded.model, options.get("seq_len"))
     result, tokenised, label = measure_text(loaded.model, loaded.tokenizer, data, device=loaded.device, **options)
-    result.run = {**loaded.describe(), **result.run, "environment": environment()}
+    result.run = {**loaded.describe(), **result.run, "wall_time_s": round(time.perf_counter() - started, 3), "environment": environment()}
     return result, tokenised, label
 
 

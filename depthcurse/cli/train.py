@@ -80,7 +80,7 @@ def lns_train(
 
     try:
         with showing(progress):
-            summary = run(cfg, out_dir, resume=resume, on_start=on_start, on_progress=on_progress, on_eval=on_eval)
+            summary = run(cfg, out_dir, resume=resume, on_start=on_start, on_progress=on_progress, on_eval=on_eval, on_note=lambda text: say("note", text))
     except KeyboardInterrupt:
         if main_rank:
             err_console.print(Text(f"interrupted: the last checkpoint in {out_dir} is kept; rerun with --resume to continue"), soft_wrap=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.io import atomic_write, csv_text, ensure_out_dir, json_text, read_record
+from depthcurse.io import atomic_write, csv_text, ensure_out_dir, environment, json_text, read_record
 from depthcurse.loading import LoadedModel
 from depthcurse.prune.results import Sweep, read_sweep, removal_key
 from depthcurse.prune.sweep import run_sweep
@@ -62,6 +62,7 @@ class DepthCurves:
     higher_is_better: bool
     curves: dict[str, list[CurvePoint]]
     notes: dict[str, str] = field(default_factory=dict)  # strategies left out, and why
+    made: dict = field(default_factory=dict)  # how it was made: the wall time of its sweeps (kept across a resume) and the environment
 
     def units_within(self, strategy: str, threshold: float) -> int:
         """Units removed before the relative drop first exceeds `threshold`."""
@@ -84,13 +85,14 @@ class DepthCurves:
             "run": self.run, "granularity": self.granularity, "n_units": self.n_units, "metric": self.metric,
             "higher_is_better": self.higher_is_better, "notes": self.notes,
             "units_within": {s: {f"{t:.0%}": self.units_within(s, t) for t in THRESHOLDS} for s in self.curves},
-            "curves": {s: [asdict(p) for p in points] for s, points in self.curves.items()},
+            "curves": {s: [asdict(p) for p in points] for s, points in self.curves.items()}, **self.made,
         }
 
     @classmethod
     def from_json(cls, data: dict) -> "DepthCurves":
         curves = {s: [CurvePoint(**p) for p in points] for s, points in data["curves"].items()}
-        return cls(data["run"], data["granularity"], data["n_units"], data["metric"], data["higher_is_better"], curves, data.get("notes", {}))
+        made = {key: data[key] for key in ("wall_time_s", "environment") if key in data}
+        return cls(data["run"], data["granularity"], data["n_units"], data["metric"], data["higher_is_better"], curves, data.get("notes", {}), made)
 
 
 def read_curves(path: Path) -> DepthCurves:
@@ -213,7 +215,8 @@ def run_greedy(
     if not world.main:
         return None
     first = step_sweeps[0]
-    result = DepthCurves(first.run, granularity, n, first.metric, first.higher_is_better, curves, notes)
+    result = DepthCurves(first.run, granularity, n, first.metric, first.higher_is_better, curves, notes,
+                         made_by([*step_sweeps, *([others] if compare and todo else [])]))
     write_curves(result, out_dir)
     return result
 
@@ -248,9 +251,15 @@ def replay_orders(
     sweep = read_sweep(out_dir / ORDERS_DIR)
     curves = {name: [_point(sweep, ())] + [_point(sweep, s) for s in chosen_sets] for name, chosen_sets in sets.items()}
     run = {**sweep.run, "orders_from": f"{source or 'another result'} ({chosen.run.get('task')} on {chosen.run.get('data', '?')})"}
-    result = DepthCurves(run, chosen.granularity, n, sweep.metric, sweep.higher_is_better, curves, dict(chosen.notes))
+    result = DepthCurves(run, chosen.granularity, n, sweep.metric, sweep.higher_is_better, curves, dict(chosen.notes), made_by([sweep]))
     write_curves(result, out_dir)
     return result
+
+
+def made_by(sweeps: list[Sweep]) -> dict:
+    """How curves were made: the wall time of the sweeps they were measured by (each kept with its
+    sweep, so a resumed run counts the time before the interruption too) and this process's environment."""
+    return {"wall_time_s": round(sum(s.meta.get("wall_time_s", 0.0) for s in sweeps), 3), "environment": environment()}
 
 
 def write_curves(result: DepthCurves, out_dir: Path) -> list[Path]:

@@ -188,6 +188,7 @@ def measure_speed(as_model: dict[str, Callable[[], contextlib.AbstractContextMan
     measurement (`start()`, `stop() -> seconds`), CUDA events or wall time by default; `now`, what
     the time budget (`max_seconds`) is read from."""
     cfg = cfg.checked()
+    began = now()
     clock, memory = clock or _Clock(device), PeakMemory(device)
     prefill_ids = _tokens(vocab, (cfg.prefill_batch, cfg.prefill_len), cfg.seed, device)
     prompts = {b: _tokens(vocab, (b, cfg.prompt_len), cfg.seed + b, device) for b in cfg.decode_batches}
@@ -241,7 +242,8 @@ def measure_speed(as_model: dict[str, Callable[[], contextlib.AbstractContextMan
     return {"config": {**asdict(cfg), "decode_batches": list(cfg.decode_batches)}, "device": str(device), "models": models,
             "ratios": _ratios(models, pairs), "shares": {key: dict(s) for key, s in shares.items()},
             "floor": {**{key: s.lowest for key, s in shares.items()}, "kv_bytes_per_token": shares["prefill_time"]["layers"]},
-            "checks": checks, "trusted": all(c["status"] == "ok" for c in checks.values()), "includes": _includes(device), "environment": environment()}
+            "checks": checks, "trusted": all(c["status"] == "ok" for c in checks.values()), "includes": _includes(device),
+            "wall_time_s": round(now() - began, 3), "environment": environment()}
 
 
 def _static(model: nn.Module, cfg: SpeedConfig) -> dict:

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.forecast import Forecast
 from depthcurse.identity import identity_distances
 from depthcurse.io import atomic_write, environment, json_text
 from depthcurse.train.checkpoint import CheckpointManager, ModelState, OptimizerState, RNGState, TrainState, prepare_out_dir
@@ -264,25 +265,27 @@ def evaluate(model, data, batch_size: int, amp, device) -> dict:
 
 def run(cfg: TrainConfig, out_dir, *, resume: bool = False, on_progress: Callable[[Progress], None] | None = None,
         on_eval: Callable[[int, dict], None] | None = None, on_start: Callable[[dict], None] | None = None,
-        stop_after: int | None = None) -> dict:
+        stop_after: int | None = None, on_note: Callable[[str], None] = lambda text: None) -> dict:
     """Train (or continue training) the run in `out_dir`; returns the summary.
 
     `stop_after` ends the call after that many total steps, as a preemption would (checkpoint
     written, no final evaluation or export): the next `resume=True` call continues exactly.
-    Under torchrun every rank calls this; only rank 0 writes files or calls the callbacks.
+    Under torchrun every rank calls this; only rank 0 writes files or calls the callbacks. After the
+    first step `on_note` hears the forecast of the steps (`forecast.Forecast`), which the summary keeps.
     """
     asked_val_tokens = cfg.val_tokens is not None  # a preset's budget only caps: no warning when the text is shorter
     cfg = cfg.resolved()
     world, device = setup_world(cfg)
     metrics = MetricsLog(Path(out_dir) / METRICS)
     try:
-        return _run(cfg, Path(out_dir), world, device, resume, on_progress, on_eval, on_start, stop_after, asked_val_tokens, metrics)
+        return _run(cfg, Path(out_dir), world, device, resume, on_progress, on_eval, on_start, stop_after, asked_val_tokens, metrics, on_note)
     finally:
         metrics.close()  # the live trackers: a W&B run is finished, an event file closed
         world.close()
 
 
-def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, stop_after, asked_val_tokens, metrics) -> dict:
+def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, stop_after, asked_val_tokens, metrics, on_note) -> dict:
+    started = time.perf_counter()
     cfg_dict = cfg.to_dict()
     saved = prepare_out_dir(out_dir, cfg_dict, resume)
     world.barrier()  # every rank has checked the folder before rank 0 writes into it
@@ -338,7 +341,8 @@ def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, st
     flops_per_token = raw.flops_per_token(cfg.seq_len)
     peak = peak_tflops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", precision)  # None: no MFU
     step_losses = StepLosses(limit=2 * math.log(len(tokenizer)))
-    while progress.step < end:
+    forecast = Forecast("the training steps", say=on_note if world.main else (lambda text: None))
+    for _ in forecast.over(range(end), progress.step, kept_in=out_dir):  # one step of progress.step each
         batch = data.train.next_batch(cfg.batch_size)
         lr = optimizer.param_groups[0]["lr"]
         t0 = time.perf_counter()
@@ -409,7 +413,8 @@ def _run(cfg, out_dir, world, device, resume, on_progress, on_eval, on_start, st
         "finished": True, "norm": cfg.norm, "preset": cfg.preset, "step": progress.step, "tokens": progress.tokens,
         "train_seconds": progress.seconds, "step_tokens_per_s": step_rate, "step_tflops": step_rate * flops_per_token / 1e12, **final, "params": info["params"], "precision": precision, "device": str(device),
         "kernels": info["kernels"], "world_size": world.size, "parallel": world.parallel, "micro_batch": micro_batch,
-        "data": data.label, "config": cfg_dict,
+        "data": data.label, "config": cfg_dict, "forecast": forecast.summary(),
+        "wall_time_s": round(time.perf_counter() - started, 3),  # this process's (a resumed run's since it resumed; train_seconds: every step's)
     }
     if not world.main:
         return summary
