@@ -18,6 +18,7 @@ from safetensors import SafetensorError
 
 from depthcurse import assets
 from depthcurse.assets import meta_llama
+from depthcurse.cpu_precision import BlockShape
 from depthcurse.errors import DepthcurseError, first_line, one_line
 from depthcurse.patches import apply_saved_patches
 from depthcurse.runtime import check_dtype, pick_device, pick_dtype
@@ -184,7 +185,7 @@ def load_model(
         config = transformers.AutoConfig.from_pretrained(source, **common)
 
     stored = _stored_dtype(config)
-    precision = pick_dtype(dtype, dev, keep_checkpoint=keep_dtype, stored=stored, fp32_on_cpu=fp32_on_cpu)
+    precision = pick_dtype(dtype, dev, keep_checkpoint=keep_dtype, stored=stored, fp32_on_cpu=fp32_on_cpu, shape=BlockShape.of_config(config))
     auto_cls = _auto_class(head, config, new_head, not_encoder)
     load_kwargs = dict(common, dtype=precision.dtype)
     if dev == "cuda":

@@ -50,14 +50,16 @@ class Precision(NamedTuple):
 
 
 def pick_dtype(dtype: str, device: str, keep_checkpoint: bool = False, stored: torch.dtype | None = torch.bfloat16,
-               fp32_on_cpu: str | None = None) -> Precision:
+               fp32_on_cpu: str | None = None, shape=None) -> Precision:
     """`auto` keeps the checkpoint's dtype on a GPU (and, with `keep_checkpoint`, anywhere). On a
-    CPU it keeps a bf16 checkpoint in bf16 where the CPU computes bf16 natively (about half fp32's
-    time on a sweep; the same ranking of layers, docs/benchmarks.md), and is fp32 otherwise: on a
-    CPU without it, for an fp32 or fp16 checkpoint, and for work that says why it needs fp32
-    (`fp32_on_cpu`: speculate's token-for-token equality with `model.generate`, which bf16's
-    rounding breaks on near-ties; training, whose trajectory bf16 moves). Figures computed in bf16
-    differ from fp32's in their later decimals, so `why` says which machine gives which."""
+    CPU it keeps a bf16 checkpoint in bf16 where the CPU computes bf16 natively and, for a model of
+    `shape` (`cpu_precision.BlockShape`), bf16 was measured to pay on this machine (kept per machine:
+    on one CPU with the flag a sweep took about half fp32's time, on another 1.5 times it), and is
+    fp32 otherwise: on a CPU without it, where it does not pay, for an fp32 or fp16 checkpoint, and
+    for work that says why it needs fp32 (`fp32_on_cpu`: speculate's token-for-token equality with
+    `model.generate`, which bf16's rounding breaks on near-ties; training, whose trajectory bf16
+    moves). `DEPTHCURSE_CPU_BF16=1` (or no shape) takes the flag's word without measuring. Figures
+    computed in bf16 differ from fp32's in their later decimals, so `why` says which machine gives which."""
     check_dtype(dtype)
     if dtype != "auto":
         return Precision(DTYPES[dtype], f"--dtype {dtype}")
@@ -68,6 +70,11 @@ def pick_dtype(dtype: str, device: str, keep_checkpoint: bool = False, stored: t
     if fp32_on_cpu:
         return Precision(torch.float32, f"auto: fp32 on a CPU {fp32_on_cpu}")
     if cpu_computes_bf16():
+        if shape is not None and os.environ.get("DEPTHCURSE_CPU_BF16") != "1":
+            from depthcurse.cpu_precision import bf16_pays  # lazy: start-up
+
+            pays, why = bf16_pays(shape)
+            return Precision(torch.bfloat16 if pays else torch.float32, why)
         return Precision(torch.bfloat16, "auto: the checkpoint's bf16, which this CPU computes natively; "
                                          "a CPU without computes fp32, whose figures differ in the later decimals")
     return Precision(torch.float32, "auto: fp32, as this CPU has no native bf16; "

@@ -132,3 +132,82 @@ def test_a_runs_identity_compares_its_dtype_not_why_it_is_that():
 
     assert changed_settings({"dtype": "float32"}, {"dtype": "float32", "dtype_why": "--dtype fp32"}) == []
     assert changed_settings({"dtype": "float32", "dtype_why": NOT_NATIVE}, {"dtype": "bfloat16", "dtype_why": NATIVE}) == ["dtype: 'float32' -> 'bfloat16'"]
+
+
+# --------------------------------------------------------------------------- whether bf16 pays here, measured (issue 89)
+def test_whether_bf16_pays_is_the_median_pair_against_090_measured_once_and_kept(tmp_path):
+    """`bf16_pays` on held measurements: the median of the pairs' ratios (1, 0.95, 0.2: the median 0.95
+    does not pay, where the mean, 0.72, would), 0.9 itself pays; what is measured is kept for this
+    machine and shape and read back without measuring again; a kept file that cannot be read, or a
+    cache that cannot be written, measures again and says so."""
+    from depthcurse.cpu_precision import PAYS, BlockShape, bf16_pays, machine_key
+
+    shape = BlockShape(576, 1536, 9)
+    calls = []
+
+    def held(ratios):
+        return lambda s: calls.append(s) or list(ratios)
+
+    pays, why = bf16_pays(shape, tmp_path / "a", measure=held([1.0, 0.95, 0.2]))
+    assert pays is False and PAYS == 0.9 and calls == [shape]
+    kept = next((tmp_path / "a").glob("*.json"))
+    key = machine_key(shape)
+    assert why == (f"auto: fp32, as bf16 does not pay here: a block of this model's shape (576 wide, 256 tokens) took 0.95x fp32's time in bf16 "
+                   f"on this CPU ({key['cpu']}, {key['threads']} threads; measured in {kept}), above the 0.90x at which it pays; a CPU where it "
+                   "pays computes bf16, whose figures differ in the later decimals")
+    assert json.loads(kept.read_text())["key"] == key and json.loads(kept.read_text())["ratios"] == [1.0, 0.95, 0.2]
+    pays, why = bf16_pays(shape, tmp_path / "a", measure=held([0.1]))  # kept: not measured again
+    assert pays is False and len(calls) == 1 and f"0.95x fp32's time in bf16 on this CPU ({key['cpu']}, {key['threads']} threads; kept in {kept})" in why
+    pays, why = bf16_pays(shape, tmp_path / "b", measure=held([0.9, 0.9, 0.95]))
+    assert pays is True and why.startswith("auto: the checkpoint's bf16, as a block of this model's shape (576 wide, 256 tokens) took 0.90x")
+    assert why.endswith("; a CPU where it does not pay computes fp32, whose figures differ in the later decimals")
+    other = BlockShape(64, 128, 2)  # another shape: its own measurement
+    assert bf16_pays(other, tmp_path / "b", measure=held([0.5]))[0] is True and calls[-1] == other and len(list((tmp_path / "b").glob("*.json"))) == 2
+    kept.write_text("{not json")
+    assert bf16_pays(shape, tmp_path / "a", measure=held([0.3]))[0] is True and len(calls) == 4
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # the cache's folder is a file: nothing can be kept
+    pays, why = bf16_pays(shape, blocked / "x", measure=held([0.5]))
+    assert pays is True and f"{key['threads']} threads; measured), a CPU" not in why and f"{key['threads']} threads; measured)" in why
+
+
+def test_the_measured_block_runs_in_both_dtypes_alike_and_is_timed_in_turns():
+    """The block `measure_ratios` times computes the same in bf16 as in fp32 (to bf16's precision), and
+    on a clock the test holds each pair is bf16's time over fp32's, fp32 first (2 s then 1 s: 0.5; 4 s
+    then 1 s: 0.25), after one of each to warm up, which is not timed."""
+    from depthcurse.cpu_precision import BlockShape, _block, measure_ratios
+
+    shape = BlockShape(16, 32, 2)
+    full, half = _block(shape, torch.float32)(), _block(shape, torch.bfloat16)()
+    assert full.shape == (2, 128, 16) and half.dtype == torch.bfloat16
+    assert torch.allclose(half.float(), full, rtol=0.05, atol=0.05) and not torch.equal(half.float(), full)
+    assert measure_ratios(shape, pairs=2, clock=iter([0.0, 2.0, 2.0, 3.0, 3.0, 7.0, 7.0, 8.0]).__next__) == [0.5, 0.25]
+
+
+def test_a_config_gives_the_blocks_shape_and_auto_follows_the_measurement_on_a_cpu_with_the_flag(monkeypatch):
+    """Llama's, GPT-2's (no MLP width: 4 x hidden) and an odd head count's shapes; a config without
+    widths gives none (auto takes the flag's word). With the flag and a shape, auto is what the
+    measurement says, with its line; `DEPTHCURSE_CPU_BF16=1` takes the flag's word unmeasured, and
+    0 or no flag is fp32 without measuring."""
+    from types import SimpleNamespace
+
+    from depthcurse import cpu_precision
+    from depthcurse.cpu_precision import BlockShape
+
+    assert BlockShape.of_config(SimpleNamespace(hidden_size=576, intermediate_size=1536, num_attention_heads=9)) == BlockShape(576, 1536, 9)
+    assert BlockShape.of_config(SimpleNamespace(n_embd=768, n_inner=None, n_head=12)) == BlockShape(768, 3072, 12)
+    assert BlockShape.of_config(SimpleNamespace(hidden_size=100, intermediate_size=300, num_attention_heads=7)) == BlockShape(100, 300, 1)
+    assert BlockShape.of_config(SimpleNamespace(d_model=128)) == BlockShape(128, 512, 2)
+    assert BlockShape.of_config(SimpleNamespace(vocab_size=5)) is None
+    shape = BlockShape(576, 1536, 9)
+    asked = []
+    monkeypatch.setattr(cpu_precision, "bf16_pays", lambda s: asked.append(s) or (False, "auto: fp32, as bf16 does not pay here: held"))
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    monkeypatch.delenv("DEPTHCURSE_CPU_BF16", raising=False)
+    assert pick_dtype("auto", "cpu", shape=shape) == (torch.float32, "auto: fp32, as bf16 does not pay here: held") and asked == [shape]
+    assert pick_dtype("auto", "cpu") == (torch.bfloat16, NATIVE) and pick_dtype("bf16", "cpu", shape=shape).dtype == torch.bfloat16
+    monkeypatch.setenv("DEPTHCURSE_CPU_BF16", "1")
+    assert pick_dtype("auto", "cpu", shape=shape) == (torch.bfloat16, NATIVE)
+    monkeypatch.setenv("DEPTHCURSE_CPU_BF16", "0")
+    assert pick_dtype("auto", "cpu", shape=shape) == (torch.float32, NOT_NATIVE) and asked == [shape]
+    assert pick_dtype("auto", "cpu", shape=shape, fp32_on_cpu="as it trains").dtype == torch.float32 and len(asked) == 1
