@@ -345,7 +345,8 @@ def test_one_name_per_idea_in_every_command_and_the_old_names_say_the_new():
     assert all(f"`{command} {old}`" in table for command, old in RENAMED)
 
 
-def test_granularity_has_one_meaning_per_value_in_every_command(run_cli, tiny_model_dir):
+@pytest.mark.statistics
+def test_granularity_has_one_meaning_per_value_in_every_command():
     """`--granularity`'s values come from one table: each command's help gives the values it takes with
     that table's meanings, docs/commands.md lists the table, and a value a command does not take is one
     line naming what it means and which command takes it (prune given select's sub-block, select given
@@ -375,6 +376,9 @@ def test_granularity_has_one_meaning_per_value_in_every_command(run_cli, tiny_mo
     with pytest.raises(DepthcurseError, match=r"^unknown --granularity 'heads': select takes layer, sub-block, branch$"):
         check_granularity_taken("select", "heads")
     check_granularity_taken("select", "branch")  # taken: no error
+
+
+def test_a_granularity_a_command_does_not_take_is_one_line_on_the_command_line(run_cli, tiny_model_dir):
     base = [tiny_model_dir, "--device", "cpu", "--dtype", "fp32"]
     assert_one_line_error(*run_cli("prune", *base, "--granularity", "branch"), "prune does not take --granularity branch")
     assert_one_line_error(*run_cli("select", *base, "--k", "1", "--search", "exact", "--granularity", "mlp"),

@@ -69,6 +69,30 @@ def test_the_reference_scores_kl_agreement_and_loss_by_hand():
 
 
 @pytest.mark.searching
+@pytest.mark.parametrize("rows", [1, 5, 64, None])
+def test_the_head_scored_a_chunk_of_positions_at_a_time_gives_the_whole_batchs_figures(rows):
+    """`head_scores` runs the head on `rows` positions at a time (a chunk that ends inside a window, one
+    that spans two windows, all at once, and by default the whole batch in one): every position's loss, KL and agreement equal those of the
+    whole batch's log-probs at once (`window_scores`), the window's last position left out as there, and
+    a head that scales its logits (as Gemma's soft-cap does) is applied to each chunk alike."""
+    from depthcurse.select.scoring import Reference, head_scores, window_scores
+
+    gen = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=False)
+    logits_of = lambda h: torch.tanh(head(h) / 3.0) * 3.0  # noqa: E731
+    h, ids = torch.randn(3, 7, 8, generator=gen), torch.randint(0, 50, (3, 7), generator=gen)
+    reference = Reference.of(torch.log_softmax(torch.randn(3, 6, 50, generator=gen), -1))
+    with torch.no_grad():
+        whole = window_scores(torch.log_softmax(logits_of(h)[:, :-1], -1), ids, reference)
+        chunked = head_scores(logits_of, h, ids, reference, rows=rows)
+        assert [tuple(c.shape) for c in chunked] == [(3, 6)] * 3
+        for a, b in zip(whole, chunked):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+        assert head_scores(logits_of, h, ids, None, rows=rows)[1:] == (None, None)
+        assert torch.equal(head_scores(logits_of, h, ids, None, rows=rows)[0], chunked[0])
+
+
+@pytest.mark.searching
 def test_each_cell_is_its_search_by_hand_and_the_grid_resumes(tiny_model_dir, two_texts, tmp_path):
     loaded = load_model(str(tiny_model_dir))
     model = loaded.model

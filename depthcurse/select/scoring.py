@@ -86,6 +86,10 @@ class Reference:
     def to(self, device) -> "Reference":
         return Reference(self.probs.to(device), self.self_term.to(device), self.top1.to(device))
 
+    def flat(self) -> "Reference":
+        """Every position in one row of rows, as `head_scores` reads them."""
+        return Reference(self.probs.reshape(-1, self.probs.shape[-1]), self.self_term.reshape(-1), self.top1.reshape(-1))
+
 
 def window_scores(logp: torch.Tensor, ids: torch.Tensor, reference: Reference | None
                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -93,7 +97,40 @@ def window_scores(logp: torch.Tensor, ids: torch.Tensor, reference: Reference | 
     `reference` (the unpruned model's predictions), each position's KL(unpruned || model) and whether
     its top-1 token is the unpruned model's (1.0) or not (0.0): teacher-forced agreement, what a
     greedy self-draft's acceptance is at each position."""
-    losses = -logp.gather(-1, ids[:, 1:, None])[..., 0]
+    return position_scores(logp, ids[:, 1:], reference)
+
+
+# Positions the head scores at a time (`head_scores`; None: the whole batch at once). Alone, the head and
+# the scores of 4 x 64 positions of SmolLM2-135M in fp32 took 0.71x the time in chunks of 64; inside
+# exact's scorer, in turns, chunks of 64 took 1.12x and of 128 1.01x (0.99-1.03) the whole batch's, so
+# the whole batch stays the default (docs/benchmarks.md, "Where the time goes on the Intel Xeon without
+# AMX"); benchmarks/select/head_in_chunks.py measures it on another machine.
+SCORE_ROWS: int | None = None
+
+
+def head_scores(logits_of: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, ids: torch.Tensor, reference: Reference | None,
+                rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`window_scores` of the stream entering the head (`h`: [b, T, d]; `logits_of`: the final norm,
+    the head and the family's scale, in fp32), `rows` positions at a time: no vocabulary-wide tensor
+    of the whole batch is made, and each position's figures are the whole batch's at once (a row's
+    log-softmax, gather, product and argmax are its own)."""
+    b, t = ids.shape
+    flat = h[:, : t - 1].reshape(b * (t - 1), h.shape[-1])
+    rows = rows or SCORE_ROWS or flat.shape[0]  # SCORE_ROWS read when called: the benchmark sets it
+    targets = ids[:, 1:].reshape(-1).to(h.device)
+    ref = None if reference is None else reference.flat()
+    parts = []
+    for start in range(0, flat.shape[0], rows):
+        piece = slice(start, start + rows)
+        parts.append(position_scores(torch.log_softmax(logits_of(flat[piece]), dim=-1), targets[piece], None if ref is None else ref[piece]))
+    return tuple(None if parts[0][i] is None else torch.cat([p[i] for p in parts]).view(b, t - 1) for i in range(3))
+
+
+def position_scores(logp: torch.Tensor, targets: torch.Tensor, reference: Reference | None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Each position's loss, KL and agreement (`window_scores`) from its log-probs and next token,
+    positions in any leading shape."""
+    losses = -logp.gather(-1, targets[..., None])[..., 0]
     if reference is None:
         return losses, None, None
     ref = reference.to(logp.device)
@@ -255,7 +292,7 @@ class CalibrationScorer:
                     h = self.stepper.block(i, h, batch.ctx)
                 self.cost.window_blocks += (self.n - at) * width
                 self.cost.window_heads += width
-                losses, kls, agreements = window_scores(torch.log_softmax(self.stepper.logits(h)[:, :-1], dim=-1), batch.ids, batch.reference)
+                losses, kls, agreements = head_scores(self.stepper.logits, h, batch.ids, batch.reference)
                 for kept, values in zip(out[removal], (losses, kls, agreements)):
                     kept.extend(masked_means(values, batch.mask))
 
@@ -386,9 +423,9 @@ class CalibrationScorer:
                     for i in kept:
                         h = self.stepper.block(i, h, ctx)
                     self.cost.window_blocks += len(kept) * len(ws) * t / T
-                    logp = torch.log_softmax(self.stepper.logits(h)[:, :-1], dim=-1)
+                scores = (window_scores(logp, ids.to(logp.device), batch.reference[rows, : t - 1]) if self.stepper is None
+                          else head_scores(self.stepper.logits, h, ids, batch.reference[rows, : t - 1]))
             self.cost.window_heads += len(ws) * t / T
-            scores = window_scores(logp, ids.to(logp.device), batch.reference[rows, : t - 1])
             for j, w in enumerate(ws):
                 found[w, t] = tuple(s[j].cpu() for s in scores)
         return tuple([found[p][i] for p in pieces] for i in range(3))
