@@ -136,6 +136,7 @@ def test_a_runs_identity_compares_its_dtype_not_why_it_is_that():
 
 # --------------------------------------------------------------------------- whether bf16 pays here, measured (issue 89)
 @pytest.mark.statistics
+@pytest.mark.usefixtures("one_torch_thread")  # mutmut forks the process that ran it: a forked thread pool is a deadlock
 def test_whether_bf16_pays_is_the_median_pair_against_090_measured_once_and_kept(tmp_path):
     """`bf16_pays` on held measurements: the median of the pairs' ratios (1, 0.95, 0.2: the median 0.95
     does not pay, where the mean, 0.72, would), 0.9 itself pays; what is measured is kept for this
@@ -173,6 +174,7 @@ def test_whether_bf16_pays_is_the_median_pair_against_090_measured_once_and_kept
 
 
 @pytest.mark.statistics
+@pytest.mark.usefixtures("one_torch_thread")  # mutmut forks the process that ran it: a forked thread pool is a deadlock
 def test_the_measured_block_runs_in_both_dtypes_alike_and_is_timed_in_turns():
     """The block `measure_ratios` times computes the same in bf16 as in fp32 (to bf16's precision), and
     on a clock the test holds each pair is bf16's time over fp32's, fp32 first (2 s then 1 s: 0.5; 4 s
@@ -187,6 +189,7 @@ def test_the_measured_block_runs_in_both_dtypes_alike_and_is_timed_in_turns():
 
 
 @pytest.mark.statistics
+@pytest.mark.usefixtures("one_torch_thread")  # mutmut forks the process that ran it: a forked thread pool is a deadlock
 def test_a_config_gives_the_blocks_shape_and_auto_follows_the_measurement_on_a_cpu_with_the_flag(monkeypatch):
     """Llama's, GPT-2's (no MLP width: 4 x hidden) and an odd head count's shapes; a config without
     widths gives none (auto takes the flag's word). With the flag and a shape, auto is what the
