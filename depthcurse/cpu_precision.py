@@ -53,7 +53,8 @@ class BlockShape:
 
 def _block(shape: BlockShape, dtype: torch.dtype, seed: int = 0) -> Callable[[], torch.Tensor]:
     """One Llama block of `shape` in `dtype` over `ROWS` tokens (2 x ROWS/2), its weights random: a
-    function that runs it once."""
+    function that runs it once (its `weights`, as x @ w, and its input `x` beside it, for a test to
+    run transformers' own block on)."""
     g = torch.Generator().manual_seed(seed)
     d, f, h = shape.hidden, shape.intermediate, shape.heads
     w = {name: (torch.randn(a, b, generator=g) / math.sqrt(a)).to(dtype) for name, (a, b) in
@@ -80,6 +81,7 @@ def _block(shape: BlockShape, dtype: torch.dtype, seed: int = 0) -> Callable[[],
             m = norm(y)
             return y + (torch.nn.functional.silu(m @ w["gate"]) * (m @ w["up"])) @ w["down"]
 
+    run.weights, run.x = w, x
     return run
 
 

@@ -376,6 +376,16 @@ def test_granularity_has_one_meaning_per_value_in_every_command():
     with pytest.raises(DepthcurseError, match=r"^unknown --granularity 'heads': select takes layer, sub-block, branch$"):
         check_granularity_taken("select", "heads")
     check_granularity_taken("select", "branch")  # taken: no error
+    from depthcurse import granularity
+
+    taken = granularity.GRANULARITIES_TAKEN
+    try:  # a value two commands take, refused by a third: both named
+        granularity.GRANULARITIES_TAKEN = {"a": ("layer", "attn"), "b": ("layer", "attn"), "c": ("layer",)}
+        with pytest.raises(DepthcurseError, match=r"^c does not take --granularity attn \(attention branches only, the residual stream passing them "
+                                                  r"by; a and b take it\): c takes layer$"):
+            granularity.check_granularity_taken("c", "attn")
+    finally:
+        granularity.GRANULARITIES_TAKEN = taken
 
 
 def test_a_granularity_a_command_does_not_take_is_one_line_on_the_command_line(run_cli, tiny_model_dir):

@@ -4,7 +4,9 @@ record say which and why."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 
 import pytest
 import torch
@@ -137,7 +139,7 @@ def test_a_runs_identity_compares_its_dtype_not_why_it_is_that():
 # --------------------------------------------------------------------------- whether bf16 pays here, measured (issue 89)
 @pytest.mark.statistics
 @pytest.mark.usefixtures("one_torch_thread")  # mutmut forks the process that ran it: a forked thread pool is a deadlock
-def test_whether_bf16_pays_is_the_median_pair_against_090_measured_once_and_kept(tmp_path):
+def test_whether_bf16_pays_is_the_median_pair_against_090_measured_once_and_kept(tmp_path, monkeypatch):
     """`bf16_pays` on held measurements: the median of the pairs' ratios (1, 0.95, 0.2: the median 0.95
     does not pay, where the mean, 0.72, would), 0.9 itself pays; what is measured is kept for this
     machine and shape and read back without measuring again; a kept file that cannot be read, or a
@@ -157,7 +159,11 @@ def test_whether_bf16_pays_is_the_median_pair_against_090_measured_once_and_kept
     assert why == (f"auto: fp32, as bf16 does not pay here: a block of this model's shape (576 wide, 256 tokens) took 0.95x fp32's time in bf16 "
                    f"on this CPU ({key['cpu']}, {key['threads']} threads; measured in {kept}), above the 0.90x at which it pays; a CPU where it "
                    "pays computes bf16, whose figures differ in the later decimals")
-    assert json.loads(kept.read_text())["key"] == key and json.loads(kept.read_text())["ratios"] == [1.0, 0.95, 0.2]
+    record = json.loads(kept.read_text())
+    assert kept.name == hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json" and kept.read_text().startswith('{\n  "key"')
+    assert {k: v for k, v in record.items() if k != "when"} == {"key": key, "ratio": 0.95, "ratios": [1.0, 0.95, 0.2], "rows": 256, "pays_below": 0.9}
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", record["when"]) and list(key) == ["cpu", "torch", "threads", "hidden", "intermediate", "heads"]
+    assert key["torch"] == torch.__version__ and key["threads"] == torch.get_num_threads() and key["hidden"] == 576
     pays, why = bf16_pays(shape, tmp_path / "a", measure=held([0.1]))  # kept: not measured again
     assert pays is False and len(calls) == 1 and f"0.95x fp32's time in bf16 on this CPU ({key['cpu']}, {key['threads']} threads; kept in {kept})" in why
     pays, why = bf16_pays(shape, tmp_path / "b", measure=held([0.9, 0.9, 0.95]))
@@ -165,8 +171,15 @@ def test_whether_bf16_pays_is_the_median_pair_against_090_measured_once_and_kept
     assert why.endswith("; a CPU where it does not pay computes fp32, whose figures differ in the later decimals")
     other = BlockShape(64, 128, 2)  # another shape: its own measurement
     assert bf16_pays(other, tmp_path / "b", measure=held([0.5]))[0] is True and calls[-1] == other and len(list((tmp_path / "b").glob("*.json"))) == 2
+    kept.write_text(json.dumps({"key": {**key, "threads": 99}, "ratio": 0.1}))  # another machine's figure where this one's goes: measured again
+    assert bf16_pays(shape, tmp_path / "a", measure=held([1.5]))[0] is False and len(calls) == 4
     kept.write_text("{not json")
-    assert bf16_pays(shape, tmp_path / "a", measure=held([0.3]))[0] is True and len(calls) == 4
+    assert bf16_pays(shape, tmp_path / "a", measure=held([0.3]))[0] is True and len(calls) == 5
+    assert bf16_pays(shape, tmp_path / "deep" / "er", measure=held([0.3]))[0] is True  # its folder made, parents and all
+    assert len(list((tmp_path / "deep" / "er").glob("*.json"))) == 1
+    monkeypatch.setenv("DEPTHCURSE_CACHE", str(tmp_path / "cache"))  # by default, the cache's folder
+    bf16_pays(shape, measure=held([0.3]))
+    assert len(list((tmp_path / "cache" / "cpu_precision").glob("*.json"))) == 1
     blocked = tmp_path / "file"
     blocked.write_text("")  # the cache's folder is a file: nothing can be kept
     pays, why = bf16_pays(shape, blocked / "x", measure=held([0.5]))
@@ -176,16 +189,41 @@ def test_whether_bf16_pays_is_the_median_pair_against_090_measured_once_and_kept
 @pytest.mark.statistics
 @pytest.mark.usefixtures("one_torch_thread")  # mutmut forks the process that ran it: a forked thread pool is a deadlock
 def test_the_measured_block_runs_in_both_dtypes_alike_and_is_timed_in_turns():
-    """The block `measure_ratios` times computes the same in bf16 as in fp32 (to bf16's precision), and
+    """The block `measure_ratios` times is transformers' Llama block (its own `LlamaDecoderLayer` on the
+    same weights and input gives the same output), computes the same in bf16 as in fp32 (to bf16's precision), and
     on a clock the test holds each pair is bf16's time over fp32's, fp32 first (2 s then 1 s: 0.5; 4 s
     then 1 s: 0.25), after one of each to warm up, which is not timed."""
+    from depthcurse import cpu_precision
     from depthcurse.cpu_precision import BlockShape, _block, measure_ratios
 
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
     shape = BlockShape(16, 32, 2)
-    full, half = _block(shape, torch.float32)(), _block(shape, torch.bfloat16)()
+    run = _block(shape, torch.float32)
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0,
+                         max_position_embeddings=256)
+    config._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(config, 0).eval()  # transformers' own block, the reference: the same weights, causal, rotary
+    with torch.no_grad():
+        for name, linear in (("q", layer.self_attn.q_proj), ("k", layer.self_attn.k_proj), ("v", layer.self_attn.v_proj), ("o", layer.self_attn.o_proj),
+                             ("gate", layer.mlp.gate_proj), ("up", layer.mlp.up_proj), ("down", layer.mlp.down_proj)):
+            linear.weight.copy_(run.weights[name].T)
+        positions = torch.arange(run.x.shape[1])[None].expand(2, -1)
+        theirs = layer(run.x, attention_mask=None, position_ids=positions, position_embeddings=LlamaRotaryEmbedding(config)(run.x, positions))
+    torch.testing.assert_close(run(), theirs[0] if isinstance(theirs, tuple) else theirs, rtol=1e-5, atol=1e-5)
+    full, half = run(), _block(shape, torch.bfloat16)()
     assert full.shape == (2, 128, 16) and half.dtype == torch.bfloat16
     assert torch.allclose(half.float(), full, rtol=0.05, atol=0.05) and not torch.equal(half.float(), full)
     assert measure_ratios(shape, pairs=2, clock=iter([0.0, 2.0, 2.0, 3.0, 3.0, 7.0, 7.0, 8.0]).__next__) == [0.5, 0.25]
+    made = []
+    real = cpu_precision._block
+    cpu_precision._block = lambda s, dtype: made.append(dtype) or real(s, dtype)
+    try:
+        measure_ratios(shape, pairs=1)
+    finally:
+        cpu_precision._block = real
+    assert made == [torch.float32, torch.bfloat16]
 
 
 @pytest.mark.statistics
@@ -202,6 +240,9 @@ def test_a_config_gives_the_blocks_shape_and_auto_follows_the_measurement_on_a_c
 
     assert BlockShape.of_config(SimpleNamespace(hidden_size=576, intermediate_size=1536, num_attention_heads=9)) == BlockShape(576, 1536, 9)
     assert BlockShape.of_config(SimpleNamespace(n_embd=768, n_inner=None, n_head=12)) == BlockShape(768, 3072, 12)
+    assert BlockShape.of_config(SimpleNamespace(n_embd=768, n_inner=1000, n_head=6)) == BlockShape(768, 1000, 6)  # GPT-2's names
+    assert BlockShape.of_config(SimpleNamespace(d_model=256, ffn_dim=700, num_attention_heads=8)) == BlockShape(256, 700, 8)  # OPT's
+    assert BlockShape.of_config(SimpleNamespace(d_model=96)) == BlockShape(96, 384, 1)  # no heads said: one per 64 wide, at least one
     assert BlockShape.of_config(SimpleNamespace(hidden_size=100, intermediate_size=300, num_attention_heads=7)) == BlockShape(100, 300, 1)
     assert BlockShape.of_config(SimpleNamespace(d_model=128)) == BlockShape(128, 512, 2)
     assert BlockShape.of_config(SimpleNamespace(vocab_size=5)) is None
