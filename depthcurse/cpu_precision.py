@@ -26,6 +26,9 @@ from typing import Callable
 
 import torch
 
+from depthcurse.assets.cache import cache_dir
+from depthcurse.io import cpu_model
+
 PAYS = 0.9  # bf16 is chosen where a block takes at most this share of fp32's time: a tenth saved, beyond the pairs' noise
 ROWS = 256  # tokens the measured block runs: 2 windows of 128, the scale of a sweep's or a scorer's batch (one row decodes slower in bf16)
 PAIRS = 5  # under load a single pair can be far off (0.29x among 1.3-1.8x beside a CPU-bound job): the median of five
@@ -104,8 +107,6 @@ def measure_ratios(shape: BlockShape, pairs: int = PAIRS, clock: Callable[[], fl
 
 def machine_key(shape: BlockShape) -> dict:
     """What a kept measurement holds for: this CPU, this torch, these threads, this shape."""
-    from depthcurse.io import cpu_model  # lazy: io imports torch's helpers at start-up
-
     return {"cpu": cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads(), **asdict(shape)}
 
 
@@ -114,9 +115,7 @@ def bf16_pays(shape: BlockShape, kept_dir: Path | None = None, measure: Callable
     kept measurement for this machine and shape, or one made now and kept (in `kept_dir`, by default
     the cache's `KEPT` folder)."""
     if kept_dir is None:
-        from depthcurse import assets  # lazy: start-up
-
-        kept_dir = assets.cache_dir() / KEPT
+        kept_dir = cache_dir() / KEPT
     key = machine_key(shape)
     path = Path(kept_dir) / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
     kept = None

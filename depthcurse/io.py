@@ -163,7 +163,8 @@ def _sibling_folder(path: Path, what: str, *, clock=time.monotonic, sleep=time.s
     `SIBLING_WAIT_S` (rank 0 held up or gone: torchrun stops this rank then), makes it itself."""
     deadline = clock() + SIBLING_WAIT_S
     while not path.is_dir() and clock() < deadline:
-        if path.exists():
+        # a file only if it is not a folder now: rank 0 may have made the folder since the check above
+        if path.exists() and not path.is_dir():
             raise DepthcurseError(f"{what} {path} is a file, not a folder")
         sleep(0.05)
     return path if path.is_dir() else ensure_out_dir(path, what)

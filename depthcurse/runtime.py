@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import torch
 
+from depthcurse import cpu_precision
 from depthcurse.errors import DepthcurseError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -71,9 +72,7 @@ def pick_dtype(dtype: str, device: str, keep_checkpoint: bool = False, stored: t
         return Precision(torch.float32, f"auto: fp32 on a CPU {fp32_on_cpu}")
     if cpu_computes_bf16():
         if shape is not None and os.environ.get("DEPTHCURSE_CPU_BF16") != "1":
-            from depthcurse.cpu_precision import bf16_pays  # lazy: start-up
-
-            pays, why = bf16_pays(shape)
+            pays, why = cpu_precision.bf16_pays(shape)
             return Precision(torch.bfloat16 if pays else torch.float32, why)
         return Precision(torch.bfloat16, "auto: the checkpoint's bf16, which this CPU computes natively; "
                                          "a CPU without computes fp32, whose figures differ in the later decimals")

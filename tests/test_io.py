@@ -134,6 +134,18 @@ def test_only_rank_0_makes_the_results_folder_so_a_failed_run_removes_it(tmp_pat
     (tmp_path / "file").write_text("x")
     with pytest.raises(DepthcurseError, match="is a file, not a folder"):
         dio.claim_out_dir(tmp_path / "file")
+    racing = tmp_path / "racing"
+
+    class MadeBetween(type(racing)):  # rank 0 makes the folder between this rank's two looks at it
+        looks = 0
+
+        def is_dir(self):
+            MadeBetween.looks += 1
+            if MadeBetween.looks == 2:
+                racing.mkdir()
+            return super().is_dir() and MadeBetween.looks > 2
+
+    assert dio._sibling_folder(MadeBetween(racing), "--out", clock=lambda: now[0], sleep=sleep) == racing  # not "is a file" (a busy CI saw it)
     monkeypatch.setenv("RANK", "0")
     dio.claim_out_dir(tmp_path / "run")
     assert (tmp_path / "run" / dio.LOCK_FILE).exists()
