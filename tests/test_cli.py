@@ -396,6 +396,32 @@ def test_a_granularity_a_command_does_not_take_is_one_line_on_the_command_line(r
     assert_one_line_error(*run_cli("heal", *base, "--layers", "1", "--granularity", "sub-block"), "heal does not take --granularity sub-block")
 
 
+def test_docs_list_every_option_of_every_command_as_the_commands_take_it():
+    """docs/commands.md's table of every option is the one `cli.options_table` makes from the commands
+    (an option added, renamed or moved is in the docs or this fails); a shared name says its one idea,
+    another its command's first sentence; every visible option of every command is a row."""
+    import typer
+
+    from depthcurse.cli import app
+    from depthcurse.cli.options_table import _first_sentence, markdown, rows
+
+    assert markdown() in (ROOT / "docs" / "commands.md").read_text()
+    table = {option: (commands, what) for option, commands, what in rows()}
+    command = typer.main.get_command(app)
+    visible = {(name, p.opts[0]) for name, sub in command.commands.items() for p in sub.params if p.param_type_name == "option" and not p.hidden}
+    assert {(c, option) for option, (commands, _) in table.items() for c in commands} == visible
+    assert table["--granularity"] == (["heal", "prune", "select"], VOCABULARY_IDEA("--granularity"))
+    assert table["--budget"] == (["select"], "Minutes: the recipe runs exact where its estimate on this machine fits, else evo.")
+    assert _first_sentence("One. Two (a. b) three.") == "One." and _first_sentence("e.g. 5% or 0.05. More") == "e.g. 5% or 0.05."
+    assert _first_sentence("a | b") == "a \\| b"
+
+
+def VOCABULARY_IDEA(option):
+    from depthcurse.cli.vocabulary import VOCABULARY
+
+    return VOCABULARY[option][0]
+
+
 def test_an_old_option_name_still_works_and_says_the_new_one(run_cli, tiny_model_dir, six_dir, text_file, tmp_path):
     from depthcurse.cli.vocabulary import renamed_note
 

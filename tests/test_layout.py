@@ -144,7 +144,8 @@ def test_the_checks_see_a_cycle_and_a_lazy_import(tmp_path, monkeypatch):
 
 def test_the_commands_import_only_the_shared_cli_and_the_library():
     """A family of commands never imports another: what two share lives in `cli.shared` or below."""
-    commands = [name for name in MODULES if name.startswith("depthcurse.cli.") and name != "depthcurse.cli.shared"]
+    # options_table is no family: it makes docs/commands.md's table of every option from them all
+    commands = [name for name in MODULES if name.startswith("depthcurse.cli.") and name not in ("depthcurse.cli.shared", "depthcurse.cli.options_table")]
     assert len(commands) >= 5
     crossing = [f"{name} imports {target}" for name in commands for target, _, _ in _imports(name, MODULES[name])
                 if target.startswith("depthcurse.cli") and target != "depthcurse.cli.shared"]
