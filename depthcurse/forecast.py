@@ -95,13 +95,17 @@ class Forecast:
         if show is not None:
             show(self.left(index))
 
+    def _remaining(self, left: int) -> tuple[float, float, float]:
+        """Seconds for `left` more steps at the median, the quickest and the slowest step so far."""
+        return statistics.median(self.times) * left, min(self.times) * left, max(self.times) * left
+
     def left(self, index: int) -> str:
         """The running estimate after step `index`: the steps left at the median step so far, with the
         range the quickest and slowest step so far give ("" once none is left)."""
         left = self.steps - index - 1
         if left <= 0:
             return ""
-        typical, quickest, slowest = statistics.median(self.times) * left, min(self.times) * left, max(self.times) * left
+        typical, quickest, slowest = self._remaining(left)
         if len(self.times) == 1:
             return f"about {duration(typical)} left (from the first step)"
         return f"about {duration(typical)} left ({duration(quickest)} to {duration(slowest)})"
@@ -123,14 +127,14 @@ class Forecast:
         left = self.steps - index - 1
         if left <= 0:
             return
-        typical = statistics.median(self.times)
-        total = now - self.started + typical * left
+        typical, quickest, slowest = self._remaining(left)
+        total = now - self.started + typical
         said = self.revisions[-1]["forecast_seconds"] if self.revisions else self.estimate
         if said / REVISE <= total <= said * REVISE:
             return
         self.revisions.append({"after_steps": len(self.times), "forecast_seconds": round(total, 3)})
-        self.say(f"{self.what}: {len(self.times)} steps took {duration(now - self.started)}; about {duration(typical * left)} left "
-                 f"({duration(min(self.times) * left)} to {duration(max(self.times) * left)} at the quickest and slowest step so far): the forecast "
+        self.say(f"{self.what}: {len(self.times)} steps took {duration(now - self.started)}; about {duration(typical)} left "
+                 f"({duration(quickest)} to {duration(slowest)} at the quickest and slowest step so far): the forecast "
                  f"moved from {duration(said)} to {duration(total)} in all")
 
     def summary(self) -> dict:

@@ -26,14 +26,21 @@ def pick_device(device: str) -> str:
     return device
 
 
+def told_bf16() -> bool | None:
+    """What `DEPTHCURSE_CPU_BF16` says (0: no bf16, 1: bf16 without measuring), None where it says
+    neither."""
+    told = os.environ.get("DEPTHCURSE_CPU_BF16")
+    return {"0": False, "1": True}.get(told)
+
+
 def cpu_computes_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX tiles). There a block's bf16
     matmuls run at about 4x fp32's rate (benchmarks/machine/gemm_peak.py); elsewhere bf16 is
     emulated, slower than fp32. `DEPTHCURSE_CPU_BF16=0` (or `1`) overrides the detection: a machine
     told 0 computes in fp32 by default, as one without native bf16 does."""
-    told = os.environ.get("DEPTHCURSE_CPU_BF16")
-    if told in ("0", "1"):
-        return told == "1"
+    told = told_bf16()
+    if told is not None:
+        return told
     probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     return any(probe() for probe in probes if probe is not None)
 
@@ -71,7 +78,7 @@ def pick_dtype(dtype: str, device: str, keep_checkpoint: bool = False, stored: t
     if fp32_on_cpu:
         return Precision(torch.float32, f"auto: fp32 on a CPU {fp32_on_cpu}")
     if cpu_computes_bf16():
-        if shape is not None and os.environ.get("DEPTHCURSE_CPU_BF16") != "1":
+        if shape is not None and told_bf16() is None:  # told 1: the flag's word, unmeasured
             pays, why = cpu_precision.bf16_pays(shape)
             return Precision(torch.bfloat16 if pays else torch.float32, why)
         return Precision(torch.bfloat16, "auto: the checkpoint's bf16, which this CPU computes natively; "

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from depthcurse.errors import DepthcurseError
-from depthcurse.granularity import GRANULARITIES_TAKEN, check_granularity_taken
+from depthcurse.granularity import check_granularity_taken
 
 # Where the block list lives, tried in order. Heads (ForCausalLM, ForMaskedLM, ...) wrap the
 # base model under its `base_model_prefix` (model, transformer, gpt_neox, bert, ...), bare base
@@ -406,9 +406,6 @@ def removed_layers(model: nn.Module, layers: Iterable[int]) -> Iterator[nn.Modul
     finally:
         restore()
 
-
-# What prune's removals (and `removed_units`) take out: a whole block, or one residual branch of each chosen block.
-GRANULARITIES = GRANULARITIES_TAKEN["prune"]
 
 # Where a pre-norm block keeps each residual branch (h + branch(norm(h))), tried in order
 # (`attention`: GPT-NeoX, whose BERT namesake is a Post-LN sub-layer, below).

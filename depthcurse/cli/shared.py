@@ -17,6 +17,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 from rich.text import Text
 
+from depthcurse.forecast import shown  # the standard library's alone: nothing at start-up
+
 app = typer.Typer(
     help="Which layers of a language model actually do anything? Layer-pruning sweeps and depth diagnostics.",
     no_args_is_help=True,
@@ -173,8 +175,6 @@ def showing(progress: Progress):
     """Show `progress` while the body runs. An error erases it, so that the error is the one line
     printed; an interruption keeps it (it says how far the work came). Every forecast made meanwhile
     shows its running estimate on the bar (`show_forecast`)."""
-    from depthcurse.forecast import shown  # lazy: start-up
-
     progress.start()
     try:
         with shown(lambda text: show_forecast(progress, text)):

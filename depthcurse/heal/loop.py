@@ -475,7 +475,7 @@ def kept_summary(out_dir: Path) -> str:
             try:  # the step counters alone, the weights left on disk (mmap)
                 state = torch.load(folder / CHECKPOINT, map_location="cpu", weights_only=True, mmap=True)
                 step, steps = int(state["train_state"]["step"]), int(state["config"].get("steps", 0))
-                kept.append("a checkpoint at step " + str(step) + (f" of {steps}" if steps else ""))
+                kept.append(f"a checkpoint at step {step}" + (f" of {steps}" if steps else ""))
             except Exception:  # noqa: BLE001 (a checkpoint cut short: it says so, and the rerun refuses it in one line)
                 kept.append("a checkpoint that cannot be read")
         elif (folder / METHOD_STATE).is_file():

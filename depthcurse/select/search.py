@@ -35,7 +35,7 @@ from depthcurse.plugins import changed_settings, entry_points_of, load_outside, 
 ENTRY_POINTS = "depthcurse.select_searches"
 # layer: k whole blocks; sub-block: k attention and k MLP branches (EvoPress's); branch: k branches in
 # all, of either kind (the space SWIFT's and Draft & Verify's skip-set searches draw from). Their
-# meanings, one for every command, are surgery's `GRANULARITY_MEANINGS`.
+# meanings, one for every command, are `granularity.GRANULARITY_MEANINGS`.
 GRANULARITIES = GRANULARITIES_TAKEN["select"]
 READS = ("objective", "streams", "model", "nothing")  # what a search needs: the scorer, the angular pass, the model itself (a merge's), none
 # What a removal's calibration score can be, in the order `select.json` keeps them: next-token loss, KL
