@@ -15,6 +15,8 @@ once per machine; the header and every record say the ratio and where it is kept
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
@@ -22,12 +24,13 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 from depthcurse.assets.cache import cache_dir
-from depthcurse.io import cpu_model
+from depthcurse.errors import DepthcurseError
+from depthcurse.io import atomic_write, cpu_model, json_text
 
 PAYS = 0.9  # bf16 is chosen where a block takes at most this share of fp32's time: a tenth saved, beyond the pairs' noise
 ROWS = 256  # tokens the measured block runs: 2 windows of 128, the scale of a sweep's or a scorer's batch (one row decodes slower in bf16)
@@ -110,6 +113,31 @@ def machine_key(shape: BlockShape) -> dict:
     return {"cpu": cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads(), **asdict(shape)}
 
 
+def _kept_ratio(path: Path, key: dict) -> float | None:
+    """The ratio kept at `path` for this machine and shape (None: none, or another's)."""
+    try:
+        kept = json.loads(path.read_text())
+        return float(kept["ratio"]) if kept.get("key") == key else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+@contextlib.contextmanager
+def _measuring(path: Path) -> Iterator[None]:
+    """This machine's one measurement for `path` at a time (flock on a lock file beside it): the ranks
+    of one run, each loading the model at once, take one figure and so one dtype. No lock where the
+    cache cannot be written (each process measures for itself, as before)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_suffix(".lock"), "a")
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
+        yield
+
+
 def bf16_pays(shape: BlockShape, kept_dir: Path | None = None, measure: Callable[[BlockShape], list[float]] = measure_ratios) -> tuple[bool, str]:
     """Whether bf16 pays for a model of `shape` on this machine, and the line that says why: the
     kept measurement for this machine and shape, or one made now and kept (in `kept_dir`, by default
@@ -118,22 +146,18 @@ def bf16_pays(shape: BlockShape, kept_dir: Path | None = None, measure: Callable
         kept_dir = cache_dir() / KEPT
     key = machine_key(shape)
     path = Path(kept_dir) / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
-    kept = None
-    try:
-        kept = json.loads(path.read_text())
-        ratio = float(kept["ratio"]) if kept.get("key") == key else None
-    except (OSError, ValueError, KeyError, TypeError):
-        ratio = None
-    when = "kept"
+    ratio, when = _kept_ratio(path, key), "kept"
     if ratio is None:
-        ratios = measure(shape)
-        ratio, when = statistics.median(ratios), "measured"
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"key": key, "ratio": ratio, "ratios": ratios, "rows": ROWS, "pays_below": PAYS,
-                                        "when": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2) + "\n")
-        except OSError:
-            path = None  # a read-only cache: measured again next time
+        with _measuring(path):
+            ratio = _kept_ratio(path, key)  # another process of this machine (a torchrun rank) measured while this one waited
+            if ratio is None:
+                ratios = measure(shape)
+                ratio, when = statistics.median(ratios), "measured"
+                try:
+                    atomic_write(path, json_text({"key": key, "ratio": ratio, "ratios": ratios, "rows": ROWS, "pays_below": PAYS,
+                                                  "when": time.strftime("%Y-%m-%d %H:%M:%S")}))
+                except (OSError, DepthcurseError):  # atomic_write's line for a full or read-only disk, or no folder at all
+                    path = None  # measured again next time
     pays = ratio <= PAYS
     basis = (f"a block of this model's shape ({shape.hidden} wide, {ROWS} tokens) took {ratio:.2f}x fp32's time in bf16 on this CPU "
              f"({key['cpu']}, {key['threads']} threads; {when}" + (f" in {path}" if path is not None else "") + ")")

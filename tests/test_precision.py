@@ -186,6 +186,40 @@ def test_whether_bf16_pays_is_the_median_pair_against_090_measured_once_and_kept
     assert pays is True and f"{key['threads']} threads; measured), a CPU" not in why and f"{key['threads']} threads; measured)" in why
 
 
+def test_two_processes_of_one_machine_measuring_at_once_take_one_figure(tmp_path):
+    """Two torchrun ranks loading one model at once: the first measures while holding the lock beside
+    the kept file; the second, having found no kept figure, waits for it and reads the first's instead of
+    measuring its own (which would say otherwise here), so both compute in one dtype."""
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    script = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from depthcurse.cpu_precision import BlockShape, bf16_pays
+        first = sys.argv[1] == "first"
+        def measure(shape):
+            if first:
+                Path(r"{tmp_path}", "measuring").touch()
+                while not Path(r"{tmp_path}", "go").exists():
+                    time.sleep(0.01)
+            return [0.5] if first else [2.0]
+        Path(r"{tmp_path}", sys.argv[1] + "-ready").touch()
+        print(bf16_pays(BlockShape(64, 128, 2), Path(r"{tmp_path}", "kept"), measure=measure)[0])
+    """)
+    first = subprocess.Popen([sys.executable, "-c", script, "first"], stdout=subprocess.PIPE, text=True)
+    while not (tmp_path / "measuring").exists():  # the first holds the lock and has not written its figure
+        assert first.poll() is None, first.communicate()
+    second = subprocess.Popen([sys.executable, "-c", script, "second"], stdout=subprocess.PIPE, text=True)
+    while not (tmp_path / "second-ready").exists():
+        assert second.poll() is None, second.communicate()
+    time.sleep(0.5)  # the second finds nothing kept and waits on the lock (on a machine too busy to get there, it reads the figure after: passes too)
+    (tmp_path / "go").touch()
+    assert first.communicate(timeout=120)[0].strip() == "True" and second.communicate(timeout=120)[0].strip() == "True"
+
+
 @pytest.mark.statistics
 @pytest.mark.usefixtures("one_torch_thread")  # mutmut forks the process that ran it: a forked thread pool is a deadlock
 def test_the_measured_block_runs_in_both_dtypes_alike_and_is_timed_in_turns():
