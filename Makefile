@@ -41,11 +41,11 @@ mutate: setup
 	$(BIN)/python benchmarks/project/mutation_score.py --goal 0.9
 
 # the statistics core: stats/, heal's intervals, shares and model index, select's statistics, speed's paired ratio, the probes, the forecasts,
-# whether bf16 pays here (auto's choice) and what each --granularity value means
+# whether bf16 pays here (auto's choice), what each --granularity value means and the heap's kept memory
 mutate-statistics:
 	$(BIN)/mutmut run --max-children 2 "depthcurse.stats*" "depthcurse.heal.intervals*" "depthcurse.heal.shares*" "depthcurse.heal.model_index*" \
 		"depthcurse.select.statistics*" "depthcurse.speed*" "depthcurse.tasks*" "depthcurse.forecast*" \
-		"depthcurse.cpu_precision*" "depthcurse.granularity*"
+		"depthcurse.cpu_precision*" "depthcurse.granularity*" "depthcurse.heap*"
 # where searching and merging happen, and select's recipe and cost estimate
 mutate-searching:
 	$(BIN)/mutmut run --max-children 2 "depthcurse.select.searches*" "depthcurse.select.scoring*" "depthcurse.select.stability*" \

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
+from depthcurse import heap
 from depthcurse.errors import DepthcurseError
 
 PACKAGES = ("depthcurse", "torch", "transformers", "lm_eval", "peft", "datasets", "accelerate", "safetensors")
@@ -299,7 +300,7 @@ def environment() -> dict:
 
     fixed = _this_process()
     env = {"command": command_line(), **{k: v for k, v in fixed.items() if k != "packages"}, "packages": dict(fixed["packages"]),
-           "torch_threads": torch.get_num_threads()}
+           "torch_threads": torch.get_num_threads(), "heap": heap.HEAP}
     if torch.cuda.is_available():
         env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return env

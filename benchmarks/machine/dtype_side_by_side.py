@@ -30,7 +30,8 @@ fastest block matmul at 512 rows), or for decoding the weights' bytes at the mem
 (`gemm_peak.bandwidth`). Prints one Markdown table for docs/benchmarks.md and writes
 `side_by_side.json` under --out. `--profile` instead profiles one unit of each part named (exact2,
 exact3, depth-use, check) in each dtype: the share of the operators' time in matmuls, attention,
-softmaxes over the vocabulary, copies and casts, and the rest.
+softmaxes over the vocabulary, copies and casts, and the rest. Freed memory is kept in the process
+as every command keeps it (`depthcurse.heap`; `DEPTHCURSE_KEEP_FREED=0`: the C library's own).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemm_peak import bandwidth, peak_rates  # noqa: E402
 
+from depthcurse import heap  # noqa: E402
 from depthcurse.loading import load_model  # noqa: E402
 from depthcurse.speed.paired import PairedRatio  # noqa: E402
 from depthcurse.stats.correlation import spearman  # noqa: E402
@@ -451,6 +453,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="instead of timing the parts: where one unit of each spends its time")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    print(f"heap: {heap.keep_freed_memory()}", flush=True)  # as every command does (DEPTHCURSE_KEEP_FREED=0: the C library's own)
     args.parts = args.parts or ",".join(p for p in PARTS if p != "sweep" or args.sweeps)
     args.out.mkdir(parents=True, exist_ok=True)
     rates, bytes_per_s = peak_rates(), bandwidth()

@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 from rich.text import Text
 
+from depthcurse import heap  # ctypes alone: nothing at start-up
 from depthcurse.forecast import shown  # the standard library's alone: nothing at start-up
 
 app = typer.Typer(
@@ -57,6 +58,7 @@ RevisionOpt = typer.Option(None, "--revision", help="Hub revision (branch, tag o
 @app.callback()
 def _main(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks and library logs.")) -> None:
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    heap.keep_freed_memory()  # before any tensor: the vocabulary's work faulted in fresh pages (heap.py)
     if not debug:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         from depthcurse.tasks.harness import quiet_lm_eval  # lazy: start-up (module docstring)
