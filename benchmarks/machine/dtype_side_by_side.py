@@ -28,7 +28,8 @@ Each part's floor is the arithmetic it ran (torch's FlopCounterMode over one uni
 chunk, one step, one batch) at this machine's matmul peak in that dtype (`gemm_peak.peak_rates`, the
 fastest block matmul at 512 rows), or for decoding the weights' bytes at the memory bandwidth
 (`gemm_peak.bandwidth`). Prints one Markdown table for docs/benchmarks.md and writes
-`side_by_side.json` under --out. `--profile` instead profiles one unit of each part named (exact2,
+`side_by_side.json` under --out. `--profile` instead profiles one unit of each part named (sweep:
+the reuse engine on the unpruned model and two removals over 4 windows of `--sweep-seq-len`; exact2,
 exact3, depth-use, check) in each dtype: the share of the operators' time in matmuls, attention,
 softmaxes over the vocabulary, copies and casts, and the rest. Freed memory is kept in the process
 as every command keeps it (`depthcurse.heap`; `DEPTHCURSE_KEEP_FREED=0`: the C library's own).
@@ -405,6 +406,14 @@ def profile_part(part: str, models, tokenizer, args) -> dict:
             texts, label = load_texts("wiki", option="--data")
             windows = PerplexityTask(tokenizer, texts, source=label, seq_len=args.depth_seq_len, limit=args.depth_batch, warn_short=False).windows
             units[d] = lambda d=d, windows=windows: measure_depth_use(models[d], windows, args.depth_batch, influence=True)
+        elif part == "sweep":
+            from depthcurse.prune.engine import evaluate_variants
+            from depthcurse.tasks.perplexity import PerplexityTask
+            from depthcurse.text import load_texts
+
+            texts, label = load_texts("wiki", option="--data")
+            task = PerplexityTask(tokenizer, texts, source=label, seq_len=args.sweep_seq_len, limit=4, warn_short=False)
+            units[d] = lambda d=d, task=task: evaluate_variants(models[d], task, [(), (3,), (14,)], checked=True)
         elif part == "check":
             prompt = tokenizer(load_prompts("suite", 1)[0].text, return_tensors="pt").input_ids
             lm = CachedModel(models[d])
@@ -419,7 +428,7 @@ def profile_part(part: str, models, tokenizer, args) -> dict:
 
             units[d] = steps
         else:
-            raise SystemExit(f"--profile covers exact2, exact3, depth-use and check, not {part}")
+            raise SystemExit(f"--profile covers sweep, exact2, exact3, depth-use and check, not {part}")
     out = {}
     for d in DTYPES:
         with torch.inference_mode():
