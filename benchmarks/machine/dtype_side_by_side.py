@@ -240,7 +240,8 @@ def depth_use_part(models, tokenizer, args, rates) -> dict:
     row = {"job": f"depth-use with influence ({args.depth_windows} x {args.depth_seq_len} tokens of wiki)", **ratio_summary(times["fp32"], times["bf16"]),
            "agreement": {"max_abs_diff": diffs, "lens_kl_spearman": spearman(means["fp32"], means["bf16"]),
                          "influence_row_spearman": spearman(influence["fp32"], influence["bf16"])}, "flops": per}
-    row["floor_share"] = floor_shares(row, per, rates)
+    # `per` is one run's arithmetic, and the row's times sum both rounds: the floor against one run's (median) time
+    row["floor_share"] = floor_shares({f"{d}_s": statistics.median(times[d]) for d in DTYPES}, per, rates)
     return row
 
 
