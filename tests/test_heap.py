@@ -52,6 +52,35 @@ def test_told_not_to_or_refused_or_not_glibc_the_c_library_keeps_its_own(monkeyp
     assert heap.glibc() is None
 
 
+def test_glibc_is_found_by_name_and_asked_when_no_library_is_given(monkeypatch):
+    """On Linux with glibc: the C library find_library names, or libc.so.6 where it names none; a
+    library that will not load is no glibc; `keep_freed_memory()` asks the one found."""
+    monkeypatch.delenv("DEPTHCURSE_KEEP_FREED", raising=False)
+    monkeypatch.setattr(heap.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(heap.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    loaded, asked_for = [], []
+    fake = FakeLibc()
+    monkeypatch.setattr(heap.ctypes, "CDLL", lambda name: loaded.append(name) or fake)
+    monkeypatch.setattr(heap.ctypes.util, "find_library", lambda name: asked_for.append(name) or "libc.so.6.named")
+    assert heap.glibc() is fake and loaded == ["libc.so.6.named"] and asked_for == ["c"]
+    monkeypatch.setattr(heap.ctypes.util, "find_library", lambda name: None)
+    assert heap.glibc() is fake and loaded[-1] == "libc.so.6"
+    assert heap.keep_freed_memory().startswith("freed blocks") and fake.asked == [(-3, 1 << 30), (-1, 1 << 30)]
+
+    def unloadable(name):
+        raise OSError(name)
+
+    monkeypatch.setattr(heap.ctypes, "CDLL", unloadable)
+    assert heap.glibc() is None
+
+
+def test_this_linux_machines_glibc_is_the_one_found():
+    """Where the suite runs on Linux with glibc, `glibc()` loads it: its own mallopt."""
+    if heap.platform.system() != "Linux" or heap.platform.libc_ver()[0] != "glibc":
+        pytest.skip("not Linux with glibc")
+    assert hasattr(heap.glibc(), "mallopt")
+
+
 MAPPED = """
 import ctypes, json, sys
 import torch
