@@ -5,13 +5,13 @@ of its own and unmaps it when it is freed, and trims the heap's top back to the 
 So on a CPU every large tensor a loop makes again, of the same size each time, is fresh pages: the
 kernel faults in and zeroes each 4 KiB page before the first write. The vocabulary's tensors are
 such blocks (SmolLM2-135M's log-probs over 252 positions in fp32: 49.5 MB), and those faults were
-most of their elementwise work: the KL's product with p took 17.1 ms where the same product into
-kept memory takes 6.2, an exp 15.8 ms against 2.0 (docs/benchmarks.md, "Freed memory kept").
+most of their elementwise work: the KL's product with p took 17.4 ms where the same product into
+kept memory takes 7.8, an exp 15.5 ms against 2.5 (docs/benchmarks.md, "Freed memory kept").
 
 `keep_freed_memory` raises both thresholds once, when a command starts, so freed blocks stay in the
-process and the next tensor of their size reuses them. The peak the process holds is what it held
-anyway, plus the free blocks the heap could not join (measured with each job's peak beside its
-time); what it keeps is given back when it exits. `DEPTHCURSE_KEEP_FREED=0` leaves the C library's
+process and the next tensor of their size reuses them: select's, depth-use's and the sweep's CPU
+work took 0.81-0.88x the time. The price is the free blocks no later tensor fits in: the resident
+peak was 11-38% higher on those jobs; what is kept is given back when the process exits. `DEPTHCURSE_KEEP_FREED=0` leaves the C library's
 own thresholds. Elsewhere than glibc (macOS, musl, Windows) nothing is changed: their allocators
 keep freed blocks by their own rules."""
 
