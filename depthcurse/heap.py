@@ -11,9 +11,9 @@ kept memory takes 7.8, an exp 15.5 ms against 2.5 (docs/benchmarks.md, "Freed me
 `keep_freed_memory` raises both thresholds once, when a command starts, so freed blocks stay in the
 process and the next tensor of their size reuses them: select's, depth-use's and the sweep's CPU
 work took 0.81-0.88x the time. The price is the free blocks no later tensor fits in: the resident
-peak was 11-38% higher on those jobs; what is kept is given back when the process exits. `DEPTHCURSE_KEEP_FREED=0` leaves the C library's
-own thresholds. Elsewhere than glibc (macOS, musl, Windows) nothing is changed: their allocators
-keep freed blocks by their own rules."""
+peak was 11-38% higher on those jobs; what is kept is given back when the process exits.
+`DEPTHCURSE_KEEP_FREED=0` leaves the C library's own thresholds. Elsewhere than glibc (macOS, musl,
+Windows) nothing is changed: their allocators keep freed blocks by their own rules."""
 
 from __future__ import annotations
 

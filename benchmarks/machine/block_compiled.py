@@ -53,9 +53,9 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for name, times in took.items():
         dtype, how = name.split()
-        print(f"| {name} | {statistics.median(times) * 1e3:.2f} | {statistics.median(times) / base:.2f}x | "
-              f"{compile_s[dtype]:.1f} |" if how == "compiled" else f"| {name} | {statistics.median(times) * 1e3:.2f} | {statistics.median(times) / base:.2f}x | - |",
-              f"{diff[dtype]:.1e} |" if how == "compiled" else "- |")
+        median = statistics.median(times)
+        compiled = f"{compile_s[dtype]:.1f} | {diff[dtype]:.1e}" if how == "compiled" else "- | -"
+        print(f"| {name} | {median * 1e3:.2f} | {median / base:.2f}x | {compiled} |")
 
 
 if __name__ == "__main__":

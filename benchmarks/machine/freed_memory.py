@@ -24,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,12 +66,14 @@ print(json.dumps(out))
 def run(argv: list[str], keep: bool, folder: Path) -> dict:
     """One whole process: its wall time and its peak resident memory (the child's own rusage)."""
     env = {**os.environ, "DEPTHCURSE_KEEP_FREED": "1" if keep else "0"}
-    start = time.perf_counter()
-    child = subprocess.Popen([*argv, "--out", str(folder)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(child.pid, 0)
-    took = time.perf_counter() - start
-    if status != 0:
-        raise SystemExit(f"{' '.join(argv)} failed: {child.stderr.read().decode()[-2000:]}")
+    with tempfile.TemporaryFile() as said:  # a file, not a pipe: the progress lines would fill a pipe nobody reads until the exit
+        start = time.perf_counter()
+        child = subprocess.Popen([*argv, "--out", str(folder)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=said)
+        _, status, usage = os.wait4(child.pid, 0)
+        took = time.perf_counter() - start
+        if status != 0:
+            said.seek(0)
+            raise SystemExit(f"{' '.join(argv)} failed: {said.read().decode()[-2000:]}")
     return {"seconds": took, "peak_mb": usage.ru_maxrss / 1024}
 
 
