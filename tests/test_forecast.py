@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from depthcurse.forecast import Forecast, duration, following, shown, took_up
@@ -157,11 +159,12 @@ def test_each_long_commands_forecast_counts_the_steps_its_loop_runs(steps, bos_m
     ran, said, on_step = counted("training the tuned lens")
     from depthcurse.forecast import Forecast
 
-    lens_forecast = Forecast("the tuned lens's steps", say=said.append)
+    steady = lambda: itertools.count(0.0, 1.0).__next__  # noqa: E731  every step 1 s on the test's clock: no revision for a loaded machine to say
+    lens_forecast = Forecast("the tuned lens's steps", say=said.append, clock=steady())
     train_tuned_lens(model, stepper_of(model), ids, LensSettings(steps=steps, tokens_per_step=8, micro_batch=1), on_step=on_step, forecast=lens_forecast)
     agree(lens_forecast, ran, said, "the lens")
     ran, said, on_step = counted("the whole model's pass")
-    batches = Forecast("the measurement's batches of windows", say=said.append)
+    batches = Forecast("the measurement's batches of windows", say=said.append, clock=steady())
     measure_depth_use(model, ids, batch_size=2, influence=False, on_step=on_step, forecast=batches)
     agree(batches, ran, said, "depth-use's batches")
     ran, said, on_step = counted("maps from shallow layer")
