@@ -309,6 +309,9 @@ def test_draft_costs_measure_each_kind_of_branch_apart_by_a_clock_the_test_contr
             h.remove()
     assert costs.step_s == 52 and costs.verify == pytest.approx(1.0)
     assert costs.block_share == pytest.approx(7 / 52) and costs.attention_share == pytest.approx(1 / 52) and costs.mlp_share == pytest.approx(6 / 52)
+    from depthcurse.few_row_linear import status
+
+    assert costs.check_linear == status()  # the check timed as speculate runs it, and said so in select's record
 
 
 # --------------------------------------------------------------------------- a draft that skips branches

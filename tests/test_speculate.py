@@ -478,6 +478,7 @@ def test_speculate_prints_the_table_says_lossless_and_resumes_a_cut_run(run_cli,
     record = json.loads((out / "speculate.json").read_text())
     assert record["complete"] and set(record["prompts"]) == {"0", "1", "2", "3"}
     assert record["methods"]["early-exit"]["skipped"] == [2, 3] and record["methods"]["self-draft"]["shares_weights"]
+    assert record["check_linear"].startswith("depthcurse's few-row kernel at 2-8 rows")  # the check's matmuls, by the kernel built here
     assert (out / "speculate.csv").exists() and (out / "speculate.png").exists()
     assert "early-exit against self-draft: " in " ".join(stdout.split()) and "acceptance, paired over 4 prompts, Student's t)" in " ".join(stdout.split())
     code, _, err = run_cli("report", out, "--out", tmp_path / "page.md")
@@ -1091,6 +1092,9 @@ def test_every_verdict_lines_other_branches_word_for_word():
     assert lines[6] == "the loop's own time, outside forward passes: touch-low 10.0%, touch-high 10.0%, hopeless 10.0%; decoding alone 2.0%"
     assert lines[7] == ("the draft's extra memory is its KV cache: touch-low 3.00 MiB at most (0.25 of the whole model's), touch-high 3.00 MiB at "
                         "most (0.25 of the whole model's), hopeless 3.00 MiB at most (0.25 of the whole model's)") and len(lines) == 8
+    # a record since issue 89 says what computed the check's matmuls
+    said = speculate_verdicts({"run": {"temperature": 0.7}, "summary": summary, "check_linear": "the kernel"})
+    assert said[5] == "the check of a draft's tokens costs 1.50 decoding steps (v; Leviathan et al. assume 1); its matmuls: the kernel"
     greedy = speculate_verdicts({"run": {"temperature": 0}, "summary": {**summary, "drafts": {"d": {**base, "speedup": None,
                                                                                              "lossless": {"equal": 1, "compared": 6, "differ": differ}}}}})
     assert greedy[0] == ("d: greedy output differs from model.generate's on 5 of 6 prompts (prompt 0 at token 3, prompt 1 at token 3, prompt 2 at "

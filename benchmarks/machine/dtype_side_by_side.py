@@ -38,6 +38,7 @@ as every command keeps it (`depthcurse.heap`; `DEPTHCURSE_KEEP_FREED=0`: the C l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import statistics
@@ -249,6 +250,8 @@ def depth_use_part(models, tokenizer, args, rates) -> dict:
 
 def check_part(models, tokenizer, args, rates, bytes_per_s) -> dict:
     from depthcurse.speculate import Stopwatch, load_prompts
+    from depthcurse.few_row_linear import few_row_kernel
+    from depthcurse.few_row_linear import status as few_row_linear_status
     from depthcurse.speculate.draft import CachedModel
 
     prompt = tokenizer(load_prompts("suite", 1)[0].text, return_tensors="pt").input_ids
@@ -260,21 +263,26 @@ def check_part(models, tokenizer, args, rates, bytes_per_s) -> dict:
             lm.feed(prompt)
         caches[d] = (lm, lm.length)
     tokens = prompt[:, -1:].expand(1, args.check_tokens).clone()
-    step, check = {d: [] for d in DTYPES}, {d: [] for d in DTYPES}
+    # the check as speculate runs it (few_row_linear's kernel for fp32's few rows) and by torch's linear alone
+    times = {name: {d: [] for d in DTYPES} for name in ("step", "check", "check, torch's linear")}
     with torch.inference_mode():
         for r in range(args.pairs + 1):
             for d in turns(r):
                 lm, base = caches[d]
-                for name in (("step", "check") if r % 2 == 0 else ("check", "step")):
+                for name in (list(times) if r % 2 == 0 else list(times)[::-1]):
                     feed = tokens[:, :1] if name == "step" else tokens
-                    _, seconds = watch(lambda feed=feed: lm.feed(feed))
+                    with few_row_kernel(models[d]) if name == "check" else contextlib.nullcontext():
+                        _, seconds = watch(lambda feed=feed: lm.feed(feed))
                     lm.keep(base)
                     if r:  # the first round warms up
-                        (step if name == "step" else check)[d].append(seconds)
+                        times[name][d].append(seconds)
+    step = times["step"]
     weights = {d: sum(p.numel() * p.element_size() for p in models[d].parameters()) for d in DTYPES}
-    v = {d: PairedRatio([c / s for c, s in zip(check[d], step[d])]).summary() for d in DTYPES}
+    v = {name: {d: PairedRatio([c / s for c, s in zip(times[name][d], step[d])]).summary() for d in DTYPES} for name in list(times)[1:]}
     row = {"job": f"speculate: one decoding step (1 token after a {prompt.shape[1]}-token prompt)", **ratio_summary(step["fp32"], step["bf16"]),
-           "agreement": {"check_tokens": args.check_tokens, "v": {d: {"median": v[d]["median"], "interval": v[d]["interval"]} for d in DTYPES}},
+           "agreement": {"check_tokens": args.check_tokens, "check_linear": few_row_linear_status(),
+                         **{"v" if name == "check" else "v, torch's linear": {d: {"median": v[name][d]["median"], "interval": v[name][d]["interval"]}
+                                                                           for d in DTYPES} for name in v}},
            "floor_bytes": weights}
     row["floor_share"] = {d: statistics.median(step[d]) / (weights[d] / bytes_per_s) for d in DTYPES}
     row["fp32_s"], row["bf16_s"] = statistics.median(step["fp32"]), statistics.median(step["bf16"])

@@ -13,6 +13,8 @@ tied head, 49,152 x 576) at 1 to 8 rows in fp32, each way of computing them in t
     x @ wT      the weight transposed once and kept (MKL's sgemm without the transposed operand)
     onednn      oneDNN's linear on a weight packed once for that many rows (Inductor's CPU path)
     rows of 2   the rows two at a time, each pair's matmul reading the weight again
+    kernel      depthcurse's few-row kernel (`few_row_linear`), as speculate's check runs it: each
+                layer an `nn.Linear` inside `few_row_kernel` (at one row that is torch's linear)
 and with `--autotune`, Inductor's `max-autotune` (each layer's seven matmuls compiled, its GEMM
 templates tuned for that many rows: about a minute of tuning) against eager, on the layers alone.
 Prints, per way and rows, the layers' and the head's median time and its ratio to `linear` at one
@@ -22,6 +24,7 @@ row: what a check of that many tokens pays for its matmuls in decoding steps' ma
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -32,19 +35,26 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from depthcurse.few_row_linear import few_row_kernel, status  # noqa: E402
 from depthcurse.io import cpu_model  # noqa: E402
 
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # (out, in): q k v o gate up down
 HEAD = (49152, 576)
 
 
-def ways(weights: list[torch.Tensor], rows: int) -> dict:
-    """Each way of computing every matmul in `weights` for `rows` rows, as a function of no arguments."""
+def ways(weights: list[torch.Tensor], rows: int, stack: contextlib.ExitStack) -> dict:
+    """Each way of computing every matmul in `weights` for `rows` rows, as a function of no arguments
+    (the kernel's layers stay patched until `stack` closes)."""
     g = torch.Generator().manual_seed(1)
     inputs = {width: torch.randn(rows, width, generator=g) for width in {w.shape[1] for w in weights}}
     transposed = [w.t().contiguous() for w in weights]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+    layers = torch.nn.ModuleList(torch.nn.Linear(w.shape[1], w.shape[0], bias=False) for w in weights)
+    for layer, w in zip(layers, weights):
+        layer.weight = torch.nn.Parameter(w, requires_grad=False)  # the same tensor: the same bytes to stream
+    stack.enter_context(few_row_kernel(layers))
     return {
+        "kernel": lambda: [layer(inputs[layer.in_features]) for layer in layers],
         "linear": lambda: [F.linear(inputs[w.shape[1]], w) for w in weights],
         "x @ wT": lambda: [inputs[w.shape[0]] @ w for w in transposed],
         "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "") for w, p in zip(weights, packed)],
@@ -98,9 +108,10 @@ def main() -> None:
     print("| rows | way | 30 layers (ms) | head (ms) | both, in one-row `linear`s |")
     print("|---|---|---|---|---|")
     one = None
-    with torch.inference_mode():
+    print(f"kernel: {status()}")
+    with torch.inference_mode(), contextlib.ExitStack() as stack:
         for rows in map(int, args.rows.split(",")):
-            body, top = timed(ways(layers, rows), args.rounds), timed(ways(head, rows), args.rounds)
+            body, top = timed(ways(layers, rows, stack), args.rounds), timed(ways(head, rows, stack), args.rounds)
             if one is None:
                 one = body["linear"] + top["linear"]
             for name in body:

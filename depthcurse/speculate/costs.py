@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from depthcurse.errors import DepthcurseError
+from depthcurse.few_row_linear import few_row_kernel
 from depthcurse.speculate.draft import CachedModel, Stopwatch
 from depthcurse.speculate.expected import expected_speedup
 from depthcurse.surgery import num_layers, removed_layers, skipped_branches
@@ -35,6 +36,7 @@ class DraftCosts:
     step_s: float = 0.0  # a decoding step's seconds, as measured
     attention_share: float | None = None  # of a decoding step, one attention branch's (None: a record from before: half a block)
     mlp_share: float | None = None  # one MLP branch's
+    check_linear: str = ""  # what computed the check's matmuls (`few_row_linear.status()`; "": a record from before issue 89)
 
     def saved(self, removal) -> float:
         """The share of a decoding step a draft without `removal` saves: its blocks (ints) at a block's
@@ -83,6 +85,17 @@ def measure_costs(model: torch.nn.Module, gamma: int, steps: int = 12, prompt_to
         variants["mlp"] = lambda: skipped_branches(model, [f"m{i}" for i in half])
     except DepthcurseError:
         pass
+    with few_row_kernel(model) as linear:  # as speculate checks
+        median = _medians(model, variants, prompt, check, steps, watch)
+    whole = median["whole"]
+    share = lambda name: max(0.0, (whole - median[name]) / len(half) / whole)  # noqa: E731
+    return DraftCosts(gamma, share("blocks"), median["check"] / whole, whole,
+                      share("attention") if "attention" in median else None, share("mlp") if "mlp" in median else None, linear)
+
+
+def _medians(model, variants: dict, prompt: torch.Tensor, check: torch.Tensor, steps: int, watch: Stopwatch) -> dict[str, float]:
+    """Each variant's decoding step and the whole model's check, in turns, the median of each."""
+    prompt_tokens = prompt.shape[1]
     lms = {name: CachedModel(model) for name in variants}
     for name, lm in lms.items():
         with variants[name]():
@@ -96,8 +109,4 @@ def measure_costs(model: torch.nn.Module, gamma: int, steps: int = 12, prompt_to
                 _, seconds = watch(lambda: lm.feed(check if name == "check" else token))
             lm.keep(prompt_tokens)
             times[name].append(seconds)
-    median = {name: statistics.median(t[1:]) for name, t in times.items()}
-    whole = median["whole"]
-    share = lambda name: max(0.0, (whole - median[name]) / len(half) / whole)  # noqa: E731
-    return DraftCosts(gamma, share("blocks"), median["check"] / whole, whole,
-                      share("attention") if "attention" in median else None, share("mlp") if "mlp" in median else None)
+    return {name: statistics.median(t[1:]) for name, t in times.items()}

@@ -143,7 +143,8 @@ def speculate_verdicts(record: dict) -> list[str]:
         lines.append(f"{name} against {d['against']}: {word} ({said} acceptance, paired over {_prompts(d['prompts'])}, Student's t)")
     v = [s["v"]["mean"] for s in summary["drafts"].values() if s.get("v")]
     if v and timing["status"] == "ok":
-        lines.append(f"the check of a draft's tokens costs {_span(v)} decoding steps (v; Leviathan et al. assume 1)")
+        linear = f"; its matmuls: {record['check_linear']}" if record.get("check_linear") else ""  # absent from a record before issue 89
+        lines.append(f"the check of a draft's tokens costs {_span(v)} decoding steps (v; Leviathan et al. assume 1){linear}")
     overheads = {name: s["overhead"]["mean"] for name, s in summary["drafts"].items() if s.get("overhead")}
     if overheads and summary["plain"].get("overhead"):
         lines.append("the loop's own time, outside forward passes: " + ", ".join(f"{n} {o:.1%}" for n, o in overheads.items())

@@ -30,6 +30,7 @@ import torch
 
 from depthcurse.errors import DepthcurseError
 from depthcurse.forecast import Forecast, took_up
+from depthcurse.few_row_linear import few_row_kernel
 from depthcurse.io import atomic_write, ensure_out_dir, environment, json_text, refuse_other_run
 from depthcurse.kept_state import identity_of, tensors_digest
 from depthcurse.loading import max_positions
@@ -314,24 +315,25 @@ def run_speculate(loaded, cfg: SpeculateConfig, out_dir: Path, *, assistant=None
     hf_assistant = assistant.model if assistant is not None else None
     todo = [i for i in range(len(prompts)) if str(i) not in record["prompts"]]
     started = now()
-    if todo:
-        warm_up(model, ids[todo[0]], methods, cfg, eos, watch, hf_assistant)
     rounds = [todo[r : r + world.size] for r in range(0, len(todo), world.size)]  # each round a prompt per rank
     say = on_note if world.main else (lambda t: None)
     forecast = Forecast("the prompts (each decoded alone, by generate and by every draft)", say=say, clock=now)
     if len(todo) < len(prompts):
         say(took_up("the prompts", len(prompts) - len(todo), len(prompts), path))
-    for r, batch in forecast.over(rounds):
-        mine = batch[world.rank] if world.rank < len(batch) else None
-        if on_step:
-            on_step(f"prompt {batch[0] + 1} of {len(prompts)}", r * world.size, len(todo))
-        result = None
-        if mine is not None:
-            result = {"kind": prompts[mine].kind, "source": prompts[mine].source, "prompt_tokens": ids[mine].shape[1],
-                      **run_prompt(model, ids[mine], mine, methods, cfg, eos, watch, hf_assistant)}
-        for i, done in zip(batch, world.all_gather(result)):
-            record["prompts"][str(i)] = done
-        save()
+    with few_row_kernel(model) as record["check_linear"]:  # a check's few rows, each weight read once
+        if todo:
+            warm_up(model, ids[todo[0]], methods, cfg, eos, watch, hf_assistant)
+        for r, batch in forecast.over(rounds):
+            mine = batch[world.rank] if world.rank < len(batch) else None
+            if on_step:
+                on_step(f"prompt {batch[0] + 1} of {len(prompts)}", r * world.size, len(todo))
+            result = None
+            if mine is not None:
+                result = {"kind": prompts[mine].kind, "source": prompts[mine].source, "prompt_tokens": ids[mine].shape[1],
+                          **run_prompt(model, ids[mine], mine, methods, cfg, eos, watch, hf_assistant)}
+            for i, done in zip(batch, world.all_gather(result)):
+                record["prompts"][str(i)] = done
+            save()
     record["methods"] = {m.name: {"what": m.what, "skipped": list(m.skipped), "shares_weights": bool(m.draft is not None and m.draft.shares_weights)}
                          for m in methods}
     record["complete"] = len(record["prompts"]) == len(prompts)
