@@ -1316,7 +1316,7 @@ def test_a_lens_rows_figures_by_each_definitions_rule_by_hand():
     import numpy as np
 
     from depthcurse.depth.definitions import DEFINITIONS
-    from depthcurse.depth.measure import _LensFigures
+    from depthcurse.depth.measure import Output, _LensFigures
 
     final_p = np.array([[0.40, 0.20, 0.15, 0.10, 0.08, 0.05, 0.02], [0.04, 0.50, 0.15, 0.11, 0.10, 0.06, 0.04]])
     lens_p = np.array([[0.01, 0.40, 0.20, 0.14, 0.10, 0.08, 0.07], [0.02, 0.40, 0.03, 0.05, 0.21, 0.10, 0.19]])
@@ -1328,8 +1328,8 @@ def test_a_lens_rows_figures_by_each_definitions_rule_by_hand():
     assert overlap == pytest.approx(0.8)  # token 0: {0,1,2,3,4} and {1,2,3,4,5} share 4; token 1: {1,2,3,4,5} and {1,4,6,5,3} share 4
     for name, kl, top5_figure in (("depthcurse", ours_kl, 0.5), ("csordas", theirs_kl, overlap)):
         kl_rows, top1_rows, top5_rows = [[]], [[]], [[]]
-        figures = _LensFigures(final, DEFINITIONS[name], kl_rows, top1_rows, top5_rows)
-        figures.read(0, lambda w: lens)
+        figures = _LensFigures(Output(final), DEFINITIONS[name], kl_rows, top1_rows, top5_rows)
+        figures.read(0, 0, lens)
         assert kl_rows[0][0] == pytest.approx(kl) and top1_rows[0][0] == pytest.approx(0.5)  # token 1 agrees (1), token 0 not (1 against 0)
         assert top5_rows[0][0] == pytest.approx(top5_figure), name  # ours: token 0's output top-1 (0) is not in the lens's top 5, token 1's (1) is
         settled, plus_output = [0, 0], [0, 0]

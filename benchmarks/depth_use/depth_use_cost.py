@@ -35,6 +35,9 @@ def main() -> None:
     parser.add_argument("--against", help="another version of depth/measure.py, timed against this one in turns")
     args = parser.parse_args()
 
+    from depthcurse.heap import keep_freed_memory
+
+    print(f"heap: {keep_freed_memory()}")  # as the command line does before any command's work
     import torch
 
     from depthcurse.depth import measure_depth_use

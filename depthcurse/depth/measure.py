@@ -45,7 +45,7 @@ from depthcurse.io import atomic_write
 from depthcurse.kept_state import call_identity
 from depthcurse.prune.stepping import Stepper, Unsupported, checked_stepper
 from depthcurse.runtime import World
-from depthcurse.select.scoring import contiguous_shares
+from depthcurse.select.scoring import contiguous_shares, top1_of
 from depthcurse.stats.intervals import mean_interval
 from depthcurse.surgery import branch_output, find_blocks, find_branch, half_stream
 
@@ -223,39 +223,66 @@ def output_kl(final: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
     return (final.exp() * (final - logp)).sum(-1)
 
 
+class Output:
+    """The output's distribution as the lens rows and the skips read it: its log-probabilities for the
+    batch, its top-1, and one window's probabilities at a time, so that KL(output || q) = sum p (log p -
+    log q) costs a read a difference and one product-and-sum (`vecdot`), where `output_kl` costs an
+    exp, a difference, a product and a sum: 0.67x their time, the same figure to the bit
+    (docs/benchmarks.md, "depth-use's reads of the output"). One window's p, not the batch's, so the
+    memory is `depth.memory`'s estimate still; the lens rows are read a window at a time, every row of
+    a window before the next window. (sum p log p - sum p log q, as select's scorer reads it, would
+    save the difference too, but a skip that barely moves the output has a KL of the order of the
+    sums' rounding: in a test, 3.8e-7 for 3.2e-7.)"""
+
+    def __init__(self, logp: torch.Tensor):
+        self.logp, self.top1 = logp, top1_of(logp)
+        self._window, self._probs = -1, None
+
+    def __len__(self) -> int:
+        return len(self.logp)
+
+    def probs(self, w: int) -> torch.Tensor:
+        """Window w's probabilities, held until another window's are asked for."""
+        if w != self._window:
+            self._probs = None  # the old window's freed before the new one's is made
+            self._window, self._probs = w, self.logp[w].exp()
+        return self._probs
+
+    def kl(self, w: int, logp: torch.Tensor) -> torch.Tensor:
+        """KL(output || logp) per token of window w: `output_kl(self.logp[w], logp)`."""
+        return torch.linalg.vecdot(self.probs(w), self.logp[w] - logp)
+
+
 class _LensFigures:
-    """One lens's figures on a batch, row by row as each row is read: its KL to the output, top-1 and
-    top-5 per window, and its top-1 (kept for the settling depth: tokens, not a vocabulary). A row is
-    read a window at a time (`logp_of(window)`), so a batch's vocabulary-wide tensors are the output's
-    log-probabilities and one window's temporaries, whatever the batch size or the depth."""
+    """One lens's figures on a batch, as each row of each window is read: its KL to the output, top-1
+    and top-5 per window, and its top-1 (kept for the settling depth: tokens, not a vocabulary). A row
+    is read a window at a time, so a batch's vocabulary-wide tensors are the output's log-probabilities
+    and one window's temporaries, whatever the batch size or the depth. Each row's figures are kept in
+    the order of the windows."""
 
-    def __init__(self, final: torch.Tensor, definitions: Definitions, kl: list, top1: list, top5: list):
-        self.final, self.d = final, definitions
-        self.final_top1 = final.argmax(-1)
-        self.final_top5 = final.topk(TOP, dim=-1).indices if definitions.top5 == "overlap" else None
+    def __init__(self, output: Output, definitions: Definitions, kl: list, top1: list, top5: list):
+        self.output, self.d = output, definitions
+        self.final_top1 = output.top1
+        self.final_top5 = output.logp.topk(TOP, dim=-1).indices if definitions.top5 == "overlap" else None
         self.kl, self.top1, self.top5 = kl, top1, top5
-        self.argmax: list[torch.Tensor] = []
+        self.argmax: dict[int, list[torch.Tensor]] = {}  # row: each window's top-1
 
-    def read(self, row: int, logp_of) -> None:
-        """Row `row`'s figures, `logp_of(w)` giving window w's log-probabilities [tokens, vocab]."""
-        top1s = []
-        for w in range(len(self.final)):
-            logp, final = logp_of(w), self.final[w]
-            kl = output_kl(final, logp) if self.d.lens_kl == "output||lens" else output_kl(logp, final)
-            self.kl[row].append(kl.mean(-1).item())
-            top1 = logp.argmax(-1)
-            top1s.append(top1)
-            self.top1[row].append((top1 == self.final_top1[w]).float().mean(-1).item())
-            top = logp.topk(TOP, dim=-1).indices
-            if self.final_top5 is None:  # the output's top-1 among the lens's top 5
-                hit = (top == self.final_top1[w][..., None]).any(-1).float()
-            else:  # their set overlap: |top-5 of the lens and of the output| / 5
-                hit = (top[..., :, None] == self.final_top5[w][..., None, :]).any(-1).float().sum(-1) / TOP
-            self.top5[row].append(hit.mean(-1).item())
-        self.argmax.append(torch.stack(top1s))
+    def read(self, row: int, w: int, logp: torch.Tensor) -> None:
+        """Row `row`'s figures on window w, from its log-probabilities [tokens, vocab]."""
+        kl = self.output.kl(w, logp) if self.d.lens_kl == "output||lens" else output_kl(logp, self.output.logp[w])
+        self.kl[row].append(kl.mean(-1).item())
+        top1 = top1_of(logp)
+        self.argmax.setdefault(row, []).append(top1)
+        self.top1[row].append((top1 == self.final_top1[w]).float().mean(-1).item())
+        top = logp.topk(TOP, dim=-1).indices
+        if self.final_top5 is None:  # the output's top-1 among the lens's top 5
+            hit = (top == self.final_top1[w][..., None]).any(-1).float()
+        else:  # their set overlap: |top-5 of the lens and of the output| / 5
+            hit = (top[..., :, None] == self.final_top5[w][..., None, :]).any(-1).float().sum(-1) / TOP
+        self.top5[row].append(hit.mean(-1).item())
 
     def settle(self, settled: list[int], with_output: bool) -> None:
-        rows = self.argmax + ([self.final_top1] if with_output else [])
+        rows = [torch.stack(self.argmax[row]) for row in sorted(self.argmax)] + ([self.final_top1] if with_output else [])
         for layer in settling_depth(torch.stack(rows).flatten(1), self.final_top1.flatten()).tolist():
             settled[layer] += 1
 
@@ -271,11 +298,11 @@ def _folded(kept: float, per_token: torch.Tensor, how: str) -> float:
     return new if kept != kept else kept + new
 
 
-def _output_change(final: torch.Tensor, logp: torch.Tensor, definitions: Definitions) -> torch.Tensor:
-    """Per token: KL(output || skipped), or the L2 norm of the change of the output's probabilities (theirs)."""
+def _output_change(output: Output, w: int, logp: torch.Tensor, definitions: Definitions) -> torch.Tensor:
+    """Per token of window w: KL(output || skipped), or the L2 norm of the change of the output's probabilities (theirs)."""
     if definitions.output_change == "kl":
-        return output_kl(final, logp)
-    return (logp.exp() - final.exp()).norm(dim=-1)
+        return output.kl(w, logp)
+    return (logp.exp() - output.probs(w)).norm(dim=-1)
 
 
 FIGURES = ("attn_norm", "mlp_norm", "attn_cos", "mlp_cos", "lens_kl", "lens_top1", "lens_top5", *TUNED, "settled", "tuned_settled")
@@ -349,15 +376,16 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
                 if influence:
                     contributions.append(h.float() - streams[i].float())  # c_i = a_i + m_i: the block's whole change
             branches.recording = False
-            final = torch.log_softmax(stepper.logits(streams[n]), -1)
+            output = Output(torch.log_softmax(stepper.logits(streams[n]), -1))
             reads = range(n) if entering_rows else range(1, n + 1)  # which of the n + 1 streams the lens rows read
-            plain = _LensFigures(final, d, use.lens_kl, use.lens_top1, use.lens_top5)
-            lensed = _LensFigures(final, d, use.tuned_kl, use.tuned_top1, use.tuned_top5) if tuned is not None else None
+            plain = _LensFigures(output, d, use.lens_kl, use.lens_top1, use.lens_top5)
+            lensed = _LensFigures(output, d, use.tuned_kl, use.tuned_top1, use.tuned_top5) if tuned is not None else None
             lens = stepper.logits if d.lens_logits == "model" else stepper.head_logits  # theirs: lm_head(norm(h)), no soft-cap or logit scale
-            for row, s in enumerate(reads):  # a row's distribution is reduced as it is read, a window at a time: no vocabulary-wide tensor per layer is kept
-                plain.read(row, lambda w, s=s: final[w] if s == n else torch.log_softmax(lens(streams[s][w]), -1))
-                if lensed is not None:
-                    lensed.read(row, lambda w, s=s: final[w] if s == n else torch.log_softmax(stepper.logits(tuned(streams[s][w], s)), -1))
+            for w in range(len(batch)):  # every row of a window, then the next: its output's p made once
+                for row, s in enumerate(reads):  # a row's distribution is reduced as it is read: no vocabulary-wide tensor per layer is kept
+                    plain.read(row, w, output.logp[w] if s == n else torch.log_softmax(lens(streams[s][w]), -1))
+                    if lensed is not None:
+                        lensed.read(row, w, output.logp[w] if s == n else torch.log_softmax(stepper.logits(tuned(streams[s][w], s)), -1))
             plain.settle(use.settled, entering_rows)
             if lensed is not None:
                 lensed.settle(use.tuned_settled, entering_rows)
@@ -376,7 +404,7 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
                         h, entered = stepper.block(j, h, ctx), h
                         change = _relative(h.float() - entered.float() - contributions[j], contributions[j], d.norm_floor)
                         totals[i][j] = _folded(totals[i][j], change, d.reduce)
-                    moved = torch.stack([_output_change(final[w], torch.log_softmax(stepper.logits(h[w]), -1), d) for w in range(len(h))])  # a window at a time
+                    moved = torch.stack([_output_change(output, w, torch.log_softmax(stepper.logits(h[w]), -1), d) for w in range(len(h))])  # a window at a time
                     out_totals[i] = _folded(out_totals[i], moved, d.reduce)
             if kept is not None:  # this batch's figures, kept whole or not at all (NaN as JSON's NaN: read back by this code alone)
                 state = {"identity": identity, "batches": b + 1, "of": len(batches), "use": {name: getattr(use, name) for name in FIGURES}}
