@@ -1308,6 +1308,21 @@ def test_depth_use_and_depth_map_interrupted_say_what_they_kept_and_the_rerun_fi
     assert _same(cut["scores"], whole_map["scores"]) and cut["best"] == whole_map["best"]
 
 
+def test_the_outputs_kl_is_output_kl_to_the_bit_in_any_window_order():
+    """`Output.kl` (one window's p held, `vecdot(p, log p - log q)`) against `output_kl` on three windows
+    read in the order 1, 0, 0, 2, 1: the same figure to the bit each time, and 0 for the output read
+    against itself, whichever window's p was held before."""
+    from depthcurse.depth.measure import Output, output_kl
+
+    gen = torch.Generator().manual_seed(8)
+    final = torch.log_softmax(torch.randn(3, 4, 50, generator=gen), -1)
+    other = torch.log_softmax(torch.randn(3, 4, 50, generator=gen), -1)
+    output = Output(final)
+    for w in (1, 0, 0, 2, 1):
+        assert torch.equal(output.kl(w, other[w]), output_kl(final[w], other[w])), w
+        assert torch.equal(output.kl(w, final[w]), torch.zeros(4)) and torch.equal(output.probs(w), final[w].exp())
+
+
 def test_a_lens_rows_figures_by_each_definitions_rule_by_hand():
     """One window of 2 tokens over a 7-token vocabulary: the KL in each direction (ours KL(output ||
     lens), theirs KL(lens || output)), top-1 agreement, the output's top-1 among the lens's top 5 (ours)
