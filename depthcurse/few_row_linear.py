@@ -117,13 +117,13 @@ def self_test(library: ctypes.CDLL) -> str | None:
 @functools.lru_cache(maxsize=1)
 def kernel() -> Kernel:
     """This process's kernel, built or found once."""
-    torchs = "torch's linear (MKL's GEMM at 2-8 rows)"
+    torchs = "torch's linear (its own GEMM at 2-8 rows)"
     if os.environ.get("DEPTHCURSE_FEW_ROW_KERNEL") == "0":
         return Kernel(None, f"{torchs}: DEPTHCURSE_FEW_ROW_KERNEL=0")
     try:
         library = load(build())
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:  # OSError: the library would not load
-        return Kernel(None, f"{torchs}: the few-row kernel could not be built ({e})")
+        return Kernel(None, f"{torchs}: the few-row kernel could not be built or loaded ({e})")
     why = self_test(library)
     if why is not None:
         return Kernel(None, f"{torchs}: the few-row kernel was built but {why}")

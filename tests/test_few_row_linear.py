@@ -145,7 +145,7 @@ def test_told_not_to_it_is_torchs_linear(fresh_kernel, monkeypatch):
     lin = layer(16, 8)
     with few_row_kernel(lin) as said:
         assert "forward" not in vars(lin)
-    assert said == "torch's linear (MKL's GEMM at 2-8 rows): DEPTHCURSE_FEW_ROW_KERNEL=0"
+    assert said == "torch's linear (its own GEMM at 2-8 rows): DEPTHCURSE_FEW_ROW_KERNEL=0"
     assert not (fresh_kernel / "cache").exists()  # nothing compiled
 
 
@@ -153,15 +153,15 @@ def test_without_a_compiler_it_is_torchs_linear_and_says_why(fresh_kernel, monke
     false = shutil.which("false") or "/bin/false"  # a compiler that fails and says nothing
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(few_row_linear.shutil, "which", lambda name: None)
-    assert few_row_linear.status() == ("torch's linear (MKL's GEMM at 2-8 rows): the few-row kernel could not be built "
+    assert few_row_linear.status() == ("torch's linear (its own GEMM at 2-8 rows): the few-row kernel could not be built or loaded "
                                        "(no C++ compiler (c++, g++ or clang++ on PATH, or CXX))")
     few_row_linear.kernel.cache_clear()
     monkeypatch.setenv("CXX", str(fresh_kernel / "no-such-compiler"))
-    assert few_row_linear.status().startswith("torch's linear (MKL's GEMM at 2-8 rows): the few-row kernel could not be built "
+    assert few_row_linear.status().startswith("torch's linear (its own GEMM at 2-8 rows): the few-row kernel could not be built or loaded "
                                               f"({fresh_kernel / 'no-such-compiler'} cannot be run (No such file or directory))")
     few_row_linear.kernel.cache_clear()
     monkeypatch.setenv("CXX", false)
-    assert few_row_linear.status() == "torch's linear (MKL's GEMM at 2-8 rows): the few-row kernel could not be built (false failed: exit 1)"
+    assert few_row_linear.status() == "torch's linear (its own GEMM at 2-8 rows): the few-row kernel could not be built or loaded (false failed: exit 1)"
 
 
 @needs_compiler
@@ -170,7 +170,7 @@ def test_a_build_that_computes_otherwise_is_not_used(fresh_kernel, monkeypatch):
     wrong.write_text(few_row_linear.SOURCE.read_text().replace("y[r * N + n0 + j] = s;", "y[r * N + n0 + j] = s + (R == 3);"))
     monkeypatch.setattr(few_row_linear, "SOURCE", wrong)
     said = few_row_linear.status()
-    assert said.startswith("torch's linear (MKL's GEMM at 2-8 rows): the few-row kernel was built but it differs from torch's linear at 3 rows (by up to 1")
+    assert said.startswith("torch's linear (its own GEMM at 2-8 rows): the few-row kernel was built but it differs from torch's linear at 3 rows (by up to 1")
     lin = layer(16, 8)
     with few_row_kernel(lin):
         assert "forward" not in vars(lin)
@@ -204,7 +204,7 @@ def test_a_compile_past_its_time_is_said(fresh_kernel, monkeypatch):
 
     monkeypatch.setattr(few_row_linear.subprocess, "run", slow)
     said = few_row_linear.status()
-    assert said.startswith("torch's linear (MKL's GEMM at 2-8 rows): the few-row kernel could not be built (Command '")
+    assert said.startswith("torch's linear (its own GEMM at 2-8 rows): the few-row kernel could not be built or loaded (Command '")
     assert said.endswith("timed out after 300 seconds)")
 
 
@@ -215,4 +215,4 @@ def test_a_cached_build_that_will_not_load_is_said(fresh_kernel):
     source = few_row_linear.SOURCE.read_text()
     (folder / few_row_linear.build_name(source, [few_row_linear.compiler(), *few_row_linear.FLAGS])).write_bytes(b"not a library")
     said = few_row_linear.status()
-    assert said.startswith("torch's linear (MKL's GEMM at 2-8 rows): the few-row kernel could not be built (") and "not a library" not in said
+    assert said.startswith("torch's linear (its own GEMM at 2-8 rows): the few-row kernel could not be built or loaded (") and "not a library" not in said
