@@ -41,6 +41,7 @@ SOURCE = Path(__file__).with_suffix(".cpp")
 ROWS = range(2, 9)  # what the kernel's register blocks are written for; one row is torch's GEMV, which already streams the weights
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 COMPILE_SECONDS = 300
+NO_LAYER = "torch's linear (no plain fp32 linear layer on the CPU for the few-row kernel)"
 
 
 class Kernel(NamedTuple):
@@ -170,12 +171,17 @@ def _streams(layer: nn.Module) -> bool:
 def few_row_kernel(model: nn.Module):
     """`model` with its fp32 `nn.Linear` layers computed by the kernel at 2-8 rows inside the block
     (`_streams` says which layers; a subclass, LoRA's or a quantised one, is left as it is). Gives
-    the words `status()` gives."""
-    layers = [m for m in model.modules() if _streams(m)] if kernel().library is not None else []
+    the words `status()` gives, or `NO_LAYER` where no layer is one the kernel takes (then nothing is
+    built)."""
+    layers = [m for m in model.modules() if _streams(m)]
+    said = NO_LAYER  # a model on a GPU, or in bf16: nothing to build the kernel for
+    if layers:
+        said = status()
+        layers = layers if kernel().library is not None else []
     for m in layers:
         m.forward = _layer_forward(m)
     try:
-        yield status()
+        yield said
     finally:
         for m in layers:
             vars(m).pop("forward", None)

@@ -216,3 +216,15 @@ def test_a_cached_build_that_will_not_load_is_said(fresh_kernel):
     (folder / few_row_linear.build_name(source, [few_row_linear.compiler(), *few_row_linear.FLAGS])).write_bytes(b"not a library")
     said = few_row_linear.status()
     assert said.startswith("torch's linear (its own GEMM at 2-8 rows): the few-row kernel could not be built or loaded (") and "not a library" not in said
+
+
+def test_a_model_with_no_layer_to_take_builds_nothing_and_says_so(monkeypatch):
+    # a model on a GPU or in bf16: the record says torch's linear, and no compiler is asked
+    def no_building():
+        raise AssertionError("the kernel was asked for")
+
+    monkeypatch.setattr(few_row_linear, "kernel", no_building)
+    model = nn.Sequential(layer(16, 8).bfloat16(), HookedLinear(8, 4))
+    with few_row_kernel(model) as said:
+        assert not any("forward" in vars(m) for m in model)
+    assert said == few_row_linear.NO_LAYER == "torch's linear (no plain fp32 linear layer on the CPU for the few-row kernel)"
