@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from depthcurse.assets.cache import cache_dir
-from depthcurse.io import cpu_model
+from depthcurse.io import cpu_fields, cpu_model
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 ROWS = range(2, 9)  # what the kernel's register blocks are written for; one row is torch's GEMV, which already streams the weights
@@ -55,17 +55,12 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
-def _cpu_flags() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    return next((line for line in lines if line.startswith(("flags", "Features"))), "")
-
-
 def build_name(source: str, command: list[str]) -> str:
-    """The library's file name: another source, compile command or CPU is another file."""
-    key = "\n".join([source, " ".join(command), platform.machine(), cpu_model(), _cpu_flags()])
+    """The library's file name: another source, compile command or CPU (its model and its instruction
+    sets: x86's flags, ARM's features) is another file."""
+    fields = cpu_fields()
+    flags = fields.get("flags") or fields.get("Features") or platform.processor()
+    key = "\n".join([source, " ".join(command), platform.machine(), cpu_model(), flags])
     return f"few_row_linear-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
@@ -108,10 +103,10 @@ def self_test(library: ctypes.CDLL) -> str | None:
     w = torch.randn(37, 45, generator=g)
     for rows in ROWS:
         x = torch.randn(rows, 45, generator=g)
-        got = torch.empty(rows, 37)
+        got, want = torch.empty(rows, 37), F.linear(x, w)
         library.few_row_linear(x.data_ptr(), w.data_ptr(), got.data_ptr(), rows, 45, 37, torch.get_num_threads())
-        if not torch.allclose(got, F.linear(x, w), rtol=1e-5, atol=1e-5):
-            return f"it differs from torch's linear at {rows} rows (by up to {(got - F.linear(x, w)).abs().max().item():.3g})"
+        if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+            return f"it differs from torch's linear at {rows} rows (by up to {(got - want).abs().max().item():.3g})"
     return None
 
 
@@ -176,8 +171,8 @@ def few_row_kernel(model: nn.Module):
     layers = [m for m in model.modules() if _streams(m)]
     said = NO_LAYER  # a model on a GPU, or in bf16: nothing to build the kernel for
     if layers:
-        said = status()
-        layers = layers if kernel().library is not None else []
+        built = kernel()
+        said, layers = built.words, layers if built.library is not None else []
     for m in layers:
         m.forward = _layer_forward(m)
     try:

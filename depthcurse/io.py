@@ -344,10 +344,8 @@ def code_version(root: Path | None = None) -> dict:
     return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
 
 
-def cpu_model(cpuinfo: str | None = None) -> str:
-    """The CPU's model name as the kernel gives it (lscpu's "Model name"), with its family and model
-    numbers where given (a virtual machine's name can be as bare as "Intel Xeon Processor"), else
-    what the platform says."""
+def cpu_fields(cpuinfo: str | None = None) -> dict[str, str]:
+    """The first processor's fields as the kernel gives them (/proc/cpuinfo; none where it cannot be read)."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -357,6 +355,14 @@ def cpu_model(cpuinfo: str | None = None) -> str:
     for line in cpuinfo.split("\n\n")[0].splitlines():  # the first processor's block
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The CPU's model name as the kernel gives it (lscpu's "Model name"), with its family and model
+    numbers where given (a virtual machine's name can be as bare as "Intel Xeon Processor"), else
+    what the platform says."""
+    fields = cpu_fields(cpuinfo)
     name = fields.get("model name") or fields.get("Processor")
     if not name:
         return platform.processor() or platform.machine()

@@ -262,7 +262,6 @@ class _LensFigures:
 
     def __init__(self, output: Output, definitions: Definitions, kl: list, top1: list, top5: list):
         self.output, self.d = output, definitions
-        self.final_top1 = output.top1
         self.final_top5 = output.logp.topk(TOP, dim=-1).indices if definitions.top5 == "overlap" else None
         self.kl, self.top1, self.top5 = kl, top1, top5
         self.argmax: dict[int, list[torch.Tensor]] = {}  # row: each window's top-1
@@ -273,17 +272,17 @@ class _LensFigures:
         self.kl[row].append(kl.mean(-1).item())
         top1 = top1_of(logp)
         self.argmax.setdefault(row, []).append(top1)
-        self.top1[row].append((top1 == self.final_top1[w]).float().mean(-1).item())
+        self.top1[row].append((top1 == self.output.top1[w]).float().mean(-1).item())
         top = logp.topk(TOP, dim=-1).indices
         if self.final_top5 is None:  # the output's top-1 among the lens's top 5
-            hit = (top == self.final_top1[w][..., None]).any(-1).float()
+            hit = (top == self.output.top1[w][..., None]).any(-1).float()
         else:  # their set overlap: |top-5 of the lens and of the output| / 5
             hit = (top[..., :, None] == self.final_top5[w][..., None, :]).any(-1).float().sum(-1) / TOP
         self.top5[row].append(hit.mean(-1).item())
 
     def settle(self, settled: list[int], with_output: bool) -> None:
-        rows = [torch.stack(self.argmax[row]) for row in sorted(self.argmax)] + ([self.final_top1] if with_output else [])
-        for layer in settling_depth(torch.stack(rows).flatten(1), self.final_top1.flatten()).tolist():
+        rows = [torch.stack(self.argmax[row]) for row in sorted(self.argmax)] + ([self.output.top1] if with_output else [])
+        for layer in settling_depth(torch.stack(rows).flatten(1), self.output.top1.flatten()).tolist():
             settled[layer] += 1
 
 
