@@ -7,13 +7,11 @@ SmolLM2-135M in fp32. The kernel in `few_row_linear.cpp` multiplies every row by
 that row is in cache and fetches the rows after it ahead of use: 1.18-1.32x a row's time at 4-6
 rows, and the check 1.28 steps (docs/benchmarks.md, "A check near one decoding step").
 
-It is C++, compiled on first use for this CPU (`-march=native`; OpenMP, whose runtime is torch's
-own, loaded before it) into the cache (`$DEPTHCURSE_CACHE/kernels`), under a name made of its
-source, the compile command and the CPU, so a cache shared by machines never hands one another's
-build. It is used only after it equals torch's linear on a test of its own. Where no compiler
-works or the test fails, torch's linear is used and `status()` says why; `DEPTHCURSE_FEW_ROW_KERNEL=0`
-keeps torch's linear. Every output row is summed in the same order whatever the number of rows, so
-a row's result does not depend on the rows beside it.
+It is C++, compiled on first use for this CPU (`kernel_build`) and used only after it equals
+torch's linear on a test of its own. Where no compiler works or the test fails, torch's linear is
+used and `status()` says why; `DEPTHCURSE_FEW_ROW_KERNEL=0` keeps torch's linear. Every output row
+is summed in the same order whatever the number of rows, so a row's result does not depend on the
+rows beside it.
 """
 
 from __future__ import annotations
@@ -21,79 +19,23 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from depthcurse.assets.cache import cache_dir
-from depthcurse.io import cpu_fields, cpu_model
+from depthcurse import kernel_build
+from depthcurse.kernel_build import Kernel
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 ROWS = range(2, 9)  # what the kernel's register blocks are written for; one row is torch's GEMV, which already streams the weights
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-COMPILE_SECONDS = 300
 NO_LAYER = "torch's linear (no plain fp32 linear layer on the CPU for the few-row kernel)"
 
 
-class Kernel(NamedTuple):
-    """The loaded library, or None, and what is used, in words (the records say it)."""
-
-    library: ctypes.CDLL | None
-    words: str
-
-
-def compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-
-
-def build_name(source: str, command: list[str]) -> str:
-    """The library's file name: another source, compile command or CPU (its model and its instruction
-    sets: x86's flags, ARM's features) is another file."""
-    fields = cpu_fields()
-    flags = fields.get("flags") or fields.get("Features") or platform.processor()
-    key = "\n".join([source, " ".join(command), platform.machine(), cpu_model(), flags])
-    return f"few_row_linear-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-
-
-def build(source: Path | None = None, folder: Path | None = None) -> Path:
-    """The compiled library for this CPU, compiled now unless the cache has it; RuntimeError with the
-    compiler's first line of complaint where it cannot be."""
-    source = source or SOURCE
-    cxx = compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (c++, g++ or clang++ on PATH, or CXX)")
-    folder = folder or cache_dir() / "kernels"
-    target = folder / build_name(source.read_text(), [cxx, *FLAGS])
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:  # beside the target: a rank compiling at once never reads half a file
-        built = Path(tmp) / target.name
-        try:
-            done = subprocess.run([cxx, *FLAGS, "-o", str(built), str(source)], capture_output=True, text=True, timeout=COMPILE_SECONDS)
-        except OSError as e:  # CXX names no program, or one that cannot run
-            raise RuntimeError(f"{cxx} cannot be run ({e.strerror or e})") from e
-        if done.returncode != 0:
-            said = (done.stderr.strip() or done.stdout.strip() or f"exit {done.returncode}").splitlines()[0]
-            raise RuntimeError(f"{Path(cxx).name} failed: {said}")
-        os.replace(built, target)
-    return target
-
-
-def load(path: Path) -> ctypes.CDLL:
-    library = ctypes.CDLL(str(path))
+def bind(library: ctypes.CDLL) -> None:
     library.few_row_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]  # x, w, y; R, K, N; threads
     library.few_row_linear.restype = ctypes.c_int
-    return library
 
 
 def self_test(library: ctypes.CDLL) -> str | None:
@@ -112,18 +54,10 @@ def self_test(library: ctypes.CDLL) -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def kernel() -> Kernel:
-    """This process's kernel, built or found once."""
-    torchs = "torch's linear (its own GEMM at 2-8 rows)"
-    if os.environ.get("DEPTHCURSE_FEW_ROW_KERNEL") == "0":
-        return Kernel(None, f"{torchs}: DEPTHCURSE_FEW_ROW_KERNEL=0")
-    try:
-        library = load(build())
-    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:  # OSError: the library would not load
-        return Kernel(None, f"{torchs}: the few-row kernel could not be built or loaded ({e})")
-    why = self_test(library)
-    if why is not None:
-        return Kernel(None, f"{torchs}: the few-row kernel was built but {why}")
-    return Kernel(library, "depthcurse's few-row kernel at 2-8 rows (each weight read once for all rows), torch's linear otherwise")
+    """This process's kernel, built or found once (`kernel_build.prepare`)."""
+    return kernel_build.prepare(SOURCE, "DEPTHCURSE_FEW_ROW_KERNEL", "few-row kernel", "torch's linear (its own GEMM at 2-8 rows)",
+                                "depthcurse's few-row kernel at 2-8 rows (each weight read once for all rows), torch's linear otherwise",
+                                bind, self_test)
 
 
 def status() -> str:

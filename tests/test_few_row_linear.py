@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from depthcurse import few_row_linear
+from depthcurse import few_row_linear, kernel_build
 from depthcurse.few_row_linear import few_row_kernel
 from helpers import tiny_llama
 
 pytestmark = pytest.mark.instruments
 # a machine without a C++ compiler runs speculate on torch's linear: the kernel's own tests need one
-needs_compiler = pytest.mark.skipif(few_row_linear.compiler() is None, reason="no C++ compiler on this machine")
+needs_compiler = pytest.mark.skipif(kernel_build.compiler() is None, reason="no C++ compiler on this machine")
 BUILT = "depthcurse's few-row kernel at 2-8 rows (each weight read once for all rows), torch's linear otherwise"
 
 
@@ -40,7 +40,7 @@ def layer(width: int, out: int, bias: bool = False, seed: int = 0) -> nn.Linear:
 
 def test_the_kernel_builds_here_and_says_so():
     # wherever a compiler is (CI's machine has one), the kernel builds: one that silently fell back would leave the rest untested
-    if few_row_linear.compiler() is None:
+    if kernel_build.compiler() is None:
         pytest.skip("no C++ compiler on this machine: speculate uses torch's linear")
     assert few_row_linear.status() == BUILT
 
@@ -152,7 +152,7 @@ def test_told_not_to_it_is_torchs_linear(fresh_kernel, monkeypatch):
 def test_without_a_compiler_it_is_torchs_linear_and_says_why(fresh_kernel, monkeypatch):
     false = shutil.which("false") or "/bin/false"  # a compiler that fails and says nothing
     monkeypatch.delenv("CXX", raising=False)
-    monkeypatch.setattr(few_row_linear.shutil, "which", lambda name: None)
+    monkeypatch.setattr(kernel_build.shutil, "which", lambda name: None)
     assert few_row_linear.status() == ("torch's linear (its own GEMM at 2-8 rows): the few-row kernel could not be built or loaded "
                                        "(no C++ compiler (c++, g++ or clang++ on PATH, or CXX))")
     few_row_linear.kernel.cache_clear()
@@ -179,30 +179,30 @@ def test_a_build_that_computes_otherwise_is_not_used(fresh_kernel, monkeypatch):
 @needs_compiler
 def test_a_build_is_kept_and_found_again_per_source_command_and_cpu(fresh_kernel, monkeypatch):
     folder = fresh_kernel / "kernels"
-    first = few_row_linear.build(folder=folder)
+    first = kernel_build.build(few_row_linear.SOURCE, folder=folder)
     assert first.parent == folder and first.name.startswith("few_row_linear-") and first.suffix == ".so"
 
     def no_compiling(*args, **kwargs):
         raise AssertionError("compiled again")
 
-    monkeypatch.setattr(few_row_linear.subprocess, "run", no_compiling)
-    assert few_row_linear.build(folder=folder) == first
+    monkeypatch.setattr(kernel_build.subprocess, "run", no_compiling)
+    assert kernel_build.build(few_row_linear.SOURCE, folder=folder) == first
     assert sorted(p.name for p in folder.iterdir()) == [first.name]  # no temporary folder left behind
     source = few_row_linear.SOURCE.read_text()
-    command = ["c++", *few_row_linear.FLAGS]
-    names = {few_row_linear.build_name(source, command), few_row_linear.build_name(source + "\n", command),
-             few_row_linear.build_name(source, [*command, "-O2"])}
+    command = ["c++", *kernel_build.FLAGS]
+    names = {kernel_build.build_name(few_row_linear.SOURCE, source, command), kernel_build.build_name(few_row_linear.SOURCE, source + "\n", command),
+             kernel_build.build_name(few_row_linear.SOURCE, source, [*command, "-O2"])}
     assert len(names) == 3
-    monkeypatch.setattr(few_row_linear, "cpu_model", lambda: "another CPU")
-    assert few_row_linear.build_name(source, command) not in names
+    monkeypatch.setattr(kernel_build, "cpu_model", lambda: "another CPU")
+    assert kernel_build.build_name(few_row_linear.SOURCE, source, command) not in names
 
 
 @needs_compiler
 def test_a_compile_past_its_time_is_said(fresh_kernel, monkeypatch):
     def slow(*args, **kwargs):
-        raise subprocess.TimeoutExpired(args[0], few_row_linear.COMPILE_SECONDS)
+        raise subprocess.TimeoutExpired(args[0], kernel_build.COMPILE_SECONDS)
 
-    monkeypatch.setattr(few_row_linear.subprocess, "run", slow)
+    monkeypatch.setattr(kernel_build.subprocess, "run", slow)
     said = few_row_linear.status()
     assert said.startswith("torch's linear (its own GEMM at 2-8 rows): the few-row kernel could not be built or loaded (Command '")
     assert said.endswith("timed out after 300 seconds)")
@@ -213,7 +213,7 @@ def test_a_cached_build_that_will_not_load_is_said(fresh_kernel):
     folder = fresh_kernel / "cache" / "kernels"
     folder.mkdir(parents=True)
     source = few_row_linear.SOURCE.read_text()
-    (folder / few_row_linear.build_name(source, [few_row_linear.compiler(), *few_row_linear.FLAGS])).write_bytes(b"not a library")
+    (folder / kernel_build.build_name(few_row_linear.SOURCE, source, [kernel_build.compiler(), *kernel_build.FLAGS])).write_bytes(b"not a library")
     said = few_row_linear.status()
     assert said.startswith("torch's linear (its own GEMM at 2-8 rows): the few-row kernel could not be built or loaded (") and "not a library" not in said
 

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from depthcurse import vocab_scores
 from depthcurse.depth.definitions import DEFINITIONS, Definitions
 from depthcurse.errors import DepthcurseError
 from depthcurse.forecast import Forecast
@@ -232,7 +233,9 @@ class Output:
     memory is `depth.memory`'s estimate still; the lens rows are read a window at a time, every row of
     a window before the next window. (sum p log p - sum p log q, as select's scorer reads it, would
     save the difference too, but a skip that barely moves the output has a KL of the order of the
-    sums' rounding: in a test, 3.8e-7 for 3.2e-7.)"""
+    sums' rounding: in a test, 3.8e-7 for 3.2e-7.) On the CPU the vocabulary kernel reads a row's KL
+    from its logits in one pass instead (`vocab_scores.lens_read`, its sums in double), where it
+    takes them."""
 
     def __init__(self, logp: torch.Tensor):
         self.logp, self.top1 = logp, top1_of(logp)
@@ -266,19 +269,28 @@ class _LensFigures:
         self.kl, self.top1, self.top5 = kl, top1, top5
         self.argmax: dict[int, list[torch.Tensor]] = {}  # row: each window's top-1
 
-    def read(self, row: int, w: int, logp: torch.Tensor) -> None:
-        """Row `row`'s figures on window w, from its log-probabilities [tokens, vocab]."""
-        kl = self.output.kl(w, logp) if self.d.lens_kl == "output||lens" else output_kl(logp, self.output.logp[w])
+    def read(self, row: int, w: int, logits: torch.Tensor | None) -> None:
+        """Row `row`'s figures on window w, from its logits [tokens, vocab] (None: the output's own row)."""
+        kl, top1, top = self._figures(w, logits)
         self.kl[row].append(kl.mean(-1).item())
-        top1 = top1_of(logp)
         self.argmax.setdefault(row, []).append(top1)
         self.top1[row].append((top1 == self.output.top1[w]).float().mean(-1).item())
-        top = logp.topk(TOP, dim=-1).indices
         if self.final_top5 is None:  # the output's top-1 among the lens's top 5
             hit = (top == self.output.top1[w][..., None]).any(-1).float()
         else:  # their set overlap: |top-5 of the lens and of the output| / 5
             hit = (top[..., :, None] == self.final_top5[w][..., None, :]).any(-1).float().sum(-1) / TOP
         self.top5[row].append(hit.mean(-1).item())
+
+    def _figures(self, w: int, logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per token: the row's KL to the output (by `d.lens_kl`), its top-1 and its top 5. KL(output ||
+        lens) in one read of the logits where the vocabulary kernel takes them (`vocab_scores`: the
+        top 5 with it, and its sums in double), else from the log-softmax."""
+        if logits is not None and self.d.lens_kl == "output||lens" and vocab_scores.takes(logits):
+            kl, top = vocab_scores.lens_read(logits, self.output.logp[w], self.output.probs(w), TOP)
+            return kl, top[..., 0], top
+        logp = self.output.logp[w] if logits is None else torch.log_softmax(logits, -1)
+        kl = self.output.kl(w, logp) if self.d.lens_kl == "output||lens" else output_kl(logp, self.output.logp[w])
+        return kl, self.output.top1[w] if logits is None else top1_of(logp), logp.topk(TOP, dim=-1).indices
 
     def settle(self, settled: list[int], with_output: bool) -> None:
         rows = [torch.stack(self.argmax[row]) for row in sorted(self.argmax)] + ([self.output.top1] if with_output else [])
@@ -297,8 +309,13 @@ def _folded(kept: float, per_token: torch.Tensor, how: str) -> float:
     return new if kept != kept else kept + new
 
 
-def _output_change(output: Output, w: int, logp: torch.Tensor, definitions: Definitions) -> torch.Tensor:
-    """Per token of window w: KL(output || skipped), or the L2 norm of the change of the output's probabilities (theirs)."""
+def _output_change(output: Output, w: int, logits: torch.Tensor, definitions: Definitions) -> torch.Tensor:
+    """Per token of window w, from the skipped model's logits: KL(output || skipped) (in one read of
+    them where the vocabulary kernel takes them), or the L2 norm of the change of the output's
+    probabilities (theirs)."""
+    if definitions.output_change == "kl" and vocab_scores.takes(logits):
+        return vocab_scores.lens_read(logits, output.logp[w], output.probs(w), 0)[0]
+    logp = torch.log_softmax(logits, -1)
     if definitions.output_change == "kl":
         return output.kl(w, logp)
     return (logp.exp() - output.probs(w)).norm(dim=-1)
@@ -382,9 +399,9 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
             lens = stepper.logits if d.lens_logits == "model" else stepper.head_logits  # theirs: lm_head(norm(h)), no soft-cap or logit scale
             for w in range(len(batch)):  # every row of a window, then the next: its output's p made once
                 for row, s in enumerate(reads):  # a row's distribution is reduced as it is read: no vocabulary-wide tensor per layer is kept
-                    plain.read(row, w, output.logp[w] if s == n else torch.log_softmax(lens(streams[s][w]), -1))
+                    plain.read(row, w, None if s == n else lens(streams[s][w]))
                     if lensed is not None:
-                        lensed.read(row, w, output.logp[w] if s == n else torch.log_softmax(stepper.logits(tuned(streams[s][w], s)), -1))
+                        lensed.read(row, w, None if s == n else stepper.logits(tuned(streams[s][w], s)))
             plain.settle(use.settled, entering_rows)
             if lensed is not None:
                 lensed.settle(use.tuned_settled, entering_rows)
@@ -403,7 +420,7 @@ def measure_depth_use(model, windows: torch.Tensor, batch_size: int, influence: 
                         h, entered = stepper.block(j, h, ctx), h
                         change = _relative(h.float() - entered.float() - contributions[j], contributions[j], d.norm_floor)
                         totals[i][j] = _folded(totals[i][j], change, d.reduce)
-                    moved = torch.stack([_output_change(output, w, torch.log_softmax(stepper.logits(h[w]), -1), d) for w in range(len(h))])  # a window at a time
+                    moved = torch.stack([_output_change(output, w, stepper.logits(h[w]), d) for w in range(len(h))])  # a window at a time
                     out_totals[i] = _folded(out_totals[i], moved, d.reduce)
             if kept is not None:  # this batch's figures, kept whole or not at all (NaN as JSON's NaN: read back by this code alone)
                 state = {"identity": identity, "batches": b + 1, "of": len(batches), "use": {name: getattr(use, name) for name in FIGURES}}

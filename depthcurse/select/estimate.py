@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from depthcurse.prune.stepping import Unsupported, checked_stepper
-from depthcurse.select.scoring import Reference, window_scores
+from depthcurse.select.scoring import Reference, head_scores
 from depthcurse.surgery import find_blocks, num_layers
 
 
@@ -79,8 +79,7 @@ def pass_timing(model, windows: torch.Tensor, batch_size: int, clock=time.perf_c
         return PassTiming(per_block, per_block * head_blocks(model))
 
     def head(h, ids, reference):
-        logp = torch.log_softmax(stepper.logits(h)[:, :-1], dim=-1)
-        window_scores(logp, ids, reference)
+        head_scores(stepper.logits, h, ids, reference)  # one removal's, as the scorer runs it (a prefix walk's wait for company aside)
 
     first = batches[0]
     ctx = stepper.context(first.shape[1], 0)

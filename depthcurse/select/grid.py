@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from depthcurse import vocab_scores
 from depthcurse.errors import DepthcurseError
 from depthcurse.forecast import duration, took_up
 from depthcurse.io import atomic_write, ensure_out_dir, environment, json_text, refuse_other_run
@@ -254,6 +255,7 @@ def run_select(loaded, cfg: SelectConfig, out_dir: Path, *, on_phase: Callable[[
     record["stability_summary"] = {name: summary(record["cells"][name]["layers"], [p["layers"] for p in picks], cfg.granularity)
                                    for name, picks in record.get("stability", {}).items() if len(picks) >= 2 and name in record["cells"]}
     record["wall_time_s"] = round(record.get("wall_time_s", 0.0) + time.perf_counter() - started, 3)
+    record["vocabulary_scores"] = vocab_scores.status(model.get_input_embeddings().weight.device)  # what scored the logits, the last process's
     record["environment"] = environment()
     save()
     return record

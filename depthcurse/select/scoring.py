@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from depthcurse import vocab_scores
 from depthcurse.prune.stepping import Stepper, Unsupported, checked_stepper
 from depthcurse.runtime import World
 from depthcurse.select.search import OBJECTIVES, Removal, key
@@ -107,30 +108,50 @@ def window_scores(logp: torch.Tensor, ids: torch.Tensor, reference: Reference | 
 # AMX"); benchmarks/select/head_in_chunks.py measures it on another machine.
 SCORE_ROWS: int | None = None
 
+# Positions the prefix walk's head scores in one matmul: removals whose streams reach the head one
+# after another wait, and are scored together while their positions stay within this many (a batch
+# of more positions is scored alone). The head's matmul runs faster on more rows (SmolLM2-135M's, fp32,
+# 252 rows at 246 GFLOP/s and 1,008 at 297 here), and the logits and log-probs of this many positions
+# are what it holds at once (about 0.4 GB at a vocabulary of 49,152); 0: each removal alone.
+# docs/benchmarks.md, "exact's heads together"; benchmarks/select/heads_together.py measures it.
+HEAD_ROWS = 1024
+
 
 def head_scores(logits_of: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, ids: torch.Tensor, reference: Reference | None,
                 rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`window_scores` of the stream entering the head (`h`: [b, T, d]; `logits_of`: the final norm,
-    the head and the family's scale, in fp32), `rows` positions at a time: no vocabulary-wide tensor
-    of the whole batch is made, and each position's figures are the whole batch's at once (a row's
-    log-softmax, gather, product and argmax are its own)."""
+    """`window_scores` of the stream entering the head (`h`: [b, T, d], or [g, b, T, d]: g removals'
+    streams on the same windows, scored in one matmul; `logits_of`: the final norm, the head and the
+    family's scale, in fp32), `rows` positions at a time: no vocabulary-wide tensor of the whole
+    batch is made, and each position's figures are the whole batch's at once (a row's log-softmax,
+    gather, product and argmax are its own). Figures come back in `h`'s leading shape, [b, T - 1] or
+    [g, b, T - 1]."""
     b, t = ids.shape
-    flat = h[:, : t - 1].reshape(b * (t - 1), h.shape[-1])
-    rows = rows or SCORE_ROWS or flat.shape[0]  # SCORE_ROWS read when called: the benchmark sets it
+    flat = h[..., : t - 1, :].reshape(-1, b * (t - 1), h.shape[-1])  # [g, positions, d]
+    rows = rows or SCORE_ROWS or flat.shape[1]  # SCORE_ROWS read when called: the benchmark sets it
     targets = ids[:, 1:].reshape(-1).to(h.device)
     ref = None if reference is None else reference.flat()
     parts = []
-    for start in range(0, flat.shape[0], rows):
+    for start in range(0, flat.shape[1], rows):
         piece = slice(start, start + rows)
-        parts.append(position_scores(torch.log_softmax(logits_of(flat[piece]), dim=-1), targets[piece], None if ref is None else ref[piece]))
-    return tuple(None if parts[0][i] is None else torch.cat([p[i] for p in parts]).view(b, t - 1) for i in range(3))
+        parts.append(logit_scores(logits_of(flat[:, piece]), targets[piece], None if ref is None else ref[piece]))
+    return tuple(None if parts[0][i] is None else torch.cat([p[i] for p in parts], 1).view(*h.shape[:-2], t - 1) for i in range(3))
+
+
+def logit_scores(logits: torch.Tensor, targets: torch.Tensor, reference: Reference | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`position_scores` from the logits: by the vocabulary kernel in one read of them on the CPU
+    (`vocab_scores`: its self-test holds it to torch's definitions in double within 1e-5), else the log-softmax's."""
+    if vocab_scores.takes(logits):
+        return vocab_scores.scored(logits, targets, *(() if reference is None else (reference.probs, reference.self_term, reference.top1)))
+    return position_scores(torch.log_softmax(logits, dim=-1), targets, reference)
 
 
 def position_scores(logp: torch.Tensor, targets: torch.Tensor, reference: Reference | None
                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Each position's loss, KL and agreement (`window_scores`) from its log-probs and next token,
-    positions in any leading shape."""
-    losses = -logp.gather(-1, targets[..., None])[..., 0]
+    positions in any leading shape (`targets` and `reference` broadcast over `logp`'s leading dimensions:
+    several removals' log-probs against the one reference)."""
+    losses = -logp.gather(-1, targets.expand(logp.shape[:-1])[..., None])[..., 0]
     if reference is None:
         return losses, None, None
     ref = reference.to(logp.device)
@@ -292,15 +313,25 @@ class CalibrationScorer:
         out: dict[Removal, tuple[list[float], list[float], list[float]]] = {r: ([], [], []) for r in removals}
         for batch in self.batches:
             width = len(batch.ids)
+            waiting: list[tuple[torch.Tensor, Removal]] = []  # streams at the head, scored together (HEAD_ROWS)
+
+            def score_waiting():
+                if not waiting:
+                    return
+                h = torch.stack([h for h, _ in waiting])
+                self.cost.window_heads += width * len(waiting)
+                for g, figures in enumerate(zip(*head_scores(self.stepper.logits, h, batch.ids, batch.reference))):
+                    for kept, values in zip(out[waiting[g][1]], figures):
+                        kept.extend(masked_means(values, batch.mask))
+                waiting.clear()
 
             def finish(h, at: int, removal):
                 for i in range(at, self.n):
                     h = self.stepper.block(i, h, batch.ctx)
                 self.cost.window_blocks += (self.n - at) * width
-                self.cost.window_heads += width
-                losses, kls, agreements = head_scores(self.stepper.logits, h, batch.ids, batch.reference)
-                for kept, values in zip(out[removal], (losses, kls, agreements)):
-                    kept.extend(masked_means(values, batch.mask))
+                waiting.append((h, removal))
+                if (len(waiting) + 1) * h.shape[0] * (h.shape[1] - 1) > max(HEAD_ROWS, h.shape[0] * (h.shape[1] - 1)):
+                    score_waiting()  # one more would pass HEAD_ROWS
 
             def visit(node: dict, h: torch.Tensor | None, at: int):
                 """`h`: the stream entering block `at` with this node's blocks removed (None at the
@@ -318,6 +349,7 @@ class CalibrationScorer:
                     visit(node[layer], child_h, layer + 1)
 
             visit(trie, None, 0)
+            score_waiting()
         return [out[r] for r in removals]
 
     def _weights(self, pieces) -> list[torch.Tensor | None]:

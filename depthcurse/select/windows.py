@@ -9,7 +9,7 @@ import torch
 
 from depthcurse.angular.measurement import measure
 from depthcurse.errors import DepthcurseError
-from depthcurse.select.scoring import Reference, masked_means, window_scores
+from depthcurse.select.scoring import Reference, logit_scores, masked_means, window_scores
 from depthcurse.tasks import PerplexityTask
 from depthcurse.text import load_texts
 
@@ -83,8 +83,12 @@ def per_window(model, windows: torch.Tensor, batch_size: int, reference: list[Re
     losses, kls, rejections, references = [], [] if reference is not None else None, [] if reference is not None else None, []
     for b, start in enumerate(range(0, len(windows), batch_size)):
         ids = windows[start : start + batch_size].to(device)
-        logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].float(), dim=-1)
-        loss, kl, agreement = window_scores(logp, ids, reference[b] if reference is not None else None)
+        logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+        if reference is not None:  # a removal's: scored in one read of its logits where the kernel takes them
+            loss, kl, agreement = logit_scores(logits, ids[:, 1:], reference[b])
+        else:  # the unpruned model's, whose log-probs are the reference of the others
+            logp = torch.log_softmax(logits, dim=-1)
+            loss, kl, agreement = window_scores(logp, ids, None)
         rows = None if mask is None else mask[start : start + batch_size]
         losses += masked_means(loss, rows)
         if reference is not None:
