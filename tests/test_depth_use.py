@@ -14,6 +14,7 @@ import torch
 from csordas_port import port_of_analyze_norms, port_of_current_effects, port_of_run_logitlens
 from helpers import assert_one_line_error, table_cells, tiny_llama
 
+from depthcurse import vocab_scores
 from depthcurse.depth import measure_depth_use, phase_transition, settling_depth
 from depthcurse.depth.definitions import DEFINITIONS
 from depthcurse.depth.measure import DepthUse
@@ -2010,7 +2011,8 @@ def test_run_depth_use_records_each_part_by_its_definitions_heard_and_kept(tiny_
     record = report.run_depth_use(loaded, str(text_file), 4, 8, 2, tuned=True, lens_windows=3, lens_settings=settings, lens_out=lens_out, free=None,
                                   on_step=on_step, kept=kept, clock=clock, definitions=DEFINITIONS["csordas"])
     assert set(record) == {"run", "definitions", "memory_estimate_bytes", "use", "layers", "phase_transition", "forecasts", "wall_time_s", "environment",
-                           "tuned_lens"}
+                           "tuned_lens", "vocabulary_scores"}
+    assert record["vocabulary_scores"] == vocab_scores.status()  # what read the lens rows and skips (the kernel, where it builds)
     assert record["run"]["architecture"] == architecture(loaded.model) and record["run"]["architecture"]["num_hidden_layers"] == 3
     assert record["definitions"] == DEFINITIONS["csordas"].summary() and record["use"]["definitions"] == "csordas"
     assert record["memory_estimate_bytes"] == peak_bytes(Shape.of(loaded.model), 2, 8, 3) != peak_bytes(Shape.of(loaded.model), 2, 8, 0)

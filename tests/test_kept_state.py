@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers import tiny_llama
 
+from depthcurse import vocab_scores
 from depthcurse.depth.csordas_map import MapSettings
 from depthcurse.depth.definitions import DEFINITIONS
 from depthcurse.depth.depth_map import depth_map
@@ -234,6 +235,7 @@ def test_select_and_speculate_key_their_records_by_their_inputs_too(tiny_model_d
     run_select(loaded, cfg, tmp_path / "select")
     made = run_select(loaded, cfg, tmp_path / "select")  # the same text: taken up
     assert {"command", "commit", "cpu", "packages"} <= set(made["environment"]) and made["wall_time_s"] > 0  # how it was made (issue 90)
+    assert made["vocabulary_scores"] == vocab_scores.status()  # what scored the logits
     text.write_text("\n\n".join(c[::-1] for c in CORPUS * 3))  # the same length and name, other tokens
     with pytest.raises(DepthcurseError, match="holds a different select run.*texts"):
         run_select(loaded, cfg, tmp_path / "select")

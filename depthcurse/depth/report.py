@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from depthcurse import vocab_scores
 from depthcurse.depth.definitions import DEFINITIONS, Definitions, definitions_of, same_definitions
 from depthcurse.depth.measure import TUNED, DepthUse, half_settled, influence_row_means, measure_depth_use, per_layer_rows, phase_transition, stepper_of
 from depthcurse.depth.memory import Shape, check_fits, free_bytes, gib
@@ -92,7 +93,8 @@ def run_depth_use(loaded, data: str, windows: int, seq_len: int, batch_size: int
     record = {"run": {**{k: v for k, v in loaded.describe().items() if k != "device"}, "architecture": architecture(loaded.model), "data": label,
                       "windows": windows, "seq_len": seq_len},
               "definitions": definitions.summary(), "memory_estimate_bytes": need, "use": use.summary(), "layers": per_layer_rows(use),
-              "phase_transition": phase_transition(use), "forecasts": forecasts, "wall_time_s": round(clock() - started, 3), "environment": environment()}
+              "phase_transition": phase_transition(use), "forecasts": forecasts, "wall_time_s": round(clock() - started, 3),
+              "vocabulary_scores": vocab_scores.status(loaded.device), "environment": environment()}  # what read the lens rows and skips
     if translators is not None:
         record["tuned_lens"] = {**training, "source": str(lens) if lens is not None else "trained here",
                                 "held_out_kl": [row["tuned_kl"] for row in record["layers"]],

@@ -111,8 +111,9 @@ SCORE_ROWS: int | None = None
 # Positions the prefix walk's head scores in one matmul: removals whose streams reach the head one
 # after another wait, and are scored together while their positions stay within this many (a batch
 # of more positions is scored alone). The head's matmul runs faster on more rows (SmolLM2-135M's, fp32,
-# 252 rows at 246 GFLOP/s and 1,008 at 297 here), and the logits and log-probs of this many positions
-# are what it holds at once (about 0.4 GB at a vocabulary of 49,152); 0: each removal alone.
+# 252 rows at 246 GFLOP/s and 1,008 at 297 here), and the logits of this many positions are what it
+# holds at once (0.2 GB at a vocabulary of 49,152; twice that with torch's log-softmax, where the
+# vocabulary kernel is not used); 0: each removal alone.
 # docs/benchmarks.md, "exact's heads together"; benchmarks/select/heads_together.py measures it.
 HEAD_ROWS = 1024
 
@@ -330,7 +331,8 @@ class CalibrationScorer:
                     h = self.stepper.block(i, h, batch.ctx)
                 self.cost.window_blocks += (self.n - at) * width
                 waiting.append((h, removal))
-                if (len(waiting) + 1) * h.shape[0] * (h.shape[1] - 1) > max(HEAD_ROWS, h.shape[0] * (h.shape[1] - 1)):
+                positions = width * (h.shape[1] - 1)  # a removal's predictions on this batch
+                if (len(waiting) + 1) * positions > max(HEAD_ROWS, positions):
                     score_waiting()  # one more would pass HEAD_ROWS
 
             def visit(node: dict, h: torch.Tensor | None, at: int):
