@@ -46,11 +46,10 @@ mutate-statistics:
 	$(BIN)/mutmut run --max-children 2 "depthcurse.stats*" "depthcurse.heal.intervals*" "depthcurse.heal.shares*" "depthcurse.heal.model_index*" \
 		"depthcurse.select.statistics*" "depthcurse.speed*" "depthcurse.tasks*" "depthcurse.forecast*" \
 		"depthcurse.cpu_precision*" "depthcurse.granularity*" "depthcurse.heap*"
-# where searching and merging happen, select's recipe and cost estimate, and the vocabulary kernel that scores them and its build
+# where searching and merging happen, and select's recipe and cost estimate
 mutate-searching:
 	$(BIN)/mutmut run --max-children 2 "depthcurse.select.searches*" "depthcurse.select.scoring*" "depthcurse.select.stability*" \
-		"depthcurse.select.recipe*" "depthcurse.select.estimate*" "depthcurse.merging*" "depthcurse.heal.merge*" "depthcurse.heal.methods*" \
-		"depthcurse.vocab_scores*" "depthcurse.kernel_build*"
+		"depthcurse.select.recipe*" "depthcurse.select.estimate*" "depthcurse.merging*" "depthcurse.heal.merge*" "depthcurse.heal.methods*"
 # speculate: decoding, the drafts, the length policies, the expected speedups, the summary and the report
 mutate-speculate:
 	$(BIN)/mutmut run --max-children 2 "depthcurse.speculate*"

@@ -52,7 +52,7 @@ static inline void block(const float* x, const float* w, float* y, int64_t K, in
 template <int R, int NB>
 static void rows(const float* x, const float* w, float* y, int64_t K, int64_t N, int threads) {
     int64_t blocks = N / NB;
-    #pragma omp parallel for num_threads(threads) schedule(static)
+    #pragma omp parallel for num_threads(threads) schedule(static) if(threads > 1)
     for (int64_t b = 0; b < blocks; ++b) block<R, NB>(x, w, y, K, N, b * NB, NB);
     for (int64_t n = blocks * NB; n < N; ++n) block<R, 1>(x, w, y, K, N, n, 1);
 }

@@ -46,7 +46,7 @@ def self_test(library: ctypes.CDLL) -> str | None:
     for rows in ROWS:
         x = torch.randn(rows, 45, generator=g)
         got, want = torch.empty(rows, 37), F.linear(x, w)
-        library.few_row_linear(x.data_ptr(), w.data_ptr(), got.data_ptr(), rows, 45, 37, torch.get_num_threads())
+        library.few_row_linear(x.data_ptr(), w.data_ptr(), got.data_ptr(), rows, 45, 37, kernel_build.threads_for(w.numel()))
         if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
             return f"it differs from torch's linear at {rows} rows (by up to {(got - want).abs().max().item():.3g})"
     return None
@@ -69,7 +69,7 @@ def _layer_forward(layer: nn.Linear):
     each input's at each call, in as few steps as can be (a check runs some 200 layers: a microsecond
     a call is about 1% of it)."""
     weight, bias, width, n = layer.weight, layer.bias, layer.in_features, layer.out_features
-    call = kernel().library.few_row_linear
+    call, threads_for = kernel().library.few_row_linear, kernel_build.threads_for
     params = [weight, *([bias] if bias is not None else [])]
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +80,7 @@ def _layer_forward(layer: nn.Linear):
             if rows in ROWS:
                 x = x if x.is_contiguous() else x.contiguous()
                 out = torch.empty(x.shape[:-1] + (n,))
-                call(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, width, n, torch.get_num_threads())  # the pointer read now: `.data` may be swapped
+                call(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, width, n, threads_for(width * n))  # the pointer read now: `.data` may be swapped
                 return out if bias is None else out.add_(bias)
         return F.linear(x, weight, bias)
 

@@ -22,11 +22,28 @@ import tempfile
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+import torch
+
 from depthcurse.assets.cache import cache_dir
 from depthcurse.io import cpu_fields, cpu_model
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 COMPILE_SECONDS = 300
+# Below this much work (weights or logits read) a kernel runs on the calling thread, as torch's own
+# parallel loops do (ATen's GRAIN_SIZE): OpenMP's threads cost more than they save there.
+GRAIN = 32768
+_forked = False  # this process was forked from one that may have run OpenMP's threads
+
+
+def _after_fork_in_child() -> None:
+    global _forked
+    _forked = True
+
+
+# GNU OpenMP is not fork-safe: a child forked after its parent's threads ran hangs in its next
+# parallel region of more than one thread, so a forked child runs the kernels on its one thread.
+# (torch's own parallel operators in such a child may still hang: a log-softmax did here.)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Kernel(NamedTuple):
@@ -34,6 +51,12 @@ class Kernel(NamedTuple):
 
     library: ctypes.CDLL | None
     words: str
+
+
+def threads_for(work: int) -> int:
+    """The threads a kernel call of `work` (see `GRAIN`) runs on: torch's, or 1 below the grain and
+    in a forked child."""
+    return 1 if work < GRAIN or _forked else torch.get_num_threads()
 
 
 def compiler() -> str | None:

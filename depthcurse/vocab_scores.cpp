@@ -123,7 +123,7 @@ extern "C" int vocab_scores(const float* logits, int64_t R, int64_t V, const int
                             const float* probs, const float* self, const int64_t* top1,
                             float* loss, float* kl, float* agree, int threads) {
     if (V < 1 || P < 1) return 1;
-    #pragma omp parallel for num_threads(threads) schedule(static)
+    #pragma omp parallel for num_threads(threads) schedule(static) if(threads > 1)
     for (int64_t r = 0; r < R; ++r) {
         const int64_t q = r % P;
         row(logits + r * V, V, targets[q], probs ? probs + q * V : nullptr, probs ? self[q] : 0.0f,
@@ -189,7 +189,7 @@ static void lens_row(const float* x, int64_t V, const float* lp, const float* p,
 extern "C" int lens_scores(const float* logits, int64_t R, int64_t V, const float* lp, const float* p, int64_t K,
                            float* kl, int64_t* top, int threads) {
     if (V < 1 || K < 0 || K > 8 || K > V || (K && !top) || (!K && !p)) return 1;
-    #pragma omp parallel for num_threads(threads) schedule(static)
+    #pragma omp parallel for num_threads(threads) schedule(static) if(threads > 1)
     for (int64_t r = 0; r < R; ++r)
         lens_row(logits + r * V, V, p ? lp + r * V : nullptr, p ? p + r * V : nullptr, K, p ? kl + r : nullptr, K ? top + r * K : nullptr);
     return 0;

@@ -60,10 +60,14 @@ def torch_scores(logits: torch.Tensor, targets: torch.Tensor, probs: torch.Tenso
 
 def _case(g: torch.Generator, groups: int, positions: int, vocab: int, agreeing: int):
     """Logits of `groups` x `positions` rows and a reference of `positions` rows, its first `agreeing`
-    rows the first group's own (top-1 agreement 1, KL 0), and a tie for the max in the last row."""
+    rows the first group's own (top-1 agreement 1, KL 0), and a tie for the max in the last row, whose
+    first token is the reference's top-1 (agreement 1 only where the first of the tie is taken)."""
     logits = torch.randn(groups, positions, vocab, generator=g) * 4
-    logits[:, -1, [1, vocab - 2]] = logits[:, -1].max(-1, keepdim=True).values + 1  # tied: the first is the top-1
-    ref = torch.log_softmax(torch.randn(positions, vocab, generator=g) * 4, -1)
+    tied = [1, 17, vocab - 2] if vocab > 18 else [1, vocab - 2]  # 1 and 17 share a vector's lane
+    logits[:, -1, tied] = logits[:, -1].max(-1, keepdim=True).values + 1
+    raw = torch.randn(positions, vocab, generator=g) * 4
+    raw[-1, 1] = raw[-1].max() + 1
+    ref = torch.log_softmax(raw, -1)
     ref[:agreeing] = torch.log_softmax(logits[0, :agreeing], -1)
     probs = ref.exp()
     return logits, torch.randint(0, vocab, (positions,), generator=g), probs, (probs * ref).sum(-1), ref.argmax(-1)
@@ -110,7 +114,7 @@ def lens_scores(library: ctypes.CDLL, logits: torch.Tensor, lp: torch.Tensor | N
     if p is not None:
         lp, p = lp.expand(logits.shape).contiguous(), p.expand(logits.shape).contiguous()
     said = library.lens_scores(logits.data_ptr(), rows, vocab, None if p is None else lp.data_ptr(), None if p is None else p.data_ptr(), k,
-                               None if kl is None else kl.data_ptr(), None if top is None else top.data_ptr(), torch.get_num_threads())
+                               None if kl is None else kl.data_ptr(), None if top is None else top.data_ptr(), kernel_build.threads_for(logits.numel()))
     if said:
         raise ValueError(f"lens_scores refused {tuple(logits.shape)} with k = {k}")
     return kl, top
@@ -135,7 +139,7 @@ def scores(library: ctypes.CDLL, logits: torch.Tensor, targets: torch.Tensor, pr
         pointers = [probs.data_ptr(), self_term.data_ptr(), top1.data_ptr()]
     said = library.vocab_scores(logits.data_ptr(), logits.numel() // vocab, vocab, targets.data_ptr(), positions, *pointers,
                                 loss.data_ptr(), None if kl is None else kl.data_ptr(), None if agree is None else agree.data_ptr(),
-                                torch.get_num_threads())
+                                kernel_build.threads_for(logits.numel()))
     if said:
         raise ValueError(f"vocab_scores refused {tuple(logits.shape)} against {positions} positions")
     return loss, kl, agree

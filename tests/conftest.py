@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,11 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 # that has not (runtime.pick_dtype): told "none", every machine computes what the tests pin, in fp32.
 # The tests of that choice set the variable themselves.
 os.environ["DEPTHCURSE_CPU_BF16"] = "0"
+if Path(__file__).resolve().parents[1].name == "mutants":
+    # mutmut runs the tests in its copy of the checkout (mutants/), forking a child per mutant from a
+    # process that ran them: GNU OpenMP hangs in a child forked after its threads ran (a log-softmax
+    # of 4 x 30 did), so there torch, and the kernels, which take its count, keep to one thread
+    torch.set_num_threads(1)
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Workers share the cores (`make test` runs two on two): one thread each, and in the processes
     # they start, or the thread pools spin against each other.

@@ -46,9 +46,10 @@ def test_the_kernel_builds_here_and_says_so():
 
 
 @needs_compiler
-@pytest.mark.parametrize("width,out,bias", [(45, 37, False), (576, 40, True), (16, 3, False), (7, 9, True)])
+@pytest.mark.parametrize("width,out,bias", [(45, 37, False), (576, 40, True), (16, 3, False), (7, 9, True), (576, 1536, True)])
 def test_every_row_count_equals_torchs_linear(width, out, bias):
-    # widths past a multiple of the 16 lanes, and output counts past a multiple of every block's rows
+    # widths past a multiple of the 16 lanes, and output counts past a multiple of every block's rows; the
+    # last, SmolLM2's MLP, past kernel_build.GRAIN: on torch's threads (the others on the calling one)
     lin = layer(width, out, bias)
     x = torch.randn(12, width, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
