@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from depthcurse import kernel_build
+
 CORPUS = [
     "The residual stream of a transformer grows with depth, and deep blocks change it little.",
     "Question: which layer can be removed?\nA. the first\nB. a middle one\nC. the last\nD. none\nAnswer: B",
@@ -49,6 +51,20 @@ def needs(*packages: str):
     """Skip cleanly when a real offline asset package is not installed."""
     missing = [p for p in packages if not has_package(p)]
     return pytest.mark.skipif(bool(missing), reason=f"offline asset package(s) not installed: {', '.join(missing)}")
+
+
+# a machine without a C++ compiler runs torch's paths: the C++ kernels' own tests need one
+needs_compiler = pytest.mark.skipif(kernel_build.compiler() is None, reason="no C++ compiler on this machine")
+
+
+def fresh_kernel_cache(monkeypatch, tmp_path, module, switch: str):
+    """The body of a fixture: `module`'s kernel built anew into a cache of the test's own, its
+    environment `switch` unset, and this process's kernel found again after."""
+    monkeypatch.setenv("DEPTHCURSE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(switch, raising=False)
+    module.kernel.cache_clear()
+    yield tmp_path
+    module.kernel.cache_clear()
 
 
 def tiny_llama(vocab_size: int, layers: int = 4, seed: int = 0):

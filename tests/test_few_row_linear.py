@@ -15,22 +15,15 @@ from torch import nn
 
 from depthcurse import few_row_linear, kernel_build
 from depthcurse.few_row_linear import few_row_kernel
-from helpers import tiny_llama
+from helpers import fresh_kernel_cache, needs_compiler, tiny_llama
 
 pytestmark = pytest.mark.instruments
-# a machine without a C++ compiler runs speculate on torch's linear: the kernel's own tests need one
-needs_compiler = pytest.mark.skipif(kernel_build.compiler() is None, reason="no C++ compiler on this machine")
 BUILT = "depthcurse's few-row kernel at 2-8 rows (each weight read once for all rows), torch's linear otherwise"
 
 
 @pytest.fixture
 def fresh_kernel(monkeypatch, tmp_path):
-    """A kernel built anew into a cache of the test's own, and this process's kernel found again after."""
-    monkeypatch.setenv("DEPTHCURSE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("DEPTHCURSE_FEW_ROW_KERNEL", raising=False)
-    few_row_linear.kernel.cache_clear()
-    yield tmp_path
-    few_row_linear.kernel.cache_clear()
+    yield from fresh_kernel_cache(monkeypatch, tmp_path, few_row_linear, "DEPTHCURSE_FEW_ROW_KERNEL")
 
 
 def layer(width: int, out: int, bias: bool = False, seed: int = 0) -> nn.Linear:

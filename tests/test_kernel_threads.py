@@ -14,8 +14,9 @@ from torch import nn
 from depthcurse import kernel_build, vocab_scores
 from depthcurse.few_row_linear import few_row_kernel
 from depthcurse.select.scoring import Reference, logit_scores
+from helpers import needs_compiler
 
-pytestmark = pytest.mark.skipif(kernel_build.compiler() is None, reason="no C++ compiler on this machine")
+pytestmark = needs_compiler
 
 
 def run_both(monkeypatch, compute):

@@ -13,20 +13,15 @@ import torch
 from depthcurse import kernel_build, vocab_scores
 from depthcurse.select import scoring
 from depthcurse.select.scoring import Reference, head_scores, logit_scores, position_scores
+from helpers import fresh_kernel_cache, needs_compiler
 
 pytestmark = pytest.mark.instruments
-needs_compiler = pytest.mark.skipif(kernel_build.compiler() is None, reason="no C++ compiler on this machine")
 BUILT = "depthcurse's vocabulary kernel (each row of logits read once)"
 
 
 @pytest.fixture
 def fresh_kernel(monkeypatch, tmp_path):
-    """A kernel built anew into a cache of the test's own, and this process's kernel found again after."""
-    monkeypatch.setenv("DEPTHCURSE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("DEPTHCURSE_VOCAB_KERNEL", raising=False)
-    vocab_scores.kernel.cache_clear()
-    yield tmp_path
-    vocab_scores.kernel.cache_clear()
+    yield from fresh_kernel_cache(monkeypatch, tmp_path, vocab_scores, "DEPTHCURSE_VOCAB_KERNEL")
 
 
 def test_the_kernel_builds_here_and_says_so():
